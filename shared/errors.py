@@ -1,0 +1,60 @@
+"""Errors that cross service boundaries, mapped to OpenAI-style HTTP errors."""
+
+from __future__ import annotations
+
+from shared.messages import ErrorInfo
+
+
+class FlotillaError(Exception):
+    """An error with an HTTP status and an OpenAI error type; raised anywhere,
+    carried over the bus as an ErrorInfo, answered by the gateway as JSON."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 status: int | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        if status is not None:
+            self.status = status
+        if type is not None:
+            self.type = type
+
+    def to_info(self) -> ErrorInfo:
+        return ErrorInfo(status=self.status, message=self.message, type=self.type,
+                         code=self.code, param=self.param)
+
+    @classmethod
+    def from_info(cls, info: ErrorInfo) -> "FlotillaError":
+        return cls(info.message, param=info.param, code=info.code, status=info.status,
+                   type=info.type)
+
+
+class InvalidRequest(FlotillaError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(FlotillaError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(FlotillaError):
+    status = 404
+    type = "not_found_error"
+
+
+class PayloadTooLarge(FlotillaError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class ServiceUnavailable(FlotillaError):
+    """A needed service is down, not answering, or timed out."""
+
+    status = 503
+    type = "service_unavailable"

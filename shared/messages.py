@@ -1,0 +1,261 @@
+"""The wire contract: every message exchanged between flotilla services.
+
+All messages are frozen msgspec Structs encoded as MessagePack. Evolve them only by
+adding fields with defaults, so an old peer still decodes a new message. Hot-path
+messages (step plans, results, token outputs) use ``array_like=True`` (positional
+encoding, no field names on the wire) and ``gc=False``; for those, new fields go last.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import msgspec
+from msgspec import Struct
+
+T = TypeVar("T")
+
+
+# ----------------------------------------------------------------- common
+class ErrorInfo(Struct, frozen=True, kw_only=True):
+    """An error carried across the bus (reply header) or inside a request's output.
+
+    ``status`` is the HTTP status the gateway should answer with; ``type`` and
+    ``code`` follow OpenAI's error object.
+    """
+
+    status: int
+    message: str
+    type: str = "internal_error"
+    code: str | None = None
+    param: str | None = None
+
+
+class HealthReply(Struct, frozen=True, kw_only=True):
+    service: str
+    instance_id: str
+    status: str = "ok"
+    detail: dict[str, str | int | float | bool] = {}
+
+
+class Empty(Struct, frozen=True):
+    """A request with no arguments (health checks, info queries)."""
+
+
+# ----------------------------------------------------------------- sampling
+class SamplingParams(Struct, frozen=True, kw_only=True, gc=False):
+    """How to pick each next token, and when to stop (token-level conditions only;
+    stop strings are the tokenizer's job)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+# ----------------------------------------------------------------- tokenizer
+class ChatMessage(Struct, frozen=True, kw_only=True, omit_defaults=True):
+    role: str
+    content: str | None = None
+    name: str | None = None
+
+
+class EncodeRequest(Struct, frozen=True, kw_only=True):
+    """Exactly one of ``prompt`` (raw text or token ids) or ``messages`` (chat) is set."""
+
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+
+
+class EncodeReply(Struct, frozen=True, kw_only=True):
+    token_ids: list[int]
+
+
+class DecodeRequest(Struct, frozen=True, kw_only=True):
+    token_ids: list[int]
+    skip_special_tokens: bool = True
+
+
+class DecodeReply(Struct, frozen=True, kw_only=True):
+    text: str
+
+
+class TokenizerInfo(Struct, frozen=True, kw_only=True):
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    has_chat_template: bool
+
+
+class DetokState(Struct, frozen=True, array_like=True, gc=False):
+    """Everything incremental detokenization needs between calls, carried by the
+    caller so any tokenizer replica can continue any request.
+
+    ``window_ids`` are the last few token ids (starting a little before the unread
+    ones, so decoding keeps the right spacing); the first ``read_offset`` of them
+    were already turned into text. ``held_text`` is decoded text not yet released
+    because it could be the start of a stop string.
+    """
+
+    window_ids: list[int] = []
+    read_offset: int = 0
+    held_text: str = ""
+
+
+class DetokItem(Struct, frozen=True, array_like=True, gc=False):
+    request_id: str
+    new_token_ids: list[int]
+    state: DetokState
+    stop: list[str] = []
+    finished: bool = False  # the request ended: flush held text
+    skip_special_tokens: bool = True
+
+
+class DetokResult(Struct, frozen=True, array_like=True, gc=False):
+    request_id: str
+    text: str  # newly released text
+    state: DetokState
+    stopped: bool = False  # a stop string matched; text ends before it
+    # how many of new_token_ids were consumed when a stop string matched
+    num_tokens_used: int = 0
+
+
+class DetokenizeRequest(Struct, frozen=True, array_like=True, gc=False):
+    items: list[DetokItem]
+
+
+class DetokenizeReply(Struct, frozen=True, array_like=True, gc=False):
+    results: list[DetokResult]
+
+
+# ----------------------------------------------------------------- scheduler
+class GenerateRequest(Struct, frozen=True, kw_only=True):
+    """gateway -> scheduler: a tokenized request to run."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_subject: str  # where this request's RequestOutputs are published
+    arrival_time: float = 0.0
+    priority: int = 0
+
+
+class SubmitReply(Struct, frozen=True, kw_only=True):
+    scheduler_id: str  # aborts for this request go to this scheduler
+
+
+class AbortRequest(Struct, frozen=True, kw_only=True):
+    request_ids: list[str]
+
+
+class RequestOutput(Struct, frozen=True, array_like=True, gc=False):
+    """scheduler -> gateway: the tokens one request produced in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    num_prompt_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class OutputBatch(Struct, frozen=True, array_like=True, gc=False):
+    outputs: list[RequestOutput]
+
+
+class SchedulerStats(Struct, frozen=True, kw_only=True):
+    """Published by each scheduler after steps (throttled) and as a heartbeat."""
+
+    scheduler_id: str
+    replica_id: str
+    timestamp: float
+    num_running: int
+    num_waiting: int
+    num_blocks_used: int
+    num_blocks_total: int
+    num_steps: int = 0
+    num_preemptions: int = 0
+    worker_ready: bool = True
+
+
+# ----------------------------------------------------------------- worker
+class NewRequestData(Struct, frozen=True, array_like=True, gc=False):
+    """A request the worker has not seen (or must recompute after preemption):
+    sent in full once; afterwards only its id and new blocks travel."""
+
+    request_id: str
+    token_ids: list[int]  # prompt, plus outputs so far when resumed
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+
+
+class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):
+    request_id: str
+    num_new_tokens: int  # tokens to compute this step, from the worker's num_computed
+    new_block_ids: list[int] = []
+
+
+class StepPlan(Struct, frozen=True, array_like=True, gc=False):
+    step_id: int
+    new_requests: list[NewRequestData]
+    scheduled: list[ScheduledRequest]  # in batch order; includes the new requests
+    finished_request_ids: list[str] = []  # forget these (finished, aborted, preempted)
+
+
+class StepResult(Struct, frozen=True, array_like=True, gc=False):
+    """One sampled token for every scheduled request that reached the end of its
+    known tokens this step (a partial prompt chunk samples nothing)."""
+
+    step_id: int
+    request_ids: list[str]
+    sampled_token_ids: list[int]
+    step_time_s: float = 0.0
+
+
+class WorkerInfo(Struct, frozen=True, kw_only=True):
+    worker_id: str
+    replica_id: str
+    model_name: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: list[int]
+    kv_cache_bytes: int
+    device: str
+    dtype: str
+
+
+# Every message type, for tests and tooling.
+ALL_MESSAGES: tuple[type[Struct], ...] = (
+    ErrorInfo, HealthReply, Empty, SamplingParams, ChatMessage, EncodeRequest,
+    EncodeReply, DecodeRequest, DecodeReply, TokenizerInfo, DetokState, DetokItem,
+    DetokResult, DetokenizeRequest, DetokenizeReply, GenerateRequest, SubmitReply,
+    AbortRequest, RequestOutput, OutputBatch, SchedulerStats, NewRequestData,
+    ScheduledRequest, StepPlan, StepResult, WorkerInfo,
+)
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(message: Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+
+
+def decode(data: bytes, message_type: type[T]) -> T:
+    decoder = _decoders.get(message_type)
+    if decoder is None:
+        decoder = _decoders[message_type] = msgspec.msgpack.Decoder(message_type)
+    return decoder.decode(data)

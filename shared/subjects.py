@@ -1,0 +1,72 @@
+"""NATS subject names, built in one place.
+
+``{ns}.v1.{service}.{verb}``            load-balanced over a queue group
+``{ns}.v1.{service}.{instance}.{verb}`` addressed to one instance
+``{ns}.v1.evt.{service}.{event}``       events, fan-out
+The namespace prefix lets two deployments share one NATS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VERSION = "v1"
+
+
+@dataclass(frozen=True)
+class Subjects:
+    namespace: str = "flotilla"
+
+    def _svc(self, service: str, verb: str) -> str:
+        return f"{self.namespace}.{VERSION}.{service}.{verb}"
+
+    def _addressed(self, service: str, instance: str, verb: str) -> str:
+        return f"{self.namespace}.{VERSION}.{service}.{instance}.{verb}"
+
+    def queue_group(self, service: str) -> str:
+        return f"{self.namespace}.{service}"
+
+    # tokenizer (stateless, any replica)
+    @property
+    def tokenizer_encode(self) -> str:
+        return self._svc("tokenizer", "encode")
+
+    @property
+    def tokenizer_decode(self) -> str:
+        return self._svc("tokenizer", "decode")
+
+    @property
+    def tokenizer_detokenize(self) -> str:
+        return self._svc("tokenizer", "detokenize")
+
+    @property
+    def tokenizer_info(self) -> str:
+        return self._svc("tokenizer", "info")
+
+    # scheduler
+    @property
+    def scheduler_submit(self) -> str:
+        return self._svc("scheduler", "submit")
+
+    def scheduler_abort(self, scheduler_id: str) -> str:
+        return self._addressed("scheduler", scheduler_id, "abort")
+
+    # worker: addressed by replica, paired with one scheduler
+    def worker_step(self, replica_id: str) -> str:
+        return self._addressed("worker", replica_id, "step")
+
+    def worker_info(self, replica_id: str) -> str:
+        return self._addressed("worker", replica_id, "info")
+
+    # gateway: each instance receives the outputs of the requests it submitted
+    def gateway_outputs(self, gateway_id: str) -> str:
+        return self._addressed("gateway", gateway_id, "outputs")
+
+    # health of any service (one replica answers)
+    def health(self, service: str) -> str:
+        return self._svc(service, "health")
+
+    # events
+    @property
+    def scheduler_stats(self) -> str:
+        return f"{self.namespace}.{VERSION}.evt.scheduler.stats"
