@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
+from shared.config import load_config, parse_size
+from shared.subjects import Subjects
+
+
+def test_flags_beat_env_which_beats_defaults():
+    env = {"FLOTILLA_MAX_NUM_SEQS": "7", "FLOTILLA_NAMESPACE": "prod", "FLOTILLA_LOG_JSON": "true"}
+    config = load_config(SchedulerConfig, ["--namespace", "dev"], env)
+    assert config.namespace == "dev" and config.max_num_seqs == 7 and config.log_json is True
+    assert config.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
+    assert config.instance_id  # generated
+
+
+def test_bad_values_exit_with_a_message():
+    with pytest.raises(SystemExit, match="max_num_seqs"):
+        load_config(SchedulerConfig, ["--max-num-seqs", "many"], {})
+
+
+@pytest.mark.parametrize("text,size", [("1000", 1000), ("2GiB", 2 << 30), ("512MiB", 512 << 20),
+                                       ("1.5G", 1_500_000_000), ("64 KB", 64_000)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+def test_parse_size_rejects_garbage():
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_worker_config_defaults():
+    assert parse_size(WorkerConfig().kv_cache_memory) == 1 << 30
+
+
+def test_subjects_are_namespaced():
+    a, b = Subjects("a"), Subjects("b")
+    assert a.tokenizer_encode == "a.v1.tokenizer.encode"
+    assert a.worker_step("0") == "a.v1.worker.0.step"
+    assert a.scheduler_stats == "a.v1.evt.scheduler.stats"
+    assert a.gateway_outputs("g1") != b.gateway_outputs("g1")
