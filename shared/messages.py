@@ -126,7 +126,7 @@ class DetokResult(Struct, frozen=True, array_like=True, gc=False):
     text: str  # newly released text
     state: DetokState
     stopped: bool = False  # a stop string matched; text ends before it
-    # how many of new_token_ids were consumed when a stop string matched
+    # how many of new_token_ids were consumed (all of them unless stopped)
     num_tokens_used: int = 0
 
 

@@ -55,8 +55,13 @@ class Subjects:
     def worker_step(self, replica_id: str) -> str:
         return self._addressed("worker", replica_id, "step")
 
-    def worker_info(self, replica_id: str) -> str:
-        return self._addressed("worker", replica_id, "info")
+    def worker_attach(self, replica_id: str) -> str:
+        """A scheduler attaching: the worker drops all request state and says what it holds."""
+        return self._addressed("worker", replica_id, "attach")
+
+    def worker_ping(self, replica_id: str) -> str:
+        """Liveness of one replica's worker; answered even while a step runs."""
+        return self._addressed("worker", replica_id, "ping")
 
     # gateway: each instance receives the outputs of the requests it submitted
     def gateway_outputs(self, gateway_id: str) -> str:

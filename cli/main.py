@@ -1,0 +1,94 @@
+"""The ``flotilla`` command."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from cli.stack import Stack, StackOptions
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flotilla", description="flotilla LLM inference server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="run the whole stack: NATS and every service")
+    serve.add_argument("--model", default="smollm2",
+                       help="'smollm2' (default), a .gguf file or a Hugging Face model directory")
+    serve.add_argument("--host", default="0.0.0.0", help="address the API listens on")
+    serve.add_argument("--port", type=int, default=8000, help="API port")
+    serve.add_argument("--nats-url", default=None,
+                       help="use this NATS server instead of starting one")
+    serve.add_argument("--namespace", default="flotilla", help="NATS subject prefix")
+    serve.add_argument("--api-key", default=None, help="require this bearer token")
+    serve.add_argument("--kv-cache-memory", default=None, help="worker KV cache size, e.g. 2GiB")
+    serve.add_argument("--max-num-seqs", default=None, help="most requests running at once")
+    serve.add_argument("--max-num-batched-tokens", default=None, help="most tokens per step")
+    serve.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
+    serve.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
+    serve.add_argument("--cache-dir", default="~/.cache/flotilla", help="converted-model cache")
+    serve.add_argument("--log-level", default="info")
+    return parser
+
+
+def _flags(**values: str | None) -> list[str]:
+    flags: list[str] = []
+    for name, value in values.items():
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
+
+
+def serve(args: argparse.Namespace) -> int:
+    options = StackOptions(
+        model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
+        namespace=args.namespace, cache_dir=args.cache_dir, log_level=args.log_level,
+        service_args={
+            "worker": _flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
+                             dtype=args.dtype),
+            "scheduler": _flags(max_num_seqs=args.max_num_seqs,
+                                max_num_batched_tokens=args.max_num_batched_tokens),
+            "gateway": _flags(api_key=args.api_key),
+        })
+    stack = Stack(options)
+
+    def request_stop(_signum, _frame) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, request_stop)
+    print(f"flotilla: starting model {args.model} (the first start converts it, ~30 s)", flush=True)
+    try:
+        stack.start()
+        from shared.models import resolve_model  # cached by now: the services resolved it
+        name = resolve_model(args.model, args.cache_dir).name
+        auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+        print(f"\nflotilla: the OpenAI API is at {stack.base_url}/v1 (model {name!r})\n"
+              f"try:\n  curl {stack.base_url}/v1/chat/completions -H 'Content-Type: application/json'"
+              f"{auth} \\\n    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
+              f"\"content\": \"What is the capital of France?\"}}]}}'\n"
+              f"Ctrl-C stops everything.", flush=True)
+        while True:
+            stack.check_alive()
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("\nflotilla: stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"flotilla: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The OpenAI-compatible HTTP API (FastAPI). Every request streams internally; a
+non-streaming response is the stream gathered up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.gateway import protocol
+from services.gateway.config import GatewayConfig
+from services.gateway.limits import BodySizeLimit
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.service import Delta, GatewayService, RequestStream
+from shared.bus import Bus
+from shared.errors import FlotillaError, InvalidRequest, NotFound, Unauthorized
+from shared.messages import EncodeRequest, SamplingParams
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """How one endpoint shapes its output."""
+
+    name: str
+    id_prefix: str
+    chunk_object: str
+    full_response: Callable[..., dict]
+    chunk: Callable[[str, str, int, str, str | None], dict]
+
+
+def _chat_chunk(request_id: str, model: str, created: int, text: str, finish: str | None) -> dict:
+    return protocol.chat_chunk(request_id, model, created, {"content": text} if text else {}, finish)
+
+
+COMPLETIONS = _Endpoint("completions", "cmpl-", "text_completion", protocol.completion_response,
+                        protocol.completion_chunk)
+CHAT = _Endpoint("chat", "chatcmpl-", "chat.completion.chunk", protocol.chat_response, _chat_chunk)
+
+
+def error_response(exc: FlotillaError) -> JSONResponse:
+    return JSONResponse(status_code=exc.status, content={"error": {
+        "message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
+
+
+def create_app(config: GatewayConfig) -> FastAPI:
+    metrics = GatewayMetrics()
+    state: dict[str, GatewayService] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        bus = await Bus.connect(config.nats_url, name=f"gateway-{config.instance_id}")
+        service = GatewayService(config, bus, metrics)
+        await service.start()
+        state["service"] = service
+        log.info("gateway_started", host=config.host, port=config.port)
+        yield
+        await bus.close()
+
+    app = FastAPI(title="flotilla", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_body_bytes=config.max_body_bytes)
+
+    def service() -> GatewayService:
+        return state["service"]
+
+    @app.exception_handler(FlotillaError)
+    async def _flotilla_error(_: Request, exc: FlotillaError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(FlotillaError(str(exc.detail), status=exc.status_code,
+                                            type="invalid_request_error"))
+
+    @app.middleware("http")
+    async def _auth_and_count(request: Request, call_next):
+        path = request.url.path
+        if config.api_key and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
+            auth = request.headers.get("authorization", "")
+            if not secrets.compare_digest(auth.encode(), f"Bearer {config.api_key}".encode()):
+                response = error_response(Unauthorized("Incorrect API key provided",
+                                                       code="invalid_api_key"))
+                metrics.requests.labels(path, "401").inc()
+                return response
+        response = await call_next(request)
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    async def check_model(model: str | None):
+        info = await service().tokenizer_info()
+        if model is not None and model != info.model_name:
+            raise NotFound(f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+        return info
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        info = await service().tokenizer_info()
+        return {"object": "list", "data": [{
+            "id": info.model_name, "object": "model", "created": 0, "owned_by": "flotilla",
+            "max_model_len": info.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = protocol.parse_request(protocol.CompletionRequest, await read_json(request))
+        info = await check_model(req.model)
+        prompt = req.single_prompt
+        prompt_ids = await service().encode(EncodeRequest(prompt=prompt))
+        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), info.max_model_len)
+        return await generate(request, COMPLETIONS, req, info.model_name, prompt_ids,
+                              req.sampling_params(max_tokens))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = protocol.parse_request(protocol.ChatCompletionRequest, await read_json(request))
+        info = await check_model(req.model)
+        prompt_ids = await service().encode(EncodeRequest(
+            messages=[m.to_message() for m in req.messages], add_generation_prompt=True))
+        max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids),
+                                        info.max_model_len)
+        return await generate(request, CHAT, req, info.model_name, prompt_ids,
+                              req.sampling_params(max_tokens))
+
+    async def generate(request: Request, endpoint: _Endpoint, req, model: str,
+                       prompt_ids: list[int], sampling: SamplingParams) -> Response:
+        started = time.perf_counter()
+        stream = await service().submit(prompt_ids, sampling, req.stop_strings)
+        metrics.prompt_tokens.inc(len(prompt_ids))
+        timed = _timed(service().deltas(stream), metrics, started)
+        request_id = endpoint.id_prefix + stream.request_id
+        if req.stream:
+            events = _sse_events(endpoint, request_id, model, timed, len(prompt_ids),
+                                 req.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        text, finish_reason, num_tokens = await _gather_unless_disconnected(
+            request, timed, service(), stream)
+        return JSONResponse(endpoint.full_response(
+            request_id, model, text, finish_reason, protocol.usage(len(prompt_ids), num_tokens)))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        req = protocol.parse_request(protocol.TokenizeRequest, await read_json(request))
+        info = await check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
+        messages = [m.to_message() for m in req.messages] if req.messages is not None else None
+        token_ids = await service().encode(EncodeRequest(
+            prompt=req.prompt, messages=messages, add_special_tokens=req.add_special_tokens,
+            add_generation_prompt=req.add_generation_prompt))
+        return {"tokens": token_ids, "count": len(token_ids), "max_model_len": info.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        req = protocol.parse_request(protocol.DetokenizeHTTPRequest, await read_json(request))
+        await check_model(req.model)
+        return {"prompt": await service().decode(req.tokens)}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        services = {"gateway": {"status": "ok", "instance_id": config.instance_id},
+                    **await service().health()}
+        healthy = all(s["status"] == "ok" for s in services.values())
+        return JSONResponse(status_code=200 if healthy else 503,
+                            content={"status": "ok" if healthy else "unavailable",
+                                     "services": services})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def read_json(request: Request):
+    body = await request.body()
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidRequest("the request body is not valid UTF-8") from None
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return payload
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        if room < 1:
+            raise InvalidRequest(
+                f"the prompt has {num_prompt_tokens} tokens, which leaves no room in the model's "
+                f"context length of {max_model_len}", param="messages",
+                code="context_length_exceeded")
+        return room
+    if requested > room:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
+            f"prompt, {requested} for the completion).", param="max_tokens",
+            code="context_length_exceeded")
+    return requested
+
+
+async def _timed(deltas: AsyncIterator[Delta], metrics: GatewayMetrics,
+                 started: float) -> AsyncIterator[Delta]:
+    """Pass deltas through, recording TTFT, inter-token latency and token counts."""
+    last = None
+    async for delta in deltas:
+        now = time.perf_counter()
+        if delta.num_new_tokens:
+            if last is None:
+                metrics.time_to_first_token.observe(now - started)
+            else:
+                metrics.inter_token_latency.observe(now - last)
+            last = now
+            metrics.generation_tokens.inc(delta.num_new_tokens)
+        if delta.finish_reason is not None:
+            metrics.e2e_latency.observe(now - started)
+        yield delta
+
+
+async def _gather_unless_disconnected(request: Request, deltas: AsyncIterator[Delta],
+                                      service: GatewayService,
+                                      stream: RequestStream) -> tuple[str, str | None, int]:
+    async def gather() -> tuple[str, str | None, int]:
+        parts, num_tokens, finish_reason = [], 0, None
+        async for delta in deltas:
+            if delta.error is not None:
+                raise FlotillaError.from_info(delta.error)
+            parts.append(delta.text)
+            num_tokens += delta.num_new_tokens
+            finish_reason = delta.finish_reason
+        return "".join(parts), finish_reason, num_tokens
+
+    task = asyncio.create_task(gather())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                log.info("client_disconnected", request_id=stream.request_id)
+                task.cancel()
+                service.release(stream)
+                raise FlotillaError("client disconnected", status=499)
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _sse_events(endpoint: _Endpoint, request_id: str, model: str,
+                      deltas: AsyncIterator[Delta], num_prompt_tokens: int,
+                      include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    num_tokens = 0
+
+    def event(payload: dict) -> str:
+        if include_usage and "usage" not in payload:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    if endpoint is CHAT:
+        yield event(protocol.chat_chunk(request_id, model, created,
+                                        {"role": "assistant", "content": ""}, None))
+    async for delta in deltas:
+        if delta.error is not None:
+            error = FlotillaError.from_info(delta.error)
+            yield "data: " + json.dumps({"error": {"message": error.message, "type": error.type,
+                                                   "param": error.param, "code": error.code}}) + "\n\n"
+            break
+        num_tokens += delta.num_new_tokens
+        if delta.text or delta.finish_reason is not None:
+            yield event(endpoint.chunk(request_id, model, created, delta.text, delta.finish_reason))
+    if include_usage:
+        yield event(protocol.usage_chunk(request_id, model, created, endpoint.chunk_object,
+                                         protocol.usage(num_prompt_tokens, num_tokens)))
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,220 @@
+"""The gateway's NATS edge: tokenizes, submits to a scheduler, and turns the token
+outputs coming back into text deltas (through the stateless tokenizer service, with
+each request's detokenizer state held here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import structlog
+
+from services.gateway.config import GatewayConfig
+from services.gateway.metrics import GatewayMetrics
+from services.tokenizer.detokenizer import initial_state
+from shared.bus import Bus
+from shared.errors import FlotillaError, ServiceUnavailable
+from shared.messages import (
+    AbortRequest, DecodeReply, DecodeRequest, DetokenizeReply, DetokenizeRequest, DetokItem,
+    DetokState, Empty, EncodeReply, EncodeRequest, ErrorInfo, GenerateRequest, HealthReply,
+    OutputBatch, SamplingParams, SchedulerStats, SubmitReply, TokenizerInfo,
+)
+from shared.subjects import Subjects
+
+log = structlog.get_logger()
+
+SERVICES = ("tokenizer", "scheduler", "worker")
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text for one request, as the client should see it."""
+
+    text: str
+    num_new_tokens: int
+    finish_reason: str | None = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(eq=False)
+class RequestStream:
+    request_id: str
+    stop: list[str]
+    state: DetokState
+    scheduler_id: str = ""
+    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class GatewayService:
+    def __init__(self, config: GatewayConfig, bus: Bus, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.bus = bus
+        self.metrics = metrics
+        self.subjects = Subjects(config.namespace)
+        self.output_subject = self.subjects.gateway_outputs(config.instance_id)
+        self._streams: dict[str, RequestStream] = {}
+        self._heartbeats: dict[str, float] = {}  # scheduler id -> monotonic time last heard
+        self._tokenizer_info: TokenizerInfo | None = None
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.bus.subscribe(self.output_subject, OutputBatch, self._on_outputs)
+        await self.bus.subscribe(self.subjects.scheduler_stats, SchedulerStats, self._on_stats)
+
+    # ------------------------------------------------------------ tokenizer calls
+    async def tokenizer_info(self) -> TokenizerInfo:
+        if self._tokenizer_info is None:
+            self._tokenizer_info = await self.bus.request(
+                self.subjects.tokenizer_info, Empty(), TokenizerInfo,
+                timeout=self.config.request_timeout_s)
+        return self._tokenizer_info
+
+    async def encode(self, request: EncodeRequest) -> list[int]:
+        reply = await self.bus.request(self.subjects.tokenizer_encode, request, EncodeReply,
+                                       timeout=self.config.request_timeout_s)
+        return reply.token_ids
+
+    async def decode(self, token_ids: list[int]) -> str:
+        reply = await self.bus.request(self.subjects.tokenizer_decode,
+                                       DecodeRequest(token_ids=token_ids), DecodeReply,
+                                       timeout=self.config.request_timeout_s)
+        return reply.text
+
+    async def health(self) -> dict[str, dict]:
+        async def check(service: str) -> dict:
+            try:
+                reply = await self.bus.request(self.subjects.health(service), Empty(), HealthReply,
+                                               timeout=self.config.health_timeout_s)
+                return {"status": reply.status, "instance_id": reply.instance_id, **reply.detail}
+            except FlotillaError as exc:
+                return {"status": "unavailable", "error": exc.message}
+
+        results = await asyncio.gather(*(check(service) for service in SERVICES))
+        return dict(zip(SERVICES, results))
+
+    # ------------------------------------------------------------ generation
+    async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                     stop: list[str]) -> RequestStream:
+        """Hand a request to a scheduler; raises if none accepts it."""
+        request_id = uuid.uuid4().hex
+        stream = RequestStream(request_id, stop, initial_state(prompt_token_ids))
+        self._streams[request_id] = stream
+        try:
+            reply = await self.bus.request(self.subjects.scheduler_submit, GenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+                output_subject=self.output_subject, arrival_time=time.time(),
+            ), SubmitReply, timeout=self.config.request_timeout_s)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        stream.scheduler_id = reply.scheduler_id
+        self._heartbeats.setdefault(reply.scheduler_id, time.monotonic())
+        return stream
+
+    async def deltas(self, stream: RequestStream) -> AsyncIterator[Delta]:
+        """Yield a submitted request's text deltas until one carries a finish reason.
+        Leaving early (client gone) aborts the request at its scheduler."""
+        try:
+            while True:
+                delta = await self._next_delta(stream)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:
+            self.release(stream)
+
+    def release(self, stream: RequestStream) -> None:
+        """Forget a request; abort it if it is still running."""
+        self._streams.pop(stream.request_id, None)
+        if not stream.finished:
+            stream.finished = True
+            self._spawn(self._abort(stream.scheduler_id, [stream.request_id]))
+
+    async def _next_delta(self, stream: RequestStream) -> Delta:
+        while True:
+            try:
+                return await asyncio.wait_for(stream.queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                silent_s = time.monotonic() - self._heartbeats.get(stream.scheduler_id, 0.0)
+                if silent_s > self.config.heartbeat_timeout_s:
+                    stream.finished = True
+                    raise ServiceUnavailable(
+                        f"the scheduler stopped responding ({silent_s:.0f}s without a heartbeat)")
+
+    async def _abort(self, scheduler_id: str, request_ids: list[str]) -> None:
+        try:
+            await self.bus.request(self.subjects.scheduler_abort(scheduler_id),
+                                   AbortRequest(request_ids=request_ids), Empty,
+                                   timeout=self.config.request_timeout_s)
+        except FlotillaError as exc:
+            log.warning("abort_failed", request_ids=request_ids, error=exc.message)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ------------------------------------------------------------ inbound events
+    async def _on_stats(self, stats: SchedulerStats) -> None:
+        self._heartbeats[stats.scheduler_id] = time.monotonic()
+        self.metrics.observe_scheduler(stats)
+
+    async def _on_outputs(self, batch: OutputBatch) -> None:
+        """One scheduler step's outputs for this gateway: detokenize them in one call,
+        in arrival order (this handler runs for one batch at a time)."""
+        items: list[DetokItem] = []
+        for output in batch.outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None or stream.finished:
+                continue  # aborted, or already ended by a stop string
+            if output.error is not None:
+                stream.finished = True
+                stream.queue.put_nowait(Delta("", 0, "error", output.error))
+                continue
+            items.append(DetokItem(output.request_id, output.new_token_ids, stream.state,
+                                   stream.stop, output.finish_reason is not None))
+        if not items:
+            return
+        finish_reasons = {o.request_id: o.finish_reason for o in batch.outputs}
+        try:
+            results = await self._detokenize(items)
+        except ServiceUnavailable as exc:
+            for item in items:
+                stream = self._streams.get(item.request_id)
+                if stream is not None:
+                    stream.finished = True
+                    stream.queue.put_nowait(Delta("", 0, "error", exc.to_info()))
+            return
+        for item, result in zip(items, results):
+            stream = self._streams.get(item.request_id)
+            if stream is None:
+                continue
+            stream.state = result.state
+            if result.stopped:
+                stream.finished = True
+                self._spawn(self._abort(stream.scheduler_id, [item.request_id]))
+                stream.queue.put_nowait(Delta(result.text, result.num_tokens_used, "stop"))
+                continue
+            finish_reason = finish_reasons[item.request_id]
+            stream.finished = finish_reason is not None
+            stream.queue.put_nowait(Delta(result.text, len(item.new_token_ids), finish_reason))
+
+    async def _detokenize(self, items: list[DetokItem]) -> list:
+        """Any tokenizer replica will do; while none answers (say, one restarting),
+        retry the same call: the state travels with it, so a retry is safe."""
+        deadline = time.monotonic() + self.config.tokenizer_retry_s
+        while True:
+            try:
+                reply = await self.bus.request(self.subjects.tokenizer_detokenize,
+                                               DetokenizeRequest(items), DetokenizeReply,
+                                               timeout=self.config.request_timeout_s)
+                return reply.results
+            except ServiceUnavailable:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)

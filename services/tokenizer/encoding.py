@@ -1,0 +1,140 @@
+"""Encode, decode and detokenize with one model's Hugging Face tokenizer.
+
+Plain synchronous code: ``service.py`` wraps it for the bus, tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+import msgspec
+from transformers import AutoTokenizer
+
+from services.tokenizer.detokenizer import detokenize_step
+from shared.errors import InvalidRequest
+from shared.messages import (
+    ChatMessage, DecodeRequest, DetokItem, DetokResult, EncodeRequest, TokenizerInfo,
+)
+from shared.models import resolve_model
+
+if TYPE_CHECKING:
+    from services.tokenizer.config import TokenizerConfig
+
+# config.json keys that hold the context length, most common first.
+_CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+class TextCodec:
+    """One model's tokenizer: chat templates, encode, decode, incremental detokenize."""
+
+    def __init__(self, model_dir: str | Path, max_model_len: int = 0) -> None:
+        if max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {max_model_len}")
+        self.model_dir = Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        model_config = _read_json(self.model_dir / "config.json")
+        self.max_model_len = max_model_len or _context_length(model_config)
+        self.vocab_size = len(self.tokenizer)  # includes added (special) tokens
+        self.eos_token_ids = _eos_token_ids(
+            model_config, _read_json(self.model_dir / "generation_config.json"),
+            self.tokenizer.eos_token_id)
+
+    @classmethod
+    def from_config(cls, config: TokenizerConfig) -> TextCodec:
+        model = resolve_model(config.model, config.cache_dir)
+        return cls(model.path, config.max_model_len)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.tokenizer.chat_template)
+
+    def encode(self, req: EncodeRequest) -> list[int]:
+        """Token ids for a chat conversation, a text prompt or a token-id prompt."""
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequest("give exactly one of 'prompt' or 'messages'",
+                                 param="messages" if req.messages is not None else "prompt")
+        if req.messages is not None:
+            token_ids = self._encode_chat(req.messages, req.add_generation_prompt)
+        elif isinstance(req.prompt, str):
+            token_ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            token_ids = self._checked_ids(req.prompt, "prompt")
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty: it encodes to no tokens",
+                                 param="messages" if req.messages is not None else "prompt")
+        return token_ids
+
+    def decode(self, req: DecodeRequest) -> str:
+        token_ids = self._checked_ids(req.token_ids, "token_ids")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=req.skip_special_tokens)
+
+    def info(self, model_name: str) -> TokenizerInfo:
+        return TokenizerInfo(
+            model_name=model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=list(self.eos_token_ids),
+            has_chat_template=self.has_chat_template,
+        )
+
+    def detokenize(self, items: list[DetokItem]) -> list[DetokResult]:
+        return [detokenize_step(self.tokenizer, item) for item in items]
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The chat template's text for ``messages`` (what ``encode`` tokenizes)."""
+        if not self.has_chat_template:
+            raise InvalidRequest("this model has no chat template: send a 'prompt' to "
+                                 "/v1/completions instead", param="messages")
+        if not messages:
+            raise InvalidRequest("'messages' must not be empty", param="messages")
+        # omit_defaults drops unset fields (name, content=None), as OpenAI clients do.
+        conversation = [msgspec.to_builtins(message) for message in messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
+            raise InvalidRequest(f"the chat template rejected the messages: {exc}",
+                                 param="messages") from exc
+
+    def _encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        # The rendered text already holds the template's special tokens; adding them
+        # again (a second BOS) is what apply_chat_template avoids too.
+        text = self.render_chat(messages, add_generation_prompt)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _checked_ids(self, token_ids: list[int], param: str) -> list[int]:
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise InvalidRequest(
+                    f"token id {token_id} is out of range: the vocabulary has "
+                    f"{self.vocab_size} tokens", param=param)
+        return list(token_ids)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _context_length(model_config: dict[str, Any]) -> int:
+    for config in (model_config, model_config.get("text_config") or {}):
+        for key in _CONTEXT_LENGTH_KEYS:
+            if isinstance(config.get(key), int) and config[key] > 0:
+                return config[key]
+    raise ValueError("config.json gives no context length (max_position_embeddings): "
+                     "set max_model_len")
+
+
+def _eos_token_ids(model_config: dict[str, Any], generation_config: dict[str, Any],
+                   tokenizer_eos_id: int | None) -> list[int]:
+    """Every id that ends generation, in first-seen order: generation_config.json
+    first (what HF generate uses), then config.json, then the tokenizer's."""
+    eos_ids: list[int] = []
+    for value in (generation_config.get("eos_token_id"), model_config.get("eos_token_id"),
+                  tokenizer_eos_id):
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in eos_ids:
+                eos_ids.append(token_id)
+    return eos_ids

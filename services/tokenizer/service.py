@@ -1,0 +1,67 @@
+"""The tokenizer's NATS edge. Stateless: any replica answers any call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.encoding import TextCodec
+from shared.bus import Bus
+from shared.messages import (
+    DecodeReply, DecodeRequest, DetokenizeReply, DetokenizeRequest, Empty, EncodeReply,
+    EncodeRequest, HealthReply, TokenizerInfo,
+)
+from shared.models import resolve_model
+from shared.subjects import Subjects
+
+log = structlog.get_logger()
+
+
+class TokenizerService:
+    def __init__(self, config: TokenizerConfig, bus: Bus, codec: TextCodec, model_name: str) -> None:
+        self.config = config
+        self.bus = bus
+        self.codec = codec
+        self.info = codec.info(model_name)
+        self.subjects = Subjects(config.namespace)
+
+    async def start(self) -> None:
+        s = self.subjects
+        queue = s.queue_group("tokenizer")
+        await self.bus.serve(s.tokenizer_encode, EncodeRequest, self._on_encode, queue=queue)
+        await self.bus.serve(s.tokenizer_decode, DecodeRequest, self._on_decode, queue=queue)
+        await self.bus.serve(s.tokenizer_detokenize, DetokenizeRequest, self._on_detokenize,
+                             queue=queue)
+        await self.bus.serve(s.tokenizer_info, Empty, self._on_info, queue=queue)
+        await self.bus.serve(s.health("tokenizer"), Empty, self._on_health, queue=queue)
+
+    async def _on_encode(self, request: EncodeRequest) -> EncodeReply:
+        return EncodeReply(token_ids=self.codec.encode(request))
+
+    async def _on_decode(self, request: DecodeRequest) -> DecodeReply:
+        return DecodeReply(text=self.codec.decode(request))
+
+    async def _on_detokenize(self, request: DetokenizeRequest) -> DetokenizeReply:
+        return DetokenizeReply(self.codec.detokenize(request.items))
+
+    async def _on_info(self, _: Empty) -> TokenizerInfo:
+        return self.info
+
+    async def _on_health(self, _: Empty) -> HealthReply:
+        return HealthReply(service="tokenizer", instance_id=self.config.instance_id,
+                           detail={"model": self.info.model_name})
+
+
+async def serve(config: TokenizerConfig, stop: asyncio.Event) -> None:
+    model_files = resolve_model(config.model, config.cache_dir)
+    codec = await asyncio.to_thread(TextCodec, model_files.path, config.max_model_len)
+    bus = await Bus.connect(config.nats_url, name=f"tokenizer-{config.instance_id}")
+    service = TokenizerService(config, bus, codec, model_files.name)
+    await service.start()
+    log.info("tokenizer_started", model=model_files.name)
+    try:
+        await stop.wait()
+    finally:
+        await bus.close()

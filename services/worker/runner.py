@@ -1,0 +1,209 @@
+"""The worker's compute core: model weights, the paged KV cache, and one step per StepPlan.
+
+Synchronous and free of I/O so tests drive it step by step; ``service.py`` wraps it for the bus.
+Per request the runner keeps its token list, sampling parameters, block table and
+``num_computed_tokens``; a step computes tokens ``[num_computed, num_computed + num_new_tokens)`` of
+each scheduled request and samples the ones that reach the end of their known tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from kernels.paged_attention import allocate_kv_cache
+from services.worker.config import WorkerConfig
+from services.worker.model import AttentionMetadata, load_model
+from services.worker.sampler import make_generator, sample
+from shared.config import parse_size
+from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan, StepResult
+from shared.models import ModelFiles
+
+log = structlog.get_logger()
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]  # prompt, then every sampled token
+    sampling: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+
+@dataclass
+class SequenceChunk:
+    """One sequence's share of a step: tokens [start, start + len(token_ids)) of it."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+
+
+def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Flatten a step's chunks into (input_ids [num_tokens], positions [num_tokens], metadata)."""
+    q_lens = [len(chunk.token_ids) for chunk in chunks]
+    seq_lens = [chunk.start + q_len for chunk, q_len in zip(chunks, q_lens)]
+    num_blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
+    max_blocks = max(num_blocks_per_seq)
+    block_tables = torch.tensor(  # [num_seqs, max_blocks]
+        [chunk.block_table[:n] + [0] * (max_blocks - n) for chunk, n in zip(chunks, num_blocks_per_seq)],
+        dtype=torch.int32)
+    input_ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.long)
+    positions = torch.cat([torch.arange(chunk.start, seq_len) for chunk, seq_len in zip(chunks, seq_lens)])
+    seq_index = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens))  # [num_tokens]
+    block_ids = block_tables.long()[seq_index, positions // block_size]  # [num_tokens]
+    slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
+    query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
+    logits_indices = torch.tensor(  # [num_sampled]: the last token of each sampled chunk
+        [int(query_start_loc[i + 1]) - 1 for i, chunk in enumerate(chunks) if chunk.sample],
+        dtype=torch.long)
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device), block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc.to(device), logits_indices=logits_indices.to(device))
+    return input_ids.to(device), positions.to(device), metadata
+
+
+class ModelRunner:
+    def __init__(self, config: WorkerConfig, model_files: ModelFiles):
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        if config.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {config.block_size}")
+        self._device = _resolve_device(config.device)
+        self._dtype = _resolve_dtype(config.dtype, self._device)
+        self.model_name: str = model_files.name
+        self.model = load_model(model_files.path, self._device, self._dtype)
+        model_config = self.model.config
+        self.block_size: int = config.block_size
+        self.max_model_len: int = config.max_model_len or model_config.max_position_embeddings
+        self.eos_token_ids: list[int] = read_eos_token_ids(model_files.path)
+        bytes_per_block = (2 * model_config.num_layers * config.block_size * model_config.num_kv_heads
+                           * model_config.head_dim * self._dtype.itemsize)
+        self.num_blocks: int = parse_size(config.kv_cache_memory) // bytes_per_block
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {config.kv_cache_memory} holds no block "
+                             f"({bytes_per_block} bytes each)")
+        self.kv_cache_bytes: int = self.num_blocks * bytes_per_block
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = allocate_kv_cache(model_config.num_layers, self.num_blocks, self.block_size,
+                                          model_config.num_kv_heads, model_config.head_dim,
+                                          self._dtype, self._device)
+        self.model.bind_kv_cache(self.kv_cache)
+        self._requests: dict[str, RequestState] = {}
+        log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
+                 num_blocks=self.num_blocks, block_size=self.block_size,
+                 kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len)
+
+    @property
+    def device(self) -> str:
+        return str(self._device)
+
+    @property
+    def dtype(self) -> str:
+        return str(self._dtype).removeprefix("torch.")
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        start_time = time.perf_counter()
+        for request_id in plan.finished_request_ids:
+            self._requests.pop(request_id, None)
+        for new_request in plan.new_requests:
+            self._add_request(new_request)
+        chunks = [self._chunk(scheduled) for scheduled in plan.scheduled]
+        if len({s.request_id for s in plan.scheduled}) != len(plan.scheduled):
+            raise ValueError(f"step {plan.step_id} schedules a request twice")
+        sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
+        sampled_token_ids: list[int] = []
+        if chunks:
+            with torch.inference_mode():
+                input_ids, positions, metadata = build_step_inputs(chunks, self.block_size, self._device)
+                logits = self.model(input_ids, positions, metadata)  # [num_sampled, vocab_size]
+                states = [self._requests[request_id] for request_id in sampled_ids]
+                sampled_token_ids = sample(logits, [s.sampling for s in states],
+                                           [s.generator for s in states])
+        for scheduled, chunk in zip(plan.scheduled, chunks):
+            state = self._requests[scheduled.request_id]
+            state.block_table = chunk.block_table
+            state.num_computed_tokens += scheduled.num_new_tokens
+        for request_id, token_id in zip(sampled_ids, sampled_token_ids):
+            self._requests[request_id].token_ids.append(token_id)
+        return StepResult(step_id=plan.step_id, request_ids=sampled_ids,
+                          sampled_token_ids=sampled_token_ids,
+                          step_time_s=time.perf_counter() - start_time)
+
+    def _add_request(self, new: NewRequestData) -> None:
+        if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+            raise ValueError(f"request {new.request_id}: num_computed_tokens {new.num_computed_tokens} "
+                             f"outside [0, {len(new.token_ids)}]")
+        self._check_block_ids(new.request_id, new.block_ids)
+        self._requests[new.request_id] = RequestState(
+            token_ids=list(new.token_ids), sampling=new.sampling, block_table=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=make_generator(new.sampling, self._device))
+
+    def _chunk(self, scheduled: ScheduledRequest) -> SequenceChunk:
+        """Validate one scheduled entry and describe its work; no state changes yet."""
+        request_id, num_new_tokens = scheduled.request_id, scheduled.num_new_tokens
+        state = self._requests.get(request_id)
+        if state is None:
+            raise ValueError(f"unknown request id {request_id!r}")
+        start, end = state.num_computed_tokens, state.num_computed_tokens + num_new_tokens
+        if num_new_tokens < 1 or end > len(state.token_ids):
+            raise ValueError(f"request {request_id}: {num_new_tokens} new tokens after {start} "
+                             f"computed, but it has {len(state.token_ids)} tokens")
+        if end > self.max_model_len:
+            raise ValueError(f"request {request_id}: {end} tokens exceed max_model_len "
+                             f"{self.max_model_len}")
+        self._check_block_ids(request_id, scheduled.new_block_ids)
+        block_table = state.block_table + list(scheduled.new_block_ids)
+        if len(block_table) * self.block_size < end:
+            raise ValueError(f"request {request_id}: too few blocks, {len(block_table)} of "
+                             f"{self.block_size} tokens for {end} tokens")
+        return SequenceChunk(token_ids=state.token_ids[start:end], start=start,
+                             block_table=block_table, sample=end == len(state.token_ids))
+
+    def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"request {request_id}: block ids {bad} outside [0, {self.num_blocks})")
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
+    return _DTYPES[name]
+
+
+def read_eos_token_ids(path: Path) -> list[int]:
+    """End-of-sequence ids from config.json then generation_config.json (int or list), deduplicated."""
+    eos_token_ids: list[int] = []
+    for filename in ("config.json", "generation_config.json"):
+        file = path / filename
+        value = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+        for token_id in value if isinstance(value, list) else [value]:
+            if token_id is not None and token_id not in eos_token_ids:
+                eos_token_ids.append(token_id)
+    return eos_token_ids

@@ -1,0 +1,36 @@
+"""Process entry point shared by the NATS services: config, logging, tracing, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import structlog
+
+from shared.config import ServiceConfig, load_config
+from shared.logging import setup_logging
+from shared.tracing import setup_tracing
+
+C = TypeVar("C", bound=ServiceConfig)
+
+
+def service_main(name: str, config_cls: type[C],
+                 serve: Callable[[C, asyncio.Event], Awaitable[None]],
+                 argv: Sequence[str] | None = None) -> None:
+    """Build the config once, set up logging and tracing, run ``serve(config, stop)``
+    until SIGINT/SIGTERM sets ``stop``."""
+    config = load_config(config_cls, argv)
+    setup_logging(name, level=config.log_level, json=config.log_json)
+    setup_tracing(name, config.otel_exporter)
+    structlog.contextvars.bind_contextvars(service=name, instance=config.instance_id)
+    asyncio.run(_run(config, serve))
+
+
+async def _run(config: C, serve: Callable[[C, asyncio.Event], Awaitable[None]]) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(config, stop)

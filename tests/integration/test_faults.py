@@ -1,0 +1,140 @@
+"""Failures: services down or restarting, clients leaving, wrong API keys. These tests
+stop and start services, so they get a stack of their own."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import free_port, start_stack
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def own_stack(tmp_path_factory):
+    stack = start_stack(tmp_path_factory.mktemp("fault-logs"),
+                        service_args={"worker": ["--kv-cache-memory", "256MiB"]})
+    yield stack
+    stack.stop()
+
+
+def stream_request(model_name, max_tokens, prompt="Tell me a long story about a dragon.") -> dict:
+    return {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+
+
+def sse_texts(response: httpx.Response):
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            payload = json.loads(line[6:])
+            assert "error" not in payload, payload
+            yield payload["choices"][0]["text"] if payload["choices"] else ""
+
+
+def blocks_in_use(stack) -> float:
+    text = httpx.get(stack.base_url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("flotilla_kv_cache_blocks_used{"))
+
+
+def wait_for(condition, timeout_s=20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_restarted_tokenizer_does_not_break_requests_in_flight(own_stack, model_name):
+    body = stream_request(model_name, 48)
+    reference = httpx.post(own_stack.base_url + "/v1/completions",
+                           json={**body, "stream": False}, timeout=120).json()["choices"][0]["text"]
+    with httpx.stream("POST", own_stack.base_url + "/v1/completions", json=body, timeout=120) as r:
+        texts = sse_texts(r)
+        parts = [next(texts) for _ in range(3)]
+        own_stack.stop_service("tokenizer", signal.SIGKILL)
+        own_stack.start_service("tokenizer")
+        parts += list(texts)
+    assert "".join(parts) == reference
+
+
+def test_client_disconnect_aborts_and_frees_blocks(own_stack, model_name):
+    with httpx.stream("POST", own_stack.base_url + "/v1/completions",
+                      json=stream_request(model_name, 2000), timeout=120) as r:
+        texts = sse_texts(r)
+        next(texts)
+        assert blocks_in_use(own_stack) > 0
+    assert wait_for(lambda: blocks_in_use(own_stack) == 0), "blocks were not freed"
+
+
+def test_a_missing_service_gives_503_not_a_hang(own_stack, model_name):
+    own_stack.stop_service("scheduler")
+    try:
+        started = time.monotonic()
+        response = httpx.post(own_stack.base_url + "/v1/completions", timeout=60, json={
+            "model": model_name, "prompt": "Hi", "max_tokens": 4})
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["type"] == "service_unavailable"
+        assert time.monotonic() - started < 10
+        health = httpx.get(own_stack.base_url + "/health")
+        assert health.status_code == 503
+        assert health.json()["services"]["scheduler"]["status"] == "unavailable"
+    finally:
+        own_stack.start_service("scheduler")
+    own_stack.wait_ready(120)
+    response = httpx.post(own_stack.base_url + "/v1/completions", timeout=60, json={
+        "model": model_name, "prompt": "Hi", "max_tokens": 4, "temperature": 0})
+    assert response.status_code == 200
+
+
+def test_a_worker_dying_mid_request_fails_it_with_503(own_stack, model_name):
+    with httpx.stream("POST", own_stack.base_url + "/v1/completions",
+                      json=stream_request(model_name, 4000), timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        own_stack.stop_service("worker", signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    errors = [json.loads(line[6:])["error"] for line in rest if '"error"' in line]
+    assert errors and errors[0]["type"] == "service_unavailable"
+    own_stack.start_service("worker")
+    own_stack.wait_ready(180)
+
+
+def test_api_key_is_enforced(own_stack, model_name, tmp_path):
+    """A second gateway with an API key, on the same NATS."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "services.gateway", "--nats-url", own_stack.nats_url,
+         "--port", str(port), "--host", "127.0.0.1", "--api-key", "s3cret"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "gateway.log", "w"))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: _reachable(base + "/health"), 60)
+        body = {"model": model_name, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+        wrong = httpx.post(base + "/v1/completions", json=body,
+                           headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(base + "/v1/completions", json=body).status_code == 401
+        right = httpx.post(base + "/v1/completions", json=body, timeout=60,
+                           headers={"Authorization": "Bearer s3cret"})
+        assert right.status_code == 200
+        assert httpx.get(base + "/health").status_code == 200  # health stays open
+    finally:
+        gateway.terminate()
+        gateway.wait(10)
+
+
+def _reachable(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,156 @@
+"""ModelRunner on the real SmolLM2 weights: batched, chunked, staggered greedy generation must equal
+Hugging Face ``generate(do_sample=False)`` token for token; plus plan validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.worker.config import WorkerConfig
+from services.worker.runner import ModelRunner
+from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+from shared.models import resolve_model
+
+NUM_NEW_TOKENS = 26
+BLOCK_SIZE = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def model_files():
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def runner(model_files):
+    config = WorkerConfig(device="cpu", dtype="auto", kv_cache_memory="24MiB", block_size=BLOCK_SIZE)
+    return ModelRunner(config, model_files)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_files) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model_files.path)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],
+                                         add_generation_prompt=True, return_dict=False)
+    return [list(chat), tokenizer("The history of the Roman Empire")["input_ids"],
+            tokenizer('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')["input_ids"]]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(model_files, prompts) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(model_files.path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NUM_NEW_TOKENS)
+                [0, len(p):].tolist() for p in prompts]
+
+
+class MiniScheduler:
+    """Just enough scheduling to drive the runner: arrivals, a token budget (decodes first, then
+    prompt chunks), blocks from a free list, requests dropped once they have their tokens."""
+
+    def __init__(self, num_blocks: int, token_budget: int):
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.token_budget = token_budget
+        self.tokens: dict[str, list[int]] = {}
+        self.num_computed: dict[str, int] = {}
+        self.block_ids: dict[str, list[int]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: list[str] = []
+        self.chunked: set[str] = set()  # requests whose prompt took more than one step
+        self.sent: set[str] = set()
+
+    def plan(self, step_id: int, arrived: dict[str, list[int]]) -> StepPlan:
+        for request_id, prompt in arrived.items():
+            self.tokens[request_id], self.num_computed[request_id] = list(prompt), 0
+            self.block_ids[request_id], self.outputs[request_id] = [], []
+        new_requests, scheduled, budget = [], [], self.token_budget
+        running = [r for r in self.tokens if r not in self.finished]
+        decodes = [r for r in running if len(self.tokens[r]) - self.num_computed[r] == 1]
+        for request_id in decodes + [r for r in running if r not in decodes]:
+            num_new = min(len(self.tokens[request_id]) - self.num_computed[request_id], budget)
+            if num_new == 0:
+                continue
+            num_needed = math.ceil((self.num_computed[request_id] + num_new) / BLOCK_SIZE)
+            new_block_ids = [self.free_blocks.pop() for _ in range(num_needed - len(self.block_ids[request_id]))]
+            self.block_ids[request_id] += new_block_ids
+            if request_id not in self.sent:  # first time: everything in full, blocks included
+                self.sent.add(request_id)
+                new_requests.append(NewRequestData(
+                    request_id, self.tokens[request_id], GREEDY, list(self.block_ids[request_id])))
+                new_block_ids = []
+            if self.num_computed[request_id] + num_new < len(self.tokens[request_id]):
+                self.chunked.add(request_id)
+            scheduled.append(ScheduledRequest(request_id, num_new, new_block_ids))
+            self.num_computed[request_id] += num_new
+            budget -= num_new
+        finished, self.finished = self.finished, []
+        for request_id in finished:
+            del self.tokens[request_id]
+        return StepPlan(step_id, new_requests, scheduled, finished)
+
+    def update(self, request_ids: list[str], token_ids: list[int]) -> None:
+        for request_id, token_id in zip(request_ids, token_ids):
+            self.tokens[request_id].append(token_id)
+            self.outputs[request_id].append(token_id)
+            if len(self.outputs[request_id]) == NUM_NEW_TOKENS:
+                self.finished.append(request_id)
+                self.free_blocks += self.block_ids.pop(request_id)
+
+
+def test_batched_chunked_staggered_greedy_equals_hf(runner, prompts, hf_outputs):
+    assert all(len(output) == NUM_NEW_TOKENS for output in hf_outputs)  # no early EOS: a full check
+    arrival_steps = {"chat": 0, "roman": 2, "code": 5}
+    prompt_of = dict(zip(arrival_steps, prompts))
+    scheduler = MiniScheduler(runner.num_blocks, token_budget=16)
+    num_samples_per_step = []
+    for step_id in range(200):
+        arrived = {r: prompt_of[r] for r, s in arrival_steps.items() if s == step_id}
+        plan = scheduler.plan(step_id, arrived)
+        result = runner.execute(plan)
+        assert result.step_id == step_id and result.step_time_s > 0
+        if not plan.scheduled and step_id > max(arrival_steps.values()):
+            break
+        scheduler.update(result.request_ids, result.sampled_token_ids)
+        num_samples_per_step.append(len(result.request_ids))
+    assert scheduler.chunked >= {"chat", "code"}  # prompts over the budget were split
+    assert max(num_samples_per_step) == 3  # at some point all three decode together
+    assert [scheduler.outputs[r] for r in arrival_steps] == hf_outputs
+    assert runner.num_requests == 0  # the last plan told it to forget them all
+
+
+def test_runner_public_attributes(runner, model_files):
+    assert runner.model_name == model_files.name == "SmolLM2-135M-Instruct"
+    assert (runner.device, runner.dtype, runner.block_size) == ("cpu", "float32", BLOCK_SIZE)
+    assert runner.max_model_len == 8192 and runner.eos_token_ids == [2]
+    bytes_per_block = 2 * 30 * BLOCK_SIZE * 3 * 64 * 4
+    assert runner.num_blocks == 24 * 2**20 // bytes_per_block
+    assert runner.kv_cache_bytes == runner.num_blocks * bytes_per_block
+
+
+def test_partial_chunk_samples_nothing_and_finished_requests_are_dropped(runner):
+    prompt = [1, 504, 3575, 282, 4649, 314, 7042, 30, 17, 29]
+    plan = StepPlan(0, [NewRequestData("partial", prompt, GREEDY, [0])], [ScheduledRequest("partial", 6)])
+    result = runner.execute(plan)
+    assert result.request_ids == [] and result.sampled_token_ids == []
+    result = runner.execute(StepPlan(1, [], [ScheduledRequest("partial", 4, [1])]))
+    assert result.request_ids == ["partial"] and len(result.sampled_token_ids) == 1
+    num_before = runner.num_requests
+    runner.execute(StepPlan(2, [], [], ["partial", "never-seen"]))
+    assert runner.num_requests == num_before - 1
+    with pytest.raises(ValueError, match="unknown request id"):
+        runner.execute(StepPlan(3, [], [ScheduledRequest("partial", 1)]))
+
+
+@pytest.mark.parametrize("plan, message", [
+    (StepPlan(0, [NewRequestData("a", [1] * 9, GREEDY, [0])], [ScheduledRequest("a", 9)]), "too few blocks"),
+    (StepPlan(0, [NewRequestData("b", [1] * 3, GREEDY, [0])], [ScheduledRequest("b", 4)]), "3 tokens"),
+    (StepPlan(0, [NewRequestData("c", [1] * 3, GREEDY, [10**6])], []), "outside"),
+    (StepPlan(0, [], [ScheduledRequest("nobody", 1)]), "unknown request id"),
+])
+def test_bad_plans_raise_clear_errors(runner, plan, message):
+    with pytest.raises(ValueError, match=message):
+        runner.execute(plan)
+    runner.execute(StepPlan(1, [], [], ["a", "b", "c"]))
