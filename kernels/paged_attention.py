@@ -89,9 +89,10 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     num_context_blocks = -(-max_seq_len // block_size)
     block_ids = block_tables[:, :num_context_blocks].long()  # [num_decodes, num_context_blocks]
     padded_len = num_context_blocks * block_size
+    context_shape = (num_decodes, padded_len, num_kv_heads, head_dim)
     # [num_decodes, num_kv_heads, padded_len, head_dim]
-    keys = key_cache[block_ids].view(num_decodes, padded_len, num_kv_heads, head_dim).transpose(1, 2)
-    values = value_cache[block_ids].view(num_decodes, padded_len, num_kv_heads, head_dim).transpose(1, 2)
+    keys = key_cache[block_ids].view(context_shape).transpose(1, 2)
+    values = value_cache[block_ids].view(context_shape).transpose(1, 2)
     lens = torch.tensor(seq_lens, device=query.device)  # [num_decodes]
     # [num_decodes, 1, 1, padded_len]: True where the key position exists
     valid = (torch.arange(padded_len, device=query.device)[None, :] < lens[:, None])[:, None, None, :]
@@ -108,7 +109,8 @@ def _chunk_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     returns: [q_len, num_heads, head_dim]
     """
     q_len = query.shape[0]
-    keys = gather_context(key_cache, block_table, seq_len).transpose(0, 1)  # [num_kv_heads, seq_len, head_dim]
+    # [num_kv_heads, seq_len, head_dim]
+    keys = gather_context(key_cache, block_table, seq_len).transpose(0, 1)
     values = gather_context(value_cache, block_table, seq_len).transpose(0, 1)
     queries = query.transpose(0, 1)  # [num_heads, q_len, head_dim]
     if q_len == seq_len:  # no earlier context: the plain causal mask is right

@@ -57,7 +57,8 @@ class ModelConfig:
             rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_parameters=_rope_parameters(config),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
-            attention_bias=config.get("attention_bias", False), mlp_bias=config.get("mlp_bias", False))
+            attention_bias=config.get("attention_bias", False),
+            mlp_bias=config.get("mlp_bias", False))
 
     @classmethod
     def from_path(cls, path: Path) -> ModelConfig:
@@ -65,7 +66,7 @@ class ModelConfig:
 
 
 def _rope_parameters(config: dict) -> dict:
-    """transformers 5 writes ``rope_parameters``; older configs have ``rope_theta`` + ``rope_scaling``."""
+    """transformers 5 writes ``rope_parameters``; older configs, rope_theta and rope_scaling."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     params.setdefault("rope_type", params.pop("type", "default"))
     params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
@@ -124,7 +125,10 @@ class RMSNorm(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half ("neox") rotary. x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim]."""
+    """Rotate-half ("neox") rotary embedding.
+
+    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim]
+    """
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -195,7 +199,10 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", compute_inv_freq(config), persistent=False)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; layers keep views."""
+        """Hand each layer views of its cache.
+
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        """
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
             layer.self_attn.key_cache, layer.self_attn.value_cache = layer_cache[0], layer_cache[1]
 
@@ -224,7 +231,8 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> Transfor
     return model.eval()
 
 
-def _read_safetensors(path: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_safetensors(path: Path, device: torch.device, dtype: torch.dtype
+                      ) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {path}")

@@ -55,12 +55,14 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
     seq_lens = [chunk.start + q_len for chunk, q_len in zip(chunks, q_lens)]
     num_blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
     max_blocks = max(num_blocks_per_seq)
-    block_tables = torch.tensor(  # [num_seqs, max_blocks]
-        [chunk.block_table[:n] + [0] * (max_blocks - n) for chunk, n in zip(chunks, num_blocks_per_seq)],
-        dtype=torch.int32)
+    padded_tables = [chunk.block_table[:n] + [0] * (max_blocks - n)
+                     for chunk, n in zip(chunks, num_blocks_per_seq)]
+    block_tables = torch.tensor(padded_tables, dtype=torch.int32)  # [num_seqs, max_blocks]
     input_ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.long)
-    positions = torch.cat([torch.arange(chunk.start, seq_len) for chunk, seq_len in zip(chunks, seq_lens)])
-    seq_index = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens))  # [num_tokens]
+    positions = torch.cat([torch.arange(chunk.start, seq_len)  # [num_tokens]
+                           for chunk, seq_len in zip(chunks, seq_lens)])
+    # [num_tokens]: which sequence each token belongs to
+    seq_index = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens))
     block_ids = block_tables.long()[seq_index, positions // block_size]  # [num_tokens]
     slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
     query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
@@ -118,20 +120,25 @@ class ModelRunner:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    def reset(self) -> None:
+        """Forget every request (a scheduler attached or a step failed); the cache memory stays."""
+        self._requests.clear()
+
     def execute(self, plan: StepPlan) -> StepResult:
         start_time = time.perf_counter()
         for request_id in plan.finished_request_ids:
             self._requests.pop(request_id, None)
         for new_request in plan.new_requests:
             self._add_request(new_request)
-        chunks = [self._chunk(scheduled) for scheduled in plan.scheduled]
         if len({s.request_id for s in plan.scheduled}) != len(plan.scheduled):
             raise ValueError(f"step {plan.step_id} schedules a request twice")
+        chunks = [self._chunk(scheduled) for scheduled in plan.scheduled]
         sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
         sampled_token_ids: list[int] = []
         if chunks:
             with torch.inference_mode():
-                input_ids, positions, metadata = build_step_inputs(chunks, self.block_size, self._device)
+                input_ids, positions, metadata = build_step_inputs(
+                    chunks, self.block_size, self._device)
                 logits = self.model(input_ids, positions, metadata)  # [num_sampled, vocab_size]
                 states = [self._requests[request_id] for request_id in sampled_ids]
                 sampled_token_ids = sample(logits, [s.sampling for s in states],
@@ -148,8 +155,8 @@ class ModelRunner:
 
     def _add_request(self, new: NewRequestData) -> None:
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):
-            raise ValueError(f"request {new.request_id}: num_computed_tokens {new.num_computed_tokens} "
-                             f"outside [0, {len(new.token_ids)}]")
+            raise ValueError(f"request {new.request_id}: num_computed_tokens "
+                             f"{new.num_computed_tokens} outside [0, {len(new.token_ids)}]")
         self._check_block_ids(new.request_id, new.block_ids)
         self._requests[new.request_id] = RequestState(
             token_ids=list(new.token_ids), sampling=new.sampling, block_table=list(new.block_ids),
@@ -198,7 +205,7 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def read_eos_token_ids(path: Path) -> list[int]:
-    """End-of-sequence ids from config.json then generation_config.json (int or list), deduplicated."""
+    """EOS ids from config.json then generation_config.json (each an int or a list), deduplicated."""
     eos_token_ids: list[int] = []
     for filename in ("config.json", "generation_config.json"):
         file = path / filename

@@ -32,7 +32,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
     if random_rows:
         random_params = [params[i] for i in random_rows]
-        probs = _filtered_probs(logits[random_rows].float(), random_params)  # [num_random, vocab_size]
+        # [num_random, vocab_size]
+        probs = _filtered_probs(logits[random_rows].float(), random_params)
         for row, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[row], 1, generator=generators[i])[0]
     return token_ids.tolist()
@@ -46,7 +47,8 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     logits = logits / temperatures[:, None]
     if all(p.top_k <= 0 and p.top_p >= 1.0 for p in params):
         return torch.softmax(logits, dim=-1)
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)  # [num_rows, vocab_size]
+    # [num_rows, vocab_size]; stable, so ties keep argmax's choice (the lowest id) first
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params],
                          device=device)  # [num_rows]
     ranks = torch.arange(vocab_size, device=device)[None, :]  # [1, vocab_size]

@@ -12,7 +12,8 @@ from kernels.paged_attention import allocate_kv_cache, paged_attention_ref, writ
 
 def dense_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """query: [q_len, num_heads, head_dim], the last q_len of keys/values [seq_len, num_kv_heads, head_dim]."""
+    """query: [q_len, num_heads, head_dim] at the last q_len positions of
+    keys, values: [seq_len, num_kv_heads, head_dim]. Computed in fp64."""
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
@@ -31,7 +32,8 @@ def make_batch(seqs: list[tuple[int, int]], block_size: int, num_heads: int, num
     num_blocks_per_seq = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
     num_blocks = sum(num_blocks_per_seq) + 3  # a few blocks nobody uses
     block_order = torch.randperm(num_blocks, generator=gen).tolist()
-    kv_cache = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, torch.float32, "cpu")
+    kv_cache = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim,
+                                 torch.float32, "cpu")
     key_cache, value_cache = kv_cache[0, 0], kv_cache[0, 1]
     max_blocks = max(num_blocks_per_seq)
     block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
@@ -49,7 +51,8 @@ def make_batch(seqs: list[tuple[int, int]], block_size: int, num_heads: int, num
     q_lens = torch.tensor([q_len for _, q_len in seqs])
     query_start_loc = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).int()
     seq_lens = torch.tensor([seq_len for seq_len, _ in seqs], dtype=torch.int32)
-    return torch.cat(queries), key_cache, value_cache, block_tables, seq_lens, query_start_loc, contexts
+    query = torch.cat(queries)  # [num_tokens, num_heads, head_dim]
+    return query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, contexts
 
 
 SEQ_SETS = {

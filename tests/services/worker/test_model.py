@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kernels.paged_attention import allocate_kv_cache
 from services.worker.config import WorkerConfig
-from services.worker.model import load_model
+from services.worker.model import ModelConfig, compute_inv_freq, load_model
 from services.worker.runner import ModelRunner, SequenceChunk, build_step_inputs
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import ModelFiles
@@ -21,8 +21,10 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_laye
             rms_norm_eps=1e-5, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
             pad_token_id=None)
 VARIANTS = {
-    "untied": dict(tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
-    "tied": dict(tie_word_embeddings=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "untied": dict(tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "tied": dict(tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "llama3_rope": dict(tie_word_embeddings=False, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
@@ -87,9 +89,11 @@ def test_greedy_generation_matches_hf(tiny_checkpoint):
                                       max_new_tokens=num_new_tokens)[0, len(p):].tolist()
                     for p in prompts]
     greedy = SamplingParams(temperature=0.0)
-    new_requests = [NewRequestData(f"r{i}", p, greedy, [2 * i, 2 * i + 1]) for i, p in enumerate(prompts)]
+    new_requests = [NewRequestData(f"r{i}", p, greedy, [2 * i, 2 * i + 1])
+                    for i, p in enumerate(prompts)]
     outputs: dict[str, list[int]] = {"r0": [], "r1": []}
-    result = runner.execute(StepPlan(0, new_requests, [ScheduledRequest("r0", 7), ScheduledRequest("r1", 3)]))
+    first = [ScheduledRequest("r0", 7), ScheduledRequest("r1", 3)]  # whole prompts
+    result = runner.execute(StepPlan(0, new_requests, first))
     for step_id in range(1, num_new_tokens + 1):
         for request_id, token_id in zip(result.request_ids, result.sampled_token_ids):
             outputs[request_id].append(token_id)
@@ -99,3 +103,19 @@ def test_greedy_generation_matches_hf(tiny_checkpoint):
                      for i, r in enumerate(("r0", "r1"))]
         result = runner.execute(StepPlan(step_id, [], scheduled))
     assert [outputs["r0"], outputs["r1"]] == expected
+
+
+def test_legacy_rope_keys_read_like_rope_parameters():
+    base = dict(vocab_size=10, hidden_size=64, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=4, max_position_embeddings=4096)
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 1024}
+    legacy = ModelConfig.from_dict(
+        {**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}})
+    current = ModelConfig.from_dict(
+        {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}})
+    plain = ModelConfig.from_dict({**base, "rope_theta": 5e5})
+    assert legacy.rope_parameters == current.rope_parameters
+    assert legacy.num_kv_heads == 4 and legacy.head_dim == 16
+    torch.testing.assert_close(compute_inv_freq(legacy), compute_inv_freq(current))
+    assert not torch.allclose(compute_inv_freq(legacy), compute_inv_freq(plain))

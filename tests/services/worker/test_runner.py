@@ -33,10 +33,11 @@ def runner(model_files):
 @pytest.fixture(scope="module")
 def prompts(model_files) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(model_files.path)
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short poem about the sea."}],
-                                         add_generation_prompt=True, return_dict=False)
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    chat = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    code = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
     return [list(chat), tokenizer("The history of the Roman Empire")["input_ids"],
-            tokenizer('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n')["input_ids"]]
+            tokenizer(code)["input_ids"]]
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +75,14 @@ class MiniScheduler:
             if num_new == 0:
                 continue
             num_needed = math.ceil((self.num_computed[request_id] + num_new) / BLOCK_SIZE)
-            new_block_ids = [self.free_blocks.pop() for _ in range(num_needed - len(self.block_ids[request_id]))]
+            num_missing = num_needed - len(self.block_ids[request_id])
+            new_block_ids = [self.free_blocks.pop() for _ in range(num_missing)]
             self.block_ids[request_id] += new_block_ids
             if request_id not in self.sent:  # first time: everything in full, blocks included
                 self.sent.add(request_id)
                 new_requests.append(NewRequestData(
-                    request_id, self.tokens[request_id], GREEDY, list(self.block_ids[request_id])))
+                    request_id, list(self.tokens[request_id]), GREEDY,
+                    list(self.block_ids[request_id])))
                 new_block_ids = []
             if self.num_computed[request_id] + num_new < len(self.tokens[request_id]):
                 self.chunked.add(request_id)
@@ -132,7 +135,8 @@ def test_runner_public_attributes(runner, model_files):
 
 def test_partial_chunk_samples_nothing_and_finished_requests_are_dropped(runner):
     prompt = [1, 504, 3575, 282, 4649, 314, 7042, 30, 17, 29]
-    plan = StepPlan(0, [NewRequestData("partial", prompt, GREEDY, [0])], [ScheduledRequest("partial", 6)])
+    plan = StepPlan(0, [NewRequestData("partial", prompt, GREEDY, [0])],
+                    [ScheduledRequest("partial", 6)])  # 6 of 10 prompt tokens
     result = runner.execute(plan)
     assert result.request_ids == [] and result.sampled_token_ids == []
     result = runner.execute(StepPlan(1, [], [ScheduledRequest("partial", 4, [1])]))
@@ -142,11 +146,16 @@ def test_partial_chunk_samples_nothing_and_finished_requests_are_dropped(runner)
     assert runner.num_requests == num_before - 1
     with pytest.raises(ValueError, match="unknown request id"):
         runner.execute(StepPlan(3, [], [ScheduledRequest("partial", 1)]))
+    runner.execute(StepPlan(4, [NewRequestData("x", prompt, GREEDY, [0, 1])], []))
+    runner.reset()
+    assert runner.num_requests == 0
 
 
 @pytest.mark.parametrize("plan, message", [
-    (StepPlan(0, [NewRequestData("a", [1] * 9, GREEDY, [0])], [ScheduledRequest("a", 9)]), "too few blocks"),
-    (StepPlan(0, [NewRequestData("b", [1] * 3, GREEDY, [0])], [ScheduledRequest("b", 4)]), "3 tokens"),
+    (StepPlan(0, [NewRequestData("a", [1] * 9, GREEDY, [0])], [ScheduledRequest("a", 9)]),
+     "too few blocks"),
+    (StepPlan(0, [NewRequestData("b", [1] * 3, GREEDY, [0])], [ScheduledRequest("b", 4)]),
+     "3 tokens"),
     (StepPlan(0, [NewRequestData("c", [1] * 3, GREEDY, [10**6])], []), "outside"),
     (StepPlan(0, [], [ScheduledRequest("nobody", 1)]), "unknown request id"),
 ])

@@ -22,7 +22,8 @@ def test_greedy_variants_equal_argmax():
     logits = random_logits(4)
     argmax = logits.argmax(-1).tolist()
     for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=1),
-                   SamplingParams(temperature=1.3, top_p=1e-6), SamplingParams(temperature=1.0, top_p=0.0),
+                   SamplingParams(temperature=1.3, top_p=1e-6),
+                   SamplingParams(temperature=1.0, top_p=0.0),
                    SamplingParams(temperature=1.0, top_k=1, seed=3)):
         assert sample_rows(logits, [params] * 4) == argmax, params
 
@@ -60,11 +61,12 @@ def test_different_seeds_differ_and_unseeded_runs():
 def test_top_k_and_top_p_restrict_the_support():
     logits = random_logits(1, seed=5).expand(200, VOCAB_SIZE)
     order = logits[0].argsort(descending=True).tolist()
-    top_k_tokens = sample_rows(logits, [SamplingParams(temperature=2.0, top_k=3, seed=i) for i in range(200)])
+    top_k_params = [SamplingParams(temperature=2.0, top_k=3, seed=i) for i in range(200)]
+    top_k_tokens = sample_rows(logits, top_k_params)
     assert set(top_k_tokens) == set(order[:3])
 
     probs = logits[0].softmax(-1)[order]  # descending
     num_nucleus = int((probs.cumsum(0) < 0.5).sum()) + 1  # smallest prefix holding >= 0.5
-    top_p_tokens = sample_rows(logits, [SamplingParams(temperature=1.0, top_p=0.5) for _ in range(200)])
+    top_p_tokens = sample_rows(logits, [SamplingParams(temperature=1.0, top_p=0.5)] * 200)
     assert set(top_p_tokens) <= set(order[:num_nucleus])
     assert len(set(top_p_tokens)) > 1
