@@ -54,9 +54,13 @@ def serve(args: argparse.Namespace) -> int:
     stack = Stack(options)
 
     def request_stop(_signum, _frame) -> None:
+        # Once: a second Ctrl-C or SIGTERM must not interrupt the orderly shutdown.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
     print(f"flotilla: starting model {args.model} (the first start converts it, ~30 s)", flush=True)
     try:
         stack.start()
@@ -78,8 +82,6 @@ def serve(args: argparse.Namespace) -> int:
         print(f"flotilla: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
         stack.stop()
 
 

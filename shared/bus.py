@@ -61,12 +61,15 @@ class Bus:
     def is_connected(self) -> bool:
         return self._nc.is_connected
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Drain (finish in-flight handlers), but never wait long: NATS may be gone."""
         if self._nc.is_closed:
             return
         try:
-            await self._nc.drain()
+            await asyncio.wait_for(self._nc.drain(), timeout_s)
         except (nats.errors.Error, asyncio.TimeoutError):
+            pass
+        if not self._nc.is_closed:
             await self._nc.close()
 
     # ------------------------------------------------------------ client side
