@@ -16,15 +16,20 @@ from shared.tracing import setup_tracing
 C = TypeVar("C", bound=ServiceConfig)
 
 
-def service_main(name: str, config_cls: type[C],
-                 serve: Callable[[C, asyncio.Event], Awaitable[None]],
-                 argv: Sequence[str] | None = None) -> None:
-    """Build the config once, set up logging and tracing, run ``serve(config, stop)``
-    until SIGINT/SIGTERM sets ``stop``."""
+def setup_process(name: str, config_cls: type[C], argv: Sequence[str] | None = None) -> C:
+    """Build the config once; set up logging and tracing for this process."""
     config = load_config(config_cls, argv)
     setup_logging(name, level=config.log_level, json=config.log_json)
     setup_tracing(name, config.otel_exporter)
     structlog.contextvars.bind_contextvars(service=name, instance=config.instance_id)
+    return config
+
+
+def service_main(name: str, config_cls: type[C],
+                 serve: Callable[[C, asyncio.Event], Awaitable[None]],
+                 argv: Sequence[str] | None = None) -> None:
+    """Run ``serve(config, stop)`` until SIGINT/SIGTERM sets ``stop``."""
+    config = setup_process(name, config_cls, argv)
     asyncio.run(_run(config, serve))
 
 

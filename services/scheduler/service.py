@@ -92,6 +92,7 @@ class SchedulerService:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            started = time.perf_counter()
             try:
                 result = await self._run_step(step_subject, plan)
             except FlotillaError as exc:
@@ -102,6 +103,10 @@ class SchedulerService:
                 await self._connect_worker()  # a fresh cache: the old state is gone
                 continue
             await self._publish(core.update(plan, result))
+            log.debug("step_done", step_id=plan.step_id, num_scheduled=len(plan.scheduled),
+                      num_tokens=sum(s.num_new_tokens for s in plan.scheduled),
+                      step_time_s=round(time.perf_counter() - started, 4),
+                      worker_time_s=round(result.step_time_s, 4))
 
     async def _run_step(self, step_subject: str, plan) -> StepResult:
         """Send one step; while it runs, ping the worker every second so a dead worker

@@ -1,6 +1,6 @@
 from services.worker.config import WorkerConfig
-from services.worker.service import serve
-from shared.runtime import service_main
+from services.worker.service import run
+from shared.runtime import setup_process
 
 if __name__ == "__main__":
-    service_main("worker", WorkerConfig, serve)
+    run(setup_process("worker", WorkerConfig))

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
+from concurrent.futures import Executor
 
 import structlog
 
 from services.worker.config import WorkerConfig
+from services.worker.main_thread import MainThreadExecutor
 from services.worker.runner import ModelRunner
 from shared.bus import Bus
 from shared.messages import Empty, HealthReply, StepPlan, StepResult, WorkerInfo
@@ -17,12 +21,14 @@ log = structlog.get_logger()
 
 
 class WorkerService:
-    def __init__(self, config: WorkerConfig, bus: Bus, runner: ModelRunner) -> None:
+    def __init__(self, config: WorkerConfig, bus: Bus, runner: ModelRunner,
+                 forward: Executor) -> None:
         self.config = config
         self.bus = bus
         self.runner = runner
         self.subjects = Subjects(config.namespace)
         self.num_steps = 0
+        self.forward = forward  # where runner.execute runs (the main thread)
 
     async def start(self) -> None:
         replica_id = self.config.replica_id
@@ -35,8 +41,9 @@ class WorkerService:
 
     async def _on_step(self, plan: StepPlan) -> StepResult:
         try:
-            # The forward runs in a thread so health checks still answer during long steps.
-            result = await asyncio.to_thread(self.runner.execute, plan)
+            # Off the event loop, so pings still answer during long steps.
+            result = await asyncio.get_running_loop().run_in_executor(
+                self.forward, self.runner.execute, plan)
         except Exception:
             self.runner.reset()  # the scheduler fails these requests; start clean
             raise
@@ -60,16 +67,41 @@ class WorkerService:
             "num_steps": self.num_steps, "device": str(self.runner.device)})
 
 
-async def serve(config: WorkerConfig, stop: asyncio.Event) -> None:
-    model_files = resolve_model(config.model, config.cache_dir)
-    runner = await asyncio.to_thread(ModelRunner, config, model_files)
-    log.info("model_loaded", model=model_files.name, num_blocks=runner.num_blocks,
-             kv_cache_bytes=runner.kv_cache_bytes, device=str(runner.device))
+async def serve_bus(config: WorkerConfig, runner: ModelRunner, forward: Executor,
+                    stop: asyncio.Event) -> None:
     bus = await Bus.connect(config.nats_url, name=f"worker-{config.instance_id}")
-    service = WorkerService(config, bus, runner)
+    service = WorkerService(config, bus, runner, forward)
     await service.start()
     log.info("worker_started", replica_id=config.replica_id)
     try:
         await stop.wait()
     finally:
         await bus.close()
+
+
+def run(config: WorkerConfig) -> None:
+    """Load the model and run forwards on the main thread; NATS runs in a second
+    thread until SIGINT/SIGTERM."""
+    model_files = resolve_model(config.model, config.cache_dir)
+    runner = ModelRunner(config, model_files)
+    log.info("model_loaded", model=model_files.name, num_blocks=runner.num_blocks,
+             kv_cache_bytes=runner.kv_cache_bytes, device=str(runner.device))
+    forward = MainThreadExecutor()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    def bus_main() -> None:
+        try:
+            loop.run_until_complete(serve_bus(config, runner, forward, stop))
+        except Exception:  # noqa: BLE001 - logged; the process then exits
+            log.exception("bus_failed")
+        finally:
+            forward.shutdown()  # without the bus the worker has nothing to do
+
+    bus_thread = threading.Thread(target=bus_main, name="bus", daemon=True)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: forward.shutdown())
+    bus_thread.start()
+    forward.run_forever()
+    loop.call_soon_threadsafe(stop.set)
+    bus_thread.join(timeout=10)
