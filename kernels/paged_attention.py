@@ -64,9 +64,15 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     q_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
     decode_seq_ids = [i for i, q_len in enumerate(q_lens) if q_len == 1]
     if decode_seq_ids:
-        decode_token_ids = [starts[i] for i in decode_seq_ids]
-        output[decode_token_ids] = _decode_attention(
-            query[decode_token_ids], key_cache, value_cache, block_tables[decode_seq_ids],
+        num_decodes = len(decode_seq_ids)
+        if decode_seq_ids[-1] == num_decodes - 1:  # decodes lead the batch: slice, don't gather
+            decode_rows: slice | list[int] = slice(0, num_decodes)
+            decode_tables = block_tables[:num_decodes]
+        else:
+            decode_rows = [starts[i] for i in decode_seq_ids]
+            decode_tables = block_tables[decode_seq_ids]
+        output[decode_rows] = _decode_attention(
+            query[decode_rows], key_cache, value_cache, decode_tables,
             [seq_len_list[i] for i in decode_seq_ids], scale)
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
@@ -87,12 +93,13 @@ def _decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     block_size, num_kv_heads = key_cache.shape[1:3]
     max_seq_len = max(seq_lens)
     num_context_blocks = -(-max_seq_len // block_size)
-    block_ids = block_tables[:, :num_context_blocks].long()  # [num_decodes, num_context_blocks]
+    # [num_decodes * num_context_blocks]; index_select is ~4x faster than advanced indexing on CPU
+    block_ids = block_tables[:, :num_context_blocks].long().flatten()
     padded_len = num_context_blocks * block_size
     context_shape = (num_decodes, padded_len, num_kv_heads, head_dim)
     # [num_decodes, num_kv_heads, padded_len, head_dim]
-    keys = key_cache[block_ids].view(context_shape).transpose(1, 2)
-    values = value_cache[block_ids].view(context_shape).transpose(1, 2)
+    keys = key_cache.index_select(0, block_ids).view(context_shape).transpose(1, 2)
+    values = value_cache.index_select(0, block_ids).view(context_shape).transpose(1, 2)
     lens = torch.tensor(seq_lens, device=query.device)  # [num_decodes]
     # [num_decodes, 1, 1, padded_len]: True where the key position exists
     valid = (torch.arange(padded_len, device=query.device)[None, :] < lens[:, None])[:, None, None, :]
@@ -133,5 +140,6 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int)
     """
     block_size, num_kv_heads, head_dim = cache.shape[1:]
     num_context_blocks = -(-seq_len // block_size)
-    blocks = cache[block_table[:num_context_blocks].long()]  # [n, block_size, num_kv_heads, head_dim]
+    # [n, block_size, num_kv_heads, head_dim]
+    blocks = cache.index_select(0, block_table[:num_context_blocks].long())
     return blocks.view(-1, num_kv_heads, head_dim)[:seq_len]
