@@ -1,0 +1,163 @@
+"""Benchmark figures from per-request timings. Pure arithmetic: no I/O, no clocks.
+
+Definitions (times in seconds here; the report shows milliseconds):
+- TTFT: send to the first chunk that carries text.
+- ITL: the gaps between consecutive text-bearing chunks. When the server says how many
+  tokens each chunk carried, a gap is split evenly over that chunk's tokens.
+- TPOT: (E2E - TTFT) / (output tokens - 1), per request; undefined for one token.
+- E2E: send to the end of the stream.
+- Goodput: completed requests that meet every SLO, per second of the run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+SLO_METRICS = ("ttft", "tpot", "e2e")
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it."""
+
+    prompt_len: int  # prompt tokens the dataset meant to send
+    output_len: int  # output tokens asked for (max_tokens)
+    start_s: float = 0.0  # when it was sent, seconds after the run began
+    chunk_times_s: list[float] = field(default_factory=list)  # text chunks, seconds after send
+    chunk_num_tokens: list[int] | None = None  # tokens per text chunk, when the server said
+    e2e_s: float = 0.0
+    num_prompt_tokens: int | None = None  # the server's usage figure, when it sent one
+    num_output_tokens: int | None = None  # the server's usage figure, when it sent one
+    error: str | None = None
+
+    @property
+    def success(self) -> bool:
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class Stats:
+    mean: float
+    median: float
+    p90: float
+    p99: float
+    min: float
+    max: float
+    count: int
+
+    def scaled(self, factor: float) -> Stats:
+        return Stats(self.mean * factor, self.median * factor, self.p90 * factor,
+                     self.p99 * factor, self.min * factor, self.max * factor, self.count)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between closest ranks,
+    as numpy's default does."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100.0
+    lower = math.floor(position)
+    upper = min(lower + 1, len(ordered) - 1)
+    return ordered[lower] + (ordered[upper] - ordered[lower]) * (position - lower)
+
+
+def stats(values: list[float]) -> Stats:
+    if not values:
+        return Stats(math.nan, math.nan, math.nan, math.nan, math.nan, math.nan, 0)
+    return Stats(mean=sum(values) / len(values), median=percentile(values, 50),
+                 p90=percentile(values, 90), p99=percentile(values, 99),
+                 min=min(values), max=max(values), count=len(values))
+
+
+def inter_token_latencies(chunk_times_s: list[float],
+                          chunk_num_tokens: list[int] | None = None) -> list[float]:
+    """Gaps between consecutive chunks. With per-chunk token counts, a chunk of n tokens
+    contributes n gaps of gap/n (its tokens arrived together); the first chunk's tokens
+    are all in the TTFT."""
+    latencies: list[float] = []
+    for i in range(1, len(chunk_times_s)):
+        gap = chunk_times_s[i] - chunk_times_s[i - 1]
+        num_tokens = chunk_num_tokens[i] if chunk_num_tokens else 1
+        if num_tokens > 0:
+            latencies += [gap / num_tokens] * num_tokens
+    return latencies
+
+
+def num_output_tokens(record: RequestRecord) -> int:
+    """The server's count when it gave one; otherwise one token per text chunk (a lower
+    bound: a chunk can carry several tokens)."""
+    if record.num_output_tokens is not None:
+        return record.num_output_tokens
+    if record.chunk_num_tokens:
+        return sum(record.chunk_num_tokens)
+    return len(record.chunk_times_s)
+
+
+def num_prompt_tokens(record: RequestRecord) -> int:
+    return record.num_prompt_tokens if record.num_prompt_tokens is not None else record.prompt_len
+
+
+def ttft_s(record: RequestRecord) -> float:
+    return record.chunk_times_s[0]
+
+
+def tpot_s(record: RequestRecord) -> float | None:
+    num_tokens = num_output_tokens(record)
+    if num_tokens < 2:
+        return None
+    return (record.e2e_s - ttft_s(record)) / (num_tokens - 1)
+
+
+def meets_slo(record: RequestRecord, slo_s: dict[str, float]) -> bool:
+    """True when the request is within every SLO given. A one-token request has no TPOT
+    and meets any TPOT SLO."""
+    figures = {"ttft": ttft_s(record), "tpot": tpot_s(record) or 0.0, "e2e": record.e2e_s}
+    return all(figures[name] <= limit for name, limit in slo_s.items())
+
+
+def summarize(records: list[RequestRecord], duration_s: float,
+              slo_s: dict[str, float] | None = None) -> dict:
+    """Every figure of one run. Token totals count completed requests only."""
+    done = [r for r in records if r.success]
+    input_tokens = sum(num_prompt_tokens(r) for r in done)
+    output_tokens = sum(num_output_tokens(r) for r in done)
+    tpots = [t for t in (tpot_s(r) for r in done) if t is not None]
+    itls = [gap for r in done for gap in inter_token_latencies(r.chunk_times_s, r.chunk_num_tokens)]
+    summary = {
+        "num_requests": len(records), "completed": len(done), "failed": len(records) - len(done),
+        "failure_reasons": dict(Counter(r.error for r in records if not r.success)),
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
+        "request_throughput": _rate(len(done), duration_s),
+        "input_throughput": _rate(input_tokens, duration_s),
+        "output_throughput": _rate(output_tokens, duration_s),
+        "total_token_throughput": _rate(input_tokens + output_tokens, duration_s),
+        "ttft_ms": asdict(stats([ttft_s(r) for r in done]).scaled(1000)),
+        "tpot_ms": asdict(stats(tpots).scaled(1000)),
+        "itl_ms": asdict(stats(itls).scaled(1000)),
+        "e2e_ms": asdict(stats([r.e2e_s for r in done]).scaled(1000)),
+    }
+    if slo_s:
+        num_good = sum(meets_slo(r, slo_s) for r in done)
+        summary.update(slo_ms={k: v * 1000 for k, v in slo_s.items()}, good_requests=num_good,
+                       goodput=_rate(num_good, duration_s))
+    return summary
+
+
+def _rate(count: float, duration_s: float) -> float:
+    return count / duration_s if duration_s > 0 else math.nan
+
+
+def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
+    """Each latency figure's samples over the completed requests, in milliseconds."""
+    done = [r for r in records if r.success]
+    return {
+        "TTFT": [ttft_s(r) * 1000 for r in done],
+        "TPOT": [t * 1000 for t in (tpot_s(r) for r in done) if t is not None],
+        "ITL": [gap * 1000 for r in done
+                for gap in inter_token_latencies(r.chunk_times_s, r.chunk_num_tokens)],
+        "E2E": [r.e2e_s * 1000 for r in done],
+    }

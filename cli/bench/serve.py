@@ -1,0 +1,79 @@
+"""``flotilla bench serve``: online load over HTTP against any OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from cli.bench import options, report, target, workload
+from cli.bench.client import RequestSettings
+from cli.bench.datasets import BenchRequest
+from cli.bench.load import LoadSettings, http_client, run_load, warm_up
+from cli.bench.metrics import summarize
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser(
+        "serve", help="online load (streaming) against an OpenAI-compatible server",
+        description="Send the dataset's prompts to a running server at --request-rate "
+        "(Poisson) and/or with at most --max-concurrency in flight, streaming, and report "
+        "throughput, TTFT, TPOT, ITL and end-to-end latency.")
+    options.add_target_flags(parser, base_url_default="http://127.0.0.1:8000")
+    options.add_dataset_flags(parser, num_prompts_default=100)
+    group = parser.add_argument_group("load")
+    group.add_argument("--request-rate", type=options.parse_rate, default=float("inf"),
+                       help="requests per second, Poisson arrivals; inf (default) sends all at once")
+    group.add_argument("--burstiness", type=float, default=1.0,
+                       help="gamma shape of the arrival gaps: 1 is Poisson, <1 burstier")
+    group.add_argument("--max-concurrency", type=options.parse_int_list, default=None,
+                       metavar="N[,N...]", help="most requests in flight; a list runs a sweep")
+    group.add_argument("--num-warmups", type=int, default=1,
+                       help="requests sent (one by one, not measured) before the run")
+    options.add_output_flags(parser)
+    parser.set_defaults(handler=run)
+
+
+async def sweep(args: argparse.Namespace, base_url: str, requests: list[BenchRequest],
+                settings: RequestSettings) -> list[dict]:
+    """One run per --max-concurrency value (one run without a limit if none given)."""
+    from tqdm import tqdm
+
+    runs = []
+    async with http_client(base_url, args.api_key, args.request_timeout) as client:
+        await warm_up(client, requests, settings, args.num_warmups)
+        for max_concurrency in args.max_concurrency or [None]:
+            load = LoadSettings(args.request_rate, args.burstiness, max_concurrency, args.seed)
+            label = f"concurrency {max_concurrency}" if max_concurrency else "requests"
+            with tqdm(total=len(requests), desc=label, disable=args.disable_tqdm) as bar:
+                result = await run_load(client, requests, settings, load,
+                                        on_done=lambda record: bar.update(1))
+            runs.append({"max_concurrency": max_concurrency, "request_rate": args.request_rate,
+                         "summary": summarize(result.records, result.duration_s, args.slo),
+                         "requests": [report.record_dict(r) for r in result.records]})
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = target.model_spec(args)
+    tokenizer = target.load_tokenizer(args.tokenizer, spec)
+    requests = workload.build_requests(args, tokenizer)
+    settings = workload.request_settings(args, target.request_model_name(spec))
+    runs = asyncio.run(sweep(args, args.base_url.rstrip("/"), requests, settings))
+    for run_ in runs:
+        title = "Serving Benchmark Result"
+        if run_["max_concurrency"]:
+            title += f" (max concurrency {run_['max_concurrency']})"
+        print(report.serve_table(run_["summary"], title))
+    if len(runs) > 1:
+        print(report.sweep_table(runs))
+    if args.result_json:
+        report.write_json(args.result_json, {
+            "benchmark": "serve",
+            "settings": report.settings_of(args, model=settings.model, base_url=args.base_url,
+                                           dataset=workload.dataset_settings(args, requests)),
+            "runs": runs})
+    if args.plot:
+        from cli.bench.plot import plot_runs
+
+        plot_runs(runs, args.plot, title=f"flotilla bench serve: {settings.model}")
+    return 0 if all(r["summary"]["completed"] for r in runs) else 1

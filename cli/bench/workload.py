@@ -1,0 +1,47 @@
+"""Flags to prompts and request settings, shared by the bench subcommands."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from cli.bench.client import RequestSettings
+from cli.bench.datasets import BenchRequest, DatasetError, random_requests, shared_prefix_requests
+from cli.bench import sharegpt
+
+DEFAULT_OUTPUT_LEN = 128
+
+
+def build_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
+    if args.num_prompts < 1:
+        raise DatasetError("--num-prompts must be at least 1")
+    output_len = args.output_len or DEFAULT_OUTPUT_LEN
+    if args.dataset_name == "random":
+        return random_requests(tokenizer, args.num_prompts, args.input_len, output_len,
+                               args.range_ratio, args.seed)
+    if args.dataset_name == "shared-prefix":
+        return shared_prefix_requests(tokenizer, args.num_prompts, args.shared_prefix_groups,
+                                      args.shared_prefix_len, args.shared_prefix_suffix_len,
+                                      output_len, args.seed)
+    path = Path(args.dataset_path) if args.dataset_path else sharegpt.default_path()
+    return sharegpt.sharegpt_requests(tokenizer, sharegpt.load_exchanges(path), args.num_prompts,
+                                      args.seed, fixed_output_len=args.output_len)
+
+
+def request_settings(args: argparse.Namespace, model_name: str,
+                     ignore_eos: bool | None = None) -> RequestSettings:
+    return RequestSettings(model=model_name, endpoint=args.endpoint,
+                           temperature=args.temperature,
+                           ignore_eos=args.ignore_eos if ignore_eos is None else ignore_eos,
+                           extra_body=args.extra_body)
+
+
+def dataset_settings(args: argparse.Namespace, requests: list[BenchRequest]) -> dict:
+    """What the prompts were, for the result JSON."""
+    prompt_lens = [r.prompt_len for r in requests]
+    output_lens = [r.output_len for r in requests]
+    return {"dataset_name": args.dataset_name, "num_prompts": len(requests),
+            "prompt_len_min": min(prompt_lens), "prompt_len_max": max(prompt_lens),
+            "total_prompt_tokens": sum(prompt_lens),
+            "output_len_min": min(output_lens), "output_len_max": max(output_lens),
+            "total_output_tokens_requested": sum(output_lens)}
