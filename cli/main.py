@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 
+from cli import bench
 from cli.stack import Stack, StackOptions
 
 
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
     serve.add_argument("--cache-dir", default="~/.cache/flotilla", help="converted-model cache")
     serve.add_argument("--log-level", default="info")
+    bench.add_parser(commands)
     return parser
 
 
@@ -89,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "bench":
+        return bench.run(args)
     return 2
 
 

@@ -96,7 +96,10 @@ def load_config(config_cls: type[C], argv: Sequence[str] | None = None,
         if raw is None:
             continue
         values[field.name] = _coerce(raw, hints[field.name], field.name)
-    return config_cls(**values).with_instance_id()
+    try:
+        return config_cls(**values).with_instance_id()
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise SystemExit(f"invalid configuration: {exc}") from exc
 
 
 def _coerce(raw: Any, annotation: Any, name: str) -> Any:

@@ -147,7 +147,8 @@ class GenerateRequest(Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
     output_subject: str  # where this request's RequestOutputs are published
     arrival_time: float = 0.0
-    priority: int = 0
+    priority: int = 0  # lower runs first (with --scheduling-policy priority)
+    cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
 
 
 class SubmitReply(Struct, frozen=True, kw_only=True):
@@ -166,6 +167,9 @@ class RequestOutput(Struct, frozen=True, array_like=True, gc=False):
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     num_prompt_tokens: int = 0
     error: ErrorInfo | None = None
+    # set on a request's first output only:
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    queue_time_s: float = 0.0  # arrival to first scheduled
 
 
 class OutputBatch(Struct, frozen=True, array_like=True, gc=False):
@@ -185,6 +189,13 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     num_steps: int = 0
     num_preemptions: int = 0
     worker_ready: bool = True
+    # cumulative since the scheduler started
+    num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    num_prefix_hits: int = 0  # of those, tokens found
+    worker_busy_s: float = 0.0  # time the worker spent computing steps
+    # steps since the previous stats event (bounded sample)
+    recent_step_tokens: list[int] = []
+    recent_step_times_s: list[float] = []
 
 
 # ----------------------------------------------------------------- worker

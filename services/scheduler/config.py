@@ -11,6 +11,9 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     replica_id: str = "0"  # drives the worker with the same replica id
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens computed per step (decodes + prompt chunks)
+    prefix_caching: bool = True  # --no-prefix-caching turns it off
+    scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values run first
+    max_steps_in_flight: int = 2  # 2 overlaps planning step N+1 with computing step N
     step_timeout_s: float = 120.0  # a step taking longer means the worker is gone
     stats_interval_s: float = 0.5  # stats events at most this often (and as a heartbeat)
 
@@ -18,6 +21,15 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
         "replica_id": "replica this scheduler drives (its worker uses the same id)",
         "max_num_seqs": "most requests running at once",
         "max_num_batched_tokens": "most tokens computed in one step",
+        "prefix_caching": "reuse the KV of cached prompt prefixes",
+        "scheduling_policy": "fcfs or priority",
+        "max_steps_in_flight": "steps sent ahead to the worker (1: no overlap)",
         "step_timeout_s": "seconds to wait for a step before failing its requests",
         "stats_interval_s": "seconds between stats events",
     }
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
+        if self.max_steps_in_flight < 1:
+            raise ValueError("max_steps_in_flight must be at least 1")

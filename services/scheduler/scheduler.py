@@ -1,46 +1,35 @@
 """Continuous batching over a paged KV cache: pure, synchronous policy code.
 
 There is no prefill or decode mode: each request has ``num_computed_tokens`` and a
-token count (prompt + outputs so far), and every step catches requests up under one
-token budget, running requests first (decodes, then the rest of chunked prompts),
-then waiting requests in arrival order. Blocks are allocated as tokens need them;
-when they run out, the latest running request is preempted (its blocks freed, its
-tokens recomputed later), so nothing is lost and nothing is sent twice.
+token count, and every step catches requests up under one token budget: running
+requests first (decodes, then the rest of chunked prompts), then waiting requests in
+(priority, arrival) order. Full blocks are offered to the prefix cache under a chained
+hash (prefix_hash.py), so a new request starts after its longest cached prefix.
+Blocks are allocated as tokens need them; when they run out, the lowest-priority,
+latest running request is preempted (blocks freed, recomputed later, mostly from the
+prefix cache), so nothing is lost and nothing is sent twice.
+
+Steps may overlap: a step can be planned while earlier ones are still running on the
+worker, which feeds each sampled token into the next step itself. The scheduler counts
+those tokens as pending until a step's result brings them.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+import bisect
+import itertools
+import time
+from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.prefix_hash import extend_block_hashes
+from services.scheduler.request import Request
 from shared.errors import InvalidRequest
 from shared.messages import (
-    ErrorInfo, GenerateRequest, NewRequestData, RequestOutput, SamplingParams,
-    ScheduledRequest, StepPlan, StepResult,
+    ErrorInfo, GenerateRequest, NewRequestData, RequestOutput, ScheduledRequest, StepPlan,
+    StepResult,
 )
-
-
-@dataclass(eq=False)  # identity: requests are looked up in lists
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    output_subject: str
-    arrival_time: float = 0.0
-    output_token_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    known_to_worker: bool = False  # the worker holds this request's state
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
 
 @dataclass(frozen=True)
@@ -53,21 +42,35 @@ class Emitted:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int,
-                 max_model_len: int, eos_token_ids: list[int]) -> None:
+                 max_model_len: int, eos_token_ids: list[int], model_name: str = "") -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.model_key = f"model:{model_name}"
         self.block_manager = BlockManager(num_blocks, block_size)
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of those, tokens found
+        self._arrivals = itertools.count()
         self._next_step_id = 0
         self._forget_ids: list[str] = []  # the worker should drop these at the next step
 
     # ------------------------------------------------------------ intake
     def add_request(self, request: GenerateRequest) -> None:
+        self._validate(request)
+        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        extra_keys = (self.model_key,) + ((f"salt:{request.cache_salt}",) if request.cache_salt else ())
+        req = Request(request.request_id, list(request.prompt_token_ids), request.sampling,
+                      request.output_subject, (priority, next(self._arrivals)), extra_keys,
+                      request.arrival_time or time.time())
+        self.requests[req.request_id] = req
+        self._enqueue(req)
+
+    def _validate(self, request: GenerateRequest) -> None:
         if request.request_id in self.requests:
             raise InvalidRequest(f"duplicate request id {request.request_id}", param="request_id")
         num_prompt = len(request.prompt_token_ids)
@@ -79,15 +82,12 @@ class Scheduler:
                 f"prompt ({num_prompt} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
                 f"{num_total} tokens, over the model's context length of {self.max_model_len}",
                 param="max_tokens", code="context_length_exceeded")
-        capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        if num_blocks_for(num_total, self.block_manager.block_size) > self.block_manager.num_blocks:
+        manager = self.block_manager
+        if num_blocks_for(num_total, manager.block_size) > manager.num_blocks:
             raise InvalidRequest(
                 f"the request needs {num_total} tokens of KV cache; this replica's cache holds "
-                f"{capacity}", param="max_tokens", code="kv_cache_too_small")
-        req = Request(request.request_id, list(request.prompt_token_ids), request.sampling,
-                      request.output_subject, request.arrival_time)
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
+                f"{manager.num_blocks * manager.block_size}", param="max_tokens",
+                code="kv_cache_too_small")
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -101,36 +101,32 @@ class Scheduler:
 
     # ------------------------------------------------------------ one step
     def schedule(self) -> StepPlan | None:
-        """Plan the next step, or None when there is nothing to compute."""
+        """Plan the next step, or None when there is nothing to compute now."""
         budget = self.config.max_num_batched_tokens
+        self._in_plan: set[str] = set()  # never preempt what this plan already computes
         new_requests: list[NewRequestData] = []
         scheduled: list[ScheduledRequest] = []
         preempted = False
-        for req in list(self.running):
+        # Decodes first, then prompt chunks; each in (priority, arrival) order.
+        for req in sorted(self.running, key=lambda r: (r.is_prefilling, r.sort_key)):
             if budget == 0:
                 break
-            if req not in self.running:  # preempted to make room for an earlier request
-                continue
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new == 0:
+            if req not in self.running or req.reached_max_tokens:
+                continue  # preempted for an earlier request, or its last token is coming
+            num_new = min(req.num_tokens_at_worker - req.num_computed_tokens, budget)
+            if num_new <= 0:
                 continue
             new_block_ids = self._grow_or_preempt(req, req.num_computed_tokens + num_new)
-            if new_block_ids is None:  # req itself was preempted: later ones already were
+            if new_block_ids is None:  # req itself was preempted
                 preempted = True
-                break
+                continue
             self._schedule(req, num_new, new_block_ids, new_requests, scheduled)
             budget -= num_new
-        while (not preempted and budget > 0 and self.waiting
-               and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            num_missing = self.block_manager.num_missing_blocks(req.block_table, num_new)
-            if not self.block_manager.can_allocate(num_missing):
-                break  # FCFS: later requests wait behind this one
-            self.waiting.popleft()
-            self.running.append(req)
-            self._schedule(req, num_new, self.block_manager.allocate(num_missing), new_requests,
-                           scheduled)
+        while not preempted and budget > 0 and self.waiting \
+                and len(self.running) < self.config.max_num_seqs:
+            num_new = self._admit(self.waiting[0], budget, new_requests, scheduled)
+            if num_new == 0:
+                break  # the head does not fit: later requests wait behind it
             budget -= num_new
         if not scheduled:
             return None
@@ -145,47 +141,104 @@ class Scheduler:
         emitted: list[Emitted] = []
         for request_id, token_id in zip(result.request_ids, result.sampled_token_ids):
             req = self.requests.get(request_id)
-            if req is None:  # aborted while the step ran
+            if req is None:  # finished or aborted while the step ran: a wasted token
                 continue
+            req.num_pending_tokens -= 1
             req.output_token_ids.append(token_id)
+            self._register_full_blocks(req)
             finish_reason = self._finish_reason(req, token_id)
-            emitted.append(Emitted(req.output_subject, RequestOutput(
-                request_id, [token_id], finish_reason, len(req.prompt_token_ids))))
+            emitted.append(Emitted(req.output_subject, self._output(req, [token_id], finish_reason)))
             if finish_reason is not None:
                 self._finish(req)
         return emitted
 
     def fail_all(self, error: ErrorInfo) -> list[Emitted]:
         """The worker is gone: end every request with ``error``."""
-        emitted = [Emitted(req.output_subject,
-                           RequestOutput(req.request_id, [], "error", len(req.prompt_token_ids), error))
-                   for req in self.requests.values()]
+        emitted = [Emitted(req.output_subject, RequestOutput(
+            req.request_id, [], "error", len(req.prompt_token_ids), error))
+            for req in self.requests.values()]
         for req in list(self.requests.values()):
             self._finish(req)
         self._forget_ids = []
         return emitted
 
     # ------------------------------------------------------------ helpers
+    def _admit(self, req: Request, budget: int, new_requests: list[NewRequestData],
+               scheduled: list[ScheduledRequest]) -> int:
+        """Start the head of the queue after its longest cached prefix; return the
+        tokens scheduled (0 if it does not fit or is still receiving tokens)."""
+        if req.num_pending_tokens:
+            return 0  # preempted mid-step: its last token is still on the way
+        hit_ids = self._prefix_hits(req)
+        num_cached = len(hit_ids) * self.block_manager.block_size
+        num_new = min(req.num_tokens - num_cached, budget)
+        num_missing = num_blocks_for(num_cached + num_new, self.block_manager.block_size) - len(hit_ids)
+        if not self.block_manager.can_allocate(num_missing, self.block_manager.num_evictable(hit_ids)):
+            return 0
+        self.waiting.pop(0)
+        self.running.append(req)
+        self.block_manager.reuse(hit_ids)
+        req.block_table = hit_ids + self.block_manager.allocate(num_missing)
+        req.num_computed_tokens = num_cached
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.time()
+            req.num_cached_tokens = num_cached
+        self.num_prefix_queries += req.num_tokens
+        self.num_prefix_hits += num_cached
+        self._schedule(req, num_new, [], new_requests, scheduled)
+        return num_new
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        if not self.config.prefix_caching:
+            return []
+        block_size = self.block_manager.block_size
+        extend_block_hashes(req.block_hashes, req.all_token_ids, req.num_tokens, block_size,
+                            req.extra_keys)
+        hit_ids = self.block_manager.cached_prefix(req.block_hashes, req.all_token_ids)
+        # At least one token must be computed, to sample from its logits.
+        return hit_ids[:(req.num_tokens - 1) // block_size]
+
     def _schedule(self, req: Request, num_new: int, new_block_ids: list[int],
                   new_requests: list[NewRequestData], scheduled: list[ScheduledRequest]) -> None:
-        req.block_table.extend(new_block_ids)
-        if req.known_to_worker:
-            scheduled.append(ScheduledRequest(req.request_id, num_new, new_block_ids))
-        else:
+        if not req.known_to_worker:
             new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.sampling,
                                                list(req.block_table), req.num_computed_tokens))
-            scheduled.append(ScheduledRequest(req.request_id, num_new, []))
             req.known_to_worker = True
+            new_block_ids = []
+        else:
+            req.block_table.extend(new_block_ids)
+        scheduled.append(ScheduledRequest(req.request_id, num_new, new_block_ids))
+        self._in_plan.add(req.request_id)
         req.num_computed_tokens += num_new
+        if req.num_computed_tokens == req.num_tokens_at_worker:
+            req.num_pending_tokens += 1  # the worker samples this step
+        self._register_full_blocks(req)
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Offer full blocks whose tokens are known and computed (or being computed
+        by a step that runs before any step that could reuse them)."""
+        if not self.config.prefix_caching:
+            return
+        block_size = self.block_manager.block_size
+        num_ready = min(req.num_computed_tokens, req.num_tokens)
+        extend_block_hashes(req.block_hashes, req.all_token_ids, num_ready, block_size,
+                            req.extra_keys)
+        num_full = min(num_ready // block_size, len(req.block_table))
+        for index in range(req.num_registered_blocks, num_full):
+            start = index * block_size
+            self.block_manager.cache_block(req.block_table[index], req.block_hashes[index],
+                                           req.all_token_ids[start:start + block_size])
+        req.num_registered_blocks = max(req.num_registered_blocks, num_full)
 
     def _grow_or_preempt(self, req: Request, num_tokens: int) -> list[int] | None:
-        """Blocks for ``req`` to hold ``num_tokens``, preempting the latest running
-        requests until they fit; None if ``req`` itself had to be preempted."""
+        """Blocks for ``req`` to hold ``num_tokens``, preempting the lowest-priority,
+        latest running requests until they fit; None if ``req`` itself had to go."""
         while True:
             num_missing = self.block_manager.num_missing_blocks(req.block_table, num_tokens)
             if self.block_manager.can_allocate(num_missing):
                 return self.block_manager.allocate(num_missing)
-            victim = self.running[-1]
+            victim = max((r for r in self.running if r.request_id not in self._in_plan),
+                         key=lambda r: r.sort_key)
             self._preempt(victim)
             if victim is req:
                 return None
@@ -195,11 +248,23 @@ class Scheduler:
         self.block_manager.free(req.block_table)
         req.block_table = []
         req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
         if req.known_to_worker:
             self._forget_ids.append(req.request_id)
             req.known_to_worker = False
-        self.waiting.appendleft(req)
+        self._enqueue(req)
         self.num_preemptions += 1
+
+    def _enqueue(self, req: Request) -> None:
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def _output(self, req: Request, token_ids: list[int], finish_reason: str | None) -> RequestOutput:
+        first = req.num_outputs_sent == 0
+        req.num_outputs_sent += 1
+        queue_time = (req.first_scheduled_time or req.arrival_time) - req.arrival_time
+        return RequestOutput(req.request_id, token_ids, finish_reason, len(req.prompt_token_ids),
+                             None, req.num_cached_tokens if first else 0,
+                             max(0.0, queue_time) if first else 0.0)
 
     def _finish_reason(self, req: Request, token_id: int) -> str | None:
         sampling = req.sampling
@@ -211,15 +276,16 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request) -> None:
+        """Forget a request. Its blocks are free at once even if a step in flight still
+        writes them: the worker runs steps in order, so a later step reusing them
+        writes after it."""
         self.requests.pop(req.request_id, None)
         if req in self.running:
             self.running.remove(req)
-        else:
-            try:
-                self.waiting.remove(req)
-            except ValueError:
-                pass
+        elif req in self.waiting:
+            self.waiting.remove(req)
         self.block_manager.free(req.block_table)
         req.block_table = []
         if req.known_to_worker:
             self._forget_ids.append(req.request_id)
+            req.known_to_worker = False

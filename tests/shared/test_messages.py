@@ -72,9 +72,11 @@ def test_a_new_field_with_a_default_is_read_by_an_old_peer_and_vice_versa():
         finish_reason: str | None = None
         num_prompt_tokens: int = 0
         error: m.ErrorInfo | None = None
+        num_cached_tokens: int = 0
+        queue_time_s: float = 0.0
         logprobs: list[float] = []
 
-    new = OutputV2("r", [1], None, 2, None, [-0.5])
+    new = OutputV2("r", [1], None, 2, None, 0, 0.0, [-0.5])
     assert m.decode(msgspec.msgpack.encode(new), m.RequestOutput) == m.RequestOutput("r", [1], None, 2)
     old = m.RequestOutput("r", [1])
     assert msgspec.msgpack.decode(m.encode(old), type=OutputV2).logprobs == []

@@ -1,0 +1,54 @@
+"""A request as the scheduler tracks it: token counts, block table, prefix-cache keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.messages import SamplingParams
+
+
+@dataclass(eq=False)  # identity: requests are looked up in lists
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_subject: str
+    sort_key: tuple[int, int]  # (priority, arrival order): smaller runs first, is preempted last
+    extra_keys: tuple[str, ...] = ()  # prefix-cache key parts: model, cache salt
+    arrival_time: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    # tokens computed or being computed by steps already sent to the worker
+    num_computed_tokens: int = 0
+    # tokens the worker samples in steps still in flight (it feeds them into the next
+    # step itself; the scheduler learns them from the step's result)
+    num_pending_tokens: int = 0
+    known_to_worker: bool = False  # the worker holds this request's state
+    block_hashes: list[bytes] = field(default_factory=list)  # keys of full blocks, in order
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    first_scheduled_time: float | None = None
+    num_outputs_sent: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known to the scheduler: prompt and outputs received so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_at_worker(self) -> int:
+        """Tokens the worker will hold once its in-flight steps finish."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        """No more tokens to schedule: the last ones are already being sampled."""
+        return len(self.output_token_ids) + self.num_pending_tokens >= self.sampling.max_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_tokens_at_worker - self.num_computed_tokens > 1
