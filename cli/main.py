@@ -23,9 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="use this NATS server instead of starting one")
     serve.add_argument("--namespace", default="flotilla", help="NATS subject prefix")
     serve.add_argument("--api-key", default=None, help="require this bearer token")
+    serve.add_argument("--replicas", type=int, default=1,
+                       help="scheduler+worker pairs; the gateway routes to the least loaded")
     serve.add_argument("--kv-cache-memory", default=None, help="worker KV cache size, e.g. 2GiB")
     serve.add_argument("--max-num-seqs", default=None, help="most requests running at once")
     serve.add_argument("--max-num-batched-tokens", default=None, help="most tokens per step")
+    serve.add_argument("--no-prefix-caching", action="store_true",
+                       help="turn off automatic prefix caching")
+    serve.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     serve.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
     serve.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
     serve.add_argument("--cache-dir", default="~/.cache/flotilla", help="converted-model cache")
@@ -46,11 +51,13 @@ def serve(args: argparse.Namespace) -> int:
     options = StackOptions(
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         namespace=args.namespace, cache_dir=args.cache_dir, log_level=args.log_level,
-        service_args={
+        replicas=args.replicas, service_args={
             "worker": _flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
                              dtype=args.dtype),
             "scheduler": _flags(max_num_seqs=args.max_num_seqs,
-                                max_num_batched_tokens=args.max_num_batched_tokens),
+                                max_num_batched_tokens=args.max_num_batched_tokens,
+                                scheduling_policy=args.scheduling_policy)
+            + (["--no-prefix-caching"] if args.no_prefix_caching else []),
             "gateway": _flags(api_key=args.api_key),
         })
     stack = Stack(options)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-SERVICES = ("tokenizer", "worker", "scheduler", "gateway")
+REPLICATED = ("worker", "scheduler")  # one pair per model replica
 _PR_SET_PDEATHSIG = 1
 
 
@@ -31,6 +31,7 @@ class StackOptions:
     port: int = 8000
     nats_url: str | None = None  # None: start our own nats-server on a free port
     namespace: str = "flotilla"
+    replicas: int = 1  # scheduler + worker pairs
     cache_dir: str = "~/.cache/flotilla"
     log_level: str = "info"
     log_dir: Path | None = None  # None: children write to our stdout/stderr
@@ -76,7 +77,7 @@ class Stack:
         try:
             if self.nats_url is None:
                 self.nats_url = self._start_nats()
-            for name in SERVICES:
+            for name in self.service_names():
                 self.start_service(name)
             self.wait_ready(timeout_s)
         except BaseException:
@@ -117,19 +118,31 @@ class Stack:
 
         threading.Thread(target=pump, daemon=True).start()
 
+    def service_names(self) -> list[str]:
+        """'worker' and 'scheduler' for replica 0, 'worker-1', 'scheduler-1', ... after."""
+        names = ["tokenizer"]
+        for replica_id in range(self.options.replicas):
+            names += [f"{kind}-{replica_id}" if replica_id else kind for kind in REPLICATED]
+        return names + ["gateway"]
+
     def service_command(self, name: str) -> list[str]:
         o = self.options
-        command = [sys.executable, "-m", f"services.{name}", "--nats-url", self.nats_url,
+        kind, _, replica_id = name.partition("-")
+        command = [sys.executable, "-m", f"services.{kind}", "--nats-url", self.nats_url,
                    "--namespace", o.namespace, "--model", o.model, "--cache-dir", o.cache_dir,
                    "--log-level", o.log_level]
-        if name == "gateway":
+        if kind in REPLICATED:
+            command += ["--replica-id", replica_id or "0"]
+        if kind == "worker" and o.replicas > 1:  # share the cores between the workers
+            command += ["--num-threads", str(max(1, (os.cpu_count() or 1) // o.replicas))]
+        if kind == "gateway":
             command += ["--host", o.host, "--port", str(o.port)]
-        return command + list(o.service_args.get(name, []))
+        return command + list(o.service_args.get(kind, []))
 
     def start_service(self, name: str) -> subprocess.Popen:
         env = {**os.environ, **self.options.env, "TOKENIZERS_PARALLELISM": "false"}
-        if name != "worker":
-            env["OMP_NUM_THREADS"] = "1"  # the cores belong to the worker
+        if not name.startswith("worker"):
+            env["OMP_NUM_THREADS"] = "1"  # the cores belong to the workers
         log = self._log_target(name)
         process = subprocess.Popen(self.service_command(name), env=env, stdout=log, stderr=log,
                                    preexec_fn=_die_with_parent)

@@ -193,6 +193,9 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     num_prefix_hits: int = 0  # of those, tokens found
     worker_busy_s: float = 0.0  # time the worker spent computing steps
+    # idle share of the worker's wall time over the last interval with work throughout;
+    # -1 when there was no such interval
+    worker_idle_ratio: float = -1.0
     # steps since the previous stats event (bounded sample)
     recent_step_tokens: list[int] = []
     recent_step_times_s: list[float] = []

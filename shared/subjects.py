@@ -48,6 +48,10 @@ class Subjects:
     def scheduler_submit(self) -> str:
         return self._svc("scheduler", "submit")
 
+    def scheduler_submit_to(self, scheduler_id: str) -> str:
+        """Submit to one scheduler (the gateway routes by load)."""
+        return self._addressed("scheduler", scheduler_id, "submit")
+
     def scheduler_abort(self, scheduler_id: str) -> str:
         return self._addressed("scheduler", scheduler_id, "abort")
 

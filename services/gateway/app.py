@@ -134,18 +134,20 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def generate(request: Request, endpoint: _Endpoint, req, model: str,
                        prompt_ids: list[int], sampling: SamplingParams) -> Response:
         started = time.perf_counter()
-        stream = await service().submit(prompt_ids, sampling, req.stop_strings)
+        stream = await service().submit(prompt_ids, sampling, req.stop_strings,
+                                        priority=req.priority, cache_salt=req.cache_salt)
         metrics.prompt_tokens.inc(len(prompt_ids))
         timed = _timed(service().deltas(stream), metrics, started)
         request_id = endpoint.id_prefix + stream.request_id
         if req.stream:
             events = _sse_events(endpoint, request_id, model, timed, len(prompt_ids),
-                                 req.include_usage)
+                                 req.include_usage, stream)
             return StreamingResponse(events, media_type="text/event-stream")
         text, finish_reason, num_tokens = await _gather_unless_disconnected(
             request, timed, service(), stream)
-        return JSONResponse(endpoint.full_response(
-            request_id, model, text, finish_reason, protocol.usage(len(prompt_ids), num_tokens)))
+        return JSONResponse(endpoint.full_response(request_id, model, text, finish_reason,
+                                                   protocol.usage(len(prompt_ids), num_tokens,
+                                                                  stream.num_cached_tokens)))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -263,7 +265,7 @@ async def _gather_unless_disconnected(request: Request, deltas: AsyncIterator[De
 
 async def _sse_events(endpoint: _Endpoint, request_id: str, model: str,
                       deltas: AsyncIterator[Delta], num_prompt_tokens: int,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool, stream: RequestStream) -> AsyncIterator[str]:
     created = int(time.time())
     num_tokens = 0
 
@@ -286,5 +288,6 @@ async def _sse_events(endpoint: _Endpoint, request_id: str, model: str,
             yield event(endpoint.chunk(request_id, model, created, delta.text, delta.finish_reason))
     if include_usage:
         yield event(protocol.usage_chunk(request_id, model, created, endpoint.chunk_object,
-                                         protocol.usage(num_prompt_tokens, num_tokens)))
+                                         protocol.usage(num_prompt_tokens, num_tokens,
+                                                        stream.num_cached_tokens)))
     yield "data: [DONE]\n\n"

@@ -1,4 +1,5 @@
-"""Prometheus metrics served on the gateway's /metrics."""
+"""Prometheus metrics served on the gateway's /metrics: the gateway's own request
+timings, and each scheduler's figures from its stats events."""
 
 from __future__ import annotations
 
@@ -8,25 +9,24 @@ from shared.messages import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = CollectorRegistry()
         self.requests = Counter("flotilla_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("flotilla_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("flotilla_generation_tokens", "Tokens generated", registry=r)
-        self.time_to_first_token = Histogram(
-            "flotilla_time_to_first_token_seconds", "Time from request to first token",
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.inter_token_latency = Histogram(
-            "flotilla_inter_token_latency_seconds", "Time between streamed tokens",
-            buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e_latency = Histogram("flotilla_e2e_request_latency_seconds",
-                                     "Time from request to last token", buckets=_LATENCY_BUCKETS,
-                                     registry=r)
+        self.time_to_first_token = self._latency("flotilla_time_to_first_token_seconds",
+                                                 "Time from request to first token")
+        self.inter_token_latency = self._latency("flotilla_inter_token_latency_seconds",
+                                                 "Time between streamed tokens")
+        self.e2e_latency = self._latency("flotilla_e2e_request_latency_seconds",
+                                         "Time from request to last token")
+        self.queue_time = self._latency("flotilla_queue_time_seconds",
+                                        "Time from arrival at the scheduler to first scheduled")
         labels = ["replica_id", "scheduler_id"]
         self.num_running = Gauge("flotilla_num_requests_running", "Requests in the running batch",
                                  labels, registry=r)
@@ -36,8 +36,24 @@ class GatewayMetrics:
                                     labels, registry=r)
         self.kv_blocks_total = Gauge("flotilla_kv_cache_blocks_total", "KV cache blocks",
                                      labels, registry=r)
-        self.preemptions = Gauge("flotilla_num_preemptions", "Preemptions since the scheduler started",
-                                 labels, registry=r)
+        self.preemptions = Counter("flotilla_preemptions", "Requests preempted", labels, registry=r)
+        self.prefix_queries = Counter("flotilla_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache", labels, registry=r)
+        self.prefix_hits = Counter("flotilla_prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache", labels, registry=r)
+        self.worker_busy = Counter("flotilla_worker_busy_seconds",
+                                   "Time the worker spent computing steps", labels, registry=r)
+        self.worker_idle_ratio = Gauge(
+            "flotilla_worker_idle_ratio",
+            "Idle share of the worker's time over the last stats interval with work throughout",
+            labels, registry=r)
+        self.step_tokens = Histogram("flotilla_scheduled_tokens_per_step", "Tokens computed per step",
+                                     buckets=_TOKEN_BUCKETS, registry=r)
+        self.step_time = self._latency("flotilla_step_time_seconds", "Worker time per step")
+        self._last: dict[str, SchedulerStats] = {}
+
+    def _latency(self, name: str, text: str) -> Histogram:
+        return Histogram(name, text, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
         labels = (stats.replica_id, stats.scheduler_id)
@@ -45,7 +61,21 @@ class GatewayMetrics:
         self.num_waiting.labels(*labels).set(stats.num_waiting)
         self.kv_blocks_used.labels(*labels).set(stats.num_blocks_used)
         self.kv_blocks_total.labels(*labels).set(stats.num_blocks_total)
-        self.preemptions.labels(*labels).set(stats.num_preemptions)
+        if stats.worker_idle_ratio >= 0:
+            self.worker_idle_ratio.labels(*labels).set(stats.worker_idle_ratio)
+        last = self._last.get(stats.scheduler_id)
+        for counter, field in ((self.preemptions, "num_preemptions"),
+                               (self.prefix_queries, "num_prefix_queries"),
+                               (self.prefix_hits, "num_prefix_hits"),
+                               (self.worker_busy, "worker_busy_s")):
+            value = getattr(stats, field)
+            before = getattr(last, field) if last is not None else 0
+            # cumulative on the scheduler; it starts over when it re-attaches a worker
+            counter.labels(*labels).inc(value - before if value >= before else value)
+        self._last[stats.scheduler_id] = stats
+        for num_tokens, seconds in zip(stats.recent_step_tokens, stats.recent_step_times_s):
+            self.step_tokens.observe(num_tokens)
+            self.step_time.observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

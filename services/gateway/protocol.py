@@ -42,6 +42,8 @@ class _SamplingFields(_Strict):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    priority: int = 0  # extension: lower runs first under --scheduling-policy priority
+    cache_salt: str | None = Field(default=None, min_length=1)  # extension: prefix-cache isolation
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -197,9 +199,10 @@ def parse_request(model_cls: type[_Strict], payload: Any):
 
 
 # ---------------------------------------------------------------- responses
-def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict:
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens}
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
 def completion_response(request_id: str, model: str, text: str, finish_reason: str | None,

@@ -48,6 +48,8 @@ class RequestStream:
     scheduler_id: str = ""
     queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
     finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
+    has_output: bool = False
 
 
 class GatewayService:
@@ -59,6 +61,8 @@ class GatewayService:
         self.output_subject = self.subjects.gateway_outputs(config.instance_id)
         self._streams: dict[str, RequestStream] = {}
         self._heartbeats: dict[str, float] = {}  # scheduler id -> monotonic time last heard
+        self._schedulers: dict[str, SchedulerStats] = {}  # latest stats of each scheduler
+        self._outstanding: dict[str, int] = {}  # scheduler id -> our requests still running
         self._tokenizer_info: TokenizerInfo | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -99,22 +103,48 @@ class GatewayService:
 
     # ------------------------------------------------------------ generation
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                     stop: list[str]) -> RequestStream:
-        """Hand a request to a scheduler; raises if none accepts it."""
+                     stop: list[str], *, priority: int = 0,
+                     cache_salt: str | None = None) -> RequestStream:
+        """Hand a request to the least loaded scheduler; raises if none accepts it."""
         request_id = uuid.uuid4().hex
         stream = RequestStream(request_id, stop, initial_state(prompt_token_ids))
+        request = GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+            output_subject=self.output_subject, arrival_time=time.time(), priority=priority,
+            cache_salt=cache_salt)
         self._streams[request_id] = stream
         try:
-            reply = await self.bus.request(self.subjects.scheduler_submit, GenerateRequest(
-                request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-                output_subject=self.output_subject, arrival_time=time.time(),
-            ), SubmitReply, timeout=self.config.request_timeout_s)
+            reply = await self._submit(request)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
         stream.scheduler_id = reply.scheduler_id
         self._heartbeats.setdefault(reply.scheduler_id, time.monotonic())
+        self._outstanding[reply.scheduler_id] = self._outstanding.get(reply.scheduler_id, 0) + 1
         return stream
+
+    async def _submit(self, request: GenerateRequest) -> SubmitReply:
+        scheduler_id = self._least_loaded_scheduler()
+        if scheduler_id is not None:
+            try:
+                return await self.bus.request(self.subjects.scheduler_submit_to(scheduler_id),
+                                              request, SubmitReply,
+                                              timeout=self.config.request_timeout_s)
+            except ServiceUnavailable:
+                self._schedulers.pop(scheduler_id, None)  # gone: any other will do
+        return await self.bus.request(self.subjects.scheduler_submit, request, SubmitReply,
+                                      timeout=self.config.request_timeout_s)
+
+    def _least_loaded_scheduler(self) -> str | None:
+        """The live scheduler with the least outstanding work: its last stats, or our
+        own count of requests sent to it since, whichever is larger."""
+        now = time.monotonic()
+        live = [stats for sid, stats in self._schedulers.items() if stats.worker_ready
+                and now - self._heartbeats.get(sid, 0.0) < self.config.heartbeat_timeout_s]
+        if not live:
+            return None
+        return min(live, key=lambda st: max(st.num_running + st.num_waiting,
+                                             self._outstanding.get(st.scheduler_id, 0))).scheduler_id
 
     async def deltas(self, stream: RequestStream) -> AsyncIterator[Delta]:
         """Yield a submitted request's text deltas until one carries a finish reason.
@@ -130,7 +160,8 @@ class GatewayService:
 
     def release(self, stream: RequestStream) -> None:
         """Forget a request; abort it if it is still running."""
-        self._streams.pop(stream.request_id, None)
+        if self._streams.pop(stream.request_id, None) is not None and stream.scheduler_id:
+            self._outstanding[stream.scheduler_id] -= 1
         if not stream.finished:
             stream.finished = True
             self._spawn(self._abort(stream.scheduler_id, [stream.request_id]))
@@ -162,6 +193,7 @@ class GatewayService:
     # ------------------------------------------------------------ inbound events
     async def _on_stats(self, stats: SchedulerStats) -> None:
         self._heartbeats[stats.scheduler_id] = time.monotonic()
+        self._schedulers[stats.scheduler_id] = stats
         self.metrics.observe_scheduler(stats)
 
     async def _on_outputs(self, batch: OutputBatch) -> None:
@@ -172,6 +204,10 @@ class GatewayService:
             stream = self._streams.get(output.request_id)
             if stream is None or stream.finished:
                 continue  # aborted, or already ended by a stop string
+            if not stream.has_output:  # the first output carries the scheduler's figures
+                stream.has_output = True
+                stream.num_cached_tokens = output.num_cached_tokens
+                self.metrics.queue_time.observe(output.queue_time_s)
             if output.error is not None:
                 stream.finished = True
                 stream.queue.put_nowait(Delta("", 0, "error", output.error))

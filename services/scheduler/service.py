@@ -1,11 +1,11 @@
-"""The scheduler's NATS edge: takes requests, drives its worker one step at a time,
+"""The scheduler's NATS edge: takes requests, drives its worker with overlapped steps,
 publishes each step's tokens to the gateways that asked, and reports stats."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import structlog
 
@@ -14,12 +14,14 @@ from services.scheduler.scheduler import Emitted, Scheduler
 from shared.bus import Bus
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
-    AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch, SchedulerStats, StepResult,
-    SubmitReply, WorkerInfo,
+    AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch, SchedulerStats, StepPlan,
+    StepResult, SubmitReply, WorkerInfo,
 )
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
+
+MAX_STEP_SAMPLES = 512  # per stats event
 
 
 class SchedulerService:
@@ -28,12 +30,15 @@ class SchedulerService:
         self.bus = bus
         self.subjects = Subjects(config.namespace)
         self.core: Scheduler | None = None  # built once the worker says how big its cache is
-        self.worker: WorkerInfo | None = None
         self._wakeup = asyncio.Event()
+        self._worker_busy_s = 0.0
+        self._step_samples: list[tuple[int, float]] = []  # (tokens, seconds) since last stats
 
     async def start(self) -> None:
         queue = self.subjects.queue_group("scheduler")
         await self.bus.serve(self.subjects.scheduler_submit, GenerateRequest, self._on_submit, queue=queue)
+        await self.bus.serve(self.subjects.scheduler_submit_to(self.config.instance_id),
+                             GenerateRequest, self._on_submit)
         await self.bus.serve(self.subjects.scheduler_abort(self.config.instance_id), AbortRequest,
                              self._on_abort)
         await self.bus.serve(self.subjects.health("scheduler"), Empty, self._on_health, queue=queue)
@@ -66,7 +71,7 @@ class SchedulerService:
         return HealthReply(service="scheduler", instance_id=self.config.instance_id,
                            status="ok" if core is not None else "starting", detail=detail)
 
-    # ------------------------------------------------------------ loops
+    # ------------------------------------------------------------ the step loop
     async def _connect_worker(self) -> None:
         """Wait for this replica's worker and size the block table from its cache."""
         subject = self.subjects.worker_attach(self.config.replica_id)
@@ -76,43 +81,64 @@ class SchedulerService:
                 break
             except ServiceUnavailable:
                 await asyncio.sleep(0.5)
-        self.worker = info
         self.core = Scheduler(self.config, num_blocks=info.num_blocks, block_size=info.block_size,
-                              max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids)
+                              max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
+                              model_name=info.model_name)
         log.info("worker_connected", worker_id=info.worker_id, num_blocks=info.num_blocks,
                  block_size=info.block_size, max_model_len=info.max_model_len)
 
     async def _step_loop(self) -> None:
+        """Keep up to ``max_steps_in_flight`` steps at the worker: step N+1 is planned
+        and queued while step N computes, so the worker never waits for the scheduler."""
         await self._connect_worker()
-        step_subject = self.subjects.worker_step(self.config.replica_id)
+        in_flight: deque[tuple[StepPlan, asyncio.Task]] = deque()
         while True:
             core = self.core
-            plan = core.schedule() if core.has_work else None
-            if plan is None:
-                self._wakeup.clear()
+            self._wakeup.clear()  # a submit after this point wakes the waits below
+            while len(in_flight) < self.config.max_steps_in_flight and core.has_work:
+                plan = core.schedule()
+                if plan is None:
+                    break
+                in_flight.append((plan, asyncio.create_task(self._run_step(plan))))
+            if not in_flight:
                 await self._wakeup.wait()
                 continue
-            started = time.perf_counter()
+            plan, step = in_flight[0]
+            if len(in_flight) < self.config.max_steps_in_flight:
+                # Room for another step: also wake for a new request to queue one.
+                waiter = asyncio.create_task(self._wakeup.wait())
+                await asyncio.wait({step, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if not step.done():
+                    continue
+            else:
+                await asyncio.wait({step})
+            in_flight.popleft()
             try:
-                result = await self._run_step(step_subject, plan)
+                result = step.result()
             except FlotillaError as exc:
-                log.error("step_failed", step_id=plan.step_id, error=exc.message)
-                error = ServiceUnavailable(f"the worker failed: {exc.message}").to_info()
-                await self._publish(core.fail_all(error))
-                self.core = None
-                await self._connect_worker()  # a fresh cache: the old state is gone
+                await self._worker_failed(plan, exc, in_flight)
                 continue
+            self._record_step(plan, result)
             await self._publish(core.update(plan, result))
-            log.debug("step_done", step_id=plan.step_id, num_scheduled=len(plan.scheduled),
-                      num_tokens=sum(s.num_new_tokens for s in plan.scheduled),
-                      step_time_s=round(time.perf_counter() - started, 4),
-                      worker_time_s=round(result.step_time_s, 4))
 
-    async def _run_step(self, step_subject: str, plan) -> StepResult:
+    async def _worker_failed(self, plan: StepPlan, exc: FlotillaError,
+                             in_flight: deque[tuple[StepPlan, asyncio.Task]]) -> None:
+        log.error("step_failed", step_id=plan.step_id, error=exc.message)
+        for _, other in in_flight:
+            other.cancel()
+        in_flight.clear()
+        error = ServiceUnavailable(f"the worker failed: {exc.message}").to_info()
+        await self._publish(self.core.fail_all(error))
+        self.core = None
+        await self._connect_worker()  # a fresh cache: the old state is gone
+
+    async def _run_step(self, plan: StepPlan) -> StepResult:
         """Send one step; while it runs, ping the worker every second so a dead worker
         fails the step in about a second instead of at the step timeout."""
-        step = asyncio.create_task(self.bus.request(step_subject, plan, StepResult,
-                                                    timeout=self.config.step_timeout_s))
+        step = asyncio.create_task(self.bus.request(
+            self.subjects.worker_step(self.config.replica_id), plan, StepResult,
+            timeout=self.config.step_timeout_s))
         ping_subject = self.subjects.worker_ping(self.config.replica_id)
         try:
             while True:
@@ -123,6 +149,14 @@ class SchedulerService:
         finally:
             step.cancel()
 
+    def _record_step(self, plan: StepPlan, result: StepResult) -> None:
+        num_tokens = sum(s.num_new_tokens for s in plan.scheduled)
+        self._worker_busy_s += result.step_time_s
+        if len(self._step_samples) < MAX_STEP_SAMPLES:
+            self._step_samples.append((num_tokens, result.step_time_s))
+        log.debug("step_done", step_id=plan.step_id, num_scheduled=len(plan.scheduled),
+                  num_tokens=num_tokens, worker_time_s=round(result.step_time_s, 4))
+
     async def _publish(self, emitted: list[Emitted]) -> None:
         by_subject = defaultdict(list)
         for item in emitted:
@@ -130,20 +164,38 @@ class SchedulerService:
         for subject, outputs in by_subject.items():
             await self.bus.publish(subject, OutputBatch(outputs))
 
+    # ------------------------------------------------------------ stats
     async def _stats_loop(self) -> None:
+        last_wall, last_busy, was_busy = time.monotonic(), 0.0, False
         while True:
             core = self.core
-            await self.bus.publish(self.subjects.scheduler_stats, SchedulerStats(
-                scheduler_id=self.config.instance_id, replica_id=self.config.replica_id,
-                timestamp=time.time(),
-                num_running=len(core.running) if core else 0,
-                num_waiting=len(core.waiting) if core else 0,
-                num_blocks_used=core.block_manager.num_used_blocks if core else 0,
-                num_blocks_total=core.block_manager.num_blocks if core else 0,
-                num_steps=core.num_steps if core else 0,
-                num_preemptions=core.num_preemptions if core else 0,
-                worker_ready=core is not None))
+            now, busy = time.monotonic(), self._worker_busy_s
+            is_busy = bool(core and core.running)
+            # Idle share of the worker's time over an interval with work throughout.
+            idle_ratio = (max(0.0, 1.0 - (busy - last_busy) / (now - last_wall))
+                          if was_busy and is_busy and now > last_wall else -1.0)
+            last_wall, last_busy, was_busy = now, busy, is_busy
+            samples, self._step_samples = self._step_samples, []
+            await self.bus.publish(self.subjects.scheduler_stats, self._stats(core, idle_ratio, samples))
             await asyncio.sleep(self.config.stats_interval_s)
+
+    def _stats(self, core: Scheduler | None, idle_ratio: float,
+               samples: list[tuple[int, float]]) -> SchedulerStats:
+        manager = core.block_manager if core else None
+        return SchedulerStats(
+            scheduler_id=self.config.instance_id, replica_id=self.config.replica_id,
+            timestamp=time.time(), num_running=len(core.running) if core else 0,
+            num_waiting=len(core.waiting) if core else 0,
+            num_blocks_used=manager.num_used_blocks if manager else 0,
+            num_blocks_total=manager.num_blocks if manager else 0,
+            num_steps=core.num_steps if core else 0,
+            num_preemptions=core.num_preemptions if core else 0,
+            worker_ready=core is not None,
+            num_prefix_queries=core.num_prefix_queries if core else 0,
+            num_prefix_hits=core.num_prefix_hits if core else 0,
+            worker_busy_s=self._worker_busy_s, worker_idle_ratio=idle_ratio,
+            recent_step_tokens=[tokens for tokens, _ in samples],
+            recent_step_times_s=[seconds for _, seconds in samples])
 
 
 async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
