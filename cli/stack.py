@@ -171,10 +171,14 @@ class Stack:
         while time.monotonic() < deadline:
             self.check_alive()
             health = self.health()
-            if health and health.get("status") == "ok":
+            if health and health.get("status") == "ok" and self._all_replicas_ready(health):
                 return
             time.sleep(0.5)
         raise TimeoutError(f"the stack was not healthy within {timeout_s:.0f}s: {self.health()}")
+
+    def _all_replicas_ready(self, health: dict) -> bool:
+        replicas = health.get("replicas", {})
+        return sum(1 for r in replicas.values() if r.get("worker_ready")) >= self.options.replicas
 
     def check_alive(self) -> None:
         for name, process in self.processes.items():

@@ -172,9 +172,14 @@ def create_app(config: GatewayConfig) -> FastAPI:
         services = {"gateway": {"status": "ok", "instance_id": config.instance_id},
                     **await service().health()}
         healthy = all(s["status"] == "ok" for s in services.values())
+        replicas = {stats.replica_id: {"scheduler_id": stats.scheduler_id,
+                                       "worker_ready": stats.worker_ready,
+                                       "num_running": stats.num_running,
+                                       "num_waiting": stats.num_waiting}
+                    for stats in service().live_schedulers()}
         return JSONResponse(status_code=200 if healthy else 503,
                             content={"status": "ok" if healthy else "unavailable",
-                                     "services": services})
+                                     "services": services, "replicas": replicas})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -126,21 +126,28 @@ class GatewayService:
     async def _submit(self, request: GenerateRequest) -> SubmitReply:
         scheduler_id = self._least_loaded_scheduler()
         if scheduler_id is not None:
+            # Count it before the reply comes, so a burst of requests spreads out.
+            self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + 1
             try:
                 return await self.bus.request(self.subjects.scheduler_submit_to(scheduler_id),
                                               request, SubmitReply,
                                               timeout=self.config.request_timeout_s)
             except ServiceUnavailable:
                 self._schedulers.pop(scheduler_id, None)  # gone: any other will do
+            finally:
+                self._outstanding[scheduler_id] -= 1
         return await self.bus.request(self.subjects.scheduler_submit, request, SubmitReply,
                                       timeout=self.config.request_timeout_s)
+
+    def live_schedulers(self) -> list[SchedulerStats]:
+        now = time.monotonic()
+        return [stats for sid, stats in self._schedulers.items()
+                if now - self._heartbeats.get(sid, 0.0) < self.config.heartbeat_timeout_s]
 
     def _least_loaded_scheduler(self) -> str | None:
         """The live scheduler with the least outstanding work: its last stats, or our
         own count of requests sent to it since, whichever is larger."""
-        now = time.monotonic()
-        live = [stats for sid, stats in self._schedulers.items() if stats.worker_ready
-                and now - self._heartbeats.get(sid, 0.0) < self.config.heartbeat_timeout_s]
+        live = [stats for stats in self.live_schedulers() if stats.worker_ready]
         if not live:
             return None
         return min(live, key=lambda st: max(st.num_running + st.num_waiting,

@@ -34,11 +34,12 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(hf_model, hf_tokenizer, messages) -> tuple[list[int], list[int]]:
+def hf_greedy(hf_model, hf_tokenizer, messages, max_new_tokens=NUM_NEW_TOKENS
+              ) -> tuple[list[int], list[int]]:
     prompt_ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                   tokenize=True, return_dict=True)["input_ids"]
     with torch.inference_mode():
-        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=NUM_NEW_TOKENS,
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
                                 do_sample=False, pad_token_id=hf_tokenizer.eos_token_id)
     return prompt_ids, out[0, len(prompt_ids):].tolist()
 
