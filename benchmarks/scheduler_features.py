@@ -103,6 +103,10 @@ async def chunked_scenario(budget: int) -> None:
                 if after > prefill_start and before < prefill_end:
                     gaps_during.append(after - before)
         median = statistics.median(gaps_all)
+        during = sorted(gaps_during)
+        print(f"[chunked] gaps during the prefill (ms): p50 {during[len(during) // 2] * 1000:.0f}, "
+              f"p90 {during[int(len(during) * 0.9)] * 1000:.0f}, p99 {during[int(len(during) * 0.99)] * 1000:.0f}, "
+              f"top 5 {[round(g * 1000) for g in during[-5:]]}")
         print(f"[chunked] budget {budget} tokens/step: 4,000-token prefill took "
               f"{prefill_end - prefill_start:.1f} s; the 8 streams' median gap {median * 1000:.0f} ms, "
               f"largest gap during the prefill {max(gaps_during) * 1000:.0f} ms = "
