@@ -75,6 +75,8 @@ class _StreamReader:
         if data == "[DONE]":
             return False
         payload = json.loads(data)
+        if not isinstance(payload, dict):
+            return True
         if payload.get("error"):
             error = payload["error"]
             message = error.get("message", str(error)) if isinstance(error, dict) else str(error)

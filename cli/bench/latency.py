@@ -2,9 +2,10 @@
 over several iterations.
 
 It drives the server over HTTP: one iteration sends ``--batch-size`` streaming requests
-at once (the same random prompts every iteration, EOS ignored) and waits for all of
-them. The batch's wall time is the iteration's latency; since the requests decode
-together, the gap between two tokens of a request (ITL) is the time of one decode step.
+at once (random prompts of the same lengths, new ones each iteration so a prefix cache
+cannot skip the prefill; EOS ignored) and waits for all of them. The batch's wall time
+is the iteration's latency; since the requests decode together, the gap between two
+tokens of a request (ITL) is the time of one decode step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import argparse
 import asyncio
 
 from cli.bench import options, report, target, workload
-from cli.bench.datasets import BenchRequest, random_requests
+from cli.bench.datasets import BenchRequest, DatasetError, random_requests
 from cli.bench.load import LoadSettings, http_client, run_load, warm_up
 from cli.bench.metrics import RequestRecord, num_output_tokens, percentile, summarize
 
@@ -44,18 +45,28 @@ def iteration_summary(iteration_s: list[float], batch_size: int, output_len: int
             "output_tokens_per_s": batch_size * output_len / mean_s}
 
 
-async def _iterations(args: argparse.Namespace, base_url: str, requests: list[BenchRequest],
+def iteration_requests(args: argparse.Namespace, tokenizer) -> list[list[BenchRequest]]:
+    """Fresh prompts of the same lengths for every iteration (warm-up ones first), so a
+    prefix cache never turns an iteration's prefill into a lookup."""
+    num_iters = args.num_iters_warmup + args.num_iters
+    return [random_requests(tokenizer, args.batch_size, args.input_len, args.output_len,
+                            seed=args.seed + i) for i in range(num_iters)]
+
+
+async def _iterations(args: argparse.Namespace, base_url: str,
+                      batches: list[list[BenchRequest]], warmups: list[BenchRequest],
                       model_name: str) -> tuple[list[float], list[RequestRecord]]:
     from tqdm import tqdm
 
     settings = workload.request_settings(args, model_name, ignore_eos=True)
     iteration_s, records = [], []
     async with http_client(base_url, args.api_key, args.request_timeout) as client:
-        await warm_up(client, requests, settings, num_warmups=1)
-        for _ in range(args.num_iters_warmup):
-            await run_load(client, requests, settings, LoadSettings())
-        for _ in tqdm(range(args.num_iters), desc="iterations", disable=args.disable_tqdm):
-            result = await run_load(client, requests, settings, LoadSettings())
+        await warm_up(client, warmups, settings, num_warmups=1)
+        for batch in batches[:args.num_iters_warmup]:
+            await run_load(client, batch, settings, LoadSettings())
+        for batch in tqdm(batches[args.num_iters_warmup:], desc="iterations",
+                          disable=args.disable_tqdm):
+            result = await run_load(client, batch, settings, LoadSettings())
             iteration_s.append(result.duration_s)
             records += result.records
     return iteration_s, records
@@ -81,11 +92,13 @@ def latency_table(iterations: dict, summary: dict, num_short: int) -> str:
 def run(args: argparse.Namespace) -> int:
     spec = target.model_spec(args)
     tokenizer = target.load_tokenizer(args.tokenizer, spec)
-    requests = random_requests(tokenizer, args.batch_size, args.input_len, args.output_len,
-                               seed=args.seed)
+    if min(args.batch_size, args.num_iters, args.input_len, args.output_len) < 1:
+        raise DatasetError("--batch-size, --num-iters, --input-len and --output-len must be >= 1")
+    batches = iteration_requests(args, tokenizer)
+    warmups = workload.warmup_requests(tokenizer, 1, args.seed)
     with target.server(args, spec) as base_url:
         iteration_s, records = asyncio.run(
-            _iterations(args, base_url, requests, target.request_model_name(spec)))
+            _iterations(args, base_url, batches, warmups, target.request_model_name(spec)))
     iterations = iteration_summary(iteration_s, args.batch_size, args.output_len)
     summary = summarize(records, sum(iteration_s))
     # A server that ignores ignore_eos would make the lengths, and so the figures, wrong.

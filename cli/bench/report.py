@@ -48,8 +48,9 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
              _line("Output token throughput (tok/s):", summary["output_throughput"]),
              _line("Total token throughput (tok/s):", summary["total_token_throughput"])]
     if "goodput" in summary:
-        slo = ", ".join(f"{k}<={v:g}ms" for k, v in summary["slo_ms"].items())
-        lines += [_line(f"Good requests ({slo}):", summary["good_requests"]),
+        slo = " ".join(f"{k}<={v:g}ms" for k, v in summary["slo_ms"].items())
+        lines += [f"{'SLO:':<14}{slo:>38}",
+                  _line("Requests within the SLO:", summary["good_requests"]),
                   _line("Goodput (req/s):", summary["goodput"])]
     lines += [_title("Latency", "-"), *latency_table(summary)]
     if summary["failure_reasons"]:
@@ -80,11 +81,22 @@ def record_dict(record: RequestRecord) -> dict:
 def settings_of(args: argparse.Namespace, **extra) -> dict:
     """The exact settings: every flag, the command line, when and where it ran."""
     flags = {k: v for k, v in vars(args).items() if not callable(v)}
-    return {"command": [Path(sys.argv[0]).name, *sys.argv[1:]], "flags": flags,
+    if flags.get("api_key"):
+        flags["api_key"] = "<set>"  # never write the secret into a result file
+    return {"command": _redacted([Path(sys.argv[0]).name, *sys.argv[1:]]), "flags": flags,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "cpu_count": os.cpu_count()},
             **extra}
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line with the value of --api-key hidden."""
+    out = []
+    for i, arg in enumerate(argv):
+        hide = i > 0 and argv[i - 1] == "--api-key"
+        out.append("<set>" if hide else "--api-key=<set>" if arg.startswith("--api-key=") else arg)
+    return out
 
 
 def _finite(value):

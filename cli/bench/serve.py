@@ -33,15 +33,16 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
-async def sweep(args: argparse.Namespace, base_url: str, requests: list[BenchRequest],
-                settings: RequestSettings) -> list[dict]:
-    """One run per --max-concurrency value (one run without a limit if none given)."""
+async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[BenchRequest]],
+                warmups: list[BenchRequest], settings: RequestSettings) -> list[dict]:
+    """One run per --max-concurrency value (one run without a limit if none given), each
+    on its own prompts."""
     from tqdm import tqdm
 
     runs = []
     async with http_client(base_url, args.api_key, args.request_timeout) as client:
-        await warm_up(client, requests, settings, args.num_warmups)
-        for max_concurrency in args.max_concurrency or [None]:
+        await warm_up(client, warmups, settings, args.num_warmups)
+        for max_concurrency, requests in zip(args.max_concurrency or [None], workloads):
             load = LoadSettings(args.request_rate, args.burstiness, max_concurrency, args.seed)
             label = f"concurrency {max_concurrency}" if max_concurrency else "requests"
             with tqdm(total=len(requests), desc=label, disable=args.disable_tqdm) as bar:
@@ -49,6 +50,7 @@ async def sweep(args: argparse.Namespace, base_url: str, requests: list[BenchReq
                                         on_done=lambda record: bar.update(1))
             runs.append({"max_concurrency": max_concurrency, "request_rate": args.request_rate,
                          "summary": summarize(result.records, result.duration_s, args.slo),
+                         "dataset": workload.dataset_settings(args, requests),
                          "requests": [report.record_dict(r) for r in result.records]})
     return runs
 
@@ -56,9 +58,12 @@ async def sweep(args: argparse.Namespace, base_url: str, requests: list[BenchReq
 def run(args: argparse.Namespace) -> int:
     spec = target.model_spec(args)
     tokenizer = target.load_tokenizer(args.tokenizer, spec)
-    requests = workload.build_requests(args, tokenizer)
+    # run i of a sweep draws its prompts with seed + i: no run finds another's in a prefix cache
+    workloads = [workload.build_requests(args, tokenizer, args.seed + i)
+                 for i in range(len(args.max_concurrency or [None]))]
+    warmups = workload.warmup_requests(tokenizer, args.num_warmups, args.seed)
     settings = workload.request_settings(args, target.request_model_name(spec))
-    runs = asyncio.run(sweep(args, args.base_url.rstrip("/"), requests, settings))
+    runs = asyncio.run(sweep(args, args.base_url.rstrip("/"), workloads, warmups, settings))
     for run_ in runs:
         title = "Serving Benchmark Result"
         if run_["max_concurrency"]:
@@ -69,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.result_json:
         report.write_json(args.result_json, {
             "benchmark": "serve",
-            "settings": report.settings_of(args, model=settings.model, base_url=args.base_url,
-                                           dataset=workload.dataset_settings(args, requests)),
+            "settings": report.settings_of(args, model=settings.model, base_url=args.base_url),
             "runs": runs})
     if args.plot:
         from cli.bench.plot import plot_runs

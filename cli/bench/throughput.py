@@ -49,12 +49,12 @@ def add_parser(commands) -> None:
 
 
 async def _measure(args: argparse.Namespace, base_url: str, requests: list[BenchRequest],
-                   model_name: str) -> dict:
+                   warmups: list[BenchRequest], model_name: str) -> dict:
     from tqdm import tqdm
 
     settings = workload.request_settings(args, model_name, ignore_eos=True)
     async with http_client(base_url, args.api_key, args.request_timeout) as client:
-        await warm_up(client, requests, settings, num_warmups=1)
+        await warm_up(client, warmups, settings, num_warmups=1)
         with tqdm(total=len(requests), desc="requests", disable=args.disable_tqdm) as bar:
             result = await run_load(client, requests, settings, LoadSettings(),
                                     on_done=lambda record: bar.update(1))
@@ -62,7 +62,7 @@ async def _measure(args: argparse.Namespace, base_url: str, requests: list[Bench
 
 
 def run_backend(args: argparse.Namespace, backend: str, spec: str,
-                requests: list[BenchRequest]) -> dict:
+                requests: list[BenchRequest], warmups: list[BenchRequest]) -> dict:
     if backend == "hf":
         files = target.local_model(spec)
         if files is None:
@@ -77,7 +77,8 @@ def run_backend(args: argparse.Namespace, backend: str, spec: str,
     if backend == "openai" and not args.base_url:
         raise RuntimeError("--backend openai needs --base-url")
     with target.server(args, spec) as base_url:
-        summary = asyncio.run(_measure(args, base_url, requests, target.request_model_name(spec)))
+        summary = asyncio.run(_measure(args, base_url, requests, warmups,
+                                       target.request_model_name(spec)))
     return {"backend": backend, "label": f"{backend} ({base_url})", "summary": summary}
 
 
@@ -105,8 +106,10 @@ def output_ratios(results: list[dict]) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> int:
     spec = target.model_spec(args)
-    requests = workload.build_requests(args, target.load_tokenizer(args.tokenizer, spec))
-    results = [run_backend(args, backend, spec, requests) for backend in args.backend]
+    tokenizer = target.load_tokenizer(args.tokenizer, spec)
+    requests = workload.build_requests(args, tokenizer, args.seed)
+    warmups = workload.warmup_requests(tokenizer, 1, args.seed)
+    results = [run_backend(args, backend, spec, requests, warmups) for backend in args.backend]
     print(throughput_table(results))
     if args.result_json:
         report.write_json(args.result_json, {

@@ -12,20 +12,35 @@ from cli.bench import sharegpt
 DEFAULT_OUTPUT_LEN = 128
 
 
-def build_requests(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
+WARMUP_INPUT_LEN = 16
+WARMUP_OUTPUT_LEN = 4
+_WARMUP_SEED_OFFSET = 1_000_003  # far from any --seed a sweep or iteration adds to
+
+
+def build_requests(args: argparse.Namespace, tokenizer, seed: int) -> list[BenchRequest]:
+    """The dataset's prompts for one run. Each run of a sweep (and each latency
+    iteration) passes its own seed: a server with a prefix cache would otherwise serve
+    a repeated prompt's prefill from the cache."""
     if args.num_prompts < 1:
         raise DatasetError("--num-prompts must be at least 1")
     output_len = args.output_len or DEFAULT_OUTPUT_LEN
     if args.dataset_name == "random":
         return random_requests(tokenizer, args.num_prompts, args.input_len, output_len,
-                               args.range_ratio, args.seed)
+                               args.range_ratio, seed)
     if args.dataset_name == "shared-prefix":
         return shared_prefix_requests(tokenizer, args.num_prompts, args.shared_prefix_groups,
                                       args.shared_prefix_len, args.shared_prefix_suffix_len,
-                                      output_len, args.seed)
+                                      output_len, seed)
     path = Path(args.dataset_path) if args.dataset_path else sharegpt.default_path()
     return sharegpt.sharegpt_requests(tokenizer, sharegpt.load_exchanges(path), args.num_prompts,
-                                      args.seed, fixed_output_len=args.output_len)
+                                      seed, fixed_output_len=args.output_len)
+
+
+def warmup_requests(tokenizer, num_warmups: int, seed: int) -> list[BenchRequest]:
+    """Short prompts of their own, so warming up puts nothing the run will ask for into
+    a prefix cache."""
+    return random_requests(tokenizer, max(num_warmups, 1), WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN,
+                           seed=seed + _WARMUP_SEED_OFFSET)
 
 
 def request_settings(args: argparse.Namespace, model_name: str,

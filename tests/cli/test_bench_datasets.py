@@ -71,3 +71,18 @@ def test_shared_prefix_groups_interleave(tokenizer):
 def test_shared_prefix_needs_groups(tokenizer):
     with pytest.raises(DatasetError):
         shared_prefix_requests(tokenizer, 4, num_groups=0, prefix_len=8, suffix_len=8, output_len=4)
+
+
+def test_runs_and_warm_ups_never_share_a_cached_block(tokenizer):
+    """A server's prefix cache works in blocks (16 tokens in flotilla): a sweep's runs and
+    the warm-up must not share one, or later runs would skip prefill work."""
+    from cli.bench.workload import build_requests, warmup_requests
+    from cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", "--num-prompts", "6", "--input-len", "32",
+                                      "--output-len", "4"])
+    runs = [build_requests(args, tokenizer, seed) for seed in (0, 1)]
+    warmups = warmup_requests(tokenizer, 2, seed=0)
+    assert [r.prompt_len for r in warmups] == [16, 16] and runs[0] == build_requests(args, tokenizer, 0)
+    first_blocks = [tuple(r.prompt_ids[:16]) for batch in (*runs, warmups) for r in batch]
+    assert len(set(first_blocks)) == len(first_blocks)

@@ -1,0 +1,151 @@
+"""Streaming responses folded into request records, against a scripted HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import httpx
+import pytest
+
+from cli.bench.client import RequestSettings, request_body, send
+from cli.bench.datasets import BenchRequest
+from cli.bench.load import LoadSettings, arrival_gaps, run_load, warm_up
+
+REQUEST = BenchRequest(prompt="hello there", prompt_ids=[1, 2], output_len=4)
+SETTINGS = RequestSettings(model="m", ignore_eos=True)
+
+
+def sse(*payloads) -> bytes:
+    lines = [f"data: {p if isinstance(p, str) else json.dumps(p)}\n\n" for p in payloads]
+    return "".join(lines).encode()
+
+
+def text_chunk(text: str, usage=None) -> dict:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": None}], "usage": usage}
+
+
+def client_for(handler) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler), base_url="http://bench")
+
+
+def run_send(handler, request=REQUEST, settings=SETTINGS):
+    async def go():
+        async with client_for(handler) as client:
+            return await send(client, request, settings, run_started=0.0)
+    return asyncio.run(go())
+
+
+def test_request_body_for_both_endpoints():
+    body = request_body(REQUEST, SETTINGS)
+    assert body == {"model": "m", "max_tokens": 4, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}, "prompt": "hello there",
+                    "ignore_eos": True}
+    chat = request_body(REQUEST, RequestSettings(model="m", endpoint="chat",
+                                                 extra_body={"top_k": 5}))
+    assert chat["messages"] == [{"role": "user", "content": "hello there"}]
+    assert "ignore_eos" not in chat and chat["top_k"] == 5
+
+
+def test_a_stream_gives_chunk_times_and_the_usage_counts():
+    seen = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.update(json.loads(request.content))
+        body = sse(text_chunk("Hel"), text_chunk("lo wor"), text_chunk("", None),
+                   {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}}, "[DONE]")
+        return httpx.Response(200, content=body)
+
+    record = run_send(handler)
+    assert seen["prompt"] == "hello there" and seen["max_tokens"] == 4
+    assert record.success and len(record.chunk_times_s) == 2  # the empty chunk is no token
+    assert (record.num_prompt_tokens, record.num_output_tokens) == (2, 4)
+    assert record.chunk_times_s[0] <= record.chunk_times_s[1] <= record.e2e_s
+    assert record.chunk_num_tokens is None
+
+
+def test_chat_deltas_and_continuous_usage_give_tokens_per_chunk():
+    def chat_chunk(content, completion_tokens):
+        return {"choices": [{"index": 0, "delta": {"content": content}}],
+                "usage": {"prompt_tokens": 2, "completion_tokens": completion_tokens}}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        return httpx.Response(200, content=sse(role, chat_chunk("a", 2), chat_chunk("b", 3),
+                                               chat_chunk("c", 6), "[DONE]"))
+
+    record = run_send(handler, settings=RequestSettings(model="m", endpoint="chat"))
+    assert record.chunk_num_tokens == [2, 1, 3]
+    assert record.num_output_tokens == 6
+
+
+@pytest.mark.parametrize("status, body, reason", [
+    (400, {"error": {"message": "bad prompt", "type": "invalid_request_error"}},
+     "HTTP 400: bad prompt"),
+    (503, "overloaded", "HTTP 503: overloaded")])
+def test_an_http_error_is_a_failed_record(status, body, reason):
+    content = json.dumps(body).encode() if isinstance(body, dict) else body.encode()
+    record = run_send(lambda request: httpx.Response(status, content=content))
+    assert not record.success and record.error == reason
+
+
+def test_an_error_inside_the_stream_is_a_failed_record():
+    body = sse(text_chunk("a"), {"error": {"message": "worker died", "type": "server_error"}})
+    record = run_send(lambda request: httpx.Response(200, content=body))
+    assert record.error == "stream error: worker died"
+
+
+def test_a_stream_without_text_or_a_broken_connection_fails():
+    empty = run_send(lambda request: httpx.Response(200, content=sse("[DONE]")))
+    assert empty.error == "no text received"
+
+    def refuse(request):
+        raise httpx.ConnectError("connection refused")
+
+    assert run_send(refuse).error == "ConnectError: connection refused"
+
+
+def test_max_concurrency_bounds_requests_in_flight():
+    in_flight, peak = 0, 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return httpx.Response(200, content=sse(text_chunk("x"), "[DONE]"))
+
+    async def go(max_concurrency):
+        async with client_for(handler) as client:
+            return await run_load(client, [REQUEST] * 12, SETTINGS,
+                                  LoadSettings(max_concurrency=max_concurrency))
+
+    result = asyncio.run(go(3))
+    assert peak == 3 and len(result.records) == 12 and all(r.success for r in result.records)
+    peak = 0
+    asyncio.run(go(None))
+    assert peak == 12
+
+
+def test_warm_up_stops_a_run_that_cannot_succeed():
+    async def go():
+        async with client_for(lambda request: httpx.Response(404, json={
+                "error": {"message": "The model `m` does not exist."}})) as client:
+            await warm_up(client, [REQUEST], SETTINGS, num_warmups=2)
+
+    with pytest.raises(RuntimeError, match="does not exist"):
+        asyncio.run(go())
+
+
+def test_poisson_gaps_have_the_requested_mean():
+    gaps = arrival_gaps(4001, request_rate=20.0, seed=1)
+    assert gaps[0] == 0.0 and min(gaps[1:]) > 0
+    assert sum(gaps) / 4000 == pytest.approx(1 / 20, rel=0.05)
+    bursty = arrival_gaps(4001, request_rate=20.0, burstiness=0.25, seed=1)
+    assert sum(bursty) / 4000 == pytest.approx(1 / 20, rel=0.1)
+    variance = lambda xs: sum((x - 1 / 20) ** 2 for x in xs) / len(xs)  # noqa: E731
+    assert variance(bursty[1:]) > 2 * variance(gaps[1:])  # same mean, burstier
+    assert arrival_gaps(3, math.inf) == [0.0, 0.0, 0.0]
+    assert arrival_gaps(50, 5.0, seed=4) == arrival_gaps(50, 5.0, seed=4)
