@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -19,16 +18,11 @@ from pathlib import Path
 
 import httpx
 
-from cli.stack import Stack, StackOptions
+from cli.stack import Stack, StackOptions, free_port
 from shared.models import resolve_model
 
 MODEL = resolve_model("smollm2").name
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(**options) -> Stack:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import platform
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cli.stack import Stack, StackOptions
+from cli.stack import Stack, StackOptions, free_port
 from shared.models import resolve_model
 
 QUESTIONS = [
@@ -76,11 +75,6 @@ def run_hf(model_path: Path, prompts: list[list[int]], output_len: int, batch_si
     total = sum(generate(prompts[i:i + batch_size]) for i in range(0, len(prompts), batch_size))
     return {"output_tokens": total, "seconds": time.perf_counter() - started}
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main() -> None:

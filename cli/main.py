@@ -8,7 +8,7 @@ import sys
 import time
 
 from cli import bench
-from cli.stack import Stack, StackOptions
+from cli.stack import Stack, StackOptions, flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,26 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _flags(**values: str | None) -> list[str]:
-    flags: list[str] = []
-    for name, value in values.items():
-        if value is not None:
-            flags += ["--" + name.replace("_", "-"), str(value)]
-    return flags
-
 
 def serve(args: argparse.Namespace) -> int:
     options = StackOptions(
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         namespace=args.namespace, cache_dir=args.cache_dir, log_level=args.log_level,
         replicas=args.replicas, service_args={
-            "worker": _flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
+            "worker": flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
                              dtype=args.dtype),
-            "scheduler": _flags(max_num_seqs=args.max_num_seqs,
+            "scheduler": flags(max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
                                 scheduling_policy=args.scheduling_policy)
             + (["--no-prefix-caching"] if args.no_prefix_caching else []),
-            "gateway": _flags(api_key=args.api_key),
+            "gateway": flags(api_key=args.api_key),
         })
     stack = Stack(options)
 

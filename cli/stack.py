@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -47,6 +48,19 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now (tests and benchmarks: never fixed ports)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def flags(**values: object) -> list[str]:
+    """Command-line flags for the values that are set: flags(max_num_seqs=4) -> ['--max-num-seqs', '4']."""
+    return [item for name, value in values.items() if value is not None
+            for item in ("--" + name.replace("_", "-"), str(value))]
 
 
 def nats_server_binary() -> str:

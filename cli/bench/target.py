@@ -4,7 +4,6 @@ and stops), the model name requests carry, and the tokenizer that builds prompts
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -66,15 +65,6 @@ def load_tokenizer(tokenizer_spec: str | None, spec: str):
                            "pass --tokenizer DIR") from None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _flags(**values: str | None) -> list[str]:
-    return [item for name, value in values.items() if value is not None
-            for item in ("--" + name.replace("_", "-"), str(value))]
 
 
 @contextmanager
@@ -84,14 +74,14 @@ def server(args: argparse.Namespace, spec: str) -> Iterator[str]:
     if args.base_url:
         yield args.base_url.rstrip("/")
         return
-    from cli.stack import Stack, StackOptions
+    from cli.stack import Stack, StackOptions, flags, free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix="flotilla-bench-"))
     stack = Stack(StackOptions(model=spec, host="127.0.0.1", port=free_port(), log_dir=log_dir,
                                service_args={
-        "worker": _flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
+        "worker": flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
                          dtype=args.dtype),
-        "scheduler": _flags(max_num_seqs=args.max_num_seqs,
+        "scheduler": flags(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens)}))
     print(f"flotilla bench: starting a flotilla stack for {spec} (logs in {log_dir})",
           file=sys.stderr, flush=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
 import msgspec
@@ -18,10 +18,6 @@ from shared.errors import InvalidRequest
 from shared.messages import (
     ChatMessage, DecodeRequest, DetokItem, DetokResult, EncodeRequest, TokenizerInfo,
 )
-from shared.models import resolve_model
-
-if TYPE_CHECKING:
-    from services.tokenizer.config import TokenizerConfig
 
 # config.json keys that hold the context length, most common first.
 _CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
@@ -41,11 +37,6 @@ class TextCodec:
         self.eos_token_ids = _eos_token_ids(
             model_config, _read_json(self.model_dir / "generation_config.json"),
             self.tokenizer.eos_token_id)
-
-    @classmethod
-    def from_config(cls, config: TokenizerConfig) -> TextCodec:
-        model = resolve_model(config.model, config.cache_dir)
-        return cls(model.path, config.max_model_len)
 
     @property
     def has_chat_template(self) -> bool:

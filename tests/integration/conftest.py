@@ -3,21 +3,15 @@ started the way ``flotilla serve`` starts them."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 
-from cli.stack import Stack, StackOptions
+from cli.stack import Stack, StackOptions, free_port
 from shared.models import resolve_model
 
 MODEL = "smollm2"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_stack(log_dir: Path, **overrides) -> Stack:
