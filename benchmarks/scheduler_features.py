@@ -80,7 +80,9 @@ async def prefix_scenario() -> None:
 
 
 async def chunked_scenario(budget: int) -> None:
-    stack = start(service_args={"scheduler": ["--max-num-batched-tokens", str(budget)]})
+    stack = start(service_args={"scheduler": ["--max-num-batched-tokens", str(budget),
+                                              "--log-level", "debug"]})
+    print(f"[chunked] logs in {stack.options.log_dir}")
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
             streams = [asyncio.create_task(stream(client, token_prompt(10 + i, 32), 400))
