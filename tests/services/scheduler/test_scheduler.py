@@ -4,6 +4,7 @@ real one would hold (its own token lists and block tables) and checks every plan
 from __future__ import annotations
 
 import zlib
+from collections import deque
 
 import pytest
 
@@ -90,16 +91,25 @@ def request(request_id: str, num_prompt: int, max_tokens: int, prompt: list[int]
                            output_subject="out", priority=priority, cache_salt=cache_salt)
 
 
-def run_to_completion(scheduler: Scheduler, worker: FakeWorker, max_steps=10_000):
+def run_to_completion(scheduler: Scheduler, worker: FakeWorker, depth: int = 1, max_steps=10_000):
+    """Drive the scheduler until it is idle. With ``depth`` > 1, plans run ahead of the
+    results as in the service: the worker runs each plan in order, the scheduler sees
+    a result only ``depth - 1`` plans later."""
+    in_flight: deque = deque()
     outputs: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
     plans = []
     for _ in range(max_steps):
-        plan = scheduler.schedule()
-        if plan is None:
+        while len(in_flight) < depth:
+            plan = scheduler.schedule()
+            if plan is None:
+                break
+            plans.append(plan)
+            in_flight.append((plan, worker.execute(plan)))
+        if not in_flight:
             break
-        plans.append(plan)
-        for emitted in scheduler.update(plan, worker.execute(plan)):
+        plan, result = in_flight.popleft()
+        for emitted in scheduler.update(plan, result):
             out = emitted.output
             assert out.request_id not in finish, "output after finish"
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -322,38 +332,11 @@ def test_preemption_takes_the_latest_request_first():
 
 
 # ---------------------------------------------------------------- overlapped steps
-def run_pipelined(scheduler: Scheduler, worker: FakeWorker, depth: int = 2, max_steps=10_000):
-    """Plan up to ``depth`` steps ahead of the results, as the service does: the worker
-    runs each plan in order; the scheduler sees a result only ``depth - 1`` plans later."""
-    from collections import deque
-
-    in_flight: deque = deque()
-    outputs: dict[str, list[int]] = {}
-    finish: dict[str, str] = {}
-    for _ in range(max_steps):
-        while len(in_flight) < depth:
-            plan = scheduler.schedule()
-            if plan is None:
-                break
-            in_flight.append((plan, worker.execute(plan)))
-        if not in_flight:
-            break
-        plan, result = in_flight.popleft()
-        for emitted in scheduler.update(plan, result):
-            out = emitted.output
-            assert out.request_id not in finish, "output after finish"
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finish_reason:
-                finish[out.request_id] = out.finish_reason
-    assert not scheduler.has_work
-    return outputs, finish
-
-
 def test_overlapped_steps_give_exactly_the_same_tokens():
     scheduler, worker = make_scheduler(max_num_batched_tokens=16), FakeWorker(64)
     for i in range(6):
         scheduler.add_request(request(f"r{i}", 5 + 3 * i, 7 + i, ignore_eos=True))
-    outputs, finish = run_pipelined(scheduler, worker)
+    outputs, finish, _ = run_to_completion(scheduler, worker, depth=2)
     for i in range(6):
         assert outputs[f"r{i}"] == expected_tokens(f"r{i}", 5 + 3 * i, 7 + i)
         assert finish[f"r{i}"] == "length"
@@ -364,7 +347,7 @@ def test_overlap_wastes_at_most_one_token_after_a_stop():
     scheduler, worker = make_scheduler(), FakeWorker(64)
     stop_token = next_token("s", 6 + 3)  # the 4th output token
     scheduler.add_request(request("s", 6, 50, stop_token_ids=[stop_token]))
-    outputs, finish = run_pipelined(scheduler, worker)
+    outputs, finish, _ = run_to_completion(scheduler, worker, depth=2)
     assert outputs["s"] == expected_tokens("s", 6, 4) and finish["s"] == "stop"
     assert worker.num_sampled["s"] == 5  # the stop token, then one wasted in the step in flight
 
@@ -374,7 +357,7 @@ def test_overlap_with_preemption_and_prefix_hits_stays_exact():
     shared = list(range(500, 508))
     for i in range(6):
         scheduler.add_request(request(f"r{i}", 0, 12, prompt=shared + [i], ignore_eos=True))
-    outputs, _ = run_pipelined(scheduler, worker)
+    outputs, _, _ = run_to_completion(scheduler, worker, depth=2)
     assert scheduler.num_preemptions > 0 and scheduler.num_prefix_hits > 0
     for i in range(6):
         assert outputs[f"r{i}"] == expected_tokens(f"r{i}", 9, 12)
