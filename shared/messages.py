@@ -211,6 +211,9 @@ class NewRequestData(Struct, frozen=True, array_like=True, gc=False):
     sampling: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int = 0
+    # how many of token_ids are the prompt (0: all of them); a resumed request's seeded
+    # draws continue from its output index
+    num_prompt_tokens: int = 0
 
 
 class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):

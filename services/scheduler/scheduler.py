@@ -202,7 +202,8 @@ class Scheduler:
                   new_requests: list[NewRequestData], scheduled: list[ScheduledRequest]) -> None:
         if not req.known_to_worker:
             new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.sampling,
-                                               list(req.block_table), req.num_computed_tokens))
+                                               list(req.block_table), req.num_computed_tokens,
+                                               len(req.prompt_token_ids)))
             req.known_to_worker = True
             new_block_ids = []
         else:

@@ -36,6 +36,14 @@ class RequestState:
     block_table: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    num_prompt_tokens: int
+
+    def seed_next_draw(self) -> None:
+        """A seeded draw depends only on (seed, output index), so a request preempted and
+        recomputed draws exactly what it would have drawn, whatever the batch."""
+        if self.generator is not None:
+            num_outputs = len(self.token_ids) - self.num_prompt_tokens
+            self.generator.manual_seed((self.sampling.seed * 1_000_003 + num_outputs) % 2**63)
 
 
 @dataclass
@@ -141,6 +149,8 @@ class ModelRunner:
                     chunks, self.block_size, self._device)
                 logits = self.model(input_ids, positions, metadata)  # [num_sampled, vocab_size]
                 states = [self._requests[request_id] for request_id in sampled_ids]
+                for state in states:
+                    state.seed_next_draw()
                 sampled_token_ids = sample(logits, [s.sampling for s in states],
                                            [s.generator for s in states])
         for scheduled, chunk in zip(plan.scheduled, chunks):
@@ -161,7 +171,8 @@ class ModelRunner:
         self._requests[new.request_id] = RequestState(
             token_ids=list(new.token_ids), sampling=new.sampling, block_table=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
-            generator=make_generator(new.sampling, self._device))
+            generator=make_generator(new.sampling, self._device),
+            num_prompt_tokens=new.num_prompt_tokens or len(new.token_ids))
 
     def _chunk(self, scheduled: ScheduledRequest) -> SequenceChunk:
         """Validate one scheduled entry and describe its work; no state changes yet."""

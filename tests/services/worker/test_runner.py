@@ -163,3 +163,26 @@ def test_bad_plans_raise_clear_errors(runner, plan, message):
     with pytest.raises(ValueError, match=message):
         runner.execute(plan)
     runner.execute(StepPlan(1, [], [], ["a", "b", "c"]))
+
+
+def test_a_seeded_request_resumed_after_preemption_draws_the_same_tokens(runner):
+    """The scheduler resends a preempted request with its outputs so far; its seeded
+    draws must continue exactly as if it had never stopped."""
+    prompt = [1, 504, 3575, 282, 4649, 314, 7042, 30, 17, 29]
+    seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=7, max_tokens=8)
+
+    def generate(request_id: str, token_ids: list[int], num_prompt: int, num_new: int) -> list[int]:
+        blocks = list(range(4 * len(request_id), 4 * len(request_id) + 4))
+        plan = StepPlan(0, [NewRequestData(request_id, token_ids, seeded, blocks, 0, num_prompt)],
+                        [ScheduledRequest(request_id, len(token_ids))])
+        outputs = runner.execute(plan).sampled_token_ids
+        for step in range(1, num_new):
+            outputs += runner.execute(StepPlan(step, [], [ScheduledRequest(request_id, 1)]))\
+                .sampled_token_ids
+        runner.execute(StepPlan(num_new, [], [], [request_id]))
+        return outputs
+
+    straight = generate("s", prompt, len(prompt), 6)
+    resumed = generate("resumed", prompt + straight[:3], len(prompt), 3)
+    assert resumed == straight[3:]
+    assert generate("again", prompt, len(prompt), 6) == straight
