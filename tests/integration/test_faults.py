@@ -69,7 +69,8 @@ def test_client_disconnect_aborts_and_frees_blocks(own_stack, model_name):
                       json=stream_request(model_name, 2000), timeout=120) as r:
         texts = sse_texts(r)
         next(texts)
-        assert blocks_in_use(own_stack) > 0
+        # the gauge follows the scheduler's stats events (every 0.5 s)
+        assert wait_for(lambda: blocks_in_use(own_stack) > 0), "the request holds no blocks"
     assert wait_for(lambda: blocks_in_use(own_stack) == 0), "blocks were not freed"
 
 
