@@ -3,6 +3,7 @@ started the way ``flotilla serve`` starts them."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,15 @@ from shared.models import resolve_model
 
 MODEL = "smollm2"
 
+
+def wait_for(condition, timeout_s: float = 20.0) -> bool:
+    """Poll ``condition`` until it holds or the time is up (metrics follow stats events)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.2)
+    return False
 
 
 def start_stack(log_dir: Path, **overrides) -> Stack:

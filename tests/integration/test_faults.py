@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.conftest import free_port, start_stack
+from tests.integration.conftest import free_port, start_stack, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -40,15 +40,6 @@ def blocks_in_use(stack) -> float:
     text = httpx.get(stack.base_url + "/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("flotilla_kv_cache_blocks_used{"))
-
-
-def wait_for(condition, timeout_s=20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 def test_a_restarted_tokenizer_does_not_break_requests_in_flight(own_stack, model_name):

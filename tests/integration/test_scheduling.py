@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import start_stack
+from tests.integration.conftest import start_stack, wait_for
 from tests.integration.test_correctness import hf_greedy
 
 pytestmark = pytest.mark.integration
@@ -80,10 +80,14 @@ def test_preemption_under_a_tiny_kv_cache_loses_nothing(tiny_kv_stack, model_nam
              for p in prompts]
     together = asyncio.run(complete_all(tiny_kv_stack.base_url, model_name, prompts, 24))
     assert together == alone
-    metrics = httpx.get(tiny_kv_stack.base_url + "/metrics").text
-    preemptions = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-                      if line.startswith("flotilla_preemptions_total{"))
-    assert preemptions > 0
+
+    def preemptions() -> float:
+        metrics = httpx.get(tiny_kv_stack.base_url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                   if line.startswith("flotilla_preemptions_total{"))
+
+    # counted from the scheduler's stats events (every 0.5 s)
+    assert wait_for(lambda: preemptions() > 0, 5.0)
 
 
 def test_two_replicas_share_the_load_and_agree(stack, model_name, tmp_path):
@@ -92,9 +96,14 @@ def test_two_replicas_share_the_load_and_agree(stack, model_name, tmp_path):
     two = start_stack(tmp_path, replicas=2, service_args={"worker": ["--kv-cache-memory", "256MiB"]})
     try:
         assert asyncio.run(complete_all(two.base_url, model_name, prompts, 12)) == expected
-        metrics = httpx.get(two.base_url + "/metrics").text
-        steps = {line.split('replica_id="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-                 for line in metrics.splitlines() if line.startswith("flotilla_worker_busy_seconds_total{")}
-        assert set(steps) == {"0", "1"} and all(busy > 0 for busy in steps.values()), steps
+
+        def busy_seconds() -> dict[str, float]:
+            metrics = httpx.get(two.base_url + "/metrics").text
+            return {line.split('replica_id="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                    for line in metrics.splitlines()
+                    if line.startswith("flotilla_worker_busy_seconds_total{")}
+
+        assert wait_for(lambda: len(busy_seconds()) == 2 and min(busy_seconds().values()) > 0,
+                        5.0), busy_seconds()
     finally:
         two.stop()
