@@ -58,6 +58,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._next_step_id = 0
         self._forget_ids: list[str] = []  # the worker should drop these at the next step
+        self._in_plan: set[str] = set()  # ids in the plan being built: never preempted
 
     # ------------------------------------------------------------ intake
     def add_request(self, request: GenerateRequest) -> None:
@@ -103,7 +104,7 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when there is nothing to compute now."""
         budget = self.config.max_num_batched_tokens
-        self._in_plan: set[str] = set()  # never preempt what this plan already computes
+        self._in_plan = set()
         new_requests: list[NewRequestData] = []
         scheduled: list[ScheduledRequest] = []
         preempted = False
