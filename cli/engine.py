@@ -1,0 +1,81 @@
+"""The in-process engine: the scheduler's policy driving a ModelRunner directly, no bus.
+
+The same two cores as the services (``services/scheduler/scheduler.py`` plans, ``ModelRunner``
+computes), stepped in one loop. Offline batch jobs and the GPU benchmarks use it, and comparing
+it with the full stack measures what the service split costs (issue 4, benchmark f).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
+from services.worker.config import WorkerConfig
+from services.worker.runner import ModelRunner
+from shared.messages import GenerateRequest, SamplingParams
+from shared.models import ModelFiles
+
+
+@dataclass
+class Completion:
+    request_id: str
+    num_prompt_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    first_token_time: float = 0.0  # perf_counter seconds
+    finish_time: float = 0.0
+
+
+@dataclass
+class EngineStats:
+    num_steps: int
+    num_preemptions: int
+    elapsed_s: float
+    step_time_s: float  # summed runner.execute wall time
+
+
+class Engine:
+    def __init__(self, scheduler_config: SchedulerConfig, worker_config: WorkerConfig,
+                 model_files: ModelFiles) -> None:
+        self.runner = ModelRunner(worker_config, model_files)
+        self.scheduler = Scheduler(
+            scheduler_config, num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
+            max_model_len=self.runner.max_model_len, eos_token_ids=self.runner.eos_token_ids,
+            model_name=self.runner.model_name)
+
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]
+                 ) -> tuple[list[Completion], EngineStats]:
+        """Run every prompt to completion; completions come back in prompt order."""
+        completions: dict[str, Completion] = {}
+        for index, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
+            request_id = f"offline-{index}"
+            self.scheduler.add_request(GenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=params,
+                output_subject="", arrival_time=time.time()))
+            completions[request_id] = Completion(request_id, len(prompt))
+        start = time.perf_counter()
+        num_steps, step_time_s = 0, 0.0
+        preemptions_before = self.scheduler.num_preemptions
+        while self.scheduler.has_work:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                raise RuntimeError("the scheduler has work but planned no step")
+            result = self.runner.execute(plan)
+            num_steps += 1
+            step_time_s += result.step_time_s
+            now = time.perf_counter()
+            for emitted in self.scheduler.update(plan, result):
+                output = emitted.output
+                completion = completions[output.request_id]
+                if output.error is not None:
+                    raise RuntimeError(f"{output.request_id}: {output.error.message}")
+                if not completion.output_token_ids:
+                    completion.first_token_time = now
+                completion.output_token_ids.extend(output.new_token_ids)
+                if output.finish_reason is not None:
+                    completion.finish_reason, completion.finish_time = output.finish_reason, now
+        stats = EngineStats(num_steps, self.scheduler.num_preemptions - preemptions_before,
+                            time.perf_counter() - start, step_time_s)
+        return list(completions.values()), stats
