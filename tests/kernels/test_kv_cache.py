@@ -1,0 +1,92 @@
+"""write_kv_cache (Triton) against write_kv_cache_ref, and its skip of negative slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.kv_cache import write_kv_cache
+from kernels.paged_attention import allocate_kv_cache, write_kv_cache_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def make_inputs(num_tokens: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+                block_size: int, dtype: torch.dtype, device: str, fused: bool, seed: int = 0):
+    """Fresh random K/V (optionally strided views of a fused qkv row), a NaN-poisoned cache
+    and distinct random slots."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    kv_size = num_kv_heads * head_dim
+    if fused:  # [num_tokens, q_size + 2 * kv_size], split like Attention.forward does
+        qkv = torch.randn(num_tokens, 3 * kv_size, generator=gen, device=device).to(dtype)
+        _, key, value = qkv.split([kv_size, kv_size, kv_size], dim=-1)
+        key = key.view(num_tokens, num_kv_heads, head_dim)
+        value = value.view(num_tokens, num_kv_heads, head_dim)
+    else:
+        key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
+        value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen,
+                            device=device).to(dtype)
+    kv_cache = allocate_kv_cache(2, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+    kv_cache.fill_(float("nan"))
+    num_slots = num_blocks * block_size
+    slot_mapping = torch.randperm(num_slots, generator=gen, device=device)[:num_tokens]
+    return key, value, kv_cache, slot_mapping
+
+
+def assert_same_cache(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.equal(actual.isnan(), expected.isnan())  # same slots written, no others
+    assert torch.equal(actual.nan_to_num(0.0), expected.nan_to_num(0.0))  # a copy is exact
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 33])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 64), (1, 128), (5, 96)])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_matches_ref(num_tokens, num_kv_heads, head_dim, fused, slot_dtype):
+    key, value, kv_cache, slots = make_inputs(num_tokens, num_kv_heads, head_dim, num_blocks=6,
+                                              block_size=16, dtype=torch.float32, device=DEVICE,
+                                              fused=fused, seed=num_tokens)
+    expected = kv_cache.clone()
+    write_kv_cache_ref(key, value, expected[1, 0], expected[1, 1], slots)
+    write_kv_cache(key, value, kv_cache[1, 0], kv_cache[1, 1], slots.to(slot_dtype))
+    assert_same_cache(kv_cache, expected)  # layer 0 untouched in both
+
+
+def test_negative_slots_are_skipped():
+    num_tokens = 9
+    key, value, kv_cache, slots = make_inputs(num_tokens, 3, 64, num_blocks=4, block_size=8,
+                                              dtype=torch.float32, device=DEVICE, fused=True)
+    padding = torch.tensor([0, 4, 8], device=DEVICE)
+    slots[padding] = -1
+    write_kv_cache(key, value, kv_cache[0, 0], kv_cache[0, 1], slots)
+    real = torch.ones(num_tokens, dtype=torch.bool, device=DEVICE)
+    real[padding] = False
+    expected = allocate_kv_cache(2, 4, 8, 3, 64, torch.float32, DEVICE).fill_(float("nan"))
+    write_kv_cache_ref(key[real], value[real], expected[0, 0], expected[0, 1], slots[real])
+    assert_same_cache(kv_cache, expected)
+    assert kv_cache.isnan().sum() == kv_cache.numel() - 2 * 6 * 3 * 64  # only 6 tokens written
+
+
+def test_all_padding_writes_nothing():
+    key, value, kv_cache, slots = make_inputs(4, 2, 64, num_blocks=2, block_size=4,
+                                              dtype=torch.float32, device=DEVICE, fused=False)
+    write_kv_cache(key, value, kv_cache[0, 0], kv_cache[0, 1], torch.full_like(slots, -1))
+    assert kv_cache.isnan().all()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 256, 8192])
+def test_gpu_real_sizes(dtype, num_tokens):
+    # Llama-3.1-8B: 8 KV heads, head_dim 128, fused qkv with 32 query heads
+    key, value, kv_cache, slots = make_inputs(num_tokens, 8, 128, num_blocks=1024, block_size=16,
+                                              dtype=dtype, device="cuda", fused=True,
+                                              seed=num_tokens)
+    slots[::5] = -1  # padding mixed in
+    real = slots >= 0
+    expected = kv_cache.clone()
+    write_kv_cache_ref(key[real], value[real], expected[0, 0], expected[0, 1], slots[real])
+    write_kv_cache(key, value, kv_cache[0, 0], kv_cache[0, 1], slots)
+    assert_same_cache(kv_cache, expected)
