@@ -57,8 +57,8 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         raise ValueError(f"shape mismatch: key {tuple(key.shape)}, value {tuple(value.shape)}, "
                          f"caches {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
     if key_cache.shape[2:] != (num_kv_heads, head_dim):
-        raise ValueError(f"cache {tuple(key_cache.shape)} does not hold [{num_kv_heads}, {head_dim}]"
-                         " heads")
+        raise ValueError(f"cache {tuple(key_cache.shape)} does not hold "
+                         f"[{num_kv_heads}, {head_dim}] heads")
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key_cache and value_cache must have the same strides")
     if key.stride(-1) != 1 or value.stride(-1) != 1 or key_cache.stride(-1) != 1:

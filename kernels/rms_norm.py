@@ -2,13 +2,13 @@
 
 Numerics follow Hugging Face's Llama RMSNorm exactly: normalize in fp32
 (``x * rsqrt(mean(x^2) + eps)``), cast to the input dtype, THEN multiply by the weight (in the
-promoted dtype of weight and input, as ``weight * normed`` does in torch). With a residual, the sum
-``x + residual`` is rounded to the residual's dtype first, as the decoder's ``x = x + attn(x)`` does.
+promoted dtype of weight and input, as ``weight * normed`` does in torch). With a residual, the
+sum ``x + residual`` is rounded to the input dtype first, as the decoder's ``x = x + attn(x)`` does.
 
 Rows are normalized over the last dim; any leading shape works, so the same kernel serves the
-per-head q/k norm of Qwen3 on ``[num_tokens, num_heads, head_dim]`` (also a strided view split from a
-fused qkv output). One program per row: a row of up to ``MAX_SINGLE_PASS`` elements is held in
-registers; longer rows take two passes over ``LOOP_BLOCK``-sized chunks.
+per-head q/k norm of Qwen3 on ``[num_tokens, num_heads, head_dim]`` (also a strided view split
+from a fused qkv output). One program per row: a row of up to ``MAX_SINGLE_PASS`` elements is
+held in registers; longer rows take two passes over ``LOOP_BLOCK``-sized chunks.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ def make_inputs(num_tokens: int, num_kv_heads: int, head_dim: int, num_blocks: i
         key = key.view(num_tokens, num_kv_heads, head_dim)
         value = value.view(num_tokens, num_kv_heads, head_dim)
     else:
-        key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
-        value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen,
-                            device=device).to(dtype)
+        shape = (num_tokens, num_kv_heads, head_dim)
+        key = torch.randn(shape, generator=gen, device=device).to(dtype)
+        value = torch.randn(shape, generator=gen, device=device).to(dtype)
     kv_cache = allocate_kv_cache(2, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     kv_cache.fill_(float("nan"))
     num_slots = num_blocks * block_size
