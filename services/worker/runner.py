@@ -97,7 +97,7 @@ class ModelRunner:
         self.model = load_model(model_files.path, self._device, self._dtype)
         model_config = self.model.config
         self.block_size: int = config.block_size
-        self.max_model_len: int = config.max_model_len or model_config.max_position_embeddings
+        self.max_model_len: int = model_config.usable_context_len(config.max_model_len)
         self.eos_token_ids: list[int] = read_eos_token_ids(model_files.path)
         bytes_per_block = (2 * model_config.num_layers * config.block_size * model_config.num_kv_heads
                            * model_config.head_dim * self._dtype.itemsize)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from shared.models import resolve_model
+from shared.models import PRESETS_DIR, resolve_model
 
 
 def test_the_default_alias_resolves_to_a_converted_hf_directory():
@@ -38,4 +38,24 @@ def test_a_directory_without_config_is_refused(tmp_path):
 
 def test_an_unknown_model_is_refused():
     with pytest.raises(ValueError, match="unknown model"):
+        resolve_model("no-such-model-anywhere")
+
+
+def test_a_dummy_preset_resolves_to_its_config_and_the_default_tokenizer():
+    files = resolve_model("dummy:llama-3.1-8b")
+    default = resolve_model("smollm2")
+    preset = json.loads((PRESETS_DIR / "llama-3.1-8b.json").read_text())
+    assert files.name == "dummy-llama-3.1-8b" and files.dummy and not default.dummy
+    special = ("bos_token_id", "eos_token_id", "pad_token_id")
+    assert {k: v for k, v in files.config.items() if k not in special} == \
+        {k: v for k, v in preset.items() if k not in special}
+    assert [files.config[k] for k in special] == [default.config[k] for k in special]
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (files.path / name).read_bytes() == (default.path / name).read_bytes()
+    assert not any(files.path.glob("*.safetensors"))
+    assert resolve_model(str(files.path)).dummy  # a marked directory needs no weights
+
+
+def test_every_preset_is_listed_in_an_unknown_model_error():
+    with pytest.raises(ValueError, match="dummy:<preset>.*qwen3-0.6b"):
         resolve_model("no-such-model-anywhere")
