@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     serve.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
     serve.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
+    serve.add_argument("--gpu-memory-utilization", default=None,
+                       help="share of GPU memory the worker uses (default 0.9)")
+    serve.add_argument("--max-model-len", default=None, help="context length limit")
+    serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     serve.add_argument("--cache-dir", default="~/.cache/flotilla", help="converted-model cache")
     serve.add_argument("--log-level", default="info")
     bench.add_parser(commands)
@@ -46,7 +50,11 @@ def serve(args: argparse.Namespace) -> int:
         namespace=args.namespace, cache_dir=args.cache_dir, log_level=args.log_level,
         replicas=args.replicas, service_args={
             "worker": flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
-                             dtype=args.dtype),
+                             dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             gpu_memory_utilization=args.gpu_memory_utilization,
+                             max_model_len=args.max_model_len)
+            + (["--enforce-eager"] if args.enforce_eager else []),
             "scheduler": flags(max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
                                 scheduling_policy=args.scheduling_policy)

@@ -95,6 +95,10 @@ def add_stack_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", default=None, help="most tokens per step")
     group.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
     group.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
+    group.add_argument("--gpu-memory-utilization", default=None,
+                       help="share of GPU memory the worker uses (default 0.9)")
+    group.add_argument("--max-model-len", default=None, help="context length limit")
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int) -> None:

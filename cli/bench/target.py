@@ -80,7 +80,11 @@ def server(args: argparse.Namespace, spec: str) -> Iterator[str]:
     stack = Stack(StackOptions(model=spec, host="127.0.0.1", port=free_port(), log_dir=log_dir,
                                service_args={
         "worker": flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
-                         dtype=args.dtype),
+                         dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         gpu_memory_utilization=args.gpu_memory_utilization,
+                         max_model_len=args.max_model_len)
+        + (["--enforce-eager"] if args.enforce_eager else []),
         "scheduler": flags(max_num_seqs=args.max_num_seqs,
                             max_num_batched_tokens=args.max_num_batched_tokens)}))
     print(f"flotilla bench: starting a flotilla stack for {spec} (logs in {log_dir})",

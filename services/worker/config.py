@@ -11,7 +11,12 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     replica_id: str = "0"  # pairs this worker with the scheduler of the same replica
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16", "float16"
-    kv_cache_memory: str = "1GiB"  # bytes or e.g. 512MiB, 2GiB
+    kv_cache_memory: str = "auto"  # bytes or e.g. 512MiB, 2GiB; auto: 1GiB on CPU, profiled on GPU
+    gpu_memory_utilization: float = 0.9  # share of the GPU the worker may use (weights + KV + rest)
+    max_num_batched_tokens: int = 2048  # the largest step it will be sent (memory profiling)
+    max_num_seqs: int = 64  # the largest batch: CUDA graphs are captured up to it
+    enforce_eager: bool = False  # no CUDA graphs
+    seed: int = 0  # random weights of dummy models
     block_size: int = 16  # tokens per KV block
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
@@ -20,7 +25,13 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "replica_id": "replica this worker serves (its scheduler uses the same id)",
         "device": "auto, cpu, cuda or cuda:N",
         "dtype": "auto, float32, bfloat16 or float16",
-        "kv_cache_memory": "memory for the KV cache, bytes or e.g. 512MiB, 2GiB",
+        "kv_cache_memory": "memory for the KV cache, bytes or e.g. 512MiB, 2GiB (auto: 1GiB on "
+                           "CPU; on GPU what --gpu-memory-utilization leaves after profiling)",
+        "gpu_memory_utilization": "share of GPU memory to use, 0-1",
+        "max_num_batched_tokens": "most tokens in one step (sizes the memory profile)",
+        "max_num_seqs": "most sequences in one step (CUDA graph batch sizes)",
+        "enforce_eager": "run every step eagerly: no CUDA graphs",
+        "seed": "seed of dummy models' random weights",
         "block_size": "tokens per KV cache block",
         "max_model_len": "context length limit (0: the model's own)",
         "num_threads": "torch CPU threads (0: torch default)",

@@ -178,6 +178,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32: context length after this step
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: where each sequence's tokens start
     logits_indices: torch.Tensor  # [num_sampled] int64: tokens whose logits are returned
+    # Host-side bounds, so GPU kernels size their launch without reading the tensors back
+    # (CUDA graphs pass the largest values they must serve).
+    max_query_len: int = 0
+    max_seq_len: int = 0
 
 
 # ---- compute ops: small free functions, so that a kernel can replace each one ----
@@ -286,11 +290,15 @@ class Transformer(nn.Module):
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.register_buffer("inv_freq", compute_inv_freq(config), persistent=False)
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    def bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         """Hand each layer views of its cache.
 
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         """
+        if kv_cache is None:  # unbind (after the memory profile's scratch cache)
+            for layer in self.layers:
+                layer.self_attn.key_cache = layer.self_attn.value_cache = None
+            return
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
             layer.self_attn.key_cache, layer.self_attn.value_cache = layer_cache[0], layer_cache[1]
 

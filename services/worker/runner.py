@@ -18,6 +18,8 @@ import torch
 
 from kernels.paged_attention import allocate_kv_cache
 from services.worker.config import WorkerConfig
+from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata, load_model
 from services.worker.sampler import make_generator, sample
 from shared.config import parse_size
@@ -79,10 +81,13 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
         [int(query_start_loc[i + 1]) - 1 for i, chunk in enumerate(chunks) if chunk.sample],
         dtype=torch.long)
     metadata = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device), block_tables=block_tables.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=query_start_loc.to(device), logits_indices=logits_indices.to(device))
-    return input_ids.to(device), positions.to(device), metadata
+        slot_mapping=slot_mapping.to(device, non_blocking=True),
+        block_tables=block_tables.to(device, non_blocking=True),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+        query_start_loc=query_start_loc.to(device, non_blocking=True),
+        logits_indices=logits_indices.to(device, non_blocking=True),
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+    return input_ids.to(device, non_blocking=True), positions.to(device, non_blocking=True), metadata
 
 
 class ModelRunner:
@@ -94,14 +99,13 @@ class ModelRunner:
         self._device = _resolve_device(config.device)
         self._dtype = _resolve_dtype(config.dtype, self._device)
         self.model_name: str = model_files.name
-        self.model = load_model(model_files.path, self._device, self._dtype)
+        self.model = load_model(model_files.path, self._device, self._dtype, seed=config.seed)
         model_config = self.model.config
         self.block_size: int = config.block_size
         self.max_model_len: int = model_config.usable_context_len(config.max_model_len)
         self.eos_token_ids: list[int] = read_eos_token_ids(model_files.path)
-        bytes_per_block = (2 * model_config.num_layers * config.block_size * model_config.num_kv_heads
-                           * model_config.head_dim * self._dtype.itemsize)
-        self.num_blocks: int = parse_size(config.kv_cache_memory) // bytes_per_block
+        bytes_per_block = kv_bytes_per_block(self.model, config.block_size, self._dtype)
+        self.num_blocks: int = self._kv_cache_budget(config) // bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} holds no block "
                              f"({bytes_per_block} bytes each)")
@@ -112,9 +116,26 @@ class ModelRunner:
                                           self._dtype, self._device)
         self.model.bind_kv_cache(self.kv_cache)
         self._requests: dict[str, RequestState] = {}
+        self._graphs: DecodeGraphs | None = None
+        if self._device.type == "cuda" and not config.enforce_eager:
+            self._graphs = DecodeGraphs(self.model, config.max_num_seqs,
+                                        -(-self.max_model_len // self.block_size),
+                                        self.max_model_len, self._device)
+            self._graphs.capture()
         log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
                  num_blocks=self.num_blocks, block_size=self.block_size,
                  kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len)
+
+    def _kv_cache_budget(self, config: WorkerConfig) -> int:
+        if config.kv_cache_memory != "auto":
+            return parse_size(config.kv_cache_memory)
+        if self._device.type != "cuda":
+            return 1 << 30
+        return profile_kv_cache_bytes(
+            self.model, num_tokens=config.max_num_batched_tokens, num_sampled=config.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=config.block_size,
+            gpu_memory_utilization=config.gpu_memory_utilization, device=self._device,
+            dtype=self._dtype).kv_cache_bytes
 
     @property
     def device(self) -> str:
@@ -147,7 +168,12 @@ class ModelRunner:
             with torch.inference_mode():
                 input_ids, positions, metadata = build_step_inputs(
                     chunks, self.block_size, self._device)
-                logits = self.model(input_ids, positions, metadata)  # [num_sampled, vocab_size]
+                if self._graphs is not None and metadata.max_query_len == 1 \
+                        and len(sampled_ids) == len(chunks) \
+                        and self._graphs.bucket_for(len(chunks)) is not None:
+                    logits = self._graphs.run(input_ids, positions, metadata)  # [num_seqs, vocab]
+                else:
+                    logits = self.model(input_ids, positions, metadata)  # [num_sampled, vocab_size]
                 states = [self._requests[request_id] for request_id in sampled_ids]
                 for state in states:
                     state.seed_next_draw()

@@ -33,7 +33,9 @@ def test_parse_size_rejects_garbage():
 
 
 def test_worker_config_defaults():
-    assert parse_size(WorkerConfig().kv_cache_memory) == 1 << 30
+    config = WorkerConfig()
+    assert config.kv_cache_memory == "auto" and config.gpu_memory_utilization == 0.9
+    assert not config.enforce_eager
 
 
 def test_subjects_are_namespaced():

@@ -1,0 +1,98 @@
+"""Pieces the GPU benchmarks share: ceilings measured on the machine, the engine under test,
+and the Hugging Face peer on random weights of the same architecture."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
+
+from cli.engine import Engine  # noqa: E402
+from services.scheduler.config import SchedulerConfig  # noqa: E402
+from services.worker.config import WorkerConfig  # noqa: E402
+from shared.models import ModelFiles, resolve_model  # noqa: E402
+
+
+def copy_bandwidth(device: str = "cuda", num_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read plus written per second (median of 20)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * num_bytes / sorted(times[3:])[len(times[3:]) // 2]
+
+
+def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False, prefix_caching: bool = False) -> Engine:
+    worker = WorkerConfig(device="cuda", dtype="bfloat16", max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          enforce_eager=enforce_eager)
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                prefix_caching=prefix_caching)
+    return Engine(scheduler, worker, resolve_model(model))
+
+
+def hf_random_model(model_files: ModelFiles, dtype: torch.dtype = torch.bfloat16,
+                    device: str = "cuda"):
+    """transformers' own implementation of the same architecture, random weights on the GPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_files.path))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_static_batches(hf_model, prompts: list[list[int]], output_lens: list[int],
+                      batch_size: int, pad_id: int = 0) -> dict:
+    """generate() over static batches (left-padded, greedy, EOS ignored): the tokens each
+    request asked for count, not the padding or the batch's longest tail."""
+    def run(batch_prompts, max_new):
+        width = max(len(p) for p in batch_prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch_prompts], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch_prompts],
+                            device="cuda")
+        hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                          min_new_tokens=max_new, do_sample=False, pad_token_id=pad_id)
+
+    run(prompts[:batch_size], 2)  # warm-up
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for first in range(0, len(prompts), batch_size):
+        run(prompts[first:first + batch_size], max(output_lens[first:first + batch_size]))
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - started
+    num_in, num_out = sum(map(len, prompts)), sum(output_lens)
+    return {"batch_size": batch_size, "num_prompts": len(prompts), "elapsed_s": elapsed,
+            "output_tok_s": num_out / elapsed, "total_tok_s": (num_in + num_out) / elapsed}
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def save(name: str, result: dict) -> None:
+    """Print the result as JSON and keep a copy under $OUT when the device tool set it."""
+    text = json.dumps(result, indent=1)
+    print(text, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"{name}.json").write_text(text)

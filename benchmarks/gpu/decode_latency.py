@@ -1,0 +1,88 @@
+"""Issue 4 benchmark b: batch-1 decode latency against the weights/bandwidth floor, and HF.
+
+    python benchmarks/gpu/decode_latency.py --model dummy:llama-3.1-8b --context 1024 --hf
+
+One request with a ``--context``-token prompt decodes ``--num-tokens`` tokens through the
+in-process engine (scheduler policy + worker runner, CUDA graphs unless --enforce-eager); the
+time per token is (last token - first token) / (n - 1). The floor is the bytes every decode step
+must read (all weights but the embedding table, plus the context's K/V) over the device copy
+bandwidth measured in the same run. With --hf, transformers' generate() on random weights of the
+same architecture is timed the same way (time for 1 + n tokens minus time for 1, over n).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from common import build_engine, copy_bandwidth, device_name, hf_random_model, save
+from shared.messages import SamplingParams
+from shared.models import resolve_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--num-tokens", type=int, default=128)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--hf", action="store_true", help="also time transformers generate()")
+    parser.add_argument("--hf-tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    bandwidth = copy_bandwidth()
+    engine = build_engine(args.model, max_model_len=args.context + args.num_tokens + 16,
+                          max_num_seqs=8, max_num_batched_tokens=2048,
+                          gpu_memory_utilization=0.45 if args.hf else 0.9,
+                          enforce_eager=args.enforce_eager)
+    model = engine.runner.model
+    config = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    read_bytes = weight_bytes - (0 if config.tie_word_embeddings else embed_bytes)
+    kv_bytes = 2 * config.num_layers * args.context * config.num_kv_heads * config.head_dim * 2
+    floor_ms = (read_bytes + kv_bytes) / bandwidth * 1e3
+
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 40_000, (args.context,), generator=generator).tolist()
+    params = [SamplingParams(max_tokens=args.num_tokens, temperature=0.0, ignore_eos=True)]
+    engine.generate([prompt], params)  # warm-up
+    runs = []
+    for _ in range(3):
+        (completion,), _stats = engine.generate([prompt], params)
+        runs.append((completion.finish_time - completion.first_token_time)
+                    / (args.num_tokens - 1) * 1e3)
+    ms_per_token = sorted(runs)[1]
+    result = {"benchmark": "decode_latency", "device": device_name(), "model": args.model,
+              "context": args.context, "num_tokens": args.num_tokens,
+              "cuda_graphs": not args.enforce_eager, "ms_per_token": ms_per_token,
+              "runs_ms": runs, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms_per_token,
+              "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes}
+    if args.hf:
+        del engine, model
+        torch.cuda.empty_cache()
+        hf_model = hf_random_model(resolve_model(args.model))
+        ids = torch.tensor([prompt], device="cuda")
+
+        def timed(num_new: int) -> float:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            with torch.inference_mode():
+                hf_model.generate(input_ids=ids, max_new_tokens=num_new, min_new_tokens=num_new,
+                                  do_sample=False, pad_token_id=0)
+            torch.cuda.synchronize()
+            return time.perf_counter() - started
+
+        timed(2)
+        hf_ms = (timed(1 + args.hf_tokens) - timed(1)) / args.hf_tokens * 1e3
+        result |= {"hf_ms_per_token": hf_ms, "speedup_vs_hf": hf_ms / ms_per_token}
+    save(f"decode_latency_{args.model.replace(':', '_')}", result)
+    print(f"\nbatch-1 decode, ctx {args.context}: {ms_per_token:.2f} ms/token; floor "
+          f"{floor_ms:.2f} ms ({floor_ms / ms_per_token:.0%} of floor)"
+          + (f"; HF {result['hf_ms_per_token']:.1f} ms" if args.hf else ""))
+
+
+if __name__ == "__main__":
+    main()

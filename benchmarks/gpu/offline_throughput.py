@@ -1,0 +1,115 @@
+"""Issue 4 benchmarks c, d, e: offline throughput of the in-process engine, and HF's.
+
+    # c: Llama-3.1-8B architecture, 1,000 prompts, 1,024 in / 128 out
+    python benchmarks/gpu/offline_throughput.py --model dummy:llama-3.1-8b --workload fixed \
+        --num-prompts 1000 --input-len 1024 --output-len 128 --hf-batch-sizes 64,128
+    # d: Qwen3-0.6B architecture, 256 prompts, input and output lengths uniform in 100-1024
+    python benchmarks/gpu/offline_throughput.py --model dummy:qwen3-0.6b --workload uniform \
+        --num-prompts 256 --hf-batch-sizes 256
+    # e: ShareGPT, 1,000 conversations (first human turn; the reply's length as output)
+    python benchmarks/gpu/offline_throughput.py --model dummy:llama-3.1-8b --workload sharegpt \
+        --num-prompts 1000
+
+Every prompt is submitted at once; EOS is ignored so every request produces exactly its output
+length. Prompts are random token ids (seeded; never repeated, so the prefix cache cannot help)
+except for ShareGPT, whose texts are encoded with the model directory's tokenizer. The HF peer
+runs generate() in static batches on random weights of the same architecture, in the same
+process after the engine is freed, over the first --hf-prompts prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from common import build_engine, device_name, hf_random_model, hf_static_batches, save
+from shared.messages import SamplingParams
+from shared.models import resolve_model
+
+
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(args.seed)
+    if args.workload == "sharegpt":
+        from transformers import AutoTokenizer
+
+        from cli.bench.sharegpt import default_path, load_exchanges, sharegpt_requests
+
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model).path))
+        requests = sharegpt_requests(tokenizer, load_exchanges(default_path()), args.num_prompts,
+                                     seed=args.seed)
+        return [r.prompt_ids for r in requests], [r.output_len for r in requests]
+    if args.workload == "fixed":
+        input_lens = [args.input_len] * args.num_prompts
+        output_lens = [args.output_len] * args.num_prompts
+    else:  # uniform
+        input_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)]
+        output_lens = [rng.randint(args.min_len, args.max_len) for _ in range(args.num_prompts)]
+    prompts = [[rng.randrange(100, 40_000) for _ in range(n)] for n in input_lens]
+    return prompts, output_lens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--workload", choices=("fixed", "uniform", "sharegpt"), default="fixed")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--min-len", type=int, default=100, help="uniform: shortest length")
+    parser.add_argument("--max-len", type=int, default=1024, help="uniform: longest length")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--hf-batch-sizes", default="", help="e.g. 64,128 (empty: no HF run)")
+    parser.add_argument("--hf-prompts", type=int, default=256, help="HF runs on this many")
+    args = parser.parse_args()
+
+    prompts, output_lens = workload(args)
+    engine = build_engine(args.model, max_model_len=args.max_model_len,
+                          max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          enforce_eager=args.enforce_eager)
+    warm = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 4
+    engine.generate([p[:64] for p in prompts[:4]], warm)
+    sampling = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+    completions, stats = engine.generate(prompts, sampling)
+    assert [len(c.output_token_ids) for c in completions] == output_lens
+    num_in, num_out = sum(map(len, prompts)), sum(output_lens)
+    result = {
+        "benchmark": "offline_throughput", "workload": args.workload, "model": args.model,
+        "device": device_name(), "num_prompts": len(prompts), "input_tokens": num_in,
+        "output_tokens": num_out, "elapsed_s": stats.elapsed_s,
+        "request_s": len(prompts) / stats.elapsed_s, "output_tok_s": num_out / stats.elapsed_s,
+        "total_tok_s": (num_in + num_out) / stats.elapsed_s, "num_steps": stats.num_steps,
+        "runner_share": stats.step_time_s / stats.elapsed_s,
+        "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "cuda_graphs": not args.enforce_eager}
+    if args.hf_batch_sizes:
+        model_files = resolve_model(args.model)
+        del engine, completions
+        torch.cuda.empty_cache()
+        hf_model = hf_random_model(model_files)
+        n = min(args.hf_prompts, len(prompts))
+        hf_runs = [hf_static_batches(hf_model, prompts[:n], output_lens[:n], int(b))
+                   for b in args.hf_batch_sizes.split(",")]
+        best = max(hf_runs, key=lambda r: r["output_tok_s"])
+        result |= {"hf_runs": hf_runs, "hf_best_output_tok_s": best["output_tok_s"],
+                   "hf_best_total_tok_s": best["total_tok_s"],
+                   "output_ratio_vs_hf": result["output_tok_s"] / best["output_tok_s"],
+                   "total_ratio_vs_hf": result["total_tok_s"] / best["total_tok_s"]}
+    save(f"throughput_{args.workload}_{args.model.replace(':', '_')}", result)
+    print(f"\n{args.workload} {args.model}: {result['total_tok_s']:,.0f} total tok/s, "
+          f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s"
+          + (f"; HF best {result['hf_best_output_tok_s']:,.0f} output tok/s "
+             f"(x{result['output_ratio_vs_hf']:.2f})" if args.hf_batch_sizes else ""))
+
+
+if __name__ == "__main__":
+    main()
