@@ -30,9 +30,9 @@ The Triton kernel (``paged_attention``; design notes above ``_paged_attention_ke
   columns) and the ragged end are masked.
 - a program finds its sequence without the host: with ``max_query_len <= BLOCK_Q`` (decodes, short
   chunks) program ``i`` is sequence ``i``; otherwise sequence ``i``'s tiles start at program
-  ``query_start_loc[i] // BLOCK_Q + i`` and a program counts, over ``query_start_loc``, the starts at
-  or before its own (one vector load per 256 sequences, no dependent-load binary search). The grid,
-  ``num_tokens // BLOCK_Q + num_seqs + 1``, bounds the tile count; spare programs exit at once.
+  ``query_start_loc[i] // BLOCK_Q + i`` and a program counts, over ``query_start_loc``, the starts
+  at or before its own (one vector load per 256 sequences, no dependent-load binary search). The
+  grid, ``num_tokens // BLOCK_Q + num_seqs + 1``, bounds the tile count; spare programs exit.
 - split-KV (flash-decoding): when few (sequence, kv head) programs would leave SMs idle, each
   sequence's context is cut into ``num_segments`` equal BLOCK_N-aligned pieces, one program each,
   writing an unnormalised partial output with its running max and sum; ``_combine_segments_kernel``
@@ -311,6 +311,15 @@ def workspace_numel(num_tokens: int, num_heads: int, head_dim: int, num_segments
     return num_tokens * num_heads * num_segments * (triton.next_power_of_2(head_dim) + 2)
 
 
+def decode_workspace_numel(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                           max_seq_len: int, device: torch.device | str) -> int:
+    """Scratch for a decode launch of num_seqs sequences with the launcher's own segment count:
+    what a worker preallocates per captured batch size."""
+    device = torch.device(device)
+    segments = choose_num_segments(num_seqs, num_kv_heads, max_seq_len, _sm_count(device))
+    return workspace_numel(num_seqs, num_heads, head_dim, segments)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
@@ -376,7 +385,8 @@ def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, b
         num_warps=config.num_warps, num_stages=config.num_stages)
     if num_segments > 1:
         _combine_segments_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum, query_start_loc, num_seqs, out.stride(0), out.stride(1),
+            out, part_acc, part_max, part_sum, query_start_loc, num_seqs,
+            out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, NUM_SEGMENTS=num_segments,
             num_warps=COMBINE_NUM_WARPS)
 
@@ -400,13 +410,15 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, SEQ_CH
 @triton.jit
 def _load_tile(ptrs, key_ok, d_ok, MASK_KEYS: tl.constexpr, PAD_D: tl.constexpr):
     """A K or V tile; masks only where the keys run out or head_dim was padded."""
-    if MASK_KEYS:
-        if PAD_D:
-            return tl.load(ptrs, mask=key_ok & d_ok, other=0.0)
-        return tl.load(ptrs, mask=key_ok, other=0.0)
-    if PAD_D:
-        return tl.load(ptrs, mask=d_ok, other=0.0)
-    return tl.load(ptrs)
+    if MASK_KEYS and PAD_D:
+        tile = tl.load(ptrs, mask=key_ok & d_ok, other=0.0)
+    elif MASK_KEYS:
+        tile = tl.load(ptrs, mask=key_ok, other=0.0)
+    elif PAD_D:
+        tile = tl.load(ptrs, mask=d_ok, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
 
 
 @triton.jit
@@ -516,7 +528,8 @@ def _paged_attention_kernel(
 
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = out_ptr + (tokens * stride_o_tok + heads * stride_o_head)[:, None] + offs_d[None, :]
+        o_ptrs = (out_ptr + (tokens * stride_o_tok + heads * stride_o_head)[:, None]
+                  + offs_d[None, :])
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:  # partial row [token - first token of the launch, head, segment]
         num_heads = tl.num_programs(1) * GROUP

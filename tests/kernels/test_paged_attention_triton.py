@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import (AttentionConfig, choose_num_segments, default_config,
-                                     paged_attention, paged_attention_ref, workspace_numel)
+from kernels.paged_attention import (AttentionConfig, choose_num_segments,
+                                     decode_workspace_numel, default_config, paged_attention,
+                                     paged_attention_ref, workspace_numel)
 from tests.kernels.test_paged_attention import dense_causal_attention, make_batch
 
 gpu = pytest.mark.gpu
@@ -183,6 +184,7 @@ def test_host_side_choices():
     assert default_config(512, 4, torch.bfloat16).block_m == 128
     assert default_config(512, 4, torch.float32).block_n <= 32
     assert workspace_numel(3, 8, 80, 1) == 0 and workspace_numel(3, 8, 80, 4) == 3 * 8 * 4 * 130
+    assert decode_workspace_numel(1, 8, 2, 64, 1024, "cpu") == 8 * 4 * 66  # 16 "SMs" on CPU
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,10 +280,8 @@ def test_gpu_cuda_graph_replay(batch):
     query, key_cache, value_cache, block_tables, seq_lens, query_start_loc = inputs
     out = torch.empty_like(query)
     kwargs = dict(max_query_len=1, max_seq_len=max_seq_len, out=out)
-    segments = choose_num_segments(batch, num_kv_heads, max_seq_len,
-                                   torch.cuda.get_device_properties(0).multi_processor_count)
-    workspace = torch.empty(workspace_numel(batch, num_heads, head_dim, segments),
-                            dtype=torch.float32, device="cuda")
+    numel = decode_workspace_numel(batch, num_heads, num_kv_heads, head_dim, max_seq_len, "cuda")
+    workspace = torch.empty(numel, dtype=torch.float32, device="cuda")
 
     def step():
         paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
