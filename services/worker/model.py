@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
+from kernels.rotary import build_cos_sin_cache
+from services.worker import ops
 from shared.models import DUMMY_MARKER
 
 log = structlog.get_logger()
@@ -182,31 +183,7 @@ class AttentionMetadata:
     # (CUDA graphs pass the largest values they must serve).
     max_query_len: int = 0
     max_seq_len: int = 0
-
-
-# ---- compute ops: small free functions, so that a kernel can replace each one ----
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., dim], weight: [dim] -> [..., dim]; computed in fp32 as transformers does."""
-    x_fp32 = x.float()
-    x_fp32 = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x_fp32.to(x.dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half ("neox") rotary embedding.
-
-    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim]
-    """
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: [num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    num_decodes: int = 0  # the first num_decodes sequences have one query each
 
 
 class RMSNorm(nn.Module):
@@ -215,8 +192,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [..., dim] -> normed x; with a residual, (norm(x + residual), x + residual)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -238,7 +216,7 @@ class Attention(nn.Module):
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.value_cache: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -247,11 +225,11 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        write_kv_cache_ref(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
-        out = paged_attention_ref(q, self.key_cache, self.value_cache, metadata.block_tables,
-                                  metadata.seq_lens, metadata.query_start_loc, self.scale)
-        return self.o_proj(out.view(num_tokens, self.q_size))  # [num_tokens, hidden_size]
+        ops.apply_rotary(q, k, positions, cos_sin_cache)  # in place
+        ops.write_kv_cache(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
+        # [num_tokens, num_heads, head_dim]
+        out = ops.attention(q, self.key_cache, self.value_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden_size]
 
 
 class MLP(nn.Module):
@@ -262,7 +240,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -273,10 +251,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin_cache: torch.Tensor, metadata: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input minus the residual stream so far (the whole input when
+        residual is None) -> (the MLP's output, the residual stream before it): each add is
+        fused into the next norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cos_sin_cache, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -289,6 +276,9 @@ class Transformer(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.register_buffer("inv_freq", compute_inv_freq(config), persistent=False)
+        # [max_position_embeddings, head_dim] fp32: cos then sin of position * inv_freq
+        self.register_buffer("cos_sin_cache", build_cos_sin_cache(
+            self.inv_freq, config.max_position_embeddings), persistent=False)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         """Hand each layer views of its cache.
@@ -306,12 +296,11 @@ class Transformer(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> logits [num_sampled, vocab_size] (fp32)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
-        angles = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, metadata)
-        x = self.norm(x[metadata.logits_indices])  # [num_sampled, hidden_size]
+            x, residual = layer(x, residual, positions, self.cos_sin_cache, metadata)
+        indices = metadata.logits_indices
+        x, _ = self.norm(x[indices], residual[indices])  # [num_sampled, hidden_size]
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head_weight).float()  # [num_sampled, vocab_size]
 
@@ -332,7 +321,8 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int =
     else:
         state_dict = _fuse_hf_weights(_read_safetensors(path, device, dtype), config)
     model.load_state_dict(state_dict, strict=True, assign=True)
-    model.inv_freq = compute_inv_freq(config).to(device)  # the meta-built buffer is empty
+    model.inv_freq = compute_inv_freq(config).to(device)  # the meta-built buffers are empty
+    model.cos_sin_cache = build_cos_sin_cache(model.inv_freq, config.max_position_embeddings)
     return model.eval()
 
 

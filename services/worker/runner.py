@@ -86,7 +86,8 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
         query_start_loc=query_start_loc.to(device, non_blocking=True),
         logits_indices=logits_indices.to(device, non_blocking=True),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens))
+        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+        num_decodes=next((i for i, q_len in enumerate(q_lens) if q_len > 1), len(q_lens)))
     return input_ids.to(device, non_blocking=True), positions.to(device, non_blocking=True), metadata
 
 

@@ -1,0 +1,51 @@
+"""The decoder's compute ops: the Triton kernels on CUDA tensors, their plain-torch references
+everywhere else (the CPU worker, and the numerics the kernels are tested against).
+
+Each op has the kernel's signature, so the model is written once for both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import activation, kv_cache, paged_attention, rms_norm as rms_norm_kernels, rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., dim] -> normed, or with a residual: (norm(x + residual), x + residual)."""
+    op = rms_norm_kernels.rms_norm if x.is_cuda else rms_norm_kernels.rms_norm_ref
+    return op(x, weight, eps, residual)
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
+                 cos_sin_cache: torch.Tensor) -> None:
+    """Rotate query [num_tokens, num_heads, head_dim] and key [.., num_kv_heads, ..] in place."""
+    op = rotary.apply_rotary if query.is_cuda else rotary.apply_rotary_ref
+    op(query, key, positions, cos_sin_cache)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]."""
+    op = activation.silu_and_mul if gate_up.is_cuda else activation.silu_and_mul_ref
+    return op(gate_up)
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    op = kv_cache.write_kv_cache if key.is_cuda else paged_attention.write_kv_cache_ref
+    op(key, value, key_cache, value_cache, slot_mapping)
+
+
+def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+              metadata, scale: float) -> torch.Tensor:
+    """Causal paged attention of the step's queries [num_tokens, num_heads, head_dim]."""
+    if not query.is_cuda:
+        return paged_attention.paged_attention_ref(
+            query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, scale)
+    return paged_attention.paged_attention(
+        query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+        metadata.query_start_loc, scale, max_query_len=metadata.max_query_len,
+        max_seq_len=metadata.max_seq_len, num_decodes=metadata.num_decodes)
