@@ -24,7 +24,7 @@ def _write_kv_cache_kernel(
     num_kv_heads, head_dim, block_size,
     BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:  # a negative slot is a padding token: nothing is read or written
         heads = tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
@@ -34,7 +34,6 @@ def _write_kv_cache_kernel(
         block_offset = slot % block_size
         cache_offsets = (block_id * cache_stride_block + block_offset * cache_stride_offset
                          + heads * cache_stride_head + dims)  # [BLOCK_HEADS, BLOCK_DIM]
-        token = token.to(tl.int64)
         key = tl.load(key_ptr + token * key_stride_token + heads * key_stride_head + dims,
                       mask=mask)
         tl.store(key_cache_ptr + cache_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)

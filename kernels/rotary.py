@@ -7,8 +7,9 @@ which already applies the Llama-3.1 scaling).
 
 Numerics are Hugging Face's, rounding for rounding: cos and sin are cast to the activation dtype,
 then ``x * cos`` and ``rotate_half(x) * sin`` are each rounded to that dtype before the add, as the
-torch expression ``x * cos + rotated * sin`` does in bf16/fp16. The Triton kernel computes each
-product in fp32 and rounds it the same way, so in half precision it matches the reference exactly.
+torch expression ``x * cos + rotated * sin`` does in bf16/fp16. The Triton kernel rounds each
+product the same way and is compiled without FMA contraction, so it matches the reference exactly
+(in fp32 too, up to the cos/sin values, which come from the same cache).
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
         BLOCK_HEADS=triton.next_power_of_2(num_heads),
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        enable_fp_fusion=False,  # an FMA would skip the rounding of one product: not HF's numbers
     )
 
 

@@ -76,3 +76,23 @@ def test_gpu_real_sizes(dtype, num_tokens):
     actual, expected = silu_and_mul(x, out=out), silu_and_mul_ref(x)
     torch.testing.assert_close(actual, expected)
     assert (actual != expected).float().mean().item() < 0.01  # rounding flips only
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_capture():
+    """No host sync: the call captures into a CUDA graph and replays on new inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = randn(64, 2 * 14336, gen=gen, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, 14336, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up: compile outside the capture
+        silu_and_mul(x, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        silu_and_mul(x, out=out)
+    x.copy_(randn(64, 2 * 14336, gen=gen, device="cuda", dtype=torch.bfloat16))
+    graph.replay()
+    assert torch.equal(out, silu_and_mul(x))

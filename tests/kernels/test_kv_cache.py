@@ -90,3 +90,28 @@ def test_gpu_real_sizes(dtype, num_tokens):
     write_kv_cache_ref(key[real], value[real], expected[0, 0], expected[0, 1], slots[real])
     write_kv_cache(key, value, kv_cache[0, 0], kv_cache[0, 1], slots)
     assert_same_cache(kv_cache, expected)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_capture():
+    """No host sync: the call captures into a CUDA graph; replays honour new slots and -1."""
+    key, value, kv_cache, slots = make_inputs(64, 8, 128, num_blocks=64, block_size=16,
+                                              dtype=torch.bfloat16, device="cuda", fused=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up: compile outside the capture
+        write_kv_cache(key, value, kv_cache[0, 0], kv_cache[0, 1], slots)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_kv_cache(key, value, kv_cache[0, 0], kv_cache[0, 1], slots)
+    kv_cache.fill_(float("nan"))
+    new_slots = torch.randperm(64 * 16, device="cuda")[:64]
+    new_slots[-8:] = -1  # padding rows of the captured batch
+    slots.copy_(new_slots)
+    graph.replay()
+    real = new_slots >= 0
+    expected = torch.full_like(kv_cache, float("nan"))
+    write_kv_cache_ref(key[real], value[real], expected[0, 0], expected[0, 1], new_slots[real])
+    assert_same_cache(kv_cache, expected)

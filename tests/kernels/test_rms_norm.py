@@ -1,4 +1,4 @@
-"""rms_norm (Triton) against rms_norm_ref, and rms_norm_ref against the model's RMSNorm."""
+"""rms_norm (Triton) against rms_norm_ref, and rms_norm_ref against HF's Llama RMSNorm."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import torch
 
 import kernels.rms_norm as rms_norm_module
 from kernels.rms_norm import rms_norm, rms_norm_ref
-from services.worker.model import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -53,14 +52,23 @@ def test_residual_is_updated_in_place():
     assert rel_err(normed, rms_norm_ref(expected_sum, weight, 1e-6)) < 1e-5
 
 
-def test_ref_is_the_model_rmsnorm():
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def test_ref_is_the_hf_rmsnorm():
     gen = torch.Generator().manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):
         x = randn(7, 576, gen=gen, device="cpu", dtype=dtype)
-        module = RMSNorm(576, 1e-5).to(dtype)
-        module.weight.data = make_weight(576, gen, device="cpu", dtype=dtype)
-        with torch.no_grad():
-            assert torch.equal(rms_norm_ref(x, module.weight.data, 1e-5), module(x))
+        residual = randn(7, 576, gen=gen, device="cpu", dtype=dtype)
+        weight = make_weight(576, gen, device="cpu", dtype=dtype)
+        assert torch.equal(rms_norm_ref(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5))
+        summed = x + residual  # the decoder layer's residual add, in the activation dtype
+        normed, new_residual = rms_norm_ref(x, weight, 1e-5, residual)
+        assert torch.equal(new_residual, summed)
+        assert torch.equal(normed, hf_rms_norm(summed, weight, 1e-5))
 
 
 @pytest.mark.parametrize("hidden_size", [96, 200])
@@ -164,3 +172,29 @@ def test_gpu_per_head_norm(dtype):
     weight = make_weight(head_dim, gen, device="cuda", dtype=dtype)
     torch.testing.assert_close(rms_norm(q, weight, 1e-6),
                                rms_norm_ref(q.contiguous(), weight, 1e-6))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_capture():
+    """No host sync: the fused call captures into a CUDA graph and replays on new inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = randn(64, 4096, gen=gen, device="cuda", dtype=torch.bfloat16)
+    residual = randn(64, 4096, gen=gen, device="cuda", dtype=torch.bfloat16)
+    weight = make_weight(4096, gen, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up: compile outside the capture
+        rms_norm(x, weight, 1e-5, residual.clone(), out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rms_norm(x, weight, 1e-5, residual, out=out)
+    for _ in range(2):
+        x.copy_(randn(64, 4096, gen=gen, device="cuda", dtype=torch.bfloat16))
+        start = randn(64, 4096, gen=gen, device="cuda", dtype=torch.bfloat16)
+        residual.copy_(start)
+        graph.replay()
+        expected, expected_residual = rms_norm(x, weight, 1e-5, start.clone())
+        assert torch.equal(out, expected) and torch.equal(residual, expected_residual)

@@ -1,4 +1,4 @@
-"""apply_rotary (Triton) against apply_rotary_ref; the ref and the cache against the model."""
+"""apply_rotary (Triton) against apply_rotary_ref; the ref and the cache against HF's formulas."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kernels.rotary import apply_rotary, apply_rotary_ref, build_cos_sin_cache
-from services.worker import model
 from services.worker.model import ModelConfig, compute_inv_freq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -21,6 +20,13 @@ def llama31_config(num_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 1
         "max_position_embeddings": 131072, "rope_theta": 500000.0,
         "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+
+
+def hf_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb for one of q, k. x: [num_tokens, num_heads, head_dim];
+    cos, sin: [num_tokens, head_dim] in x's dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None, :] + torch.cat((-x2, x1), dim=-1) * sin[:, None, :]
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -47,7 +53,7 @@ def test_cache_matches_model_angles():
     cache = build_cos_sin_cache(inv_freq, 5000)
     assert cache.shape == (5000, 64) and cache.dtype == torch.float32
     positions = torch.tensor([0, 1, 17, 4095, 4999])
-    freqs = positions[:, None].float() * inv_freq[None, :]  # as Transformer.forward computes them
+    freqs = positions[:, None].float() * inv_freq[None, :]  # as transformers computes them
     angles = torch.cat((freqs, freqs), dim=-1)
     cos, sin = cache[positions].chunk(2, dim=-1)
     assert torch.equal(torch.cat((cos, cos), -1), angles.cos())
@@ -55,17 +61,17 @@ def test_cache_matches_model_angles():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ref_is_the_model_rotary(dtype):
+def test_ref_is_the_hf_rotary(dtype):
     gen = torch.Generator().manual_seed(0)
     config = llama31_config(9, 3, 64)
     inv_freq = compute_inv_freq(config)
     cache = build_cos_sin_cache(inv_freq, 2048)
     positions = torch.randint(0, 2048, (11,), generator=gen)
     q, k, _ = make_qkv(11, 9, 3, 64, dtype, "cpu", fused=False, gen=gen)
-    freqs = positions[:, None].float() * inv_freq[None, :]
+    freqs = positions[:, None].float() * inv_freq[None, :]  # as transformers computes them
     angles = torch.cat((freqs, freqs), dim=-1)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    expected_q, expected_k = model.apply_rotary(q, cos, sin), model.apply_rotary(k, cos, sin)
+    expected_q, expected_k = hf_rotary(q, cos, sin), hf_rotary(k, cos, sin)
     apply_rotary_ref(q, k, positions, cache)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
 
@@ -130,3 +136,29 @@ def test_gpu_real_sizes(dtype, num_tokens):
     apply_rotary_ref(expected_q, expected_k, positions, cache)
     apply_rotary(q, k, positions, cache)
     assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_capture():
+    """No host sync: the in-place call captures into a CUDA graph and replays on new inputs."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    config = llama31_config()
+    cache = build_cos_sin_cache(compute_inv_freq(config).cuda(), 8192)
+    positions = torch.randint(0, 8192, (64,), generator=gen, device="cuda")
+    q, k, _ = make_qkv(64, 32, 8, 128, torch.bfloat16, "cuda", fused=True, gen=gen)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up: compile outside the capture
+        apply_rotary(q, k, positions, cache)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        apply_rotary(q, k, positions, cache)
+    new_q, new_k, _ = make_qkv(64, 32, 8, 128, torch.bfloat16, "cuda", fused=False, gen=gen)
+    q.copy_(new_q)
+    k.copy_(new_k)
+    positions.copy_(torch.randint(0, 8192, (64,), generator=gen, device="cuda"))
+    graph.replay()
+    apply_rotary_ref(new_q, new_k, positions, cache)
+    assert torch.equal(q, new_q) and torch.equal(k, new_k)
