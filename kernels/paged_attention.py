@@ -231,7 +231,7 @@ class AttentionConfig:
 DECODE_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=3)  # TUNE
 CHUNK_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)  # TUNE
 PREFILL_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)  # TUNE
-TARGET_PROGRAMS_PER_SM = 2  # TUNE: split the context until a decode launch has this many per SM
+TARGET_PROGRAMS_PER_SM = 2  # TUNE: split contexts until a decode launch has this many per SM
 MIN_SEGMENT_LEN = 256  # TUNE: never split a context into pieces shorter than this (tokens)
 MAX_SEGMENTS = 64  # TUNE: and never into more pieces than this (a power of 2)
 SEQ_CHUNK = 256  # sequences scanned per vector load when a program looks for its sequence
@@ -254,8 +254,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         pass the bounds the graph is for; the kernel reads the real lengths on the device.
     num_decodes: host int; the first num_decodes sequences have one query each (the scheduler's
         decodes-first order). They then run as their own launch with small tiles.
-    workspace: fp32 scratch of at least ``workspace_numel(...)`` elements for split-KV partials;
-        allocated here (a deterministic torch.empty) when None.
+    workspace: fp32 scratch for split-KV partials, at least ``decode_workspace_numel(...)``
+        elements for a decode batch (``workspace_numel`` with a forced num_segments); allocated
+        here (a deterministic torch.empty, fine under capture too) when None.
     num_segments: force the split-KV segment count (a power of 2; tests and benchmarks).
     decode_config, chunk_config: override the tile configs (benchmark sweeps).
     returns: out, [num_tokens, num_heads, head_dim] in the query's dtype
@@ -292,23 +293,29 @@ def default_config(max_query_len: int, group: int, dtype: torch.dtype) -> Attent
     config = DECODE_CONFIG if rows <= 16 else CHUNK_CONFIG if rows <= 64 else PREFILL_CONFIG
     block_m = max(min(rows, config.block_m), triton.next_power_of_2(group))
     if dtype == torch.float32:  # twice the bytes per tile: keep the pipeline in shared memory
-        return AttentionConfig(min(block_m, 64), min(config.block_n, 32), 4, 2)
+        return AttentionConfig(max(min(block_m, 64), triton.next_power_of_2(group)),
+                               min(config.block_n, 32), 4, 2)
     return AttentionConfig(block_m, config.block_n, config.num_warps, config.num_stages)
 
 
 def choose_num_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
-    """Split-KV segments for a decode launch, from host ints only (a power of 2)."""
+    """Split-KV segments for a decode launch, from host ints only: the power of 2 that brings the
+    launch to TARGET_PROGRAMS_PER_SM (rounding up: an SM holds several decode programs at once, so
+    one wave of up to ~2x the target still ends together), pieces no shorter than MIN_SEGMENT_LEN."""
     programs = num_seqs * num_kv_heads
     wanted = -(-TARGET_PROGRAMS_PER_SM * sm_count // programs)
     cap = min(MAX_SEGMENTS, max(1, max_seq_len // MIN_SEGMENT_LEN))
-    return 1 << (max(1, min(wanted, cap)).bit_length() - 1)
+    segments = triton.next_power_of_2(wanted)
+    while segments > cap:
+        segments //= 2
+    return segments
 
 
 def workspace_numel(num_tokens: int, num_heads: int, head_dim: int, num_segments: int) -> int:
     """fp32 elements of split-KV scratch for a launch of num_tokens queries and num_segments."""
     if num_segments <= 1:
         return 0
-    return num_tokens * num_heads * num_segments * (triton.next_power_of_2(head_dim) + 2)
+    return num_tokens * num_heads * num_segments * (_padded_head_dim(head_dim) + 2)
 
 
 def decode_workspace_numel(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -318,6 +325,10 @@ def decode_workspace_numel(num_seqs: int, num_heads: int, num_kv_heads: int, hea
     device = torch.device(device)
     segments = choose_num_segments(num_seqs, num_kv_heads, max_seq_len, _sm_count(device))
     return workspace_numel(num_seqs, num_heads, head_dim, segments)
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 @functools.lru_cache(maxsize=None)
@@ -360,7 +371,7 @@ def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, b
     block_q = config.block_m // group
     one_tile_per_seq = max_query_len <= block_q
     num_tiles = num_seqs if one_tile_per_seq else num_tokens // block_q + num_seqs + 1
-    head_dim_p2 = max(16, triton.next_power_of_2(head_dim))
+    head_dim_p2 = _padded_head_dim(head_dim)
     part_acc = part_max = part_sum = out  # unused unless split
     if num_segments > 1:
         numel = workspace_numel(num_tokens, num_heads, head_dim, num_segments)

@@ -176,7 +176,8 @@ def test_bad_inputs_are_refused():
 
 def test_host_side_choices():
     assert choose_num_segments(64, 8, 16384, 132) == 1  # 512 programs fill 132 SMs already
-    assert choose_num_segments(1, 8, 16384, 132) == 32
+    assert choose_num_segments(1, 8, 16384, 132) == 64  # 8 programs -> 512
+    assert choose_num_segments(16, 8, 16384, 132) == 4  # 128 programs -> 512
     assert choose_num_segments(1, 8, 1024, 132) == 4  # no piece under MIN_SEGMENT_LEN
     assert choose_num_segments(1, 8, 100, 132) == 1
     assert default_config(1, 4, torch.bfloat16).block_m == 16
