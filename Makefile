@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-unit bench
+.PHONY: install serve test test-unit test-deploy bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ test: $(STAMP)
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -ra -m 'not integration and not gpu' $(PYTEST_ARGS)
+
+# The chart, compose file and Dockerfile checks alone (tests/deploy; tools from the test extra).
+test-deploy: $(STAMP)
+	$(BIN)/python -m pytest -ra tests/deploy $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/stack_vs_hf.py $(ARGS)

@@ -1,0 +1,264 @@
+"""The Helm chart, rendered by Helm's own engine for several value sets: lint, Kubernetes
+schema validation of every manifest, and assertions on what the services get."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from shared.healthcheck import SERVICES
+from tests.deploy.tools import (
+    KUBE_VERSIONS, container, env, flotilla_workloads, helm_error, helm_lint, helm_template,
+    helm_template_text, of_kind, validate_kubernetes,
+)
+
+EXTERNAL_NATS = "nats://nats.messaging.svc:4222"
+API_KEY = "sk-test-0123456789"
+VALUE_SETS = {
+    "defaults": {},
+    "gpu-worker-2-replicas": {"worker": {"gpus": 1, "replicas": 2}},
+    "external-nats": {"nats": {"enabled": False}, "externalNats": {"url": EXTERNAL_NATS}},
+    "api-key": {"apiKey": {"value": API_KEY}},
+    "all-options": {
+        "model": {"name": "/models/Llama-3.1-8B-Instruct",
+                  "volume": {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}},
+        "cache": {"volume": {"persistentVolumeClaim": {"claimName": "flotilla-cache"}}},
+        "apiKey": {"existingSecret": "inference-keys", "secretKey": "token"},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "gateway": {"autoscaling": {"enabled": True, "maxReplicas": 8},
+                    "service": {"type": "LoadBalancer", "port": 80}},
+        "tokenizer": {"autoscaling": {"enabled": True}},
+        "worker": {"gpus": 2, "replicas": 3, "nodeSelector": {"gpu": "h100"},
+                   "env": {"FLOTILLA_KV_CACHE_MEMORY": "40GiB", "FLOTILLA_LOG_LEVEL": "debug"},
+                   "args": ["--dtype", "bfloat16"]},
+        "imagePullSecrets": [{"name": "registry"}],
+        "subjectNamespace": "team-a",
+    },
+}
+HEALTHCHECK = ["python", "-m", "shared.healthcheck"]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: helm_template(values) for name, values in VALUE_SETS.items()}
+
+
+def probe_command(probe: dict | None) -> list[str] | None:
+    return None if probe is None else probe["exec"]["command"]
+
+
+# ------------------------------------------------------------------ lint and schemas
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_helm_lint_strict_passes(name):
+    report = helm_lint(VALUE_SETS[name])
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # warnings and errors
+    assert not problems and not report["errors"], report
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+def test_every_manifest_validates_against_the_kubernetes_schema(rendered, name, version):
+    docs = rendered[name]
+    assert docs
+    for doc in docs:
+        validate_kubernetes(doc, version)  # raises on an invalid or unknown-kind manifest
+
+
+def test_the_schema_check_catches_a_bad_manifest(rendered):
+    """The validator can fail: a misspelt probe field and a string replica count."""
+    import copy
+
+    import jsonschema
+
+    worker = copy.deepcopy(flotilla_workloads(rendered["defaults"])["worker"])
+    container(worker)["readinesProbe"] = container(worker).pop("readinessProbe")
+    with pytest.raises(jsonschema.ValidationError):
+        validate_kubernetes(worker, KUBE_VERSIONS[-1])
+    gateway = copy.deepcopy(flotilla_workloads(rendered["defaults"])["gateway"])
+    gateway["spec"]["replicas"] = "two"
+    with pytest.raises(jsonschema.ValidationError):
+        validate_kubernetes(gateway, KUBE_VERSIONS[0])
+
+
+# ------------------------------------------------------------------ defaults
+def test_defaults_run_every_service_with_real_probes(rendered):
+    workloads = flotilla_workloads(rendered["defaults"])
+    assert set(workloads) == set(SERVICES)
+    kinds = {name: w["kind"] for name, w in workloads.items()}
+    assert kinds == {"gateway": "Deployment", "tokenizer": "Deployment",
+                     "scheduler": "StatefulSet", "worker": "StatefulSet"}
+    for name, workload in workloads.items():
+        c = container(workload)
+        assert c["name"] == name
+        assert c["command"] == ["python", "-m", f"services.{name}"]
+        assert c["image"] == "flotilla:0.1.0"
+        assert c["startupProbe"] and c["readinessProbe"]
+    worker, scheduler = container(workloads["worker"]), container(workloads["scheduler"])
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert probe_command(worker[kind]) == HEALTHCHECK + ["worker"]
+    assert probe_command(scheduler["livenessProbe"]) == HEALTHCHECK + ["scheduler", "--live"]
+    assert probe_command(scheduler["readinessProbe"]) == HEALTHCHECK + ["scheduler"]
+    tokenizer = container(workloads["tokenizer"])
+    assert probe_command(tokenizer["readinessProbe"]) == HEALTHCHECK + ["tokenizer"]
+    assert "livenessProbe" not in tokenizer  # queue-group health: see values.yaml
+    gateway = container(workloads["gateway"])
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "http"}
+    assert gateway["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert env(workloads["gateway"])["FLOTILLA_PORT"] == {"value": "8000"}
+
+
+def test_defaults_bundle_nats_with_jetstream_and_point_every_service_at_it(rendered):
+    docs = rendered["defaults"]
+    nats_services = [d for d in of_kind(docs, "Service") if d["metadata"]["name"] == "demo-nats"]
+    assert len(nats_services) == 1, "the NATS chart's client Service"
+    ports = {port["name"]: port["port"] for port in nats_services[0]["spec"]["ports"]}
+    assert ports["nats"] == 4222
+    for name, workload in flotilla_workloads(docs).items():
+        assert env(workload)["FLOTILLA_NATS_URL"] == {"value": "nats://demo-nats.inference.svc:4222"}, name
+    (config_map,) = [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"] == "demo-nats-config"]
+    assert '"jetstream"' in config_map["data"]["nats.conf"]
+    (nats,) = [d for d in of_kind(docs, "StatefulSet") if d["metadata"]["name"] == "demo-nats"]
+    assert nats["spec"]["volumeClaimTemplates"], "JetStream file store on a volume"
+
+
+def test_defaults_namespace_replica_ids_cpu_and_security(rendered):
+    workloads = flotilla_workloads(rendered["defaults"])
+    for name, workload in workloads.items():
+        assert env(workload)["FLOTILLA_NAMESPACE"] == {"value": "demo"}, name
+        assert env(workload)["FLOTILLA_MODEL"] == {"value": "smollm2"}
+        assert "FLOTILLA_API_KEY" not in env(workload)
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert container(workload)["securityContext"]["readOnlyRootFilesystem"] is True
+        assert "nvidia.com/gpu" not in str(workload)
+    for name in ("scheduler", "worker"):
+        assert env(workloads[name])["FLOTILLA_REPLICA_ID"] == {"valueFrom": {"fieldRef": {
+            "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
+        assert workloads[name]["spec"]["replicas"] == 1
+    assert env(workloads["worker"])["FLOTILLA_DEVICE"] == {"value": "cpu"}
+    assert not of_kind(rendered["defaults"], "Secret")
+    assert {d["metadata"]["name"] for d in of_kind(rendered["defaults"], "PodDisruptionBudget")} >= {
+        f"demo-flotilla-{name}" for name in SERVICES}
+
+
+# ------------------------------------------------------------------ GPU
+def test_gpu_worker_with_two_replicas(rendered):
+    workloads = flotilla_workloads(rendered["gpu-worker-2-replicas"])
+    worker = workloads["worker"]
+    assert worker["spec"]["replicas"] == 2
+    assert workloads["scheduler"]["spec"]["replicas"] == 2, "one scheduler per worker"
+    assert container(worker)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container(worker)["image"] == "flotilla:0.1.0-cuda"
+    assert env(worker)["FLOTILLA_DEVICE"] == {"value": "cuda"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+        worker["spec"]["template"]["spec"]["tolerations"]
+    for name in ("gateway", "tokenizer", "scheduler"):
+        assert "nvidia.com/gpu" not in str(workloads[name]), name
+        assert container(workloads[name])["image"] == "flotilla:0.1.0"
+
+
+# ------------------------------------------------------------------ NATS
+def test_external_nats_replaces_the_bundled_one(rendered):
+    docs = rendered["external-nats"]
+    assert not [d for d in docs if d["metadata"].get("labels", {}).get("app.kubernetes.io/name") == "nats"]
+    for name, workload in flotilla_workloads(docs).items():
+        assert env(workload)["FLOTILLA_NATS_URL"] == {"value": EXTERNAL_NATS}, name
+
+
+def test_each_release_gets_its_own_subject_namespace_on_a_shared_nats():
+    values = VALUE_SETS["external-nats"]
+    alpha, beta = helm_template(values, release="alpha"), helm_template(values, release="beta")
+    for release, docs in (("alpha", alpha), ("beta", beta)):
+        for name, workload in flotilla_workloads(docs).items():
+            assert env(workload)["FLOTILLA_NAMESPACE"] == {"value": release}, (release, name)
+            assert env(workload)["FLOTILLA_NATS_URL"] == {"value": EXTERNAL_NATS}
+    names = lambda docs: {(d["kind"], d["metadata"]["name"]) for d in docs}  # noqa: E731
+    assert not names(alpha) & names(beta), "two releases in one namespace must not collide"
+    custom = flotilla_workloads(helm_template({**values, "subjectNamespace": "team-a"}, release="alpha"))
+    assert {env(w)["FLOTILLA_NAMESPACE"]["value"] for w in custom.values()} == {"team-a"}
+
+
+# ------------------------------------------------------------------ API key
+def test_api_key_comes_from_a_secret(rendered):
+    docs = rendered["api-key"]
+    (secret,) = of_kind(docs, "Secret")
+    assert secret["metadata"]["name"] == "demo-flotilla-api-key"
+    assert base64.b64decode(secret["data"]["api-key"]).decode() == API_KEY
+    workloads = flotilla_workloads(docs)
+    assert env(workloads["gateway"])["FLOTILLA_API_KEY"] == {"valueFrom": {"secretKeyRef": {
+        "name": "demo-flotilla-api-key", "key": "api-key"}}}
+    for name in ("tokenizer", "scheduler", "worker"):
+        assert "FLOTILLA_API_KEY" not in env(workloads[name])
+    assert API_KEY not in str([d for d in docs if d["kind"] != "Secret"]), "the key only in the Secret"
+    annotations = workloads["gateway"]["spec"]["template"]["metadata"]["annotations"]
+    assert "checksum/api-key" in annotations, "a new key rolls the gateways"
+
+
+def test_api_key_from_an_existing_secret(rendered):
+    docs = rendered["all-options"]
+    assert not of_kind(docs, "Secret")
+    assert env(flotilla_workloads(docs)["gateway"])["FLOTILLA_API_KEY"] == {"valueFrom": {
+        "secretKeyRef": {"name": "inference-keys", "key": "token"}}}
+
+
+# ------------------------------------------------------------------ the other options
+def test_model_volume_cache_autoscaling_monitoring_and_overrides(rendered):
+    docs = rendered["all-options"]
+    workloads = flotilla_workloads(docs)
+    for name in ("tokenizer", "worker"):
+        pod = workloads[name]["spec"]["template"]["spec"]
+        mounts = {m["name"]: m for m in container(workloads[name])["volumeMounts"]}
+        assert mounts["models"] == {"name": "models", "mountPath": "/models", "readOnly": True}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"]["claimName"] == "models"
+        assert volumes["cache"]["persistentVolumeClaim"]["claimName"] == "flotilla-cache"
+        assert env(workloads[name])["FLOTILLA_MODEL"] == {"value": "/models/Llama-3.1-8B-Instruct"}
+    for name in ("gateway", "scheduler"):
+        assert "models" not in str(container(workloads[name]).get("volumeMounts"))
+    hpas = {d["spec"]["scaleTargetRef"]["name"]: d for d in of_kind(docs, "HorizontalPodAutoscaler")}
+    assert set(hpas) == {"demo-flotilla-gateway", "demo-flotilla-tokenizer"}
+    assert hpas["demo-flotilla-gateway"]["spec"]["maxReplicas"] == 8
+    for name in ("gateway", "tokenizer"):
+        assert "replicas" not in workloads[name]["spec"], "the HPA owns the replica count"
+    (monitor,) = of_kind(docs, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    (service,) = [d for d in of_kind(docs, "Service") if d["metadata"]["name"] == "demo-flotilla-gateway"]
+    assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["ports"][0]["port"] == 80
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    worker = workloads["worker"]
+    assert worker["spec"]["replicas"] == 3 and workloads["scheduler"]["spec"]["replicas"] == 3
+    assert container(worker)["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert worker["spec"]["template"]["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert env(worker)["FLOTILLA_KV_CACHE_MEMORY"] == {"value": "40GiB"}
+    assert env(worker)["FLOTILLA_LOG_LEVEL"] == {"value": "debug"}, "service env wins"
+    assert env(workloads["gateway"])["FLOTILLA_LOG_LEVEL"] == {"value": "info"}
+    assert container(worker)["args"] == ["--dtype", "bfloat16"]
+    assert {env(w)["FLOTILLA_NAMESPACE"]["value"] for w in workloads.values()} == {"team-a"}
+    for workload in workloads.values():
+        assert workload["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+
+
+def test_disabled_services_are_not_rendered():
+    workloads = flotilla_workloads(helm_template({"gateway": {"enabled": False}}))
+    assert set(workloads) == {"tokenizer", "scheduler", "worker"}
+
+
+# ------------------------------------------------------------------ failures
+@pytest.mark.parametrize("values, message", [
+    ({"model": {"name": ""}}, "flotilla: set model.name"),
+    ({"model": {"name": None}}, "flotilla: set model.name"),
+    ({"nats": {"enabled": False}}, "set externalNats.url"),
+    ({"scheduler": {"replicas": 3}}, "scheduler.replicas (3) must equal worker.replicas (1)"),
+    ({"model": {"name": "/models/llama"}}, "model.volume is empty"),
+    ({"worker": {"replica": 2}}, "additional properties 'replica' not allowed"),  # schema
+    ({"subjectNamespace": "a.b"}, "/subjectNamespace"),
+    ({"externalNats": {"url": "http://nats:4222"}}, "/externalNats/url"),
+    ({"worker": {"gpus": -1}}, "/worker/gpus"),
+])
+def test_bad_values_fail_with_a_clear_message(values, message):
+    with pytest.raises(helm_error()) as failure:
+        helm_template_text(values)
+    assert message in str(failure.value)
