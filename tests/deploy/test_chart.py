@@ -262,3 +262,16 @@ def test_bad_values_fail_with_a_clear_message(values, message):
     with pytest.raises(helm_error()) as failure:
         helm_template_text(values)
     assert message in str(failure.value)
+
+
+def test_render_command_for_developers_without_the_helm_cli(capsys, tmp_path):
+    from tests.deploy.render import main
+
+    values = tmp_path / "values.yaml"
+    values.write_text("worker:\n  replicas: 2\n")
+    assert main(["-f", str(values), "--set", "worker.gpus=1", "--release", "r1"]) == 0
+    manifests = capsys.readouterr().out
+    assert "nvidia.com/gpu: 1" in manifests and "name: r1-flotilla-worker" in manifests
+    assert main(["--set", "model.name="]) == 1
+    assert "flotilla: set model.name" in capsys.readouterr().err
+    assert main(["--lint"]) == 0
