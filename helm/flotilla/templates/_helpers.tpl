@@ -12,7 +12,8 @@ scheduler worker
 {{- .Chart.Name | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
-{{/* <release>-flotilla, or the release name when it already says flotilla. */}}
+{{/* <release>-flotilla, or the release name when it already says flotilla. At most 40
+characters: "<fullname>-scheduler" must stay within the 52 a StatefulSet name may have. */}}
 {{- define "flotilla.fullname" -}}
 {{- if contains .Chart.Name .Release.Name }}
 {{- .Release.Name | trunc 40 | trimSuffix "-" }}
