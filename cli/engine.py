@@ -34,6 +34,8 @@ class EngineStats:
     num_preemptions: int
     elapsed_s: float
     step_time_s: float  # summed runner.execute wall time
+    num_decode_steps: int = 0  # steps of one token per sequence (CUDA graphs on GPU)
+    decode_step_time_s: float = 0.0
 
 
 class Engine:
@@ -56,7 +58,7 @@ class Engine:
                 output_subject="", arrival_time=time.time()))
             completions[request_id] = Completion(request_id, len(prompt))
         start = time.perf_counter()
-        num_steps, step_time_s = 0, 0.0
+        num_steps, step_time_s, num_decode_steps, decode_step_time_s = 0, 0.0, 0, 0.0
         preemptions_before = self.scheduler.num_preemptions
         while self.scheduler.has_work:
             plan = self.scheduler.schedule()
@@ -65,6 +67,9 @@ class Engine:
             result = self.runner.execute(plan)
             num_steps += 1
             step_time_s += result.step_time_s
+            if all(s.num_new_tokens == 1 for s in plan.scheduled):
+                num_decode_steps += 1
+                decode_step_time_s += result.step_time_s
             now = time.perf_counter()
             for emitted in self.scheduler.update(plan, result):
                 output = emitted.output
@@ -77,5 +82,6 @@ class Engine:
                 if output.finish_reason is not None:
                     completion.finish_reason, completion.finish_time = output.finish_reason, now
         stats = EngineStats(num_steps, self.scheduler.num_preemptions - preemptions_before,
-                            time.perf_counter() - start, step_time_s)
+                            time.perf_counter() - start, step_time_s, num_decode_steps,
+                            decode_step_time_s)
         return list(completions.values()), stats

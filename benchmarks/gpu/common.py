@@ -95,4 +95,5 @@ def save(name: str, result: dict) -> None:
     print(text, flush=True)
     out = os.environ.get("OUT")
     if out:
-        Path(out, f"{name}.json").write_text(text)
+        safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("._")
+        Path(out, f"{safe_name}.json").write_text(text)

@@ -22,6 +22,25 @@ from shared.messages import SamplingParams
 from shared.models import resolve_model
 
 
+def graph_replay_ms(engine) -> float:
+    """GPU time of the batch-1 decode graph alone (the step minus every host-side cost), and
+    where it goes, kernel by kernel."""
+    graph = engine.runner._graphs.graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
+    return start.elapsed_time(end) / 50
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
@@ -55,11 +74,13 @@ def main() -> None:
         runs.append((completion.finish_time - completion.first_token_time)
                     / (args.num_tokens - 1) * 1e3)
     ms_per_token = sorted(runs)[1]
+    gpu_ms = graph_replay_ms(engine) if not args.enforce_eager else None
     result = {"benchmark": "decode_latency", "device": device_name(), "model": args.model,
               "context": args.context, "num_tokens": args.num_tokens,
               "cuda_graphs": not args.enforce_eager, "ms_per_token": ms_per_token,
               "runs_ms": runs, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms_per_token,
-              "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes}
+              "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes,
+              "graph_replay_ms": gpu_ms}
     if args.hf:
         del engine, model
         torch.cuda.empty_cache()

@@ -88,6 +88,10 @@ def main() -> None:
         "request_s": len(prompts) / stats.elapsed_s, "output_tok_s": num_out / stats.elapsed_s,
         "total_tok_s": (num_in + num_out) / stats.elapsed_s, "num_steps": stats.num_steps,
         "runner_share": stats.step_time_s / stats.elapsed_s,
+        "num_decode_steps": stats.num_decode_steps,
+        "decode_step_ms": 1e3 * stats.decode_step_time_s / max(stats.num_decode_steps, 1),
+        "mixed_step_ms": 1e3 * (stats.step_time_s - stats.decode_step_time_s)
+        / max(stats.num_steps - stats.num_decode_steps, 1),
         "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager}

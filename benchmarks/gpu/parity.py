@@ -56,6 +56,11 @@ def main() -> None:
     ours_logprobs = torch.cat(logits).float().log_softmax(-1)  # [num_tokens, vocab]
     hf_logits = hf_model(torch.tensor([token_ids], device="cuda")).logits[0]
     hf_logprobs = hf_logits.float().log_softmax(-1)  # [num_tokens, vocab]
+    # The same weights in fp32 through transformers: how far each bf16 run is from exact.
+    exact_logprobs = hf_model.float()(torch.tensor([token_ids], device="cuda")).logits[0]
+    exact_logprobs = exact_logprobs.log_softmax(-1)  # [num_tokens, vocab]
+    ours_error = (ours_logprobs - exact_logprobs).abs()
+    hf_error = (hf_logprobs - exact_logprobs).abs()
     diff = (ours_logprobs - hf_logprobs).abs()
     hf_top = hf_logprobs.argmax(-1)
     top_diff = diff.gather(-1, hf_top[:, None])
@@ -64,10 +69,19 @@ def main() -> None:
               "mean_abs_logprob_diff": float(diff.mean()),
               "max_abs_diff_at_hf_top": float(top_diff.max()),
               "top1_agreement": float((ours_logprobs.argmax(-1) == hf_top).float().mean()),
-              "hf_top_logprob_mean": float(hf_logprobs.max(-1).values.mean())}
+              "hf_top_logprob_mean": float(hf_logprobs.max(-1).values.mean()),
+              "ours_bf16_vs_fp32_mean": float(ours_error.mean()),
+              "ours_bf16_vs_fp32_max": float(ours_error.max()),
+              "hf_bf16_vs_fp32_mean": float(hf_error.mean()),
+              "hf_bf16_vs_fp32_max": float(hf_error.max()),
+              "ours_top1_vs_fp32": float((ours_logprobs.argmax(-1) == exact_logprobs.argmax(-1))
+                                         .float().mean()),
+              "hf_top1_vs_fp32": float((hf_top == exact_logprobs.argmax(-1)).float().mean())}
     save(f"parity_{args.model.replace(':', '_')}", result)
     print(f"\nparity {args.model}: max |dlogprob| {result['max_abs_logprob_diff']:.4f}, mean "
-          f"{result['mean_abs_logprob_diff']:.5f}, top-1 agreement {result['top1_agreement']:.3f}")
+          f"{result['mean_abs_logprob_diff']:.5f}, top-1 agreement {result['top1_agreement']:.3f}; "
+          f"vs fp32: ours mean {result['ours_bf16_vs_fp32_mean']:.5f}, HF bf16 mean "
+          f"{result['hf_bf16_vs_fp32_mean']:.5f}")
 
 
 if __name__ == "__main__":

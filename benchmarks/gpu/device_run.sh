@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Run GPU stages on the lent device machine (see BENCHMARKS.md for each stage's command).
+#   bash benchmarks/gpu/device_run.sh env tests parity decode attention throughput-c ...
+# Expects wheels for what the machine lacks in .whl/ (msgspec, nats-py, structlog, ...) and
+# dummy model directories in .devmodels/ (copies of resolve_model("dummy:<preset>").path).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl ${EXTRA_WHEELS:-} >/dev/null 2>&1 || echo "wheel install failed"
+M=.devmodels
+for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+         python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
+    tests) python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -W ignore --tb=line 2>&1 | grep -v "^  \|^$" | tail -30;;
+    parity) python3 benchmarks/gpu/parity.py --model $M/dummy-llama-3.1-8b 2>&1 | tail -40;;
+    decode) python3 benchmarks/gpu/decode_latency.py --model $M/dummy-llama-3.1-8b --hf 2>&1 | tail -40;;
+    decode-eager) python3 benchmarks/gpu/decode_latency.py --model $M/dummy-llama-3.1-8b --enforce-eager 2>&1 | tail -40;;
+    attention) python3 benchmarks/gpu/attention_kernel.py 2>&1 | tail -20;;
+    throughput-c) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b \
+        --workload fixed --num-prompts 1000 --input-len 1024 --output-len 128 ${C_ARGS:-} 2>&1 | tail -40;;
+    throughput-c-hf) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b \
+        --workload fixed --num-prompts 1000 --input-len 1024 --output-len 128 \
+        --hf-batch-sizes 64,128 --hf-prompts 256 2>&1 | tail -40;;
+    throughput-d) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-qwen3-0.6b \
+        --workload uniform --num-prompts 256 --hf-batch-sizes 256 ${D_ARGS:-} 2>&1 | tail -40;;
+    throughput-e) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b \
+        --workload sharegpt --num-prompts 1000 ${E_ARGS:-} 2>&1 | tail -40;;
+    stack-f) python3 benchmarks/gpu/stack_throughput.py --model $M/dummy-llama-3.1-8b \
+        --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 | tail -40;;
+    *) echo "unknown stage $stage";;
+  esac
+done

@@ -1,0 +1,86 @@
+"""Issue 4 benchmark f: benchmark c through the full service stack (gateway -> NATS ->
+scheduler -> worker), to compare with the in-process engine (offline_throughput.py).
+
+    python benchmarks/gpu/stack_throughput.py --model dummy:llama-3.1-8b \
+        --num-prompts 1000 --input-len 1024 --output-len 128
+
+Starts nats-server and every service (cli/stack.py) with the engine's settings (bf16 on CUDA,
+the same max-num-seqs, max-num-batched-tokens and max-model-len, prefix caching off as in the
+engine run), then sends every request at once to /v1/completions as token-id prompts (the same
+seeded random prompts offline_throughput.py builds), non-streaming, greedy, EOS ignored, and
+reports total and output tokens per second from the responses' usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from common import device_name, save
+from cli.stack import Stack, StackOptions, flags, free_port
+from shared.models import resolve_model
+
+
+async def send_all(base_url: str, model: str, prompts: list[list[int]], output_len: int) -> dict:
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits) as client:
+        async def one(prompt: list[int]) -> dict:
+            response = await client.post("/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+                "ignore_eos": True})
+            response.raise_for_status()
+            return response.json()["usage"]
+
+        await one(prompts[0][:64])  # warm-up
+        started = time.perf_counter()
+        usages = await asyncio.gather(*(one(p) for p in prompts))
+        elapsed = time.perf_counter() - started
+    num_in = sum(u["prompt_tokens"] for u in usages)
+    num_out = sum(u["completion_tokens"] for u in usages)
+    return {"elapsed_s": elapsed, "input_tokens": num_in, "output_tokens": num_out,
+            "request_s": len(prompts) / elapsed, "output_tok_s": num_out / elapsed,
+            "total_tok_s": (num_in + num_out) / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)  # the prompts offline_throughput.py's fixed workload draws
+    prompts = [[rng.randrange(100, 40_000) for _ in range(args.input_len)]
+               for _ in range(args.num_prompts)]
+    model_name = resolve_model(args.model).name
+    engine_flags = flags(max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens)
+    log_dir = Path(tempfile.mkdtemp(prefix="flotilla-stack-"))
+    stack = Stack(StackOptions(model=args.model, port=free_port(), log_dir=log_dir, service_args={
+        "worker": engine_flags + flags(device="cuda", dtype="bfloat16",
+                                       max_model_len=args.max_model_len),
+        "scheduler": engine_flags + ["--no-prefix-caching"]}))
+    stack.start(timeout_s=600)
+    try:
+        result = asyncio.run(send_all(stack.base_url, model_name, prompts, args.output_len))
+    finally:
+        stack.stop()
+    result = {"benchmark": "stack_throughput", "model": args.model, "device": device_name(),
+              "num_prompts": args.num_prompts, **result, "logs": str(log_dir)}
+    save(f"stack_throughput_{args.model}", result)
+    print(f"\nstack {args.model}: {result['total_tok_s']:,.0f} total tok/s, "
+          f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s")
+
+
+if __name__ == "__main__":
+    main()
