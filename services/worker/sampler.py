@@ -25,6 +25,8 @@ def make_generator(sampling: SamplingParams, device: torch.device | str) -> torc
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """logits: [num_rows, vocab_size]; params and generators: one per row -> token ids."""
+    if all(p.is_greedy for p in params):  # the common batch: one argmax, no row gathers
+        return logits.argmax(dim=-1).tolist()
     token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # [num_rows]
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
