@@ -469,7 +469,9 @@ def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_pt
     return acc, m_new, l_i
 
 
-@triton.jit
+# Arguments that change from step to step are not specialized on (divisible by 16, equal to 1):
+# each new combination would compile another variant in the middle of serving.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
 def _paged_attention_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_seqs,
@@ -552,7 +554,7 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + part_rows, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _combine_segments_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
                              query_start_loc_ptr, num_seqs, stride_o_tok, stride_o_head,
                              HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,

@@ -75,8 +75,12 @@ def main() -> None:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enforce_eager=args.enforce_eager)
-    warm = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)] * 4
-    engine.generate([p[:64] for p in prompts[:4]], warm)
+    # Warm-up over varied shapes, so Triton compiles its kernel variants before the clock runs.
+    rng = random.Random(args.seed + 1)
+    warm_prompts = [[rng.randrange(100, 40_000) for _ in range(rng.randint(1, 2048))]
+                    for _ in range(96)]
+    engine.generate(warm_prompts, [SamplingParams(max_tokens=rng.randint(1, 16), temperature=0.0,
+                                                  ignore_eos=True) for _ in warm_prompts])
     sampling = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     completions, stats = engine.generate(prompts, sampling)
     assert [len(c.output_token_ids) for c in completions] == output_lens
