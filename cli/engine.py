@@ -36,6 +36,8 @@ class EngineStats:
     step_time_s: float  # summed runner.execute wall time
     num_decode_steps: int = 0  # steps of one token per sequence (CUDA graphs on GPU)
     decode_step_time_s: float = 0.0
+    # (tokens computed, sequences, runner seconds) of every step
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
 
 
 class Engine:
@@ -59,6 +61,7 @@ class Engine:
             completions[request_id] = Completion(request_id, len(prompt))
         start = time.perf_counter()
         num_steps, step_time_s, num_decode_steps, decode_step_time_s = 0, 0.0, 0, 0.0
+        steps: list[tuple[int, int, float]] = []
         preemptions_before = self.scheduler.num_preemptions
         while self.scheduler.has_work:
             plan = self.scheduler.schedule()
@@ -67,6 +70,8 @@ class Engine:
             result = self.runner.execute(plan)
             num_steps += 1
             step_time_s += result.step_time_s
+            steps.append((sum(s.num_new_tokens for s in plan.scheduled), len(plan.scheduled),
+                          result.step_time_s))
             if all(s.num_new_tokens == 1 for s in plan.scheduled):
                 num_decode_steps += 1
                 decode_step_time_s += result.step_time_s
@@ -83,5 +88,5 @@ class Engine:
                     completion.finish_reason, completion.finish_time = output.finish_reason, now
         stats = EngineStats(num_steps, self.scheduler.num_preemptions - preemptions_before,
                             time.perf_counter() - start, step_time_s, num_decode_steps,
-                            decode_step_time_s)
+                            decode_step_time_s, steps)
         return list(completions.values()), stats

@@ -30,7 +30,8 @@ for stage in "$@"; do
     throughput-e) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b \
         --workload sharegpt --num-prompts 1000 ${E_ARGS:-} 2>&1 | tail -40;;
     stack-f) python3 benchmarks/gpu/stack_throughput.py --model $M/dummy-llama-3.1-8b \
-        --num-prompts 1000 --input-len 1024 --output-len 128 2>&1 | tail -40;;
+        --num-prompts 1000 --input-len 1024 --output-len 128 ${F_ARGS:-} 2>&1 | tail -40;;
+    profile) python3 benchmarks/gpu/step_profile.py --model $M/dummy-llama-3.1-8b 2>&1 | tail -60;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -50,6 +50,19 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
     return prompts, output_lens
 
 
+def step_time_by_tokens(steps: list[tuple[int, int, float]]) -> dict[str, list[float]]:
+    """Mixed steps grouped by tokens computed: [count, total s, mean ms] per range."""
+    ranges = {}
+    for num_tokens, num_seqs, seconds in steps:
+        if num_tokens == num_seqs:
+            continue  # decode-only
+        low = 1 << (max(num_tokens - num_seqs, 1).bit_length() - 1)
+        count, total = ranges.get(low, (0, 0.0))
+        ranges[low] = (count + 1, total + seconds)
+    return {f"prompt_tokens>={low}": [count, round(total, 2), round(1e3 * total / count, 1)]
+            for low, (count, total) in sorted(ranges.items())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
@@ -96,6 +109,8 @@ def main() -> None:
         "decode_step_ms": 1e3 * stats.decode_step_time_s / max(stats.num_decode_steps, 1),
         "mixed_step_ms": 1e3 * (stats.step_time_s - stats.decode_step_time_s)
         / max(stats.num_steps - stats.num_decode_steps, 1),
+        "slowest_steps": sorted(stats.steps, key=lambda step: -step[2])[:12],
+        "mixed_steps_time_by_tokens": step_time_by_tokens(stats.steps),
         "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager}

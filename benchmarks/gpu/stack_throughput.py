@@ -41,14 +41,32 @@ async def send_all(base_url: str, model: str, prompts: list[list[int]], output_l
         rng = random.Random(1)
         await asyncio.gather(*(one([rng.randrange(100, 40_000) for _ in range(rng.randint(1, 2048))])
                                for _ in range(96)))
+        before = await scrape(client)
         started = time.perf_counter()
         usages = await asyncio.gather(*(one(p) for p in prompts))
         elapsed = time.perf_counter() - started
+        after = await scrape(client)
     num_in = sum(u["prompt_tokens"] for u in usages)
     num_out = sum(u["completion_tokens"] for u in usages)
     return {"elapsed_s": elapsed, "input_tokens": num_in, "output_tokens": num_out,
             "request_s": len(prompts) / elapsed, "output_tok_s": num_out / elapsed,
-            "total_tok_s": (num_in + num_out) / elapsed}
+            "total_tok_s": (num_in + num_out) / elapsed,
+            "num_steps": after.get(STEPS, 0) - before.get(STEPS, 0),
+            "worker_busy_share": (after.get(BUSY, 0) - before.get(BUSY, 0)) / elapsed}
+
+
+STEPS, BUSY = "flotilla_scheduled_tokens_per_step_count", "flotilla_worker_busy_seconds_total"
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    """The gateway's counters summed over labels (replicas): steps and worker busy seconds."""
+    await asyncio.sleep(1.0)  # the schedulers' stats events come every 0.5 s
+    totals: dict[str, float] = {}
+    for line in (await client.get("/metrics")).text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in (STEPS, BUSY):
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def main() -> None:
@@ -61,6 +79,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-steps-in-flight", type=int, default=2)
     args = parser.parse_args()
     rng = random.Random(args.seed)  # the prompts offline_throughput.py's fixed workload draws
     prompts = [[rng.randrange(100, 40_000) for _ in range(args.input_len)]
@@ -72,15 +91,17 @@ def main() -> None:
     stack = Stack(StackOptions(model=args.model, port=free_port(), log_dir=log_dir, service_args={
         "worker": engine_flags + flags(device="cuda", dtype="bfloat16",
                                        max_model_len=args.max_model_len),
-        "scheduler": engine_flags + ["--no-prefix-caching"]}))
+        "scheduler": engine_flags + flags(max_steps_in_flight=args.max_steps_in_flight)
+        + ["--no-prefix-caching"]}))
     stack.start(timeout_s=600)
     try:
         result = asyncio.run(send_all(stack.base_url, model_name, prompts, args.output_len))
     finally:
         stack.stop()
     result = {"benchmark": "stack_throughput", "model": args.model, "device": device_name(),
-              "num_prompts": args.num_prompts, **result, "logs": str(log_dir)}
-    save(f"stack_throughput_{args.model}", result)
+              "num_prompts": args.num_prompts, "max_steps_in_flight": args.max_steps_in_flight,
+              **result, "logs": str(log_dir)}
+    save(f"stack_throughput_{args.max_steps_in_flight}_{args.model}", result)
     print(f"\nstack {args.model}: {result['total_tok_s']:,.0f} total tok/s, "
           f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s")
 

@@ -22,6 +22,7 @@ from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata, load_model
 from services.worker.sampler import make_generator, sample
+from services.worker.warmup import warm_up_attention
 from shared.config import parse_size
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan, StepResult
 from shared.models import ModelFiles
@@ -118,6 +119,8 @@ class ModelRunner:
         self.model.bind_kv_cache(self.kv_cache)
         self._requests: dict[str, RequestState] = {}
         self._graphs: DecodeGraphs | None = None
+        if self._device.type == "cuda":
+            warm_up_attention(self.model, self.block_size)
         if self._device.type == "cuda" and not config.enforce_eager:
             self._graphs = DecodeGraphs(self.model, config.max_num_seqs,
                                         -(-self.max_model_len // self.block_size),

@@ -1,0 +1,61 @@
+"""Compile the attention kernel's variants before serving.
+
+Triton compiles one variant per set of constexprs; the attention launcher picks its tile shape
+from the step's longest query and its split-KV segment count from the context lengths, so a
+server meeting a new combination mid-run stalls for the compile (about a second each, measured
+on an H200). This runs one small launch per variant at start-up, on layer 0's cache and with
+inputs laid out as the model lays them out (a query sliced from a fused qkv output), so the
+variants compiled are the ones steps will use. Triton's disk cache makes later starts fast.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+import torch
+
+from kernels import paged_attention
+from services.worker.model import Transformer
+
+log = structlog.get_logger()
+
+# Longest query of a step: each power of two and one past it, so every tile shape and the
+# one-tile-per-sequence switch on either side of it are met.
+QUERY_LENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257]
+CONTEXT = 40  # tokens before a warm-up chunk: some earlier context, as after a prefix hit
+
+
+@torch.inference_mode()
+def warm_up_attention(model: Transformer, block_size: int) -> None:
+    started = time.perf_counter()
+    attn = model.layers[0].self_attn
+    key_cache, value_cache = attn.key_cache, attn.value_cache
+    device, dtype = key_cache.device, key_cache.dtype
+    num_heads, head_dim = attn.num_heads, attn.head_dim
+    width = attn.q_size + 2 * attn.kv_size
+    num_blocks = -(-(CONTEXT + max(QUERY_LENS)) // block_size)
+
+    def launch(q_lens: list[int], seq_lens: list[int], num_segments: int | None = None) -> None:
+        num_tokens, num_seqs = sum(q_lens), len(q_lens)
+        qkv = torch.randn(num_tokens, width, device=device, dtype=dtype)
+        query = qkv[:, :attn.q_size].view(num_tokens, num_heads, head_dim)
+        block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device).repeat(num_seqs, 1)
+        query_start_loc = torch.tensor([0] + q_lens, device=device).cumsum(0).int()
+        num_decodes = next((i for i, n in enumerate(q_lens) if n > 1), num_seqs)
+        paged_attention.paged_attention(
+            query, key_cache, value_cache, block_tables,
+            torch.tensor(seq_lens, dtype=torch.int32, device=device), query_start_loc, attn.scale,
+            max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
+            num_segments=num_segments)
+
+    for q_len in QUERY_LENS[1:]:
+        launch([q_len], [CONTEXT + q_len])  # chunks alone
+        launch([1, 1, q_len], [CONTEXT, CONTEXT, CONTEXT + q_len])  # after decodes
+    num_segments = 1
+    while num_segments <= paged_attention.MAX_SEGMENTS:  # decodes split along the context
+        launch([1, 1], [CONTEXT, CONTEXT + 7], num_segments)
+        num_segments *= 2
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    log.info("attention_warmed_up", seconds=round(time.perf_counter() - started, 1))
