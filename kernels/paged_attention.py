@@ -469,9 +469,12 @@ def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_pt
     return acc, m_new, l_i
 
 
-# Arguments that change from step to step are not specialized on (divisible by 16, equal to 1):
+# Arguments that change from step to step are not specialized on (an int divisible by 16 or
+# equal to 1, a pointer 16-byte aligned: slices at num_decodes and workspace offsets vary):
 # each new combination would compile another variant in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq", "block_tables_ptr", "seq_lens_ptr",
+                               "query_start_loc_ptr", "part_acc_ptr", "part_max_ptr",
+                               "part_sum_ptr"])
 def _paged_attention_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_seqs,
@@ -554,7 +557,8 @@ def _paged_attention_kernel(
         tl.store(part_sum_ptr + part_rows, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "query_start_loc_ptr", "part_acc_ptr", "part_max_ptr",
+                               "part_sum_ptr"])
 def _combine_segments_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
                              query_start_loc_ptr, num_seqs, stride_o_tok, stride_o_head,
                              HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
