@@ -1,0 +1,77 @@
+"""Where a step's time goes: decode-only (CUDA graph and eager) and mixed steps, host vs GPU.
+
+    python benchmarks/gpu/step_profile.py --model dummy:llama-3.1-8b --batch 256 --context 512
+
+Builds a runner, fills its cache (contents do not matter for timing), and times steps built
+with build_step_inputs directly: wall time of input building, of the forward call returning
+(host launch cost) and of the forward completing (GPU), median of 20.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from common import build_engine, device_name, save
+from services.worker.runner import SequenceChunk, build_step_inputs
+
+
+def timed(fn, repeats: int = 20) -> tuple[float, float]:
+    """(ms until fn returns, ms until the GPU is done), medians."""
+    launch, total = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        fn()
+        launch.append(time.perf_counter() - started)
+        torch.cuda.synchronize()
+        total.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(launch), 1e3 * statistics.median(total)
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prompt", type=int, default=100, help="mixed step: one prompt chunk")
+    args = parser.parse_args()
+    engine = build_engine(args.model, max_model_len=4096, max_num_seqs=args.batch,
+                          max_num_batched_tokens=8192)
+    runner = engine.runner
+    blocks_per_seq = -(-(args.context + args.prompt + 1) // runner.block_size)
+    def table(i):
+        return list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+    decodes = [SequenceChunk([7], args.context, table(i), True) for i in range(args.batch)]
+    prompt = SequenceChunk(list(range(100, 100 + args.prompt)), 0, table(args.batch), True)
+    device = torch.device("cuda")
+    result = {"benchmark": "step_profile", "device": device_name(), "model": args.model,
+              "batch": args.batch, "context": args.context, "prompt": args.prompt}
+    result["build_inputs_ms"] = timed(lambda: build_step_inputs(decodes, runner.block_size,
+                                                                device))[1]
+    inputs = build_step_inputs(decodes, runner.block_size, device)
+    result["decode_graph_ms"] = timed(lambda: runner._graphs.run(*inputs))
+    result["decode_eager_ms"] = timed(lambda: runner.model(*inputs))
+    mixed = build_step_inputs(decodes[:-1] + [prompt], runner.block_size, device)
+    result["mixed_eager_ms"] = timed(lambda: runner.model(*mixed))
+    logits = runner.model(*inputs)
+    result["sample_greedy_ms"] = timed(lambda: logits.argmax(-1).tolist())[1]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(3):
+            runner.model(*mixed)
+        torch.cuda.synchronize()
+    print(profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
+                                       max_name_column_width=50))
+    print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=10,
+                                       max_name_column_width=50))
+    save(f"step_profile_{args.model}", result)
+    print({k: v for k, v in result.items() if k.endswith("_ms")})
+
+
+if __name__ == "__main__":
+    main()
