@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import threading
 from concurrent.futures import Executor
 
@@ -18,6 +19,8 @@ from shared.models import resolve_model
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
+
+GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 class WorkerService:
@@ -82,6 +85,10 @@ async def serve_bus(config: WorkerConfig, runner: ModelRunner, forward: Executor
 def run(config: WorkerConfig) -> None:
     """Load the model and run forwards on the main thread; NATS runs in a second
     thread until SIGINT/SIGTERM."""
+    # The bus thread must get the GIL quickly while the main thread launches a step's kernels
+    # (pure Python for milliseconds on a GPU): at the default 5 ms switch interval, plans and
+    # replies waited behind it and the GPU sat idle between steps.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     model_files = resolve_model(config.model, config.cache_dir)
     runner = ModelRunner(config, model_files)
     log.info("model_loaded", model=model_files.name, num_blocks=runner.num_blocks,
