@@ -181,8 +181,9 @@ class ModelRunner:
                 states = [self._requests[request_id] for request_id in sampled_ids]
                 for state in states:
                     state.seed_next_draw()
-                sampled_token_ids = sample(logits, [s.sampling for s in states],
-                                           [s.generator for s in states])
+                sampled_token_ids = sample(
+                    logits, [s.sampling for s in states], [s.generator for s in states],
+                    [len(s.token_ids) - s.num_prompt_tokens for s in states])
         for scheduled, chunk in zip(plan.scheduled, chunks):
             state = self._requests[scheduled.request_id]
             state.block_table = chunk.block_table

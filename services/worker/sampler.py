@@ -4,12 +4,17 @@ Greedy rows (temperature 0 or top_k 1) are one vectorised argmax. The other rows
 temperature, cut by top-k then top-p (in sorted order, vectorised), and each draws its token with
 its own ``torch.Generator`` when the request has a seed, so a seeded request gets the same tokens
 whatever else is in the batch. Rows without a seed draw from torch's default generator.
+On CUDA the non-greedy batch goes to ``kernels/sampling.py`` instead: one launch for every
+row, random numbers keyed by (seed, output index), no per-row loop.
 """
 
 from __future__ import annotations
 
+import random
+
 import torch
 
+from kernels.sampling import sample_tokens
 from shared.messages import SamplingParams
 
 
@@ -23,10 +28,18 @@ def make_generator(sampling: SamplingParams, device: torch.device | str) -> torc
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """logits: [num_rows, vocab_size]; params and generators: one per row -> token ids."""
+           generators: list[torch.Generator | None],
+           output_indices: list[int] | None = None) -> list[int]:
+    """logits: [num_rows, vocab_size]; params and generators: one per row -> token ids.
+
+    output_indices: per row, how many tokens its request has generated; on CUDA a seeded
+    draw depends only on (seed, output index) through the sampling kernel's counter-based
+    random numbers (the CPU path re-seeds the row's generator to the same effect).
+    """
     if all(p.is_greedy for p in params):  # the common batch: one argmax, no row gathers
         return logits.argmax(dim=-1).tolist()
+    if logits.is_cuda:
+        return sample_with_kernel(logits, params, output_indices or [0] * len(params))
     token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # [num_rows]
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -38,6 +51,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         probs = _filtered_probs(logits[random_rows].float(), random_params)
         for row, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[row], 1, generator=generators[i])[0]
+    return token_ids.tolist()
+
+
+def sample_with_kernel(logits: torch.Tensor, params: list[SamplingParams],
+                       output_indices: list[int]) -> list[int]:
+    """Every row in one launch (kernels/sampling.py): no per-row loop, one sync to read the
+    tokens. A row without a seed gets a fresh random one."""
+    device = logits.device
+    temperatures = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params])
+    seeds = [p.seed if p.seed is not None else random.getrandbits(62) for p in params]
+    token_ids = sample_tokens(
+        logits, temperatures.to(device), torch.tensor([p.top_k for p in params],
+                                                      dtype=torch.int32).to(device),
+        torch.tensor([p.top_p for p in params]).to(device),
+        torch.tensor(seeds, dtype=torch.int64).to(device),
+        torch.tensor(output_indices, dtype=torch.int64).to(device),
+        apply_filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
     return token_ids.tolist()
 
 

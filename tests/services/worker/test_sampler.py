@@ -70,3 +70,26 @@ def test_top_k_and_top_p_restrict_the_support():
     top_p_tokens = sample_rows(logits, [SamplingParams(temperature=1.0, top_p=0.5)] * 200)
     assert set(top_p_tokens) <= set(order[:num_nucleus])
     assert len(set(top_p_tokens)) > 1
+
+
+def test_kernel_path_seeded_row_same_alone_and_in_batch():
+    """The CUDA path (here on CPU under Triton's interpreter): a seeded row's draw depends
+    on its seed and output index only; greedy and top_k=1 rows are the argmax."""
+    from services.worker.sampler import sample_with_kernel
+
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5),
+              SamplingParams(temperature=0.8, top_k=1)]
+    alone, in_batch = [], []
+    for step in range(4):
+        logits = random_logits(4, seed=step)
+        alone.append(sample_with_kernel(logits[1:2], [seeded], [step])[0])
+        tokens = sample_with_kernel(logits, [others[0], seeded, others[1], others[2]],
+                                    [9, step, 3, 5])
+        in_batch.append(tokens[1])
+        assert tokens[0] == int(logits[0].argmax()) and tokens[3] == int(logits[3].argmax())
+    assert alone == in_batch
+    other_seed = [sample_with_kernel(random_logits(4, seed=step)[1:2],
+                                     [SamplingParams(temperature=1.0, seed=99)], [step])[0]
+                  for step in range(4)]
+    assert other_seed != alone
