@@ -79,8 +79,9 @@ async def prefix_scenario() -> None:
         stack.stop()
 
 
-async def chunked_scenario(budget: int) -> None:
+async def chunked_scenario(budget: int, chunk_step_ratio: float) -> None:
     stack = start(service_args={"scheduler": ["--max-num-batched-tokens", str(budget),
+                                              "--chunk-step-ratio", str(chunk_step_ratio),
                                               "--log-level", "debug"]})
     print(f"[chunked] logs in {stack.options.log_dir}")
     try:
@@ -103,7 +104,8 @@ async def chunked_scenario(budget: int) -> None:
         print(f"[chunked] gaps during the prefill (ms): p50 {during[len(during) // 2] * 1000:.0f}, "
               f"p90 {during[int(len(during) * 0.9)] * 1000:.0f}, p99 {during[int(len(during) * 0.99)] * 1000:.0f}, "
               f"top 5 {[round(g * 1000) for g in during[-5:]]}")
-        print(f"[chunked] budget {budget} tokens/step: 4,000-token prefill took "
+        print(f"[chunked] budget {budget} tokens/step, chunk-step ratio {chunk_step_ratio}: "
+              f"4,000-token prefill took "
               f"{prefill_end - prefill_start:.1f} s; the 8 streams' median gap {median * 1000:.0f} ms, "
               f"largest gap during the prefill {max(gaps_during) * 1000:.0f} ms = "
               f"{max(gaps_during) / median:.2f}x the median (target < 3x)")
@@ -164,12 +166,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="prefix,chunked,idle,preempt,replicas")
     parser.add_argument("--chunk-budget", type=int, default=48)
+    parser.add_argument("--chunk-step-ratio", type=float, default=0.0,
+                        help="the scheduler's --chunk-step-ratio (0: off)")
     args = parser.parse_args()
     chosen = args.only.split(",")
     if "prefix" in chosen:
         asyncio.run(prefix_scenario())
     if "chunked" in chosen:
-        asyncio.run(chunked_scenario(args.chunk_budget))
+        asyncio.run(chunked_scenario(args.chunk_budget, args.chunk_step_ratio))
     if "idle" in chosen:
         asyncio.run(idle_scenario(2))
         asyncio.run(idle_scenario(1))

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn off automatic prefix caching")
     serve.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
+    serve.add_argument("--chunk-step-ratio", default=None,
+                       help="cap prompt chunks so a step that also decodes takes at most this "
+                       "many decode-only steps' time (default 0: off)")
     serve.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
     serve.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
     serve.add_argument("--gpu-memory-utilization", default=None,
@@ -57,7 +60,8 @@ def serve(args: argparse.Namespace) -> int:
             + (["--enforce-eager"] if args.enforce_eager else []),
             "scheduler": flags(max_num_seqs=args.max_num_seqs,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
-                                scheduling_policy=args.scheduling_policy)
+                                scheduling_policy=args.scheduling_policy,
+                                chunk_step_ratio=args.chunk_step_ratio)
             + (["--no-prefix-caching"] if args.no_prefix_caching else []),
             "gateway": flags(api_key=args.api_key),
         })

@@ -14,6 +14,8 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     prefix_caching: bool = True  # --no-prefix-caching turns it off
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values run first
     max_steps_in_flight: int = 2  # 2 overlaps planning step N+1 with computing step N
+    chunk_step_ratio: float = 0.0  # >0: steps with decodes and a prompt chunk take at most this
+    # many decode-only steps' time (prompt chunks shrink to fit); 0: off
     step_timeout_s: float = 120.0  # a step taking longer means the worker is gone
     stats_interval_s: float = 0.5  # stats events at most this often (and as a heartbeat)
 
@@ -24,6 +26,8 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
         "prefix_caching": "reuse the KV of cached prompt prefixes",
         "scheduling_policy": "fcfs or priority",
         "max_steps_in_flight": "steps sent ahead to the worker (1: no overlap)",
+        "chunk_step_ratio": "cap prompt chunks so a step that also decodes takes at most this "
+                            "many decode-only steps' time (0: off)",
         "step_timeout_s": "seconds to wait for a step before failing its requests",
         "stats_interval_s": "seconds between stats events",
     }
@@ -31,5 +35,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
+        if self.chunk_step_ratio < 0:
+            raise ValueError("chunk_step_ratio must be 0 (off) or positive")
         if self.max_steps_in_flight < 1:
             raise ValueError("max_steps_in_flight must be at least 1")

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, num_blocks_for
+from services.scheduler.chunk_pacer import ChunkPacer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.prefix_hash import extend_block_hashes
 from services.scheduler.request import Request
@@ -48,6 +49,8 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_key = f"model:{model_name}"
         self.block_manager = BlockManager(num_blocks, block_size)
+        self.chunk_pacer = ChunkPacer(config.chunk_step_ratio, config.max_num_batched_tokens,
+                                      min_tokens=block_size)
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
@@ -108,13 +111,17 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         scheduled: list[ScheduledRequest] = []
         preempted = False
+        num_decodes, num_chunk_tokens = 0, 0  # prompt chunks may be paced against decodes
         # Decodes first, then prompt chunks; each in (priority, arrival) order.
         for req in sorted(self.running, key=lambda r: (r.is_prefilling, r.sort_key)):
             if budget == 0:
                 break
             if req not in self.running or req.reached_max_tokens:
                 continue  # preempted for an earlier request, or its last token is coming
+            prefilling = req.is_prefilling
             num_new = min(req.num_tokens_at_worker - req.num_computed_tokens, budget)
+            if prefilling:
+                num_new = min(num_new, self.chunk_pacer.chunk_budget(num_decodes) - num_chunk_tokens)
             if num_new <= 0:
                 continue
             new_block_ids = self._grow_or_preempt(req, req.num_computed_tokens + num_new)
@@ -123,12 +130,17 @@ class Scheduler:
                 continue
             self._schedule(req, num_new, new_block_ids, new_requests, scheduled)
             budget -= num_new
+            num_chunk_tokens += num_new if prefilling else 0
+            num_decodes += 0 if prefilling else 1
         while not preempted and budget > 0 and self.waiting \
                 and len(self.running) < self.config.max_num_seqs:
-            num_new = self._admit(self.waiting[0], budget, new_requests, scheduled)
+            admit_budget = min(budget, self.chunk_pacer.chunk_budget(num_decodes) - num_chunk_tokens)
+            num_new = self._admit(self.waiting[0], admit_budget, new_requests, scheduled) \
+                if admit_budget > 0 else 0
             if num_new == 0:
                 break  # the head does not fit: later requests wait behind it
             budget -= num_new
+            num_chunk_tokens += num_new
         if not scheduled:
             return None
         plan = StepPlan(self._next_step_id, new_requests, scheduled, self._forget_ids)
@@ -139,6 +151,7 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
         """Apply the tokens a step sampled; return the outputs to publish."""
         self.num_steps += 1
+        self.chunk_pacer.observe(plan, result.step_time_s)
         emitted: list[Emitted] = []
         for request_id, token_id in zip(result.request_ids, result.sampled_token_ids):
             req = self.requests.get(request_id)

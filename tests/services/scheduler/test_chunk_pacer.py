@@ -1,0 +1,81 @@
+"""Chunk pacing (--chunk-step-ratio): prompt chunks shrink so that a step which also decodes
+takes at most the ratio times a decode-only step, learned from the worker's step times."""
+
+from __future__ import annotations
+
+import msgspec
+
+from services.scheduler.chunk_pacer import ChunkPacer
+from shared.messages import ScheduledRequest, StepPlan
+from tests.services.scheduler.test_scheduler import (
+    FakeWorker, expected_tokens, make_scheduler, request,
+)
+
+
+def plan(*num_new_tokens: int) -> StepPlan:
+    return StepPlan(0, [], [ScheduledRequest(f"r{i}", n) for i, n in enumerate(num_new_tokens)])
+
+
+def test_pacer_solves_for_the_chunk_that_meets_the_target():
+    pacer = ChunkPacer(ratio=2.0, max_tokens=64, min_tokens=4)
+    assert pacer.chunk_budget(num_decodes=3) == 64  # nothing measured yet
+    pacer.observe(plan(1, 1), 0.100)
+    pacer.observe(plan(1, 1, 48), 0.400)  # the 48-token chunk cost 0.3 s; 0.1 s is allowed
+    assert pacer.limit == 16
+    assert pacer.chunk_budget(num_decodes=2) == 16
+    assert pacer.chunk_budget(num_decodes=0) == 64  # no stream waits: the whole budget
+    pacer.observe(plan(1, 16), 0.150)  # cheaper than expected (earlier context): grow
+    assert pacer.limit == 32
+    pacer.observe(plan(1, 32), 5.0)
+    assert pacer.limit == 4  # never below min_tokens
+    pacer.observe(plan(40), 0.5)  # no decodes: the whole step counts, 12.5 ms a token
+    assert pacer.limit == 8
+
+
+def test_pacer_off_by_default_changes_nothing():
+    pacer = ChunkPacer(ratio=0.0, max_tokens=64, min_tokens=4)
+    pacer.observe(plan(1), 0.1)
+    pacer.observe(plan(1, 60), 10.0)
+    assert pacer.chunk_budget(num_decodes=5) == 64
+
+
+def simulated_time(step: StepPlan) -> float:
+    """0.1 s per step, plus 10 ms per prompt-chunk token."""
+    return 0.1 + 0.01 * sum(s.num_new_tokens for s in step.scheduled if s.num_new_tokens > 1)
+
+
+def test_scheduler_paces_a_long_prompt_while_another_request_decodes():
+    scheduler, worker = make_scheduler(max_num_batched_tokens=64, chunk_step_ratio=2.0), FakeWorker(64)
+    outputs: dict[str, list[int]] = {}
+    step_times: list[tuple[bool, float]] = []  # (has a decode, seconds)
+
+    def step() -> None:
+        step_plan = scheduler.schedule()
+        seconds = simulated_time(step_plan)
+        result = msgspec.structs.replace(worker.execute(step_plan), step_time_s=seconds)
+        step_times.append((any(s.num_new_tokens == 1 for s in step_plan.scheduled), seconds))
+        for emitted in scheduler.update(step_plan, result):
+            outputs.setdefault(emitted.output.request_id, []).extend(emitted.output.new_token_ids)
+
+    scheduler.add_request(request("short", 2, 40, ignore_eos=True))
+    step(), step()  # its prompt, then a decode-only step: 0.1 s
+    scheduler.add_request(request("long", 150, 2, ignore_eos=True))
+    while scheduler.has_work:
+        step()
+    mixed = [seconds for has_decode, seconds in step_times[2:] if has_decode and seconds > 0.1]
+    # The short prompt's step (0.12 s for 2 tokens, no decodes) overestimates the
+    # per-token cost, so the first chunk is small; each chunk's time then corrects it, up to
+    # the 10 tokens that fill the 0.2 s target, never beyond.
+    assert all(seconds <= 0.2 + 1e-9 for seconds in mixed)
+    assert mixed[0] < 0.2 and mixed.count(0.2) > 5
+    assert outputs["long"] == expected_tokens("long", 150, 2)
+    assert outputs["short"] == expected_tokens("short", 2, 40)
+
+
+def test_without_decodes_a_prompt_takes_the_whole_budget():
+    scheduler, worker = make_scheduler(max_num_batched_tokens=64, chunk_step_ratio=2.0), FakeWorker(64)
+    scheduler.chunk_pacer.decode_step_s, scheduler.chunk_pacer.per_token_s = 0.1, 0.0125
+    assert scheduler.chunk_pacer.limit == 8
+    scheduler.add_request(request("long", 150, 1, ignore_eos=True))
+    first = scheduler.schedule()
+    assert [s.num_new_tokens for s in first.scheduled] == [64]
