@@ -5,8 +5,8 @@ the chunk. With ``--chunk-step-ratio R`` the scheduler caps the prompt tokens of
 so that the step takes at most R times a decode-only step, as measured by the worker. The
 cost of a chunk grows with its context (attention reads everything before it), so the cap
 is learned step by step: after each mixed step, ``time ≈ decode + per_token × chunk`` gives
-the per-token cost at the current context and the chunk that would have taken exactly the
-target. Steps without decodes are never capped (no stream is waiting). Off (ratio 0) by
+the per-token cost at the current context, and the next chunk is the one that would take
+exactly the target (a dearer step counts at once, a cheaper one only partly). Steps without decodes are never capped (no stream is waiting). Off (ratio 0) by
 default: it trades a long prompt's time to first token, and throughput, for smooth streams.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 from shared.messages import StepPlan
 
 DECODE_EMA_WEIGHT = 0.2  # of the newest decode-only step in the running mean
+PER_TOKEN_EASE = 0.3  # how far one cheaper chunk moves the per-token cost toward itself
 
 
 class ChunkPacer:
@@ -49,4 +50,8 @@ class ChunkPacer:
                 (1 - DECODE_EMA_WEIGHT) * self.decode_step_s + DECODE_EMA_WEIGHT * step_time_s)
             return
         base = self.decode_step_s if num_decodes and self.decode_step_s is not None else 0.0
-        self.per_token_s = max(step_time_s - base, 1e-9) / num_chunk_tokens
+        observed = max(step_time_s - base, 1e-9) / num_chunk_tokens
+        if self.per_token_s is None or observed >= self.per_token_s:
+            self.per_token_s = observed  # dearer: shrink the next chunk at once
+        else:  # cheaper: grow slowly, since one quick step on a busy machine proves little
+            self.per_token_s += PER_TOKEN_EASE * (observed - self.per_token_s)

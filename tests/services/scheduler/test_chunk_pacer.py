@@ -24,11 +24,19 @@ def test_pacer_solves_for_the_chunk_that_meets_the_target():
     assert pacer.limit == 16
     assert pacer.chunk_budget(num_decodes=2) == 16
     assert pacer.chunk_budget(num_decodes=0) == 64  # no stream waits: the whole budget
-    pacer.observe(plan(1, 16), 0.150)  # cheaper than expected (earlier context): grow
-    assert pacer.limit == 32
-    pacer.observe(plan(1, 32), 5.0)
+    pacer.observe(plan(1, 16), 0.150)  # half the cost per token: the cap grows, but slowly
+    assert pacer.per_token_s == 0.00625 + 0.3 * (0.003125 - 0.00625)
+    assert pacer.limit == 19
+    pacer.observe(plan(1, 19), 0.5)  # dearer: believed at once
+    assert pacer.limit == 5
+    pacer.observe(plan(1, 5), 5.0)
     assert pacer.limit == 4  # never below min_tokens
-    pacer.observe(plan(40), 0.5)  # no decodes: the whole step counts, 12.5 ms a token
+
+
+def test_a_step_without_decodes_counts_whole():
+    pacer = ChunkPacer(ratio=2.0, max_tokens=64, min_tokens=4)
+    pacer.observe(plan(40), 0.5)  # a prompt alone: 12.5 ms a token, overhead included
+    pacer.observe(plan(1, 1), 0.1)
     assert pacer.limit == 8
 
 
@@ -45,7 +53,8 @@ def simulated_time(step: StepPlan) -> float:
 
 
 def test_scheduler_paces_a_long_prompt_while_another_request_decodes():
-    scheduler, worker = make_scheduler(max_num_batched_tokens=64, chunk_step_ratio=2.0), FakeWorker(64)
+    scheduler = make_scheduler(num_blocks=128, max_num_batched_tokens=64, chunk_step_ratio=2.0)
+    worker = FakeWorker(128)
     outputs: dict[str, list[int]] = {}
     step_times: list[tuple[bool, float]] = []  # (has a decode, seconds)
 
@@ -57,9 +66,9 @@ def test_scheduler_paces_a_long_prompt_while_another_request_decodes():
         for emitted in scheduler.update(step_plan, result):
             outputs.setdefault(emitted.output.request_id, []).extend(emitted.output.new_token_ids)
 
-    scheduler.add_request(request("short", 2, 40, ignore_eos=True))
+    scheduler.add_request(request("short", 2, 80, ignore_eos=True))
     step(), step()  # its prompt, then a decode-only step: 0.1 s
-    scheduler.add_request(request("long", 150, 2, ignore_eos=True))
+    scheduler.add_request(request("long", 300, 2, ignore_eos=True))
     while scheduler.has_work:
         step()
     mixed = [seconds for has_decode, seconds in step_times[2:] if has_decode and seconds > 0.1]
@@ -68,8 +77,8 @@ def test_scheduler_paces_a_long_prompt_while_another_request_decodes():
     # the 10 tokens that fill the 0.2 s target, never beyond.
     assert all(seconds <= 0.2 + 1e-9 for seconds in mixed)
     assert mixed[0] < 0.2 and mixed.count(0.2) > 5
-    assert outputs["long"] == expected_tokens("long", 150, 2)
-    assert outputs["short"] == expected_tokens("short", 2, 40)
+    assert outputs["long"] == expected_tokens("long", 300, 2)
+    assert outputs["short"] == expected_tokens("short", 2, 80)
 
 
 def test_without_decodes_a_prompt_takes_the_whole_budget():
