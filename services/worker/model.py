@@ -12,8 +12,9 @@ directory (``config.json`` + ``*.safetensors``, HF parameter names); q/k/v and g
 their biases) are fused at load time so each is one matmul. A directory marked as a dummy model
 (``shared.models.DUMMY_MARKER``) gets seeded random weights built on the target device instead.
 
-The compute ops (``rms_norm``, ``apply_rotary``, ``silu_and_mul``, the paged attention from
-``kernels``) are small free functions so that faster kernels can replace them one by one.
+The compute ops (RMSNorm with the residual add fused, rotary, SiLU-and-mul, the KV write and
+paged attention) come from ``services/worker/ops.py``: Triton kernels on CUDA, their torch
+references on CPU.
 """
 
 from __future__ import annotations

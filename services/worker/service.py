@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import sys
 import threading
@@ -91,6 +92,10 @@ def run(config: WorkerConfig) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     model_files = resolve_model(config.model, config.cache_dir)
     runner = ModelRunner(config, model_files)
+    # Everything alive now lives as long as the process: keep it out of the collector's
+    # full passes, which otherwise walk the model's objects in the middle of a step.
+    gc.collect()
+    gc.freeze()
     log.info("model_loaded", model=model_files.name, num_blocks=runner.num_blocks,
              kv_cache_bytes=runner.kv_cache_bytes, device=str(runner.device))
     forward = MainThreadExecutor()
