@@ -11,6 +11,7 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from shared.config import load_config
 from shared.logging import setup_logging
+from shared.runtime import freeze_startup_objects
 from shared.tracing import setup_tracing
 
 
@@ -22,6 +23,7 @@ def main(argv=None) -> None:
     server = uvicorn.Server(uvicorn.Config(
         create_app(config), host=config.host, port=config.port, log_level="warning",
         access_log=False, timeout_graceful_shutdown=5))
+    freeze_startup_objects()
     asyncio.run(server.serve())  # uvicorn handles SIGINT/SIGTERM
 
 

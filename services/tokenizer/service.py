@@ -14,6 +14,7 @@ from shared.messages import (
     EncodeRequest, HealthReply, TokenizerInfo,
 )
 from shared.models import resolve_model
+from shared.runtime import freeze_startup_objects
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -60,6 +61,7 @@ async def serve(config: TokenizerConfig, stop: asyncio.Event) -> None:
     bus = await Bus.connect(config.nats_url, name=f"tokenizer-{config.instance_id}")
     service = TokenizerService(config, bus, codec, model_files.name)
     await service.start()
+    freeze_startup_objects()
     log.info("tokenizer_started", model=model_files.name)
     try:
         await stop.wait()

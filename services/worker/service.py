@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import signal
 import sys
 import threading
@@ -17,6 +16,7 @@ from services.worker.runner import ModelRunner
 from shared.bus import Bus
 from shared.messages import Empty, HealthReply, StepPlan, StepResult, WorkerInfo
 from shared.models import resolve_model
+from shared.runtime import freeze_startup_objects
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -92,10 +92,7 @@ def run(config: WorkerConfig) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     model_files = resolve_model(config.model, config.cache_dir)
     runner = ModelRunner(config, model_files)
-    # Everything alive now lives as long as the process: keep it out of the collector's
-    # full passes, which otherwise walk the model's objects in the middle of a step.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_objects()
     log.info("model_loaded", model=model_files.name, num_blocks=runner.num_blocks,
              kv_cache_bytes=runner.kv_cache_bytes, device=str(runner.device))
     forward = MainThreadExecutor()
