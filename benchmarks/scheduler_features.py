@@ -79,10 +79,11 @@ async def prefix_scenario() -> None:
         stack.stop()
 
 
-async def chunked_scenario(budget: int, chunk_step_ratio: float) -> None:
+async def chunked_scenario(budget: int, chunk_step_ratio: float, worker_threads: int) -> None:
     stack = start(service_args={"scheduler": ["--max-num-batched-tokens", str(budget),
                                               "--chunk-step-ratio", str(chunk_step_ratio),
-                                              "--log-level", "debug"]})
+                                              "--log-level", "debug"],
+                                "worker": ["--num-threads", str(worker_threads)]})
     print(f"[chunked] logs in {stack.options.log_dir}")
     try:
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=600) as client:
@@ -104,7 +105,8 @@ async def chunked_scenario(budget: int, chunk_step_ratio: float) -> None:
         print(f"[chunked] gaps during the prefill (ms): p50 {during[len(during) // 2] * 1000:.0f}, "
               f"p90 {during[int(len(during) * 0.9)] * 1000:.0f}, p99 {during[int(len(during) * 0.99)] * 1000:.0f}, "
               f"top 5 {[round(g * 1000) for g in during[-5:]]}")
-        print(f"[chunked] budget {budget} tokens/step, chunk-step ratio {chunk_step_ratio}: "
+        print(f"[chunked] budget {budget} tokens/step, chunk-step ratio {chunk_step_ratio}, "
+              f"worker threads {worker_threads or 'default'}: "
               f"4,000-token prefill took "
               f"{prefill_end - prefill_start:.1f} s; the 8 streams' median gap {median * 1000:.0f} ms, "
               f"largest gap during the prefill {max(gaps_during) * 1000:.0f} ms = "
@@ -168,12 +170,15 @@ def main() -> None:
     parser.add_argument("--chunk-budget", type=int, default=48)
     parser.add_argument("--chunk-step-ratio", type=float, default=0.0,
                         help="the scheduler's --chunk-step-ratio (0: off)")
+    parser.add_argument("--worker-threads", type=int, default=0,
+                        help="chunked: the worker's --num-threads (0: torch's default)")
     args = parser.parse_args()
     chosen = args.only.split(",")
     if "prefix" in chosen:
         asyncio.run(prefix_scenario())
     if "chunked" in chosen:
-        asyncio.run(chunked_scenario(args.chunk_budget, args.chunk_step_ratio))
+        asyncio.run(chunked_scenario(args.chunk_budget, args.chunk_step_ratio,
+                                     args.worker_threads))
     if "idle" in chosen:
         asyncio.run(idle_scenario(2))
         asyncio.run(idle_scenario(1))
