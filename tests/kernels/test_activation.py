@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from tests.kernels.tolerances import double_rounding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -65,13 +66,6 @@ def test_half_precision_close_to_ref(dtype):
     torch.testing.assert_close(actual, silu_and_mul_ref(x))
 
 
-def one_ulp(dtype: torch.dtype) -> dict:
-    """fp16 keeps 10 mantissa bits: the reference rounds twice where the kernel rounds once,
-    so they may differ by two steps of 2**-11..2**-10 relative, over assert_close's default
-    rtol of 1e-3 for fp16 (bf16's default already allows it)."""
-    return {"rtol": 2 ** -9, "atol": 1e-5} if dtype == torch.float16 else {}
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -81,7 +75,7 @@ def test_gpu_real_sizes(dtype, num_tokens):
     x = randn(num_tokens, 2 * 14336, gen=gen, device="cuda", dtype=dtype)
     out = torch.full((num_tokens, 14336), float("nan"), device="cuda", dtype=dtype)
     actual, expected = silu_and_mul(x, out=out), silu_and_mul_ref(x)
-    torch.testing.assert_close(actual, expected, **one_ulp(dtype))
+    torch.testing.assert_close(actual, expected, **double_rounding(dtype))
     assert (actual != expected).float().mean().item() < 0.01  # rounding flips only
 
 

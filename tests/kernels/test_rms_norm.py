@@ -7,6 +7,7 @@ import torch
 
 import kernels.rms_norm as rms_norm_module
 from kernels.rms_norm import rms_norm, rms_norm_ref
+from tests.kernels.tolerances import double_rounding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -140,13 +141,6 @@ def test_half_precision_close_to_ref(dtype):
     torch.testing.assert_close(actual, expected)  # dtype-aware tolerances (about 1 ulp)
 
 
-def one_ulp(dtype: torch.dtype) -> dict:
-    """fp16 keeps 10 mantissa bits: the reference rounds twice where the kernel rounds once,
-    so they may differ by two steps of 2**-11..2**-10 relative, over assert_close's default
-    rtol of 1e-3 for fp16 (bf16's default already allows it)."""
-    return {"rtol": 2 ** -9, "atol": 1e-5} if dtype == torch.float16 else {}
-
-
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -161,11 +155,11 @@ def test_gpu_real_sizes(dtype, num_tokens, hidden_size):
     out = torch.full_like(x, float("nan"))
     actual, actual_residual = rms_norm(x, weight, 1e-5, residual, out=out)
     assert torch.equal(actual_residual, expected_residual)
-    torch.testing.assert_close(actual, expected, **one_ulp(dtype))
+    torch.testing.assert_close(actual, expected, **double_rounding(dtype))
     # elements off the reference by more than rounding of the last step are rare
     assert (actual != expected).float().mean().item() < 0.01
     torch.testing.assert_close(rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5),
-                               **one_ulp(dtype))
+                               **double_rounding(dtype))
 
 
 @pytest.mark.gpu
