@@ -227,6 +227,9 @@ class StepPlan(Struct, frozen=True, array_like=True, gc=False):
     new_requests: list[NewRequestData]
     scheduled: list[ScheduledRequest]  # in batch order; includes the new requests
     finished_request_ids: list[str] = []  # forget these (finished, aborted, preempted)
+    # the worker instance the scheduler attached to: a restarted worker (empty cache) refuses
+    # the plan rather than read KV it never computed; "" skips the check
+    worker_id: str = ""
 
 
 class StepResult(Struct, frozen=True, array_like=True, gc=False):

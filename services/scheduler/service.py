@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections import defaultdict, deque
 
+import msgspec
 import structlog
 
 from services.scheduler.config import SchedulerConfig
@@ -22,6 +23,7 @@ from shared.subjects import Subjects
 log = structlog.get_logger()
 
 MAX_STEP_SAMPLES = 512  # per stats event
+IDLE_CHECK_S = 1.0  # while idle, this often make sure the worker is the one attached
 
 
 class SchedulerService:
@@ -30,6 +32,7 @@ class SchedulerService:
         self.bus = bus
         self.subjects = Subjects(config.namespace)
         self.core: Scheduler | None = None  # built once the worker says how big its cache is
+        self._worker_id = ""  # the worker instance attached: its cache is what core tracks
         self._wakeup = asyncio.Event()
         self._worker_busy_s = 0.0
         self._step_samples: list[tuple[int, float]] = []  # (tokens, seconds) since last stats
@@ -84,6 +87,7 @@ class SchedulerService:
         self.core = Scheduler(self.config, num_blocks=info.num_blocks, block_size=info.block_size,
                               max_model_len=info.max_model_len, eos_token_ids=info.eos_token_ids,
                               model_name=info.model_name)
+        self._worker_id = info.worker_id
         log.info("worker_connected", worker_id=info.worker_id, num_blocks=info.num_blocks,
                  block_size=info.block_size, max_model_len=info.max_model_len)
 
@@ -101,7 +105,10 @@ class SchedulerService:
                     break
                 in_flight.append((plan, asyncio.create_task(self._run_step(plan))))
             if not in_flight:
-                await self._wakeup.wait()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), timeout=IDLE_CHECK_S)
+                except TimeoutError:
+                    await self._check_worker_identity()
                 continue
             plan, step = in_flight[0]
             if len(in_flight) < self.config.max_steps_in_flight:
@@ -128,16 +135,34 @@ class SchedulerService:
         for _, other in in_flight:
             other.cancel()
         in_flight.clear()
-        error = ServiceUnavailable(f"the worker failed: {exc.message}").to_info()
-        await self._publish(self.core.fail_all(error))
-        self.core = None
-        await self._connect_worker()  # a fresh cache: the old state is gone
+        await self._reattach(ServiceUnavailable(f"the worker failed: {exc.message}"))
+
+    async def _reattach(self, error: FlotillaError) -> None:
+        """End every request with ``error`` and start over with the worker's fresh cache.
+        The core goes first, so a submit arriving meanwhile is refused, not lost."""
+        old_core, self.core = self.core, None
+        await self._publish(old_core.fail_all(error.to_info()))
+        await self._connect_worker()
+
+    async def _check_worker_identity(self) -> None:
+        """A worker restarted while we were idle has an empty cache that the prefix cache
+        still points into: drop our state and attach to it, before a step reads stale KV."""
+        try:
+            reply = await self.bus.request(self.subjects.worker_ping(self.config.replica_id),
+                                           Empty(), HealthReply, timeout=2.0)
+        except FlotillaError:
+            return  # down: the next step fails and re-attaches
+        if reply.instance_id != self._worker_id:
+            log.warning("worker_replaced", old_worker_id=self._worker_id,
+                        new_worker_id=reply.instance_id)
+            await self._reattach(ServiceUnavailable("the worker restarted"))
 
     async def _run_step(self, plan: StepPlan) -> StepResult:
         """Send one step; while it runs, ping the worker every second so a dead worker
         fails the step in about a second instead of at the step timeout."""
         step = asyncio.create_task(self.bus.request(
-            self.subjects.worker_step(self.config.replica_id), plan, StepResult,
+            self.subjects.worker_step(self.config.replica_id),
+            msgspec.structs.replace(plan, worker_id=self._worker_id), StepResult,
             timeout=self.config.step_timeout_s))
         ping_subject = self.subjects.worker_ping(self.config.replica_id)
         try:

@@ -14,6 +14,7 @@ from services.worker.config import WorkerConfig
 from services.worker.main_thread import MainThreadExecutor
 from services.worker.runner import ModelRunner
 from shared.bus import Bus
+from shared.errors import ServiceUnavailable
 from shared.messages import Empty, HealthReply, StepPlan, StepResult, WorkerInfo
 from shared.models import resolve_model
 from shared.runtime import freeze_startup_objects
@@ -44,6 +45,10 @@ class WorkerService:
                              queue=self.subjects.queue_group("worker"))
 
     async def _on_step(self, plan: StepPlan) -> StepResult:
+        if plan.worker_id and plan.worker_id != self.config.instance_id:
+            raise ServiceUnavailable(
+                f"worker {self.config.instance_id} got a step planned for worker "
+                f"{plan.worker_id}: it restarted and its cache is empty; the scheduler re-attaches")
         try:
             # Off the event loop, so pings still answer during long steps.
             result = await asyncio.get_running_loop().run_in_executor(
