@@ -8,6 +8,7 @@ import sys
 import time
 
 from cli import bench
+from cli.engine_flags import add_engine_flags, engine_service_args
 from cli.stack import Stack, StackOptions, flags
 
 
@@ -25,21 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer token")
     serve.add_argument("--replicas", type=int, default=1,
                        help="scheduler+worker pairs; the gateway routes to the least loaded")
-    serve.add_argument("--kv-cache-memory", default=None, help="worker KV cache size, e.g. 2GiB")
-    serve.add_argument("--max-num-seqs", default=None, help="most requests running at once")
-    serve.add_argument("--max-num-batched-tokens", default=None, help="most tokens per step")
+    add_engine_flags(serve)
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn off automatic prefix caching")
     serve.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
     serve.add_argument("--chunk-step-ratio", default=None,
                        help="cap prompt chunks so a step that also decodes takes at most this "
                        "many decode-only steps' time (default 0: off)")
-    serve.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
-    serve.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
-    serve.add_argument("--gpu-memory-utilization", default=None,
-                       help="share of GPU memory the worker uses (default 0.9)")
-    serve.add_argument("--max-model-len", default=None, help="context length limit")
-    serve.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     serve.add_argument("--cache-dir", default="~/.cache/flotilla", help="converted-model cache")
     serve.add_argument("--log-level", default="info")
     bench.add_parser(commands)
@@ -48,23 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
+    service_args = engine_service_args(args)
+    service_args["scheduler"] += flags(scheduling_policy=args.scheduling_policy,
+                                       chunk_step_ratio=args.chunk_step_ratio)
+    service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
+    service_args["gateway"] = flags(api_key=args.api_key)
     options = StackOptions(
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         namespace=args.namespace, cache_dir=args.cache_dir, log_level=args.log_level,
-        replicas=args.replicas, service_args={
-            "worker": flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
-                             dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             gpu_memory_utilization=args.gpu_memory_utilization,
-                             max_model_len=args.max_model_len)
-            + (["--enforce-eager"] if args.enforce_eager else []),
-            "scheduler": flags(max_num_seqs=args.max_num_seqs,
-                                max_num_batched_tokens=args.max_num_batched_tokens,
-                                scheduling_policy=args.scheduling_policy,
-                                chunk_step_ratio=args.chunk_step_ratio)
-            + (["--no-prefix-caching"] if args.no_prefix_caching else []),
-            "gateway": flags(api_key=args.api_key),
-        })
+        replicas=args.replicas, service_args=service_args)
     stack = Stack(options)
 
     def request_stop(_signum, _frame) -> None:

@@ -7,6 +7,7 @@ import json
 import math
 
 from cli.bench.metrics import SLO_METRICS
+from cli.engine_flags import add_engine_flags
 
 _SLO_ALIASES = {"e2el": "e2e"}
 
@@ -89,16 +90,8 @@ def add_target_flags(parser: argparse.ArgumentParser, base_url_default: str | No
 
 
 def add_stack_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("the flotilla stack started when no --base-url is given")
-    group.add_argument("--kv-cache-memory", default=None, help="worker KV cache size, e.g. 2GiB")
-    group.add_argument("--max-num-seqs", default=None, help="most requests running at once")
-    group.add_argument("--max-num-batched-tokens", default=None, help="most tokens per step")
-    group.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
-    group.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
-    group.add_argument("--gpu-memory-utilization", default=None,
-                       help="share of GPU memory the worker uses (default 0.9)")
-    group.add_argument("--max-model-len", default=None, help="context length limit")
-    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_engine_flags(parser.add_argument_group(
+        "the flotilla stack started when no --base-url is given"))
 
 
 def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int) -> None:

@@ -74,19 +74,12 @@ def server(args: argparse.Namespace, spec: str) -> Iterator[str]:
     if args.base_url:
         yield args.base_url.rstrip("/")
         return
-    from cli.stack import Stack, StackOptions, flags, free_port
+    from cli.engine_flags import engine_service_args
+    from cli.stack import Stack, StackOptions, free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix="flotilla-bench-"))
     stack = Stack(StackOptions(model=spec, host="127.0.0.1", port=free_port(), log_dir=log_dir,
-                               service_args={
-        "worker": flags(kv_cache_memory=args.kv_cache_memory, device=args.device,
-                         dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
-                         gpu_memory_utilization=args.gpu_memory_utilization,
-                         max_model_len=args.max_model_len)
-        + (["--enforce-eager"] if args.enforce_eager else []),
-        "scheduler": flags(max_num_seqs=args.max_num_seqs,
-                            max_num_batched_tokens=args.max_num_batched_tokens)}))
+                               service_args=engine_service_args(args)))
     print(f"flotilla bench: starting a flotilla stack for {spec} (logs in {log_dir})",
           file=sys.stderr, flush=True)
     stack.start()

@@ -109,16 +109,21 @@ def test_int32_positions_and_position_zero():
     assert rel_err(q, expected_q) < 1e-5 and rel_err(k, expected_k) < 1e-5
 
 
+def assert_kernel_equals_ref(q, k, positions, cache) -> None:
+    """The kernel rotates q and k in place to exactly what the reference gives."""
+    expected_q, expected_k = q.clone(), k.clone()
+    apply_rotary_ref(expected_q, expected_k, positions, cache)
+    apply_rotary(q, k, positions, cache)
+    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+
+
 def test_fp16_is_exact():
     """Half precision: each product rounded like torch does, so the kernel equals the ref."""
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     cache = build_cos_sin_cache(compute_inv_freq(llama31_config(9, 3, 64)).to(DEVICE), 4096)
     positions = torch.randint(0, 4096, (7,), generator=gen, device=DEVICE)
     q, k, _ = make_qkv(7, 9, 3, 64, torch.float16, DEVICE, fused=True, gen=gen)
-    expected_q, expected_k = q.clone(), k.clone()
-    apply_rotary_ref(expected_q, expected_k, positions, cache)
-    apply_rotary(q, k, positions, cache)
-    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert_kernel_equals_ref(q, k, positions, cache)
 
 
 @pytest.mark.gpu
@@ -132,10 +137,7 @@ def test_gpu_real_sizes(dtype, num_tokens):
     positions = torch.randint(0, config.max_position_embeddings, (num_tokens,), generator=gen,
                               device="cuda")
     q, k, _ = make_qkv(num_tokens, 32, 8, 128, dtype, "cuda", fused=True, gen=gen)
-    expected_q, expected_k = q.clone(), k.clone()
-    apply_rotary_ref(expected_q, expected_k, positions, cache)
-    apply_rotary(q, k, positions, cache)
-    assert torch.equal(q, expected_q) and torch.equal(k, expected_k)
+    assert_kernel_equals_ref(q, k, positions, cache)
 
 
 @pytest.mark.gpu

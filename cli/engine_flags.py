@@ -1,0 +1,33 @@
+"""The worker and scheduler flags that ``flotilla serve`` and the stacks ``flotilla bench``
+starts share, and the per-service arguments they become."""
+
+from __future__ import annotations
+
+import argparse
+
+from cli.stack import flags
+
+
+def add_engine_flags(parser) -> None:
+    """Add the flags to a parser or an argument group (defaults: the services' own)."""
+    parser.add_argument("--kv-cache-memory", default=None, help="worker KV cache size, e.g. 2GiB")
+    parser.add_argument("--max-num-seqs", default=None, help="most requests running at once")
+    parser.add_argument("--max-num-batched-tokens", default=None, help="most tokens per step")
+    parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
+    parser.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
+    parser.add_argument("--gpu-memory-utilization", default=None,
+                        help="share of GPU memory the worker uses (default 0.9)")
+    parser.add_argument("--max-model-len", default=None, help="context length limit")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+
+
+def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
+    """{"worker": [...], "scheduler": [...]}. The worker gets the batch limits too: it sizes
+    its memory profile and CUDA graphs by them."""
+    batch_limits = flags(max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens)
+    worker = batch_limits + flags(
+        kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
+    return {"worker": worker + (["--enforce-eager"] if args.enforce_eager else []),
+            "scheduler": batch_limits}

@@ -1,0 +1,26 @@
+"""The worker and scheduler flags shared by `flotilla serve` and the stacks `flotilla bench`
+starts reach the right services."""
+
+from __future__ import annotations
+
+from cli.engine_flags import engine_service_args
+from cli.main import build_parser
+
+
+def test_serve_and_bench_pass_the_same_engine_flags():
+    engine = ["--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--device", "cuda",
+              "--gpu-memory-utilization", "0.8", "--max-model-len", "4096", "--enforce-eager"]
+    serve = build_parser().parse_args(["serve", *engine])
+    bench = build_parser().parse_args(["bench", "throughput", *engine])
+    expected = {
+        "worker": ["--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--device", "cuda",
+                   "--gpu-memory-utilization", "0.8", "--max-model-len", "4096",
+                   "--enforce-eager"],
+        "scheduler": ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]}
+    assert engine_service_args(serve) == expected
+    assert engine_service_args(bench) == expected
+
+
+def test_unset_flags_are_left_to_the_services_defaults():
+    args = build_parser().parse_args(["serve"])
+    assert engine_service_args(args) == {"worker": [], "scheduler": []}
