@@ -30,14 +30,23 @@ class Completion:
 
 @dataclass
 class EngineStats:
-    num_steps: int
     num_preemptions: int
     elapsed_s: float
-    step_time_s: float  # summed runner.execute wall time
-    num_decode_steps: int = 0  # steps of one token per sequence (CUDA graphs on GPU)
-    decode_step_time_s: float = 0.0
-    # (tokens computed, sequences, runner seconds) of every step
+    # (tokens computed, sequences, runner.execute seconds) of every step
     steps: list[tuple[int, int, float]] = field(default_factory=list)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def step_time_s(self) -> float:
+        return sum(seconds for _, _, seconds in self.steps)
+
+    @property
+    def decode_steps(self) -> list[float]:
+        """Seconds of each step of one token per sequence (CUDA graphs on GPU)."""
+        return [seconds for num_tokens, num_seqs, seconds in self.steps if num_tokens == num_seqs]
 
 
 class Engine:
@@ -60,7 +69,6 @@ class Engine:
                 output_subject="", arrival_time=time.time()))
             completions[request_id] = Completion(request_id, len(prompt))
         start = time.perf_counter()
-        num_steps, step_time_s, num_decode_steps, decode_step_time_s = 0, 0.0, 0, 0.0
         steps: list[tuple[int, int, float]] = []
         preemptions_before = self.scheduler.num_preemptions
         while self.scheduler.has_work:
@@ -68,13 +76,8 @@ class Engine:
             if plan is None:
                 raise RuntimeError("the scheduler has work but planned no step")
             result = self.runner.execute(plan)
-            num_steps += 1
-            step_time_s += result.step_time_s
             steps.append((sum(s.num_new_tokens for s in plan.scheduled), len(plan.scheduled),
                           result.step_time_s))
-            if all(s.num_new_tokens == 1 for s in plan.scheduled):
-                num_decode_steps += 1
-                decode_step_time_s += result.step_time_s
             now = time.perf_counter()
             for emitted in self.scheduler.update(plan, result):
                 output = emitted.output
@@ -86,7 +89,6 @@ class Engine:
                 completion.output_token_ids.extend(output.new_token_ids)
                 if output.finish_reason is not None:
                     completion.finish_reason, completion.finish_time = output.finish_reason, now
-        stats = EngineStats(num_steps, self.scheduler.num_preemptions - preemptions_before,
-                            time.perf_counter() - start, step_time_s, num_decode_steps,
-                            decode_step_time_s, steps)
+        stats = EngineStats(self.scheduler.num_preemptions - preemptions_before,
+                            time.perf_counter() - start, steps)
         return list(completions.values()), stats

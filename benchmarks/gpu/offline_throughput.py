@@ -105,10 +105,10 @@ def main() -> None:
         "request_s": len(prompts) / stats.elapsed_s, "output_tok_s": num_out / stats.elapsed_s,
         "total_tok_s": (num_in + num_out) / stats.elapsed_s, "num_steps": stats.num_steps,
         "runner_share": stats.step_time_s / stats.elapsed_s,
-        "num_decode_steps": stats.num_decode_steps,
-        "decode_step_ms": 1e3 * stats.decode_step_time_s / max(stats.num_decode_steps, 1),
-        "mixed_step_ms": 1e3 * (stats.step_time_s - stats.decode_step_time_s)
-        / max(stats.num_steps - stats.num_decode_steps, 1),
+        "num_decode_steps": len(stats.decode_steps),
+        "decode_step_ms": 1e3 * sum(stats.decode_steps) / max(len(stats.decode_steps), 1),
+        "mixed_step_ms": 1e3 * (stats.step_time_s - sum(stats.decode_steps))
+        / max(stats.num_steps - len(stats.decode_steps), 1),
         "slowest_steps": sorted(stats.steps, key=lambda step: -step[2])[:12],
         "mixed_steps_time_by_tokens": step_time_by_tokens(stats.steps),
         "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,

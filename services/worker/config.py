@@ -36,3 +36,10 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "max_model_len": "context length limit (0: the model's own)",
         "num_threads": "torch CPU threads (0: torch default)",
     }
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not "
+                             f"{self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")

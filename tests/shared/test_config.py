@@ -32,6 +32,13 @@ def test_parse_size_rejects_garbage():
         parse_size("lots")
 
 
+@pytest.mark.parametrize("values", [{"gpu_memory_utilization": 0.0},
+                                    {"gpu_memory_utilization": 1.5}, {"max_num_seqs": 0}])
+def test_worker_config_refuses_impossible_limits(values):
+    with pytest.raises(ValueError):
+        WorkerConfig(**values)
+
+
 def test_worker_config_defaults():
     config = WorkerConfig()
     assert config.kv_cache_memory == "auto" and config.gpu_memory_utilization == 0.9
