@@ -8,7 +8,7 @@ encoding, no field names on the wire) and ``gc=False``; for those, new fields go
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from msgspec import Struct
@@ -43,6 +43,17 @@ class Empty(Struct, frozen=True):
 
 
 # ----------------------------------------------------------------- sampling
+class StructuredSpec(Struct, frozen=True, kw_only=True, gc=False):
+    """A constraint on the output text, enforced by a token mask while sampling.
+
+    ``kind`` is ``json_object`` (any JSON object) or ``json_schema`` (``json_schema`` holds
+    the schema as JSON text, already validated by the gateway).
+    """
+
+    kind: str
+    json_schema: str = ""
+
+
 class SamplingParams(Struct, frozen=True, kw_only=True, gc=False):
     """How to pick each next token, and when to stop (token-level conditions only;
     stop strings are the tokenizer's job)."""
@@ -54,17 +65,55 @@ class SamplingParams(Struct, frozen=True, kw_only=True, gc=False):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # divides (or multiplies, if negative) logits of prompt+output tokens
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    # None: no logprobs; k >= 0: the sampled token's log-probability and the k most likely
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    structured: StructuredSpec | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+class TokenLogprobs(Struct, frozen=True, array_like=True, gc=False):
+    """The log-probabilities behind one token: its own, and the ``k`` most likely
+    (log_softmax of the model's raw logits, before any sampling adjustment)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
 
 # ----------------------------------------------------------------- tokenizer
+class FunctionCall(Struct, frozen=True, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, frozen=True, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(Struct, frozen=True, kw_only=True, omit_defaults=True):
     role: str
     content: str | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: which call this result answers
 
 
 class EncodeRequest(Struct, frozen=True, kw_only=True):
@@ -74,6 +123,8 @@ class EncodeRequest(Struct, frozen=True, kw_only=True):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
+    # OpenAI tool definitions ({"type": "function", "function": {...}}) for the chat template
+    tools: list[dict[str, Any]] | None = None
 
 
 class EncodeReply(Struct, frozen=True, kw_only=True):
@@ -119,6 +170,8 @@ class DetokItem(Struct, frozen=True, array_like=True, gc=False):
     stop: list[str] = []
     finished: bool = False  # the request ended: flush held text
     skip_special_tokens: bool = True
+    # ids whose text and bytes the caller also wants (logprobs), each on its own
+    logprob_token_ids: list[int] = []
 
 
 class DetokResult(Struct, frozen=True, array_like=True, gc=False):
@@ -128,6 +181,8 @@ class DetokResult(Struct, frozen=True, array_like=True, gc=False):
     stopped: bool = False  # a stop string matched; text ends before it
     # how many of new_token_ids were consumed (all of them unless stopped)
     num_tokens_used: int = 0
+    logprob_tokens: list[str] = []  # the text of each of the item's logprob_token_ids
+    logprob_token_bytes: list[bytes] = []  # and its exact bytes (a token may split a character)
 
 
 class DetokenizeRequest(Struct, frozen=True, array_like=True, gc=False):
@@ -149,6 +204,13 @@ class GenerateRequest(Struct, frozen=True, kw_only=True):
     arrival_time: float = 0.0
     priority: int = 0  # lower runs first (with --scheduling-policy priority)
     cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
+    # n > 1: n sequences from one prompt (ids from choice_request_ids), sharing its KV blocks
+    n: int = 1
+
+
+def choice_request_ids(request_id: str, n: int) -> list[str]:
+    """The ids under which the n sequences of a request run and report."""
+    return [request_id] if n == 1 else [f"{request_id}-{index}" for index in range(n)]
 
 
 class SubmitReply(Struct, frozen=True, kw_only=True):
@@ -170,6 +232,9 @@ class RequestOutput(Struct, frozen=True, array_like=True, gc=False):
     # set on a request's first output only:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
     queue_time_s: float = 0.0  # arrival to first scheduled
+    logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked
+    # first output only, when asked: one per prompt token (the first has none: None)
+    prompt_logprobs: list[TokenLogprobs | None] = []
 
 
 class OutputBatch(Struct, frozen=True, array_like=True, gc=False):
@@ -240,6 +305,10 @@ class StepResult(Struct, frozen=True, array_like=True, gc=False):
     request_ids: list[str]
     sampled_token_ids: list[int]
     step_time_s: float = 0.0
+    # aligned with request_ids: the sampled token's logprobs where the request asked
+    logprobs: list[TokenLogprobs | None] = []
+    # request id -> logprobs of the prompt tokens computed this step (positions 1.., in order)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
 
 class WorkerInfo(Struct, frozen=True, kw_only=True):
@@ -257,7 +326,8 @@ class WorkerInfo(Struct, frozen=True, kw_only=True):
 
 # Every message type, for tests and tooling.
 ALL_MESSAGES: tuple[type[Struct], ...] = (
-    ErrorInfo, HealthReply, Empty, SamplingParams, ChatMessage, EncodeRequest,
+    ErrorInfo, HealthReply, Empty, StructuredSpec, SamplingParams, TokenLogprobs, FunctionCall,
+    ToolCall, ChatMessage, EncodeRequest,
     EncodeReply, DecodeRequest, DecodeReply, TokenizerInfo, DetokState, DetokItem,
     DetokResult, DetokenizeRequest, DetokenizeReply, GenerateRequest, SubmitReply,
     AbortRequest, RequestOutput, OutputBatch, SchedulerStats, NewRequestData,

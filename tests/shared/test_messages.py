@@ -7,8 +7,13 @@ import pytest
 
 from shared import messages as m
 
+STRUCTURED = m.StructuredSpec(kind="json_schema", json_schema='{"type": "object"}')
 SAMPLING = m.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
-                            stop_token_ids=[2], ignore_eos=True)
+                            stop_token_ids=[2], ignore_eos=True, min_p=0.1, presence_penalty=0.5,
+                            frequency_penalty=-0.5, repetition_penalty=1.2, logit_bias={7: -100.0},
+                            min_tokens=2, logprobs=3, prompt_logprobs=0, structured=STRUCTURED)
+LOGPROBS = m.TokenLogprobs(5, -0.25, [5, 6], [-0.25, -1.5])
+TOOL_CALL = m.ToolCall(id="call_1", function=m.FunctionCall(name="f", arguments='{"a": 1}'))
 STATE = m.DetokState([5, 6, 7], 2, "<st")
 ERROR = m.ErrorInfo(status=503, message="worker gone", type="service_unavailable", code="x", param="p")
 
@@ -16,26 +21,33 @@ SAMPLES: dict[type, object] = {
     m.ErrorInfo: ERROR,
     m.HealthReply: m.HealthReply(service="worker", instance_id="abc", detail={"num_blocks": 3, "ok": True}),
     m.Empty: m.Empty(),
+    m.StructuredSpec: STRUCTURED,
     m.SamplingParams: SAMPLING,
+    m.TokenLogprobs: LOGPROBS,
+    m.FunctionCall: TOOL_CALL.function,
+    m.ToolCall: TOOL_CALL,
     m.ChatMessage: m.ChatMessage(role="user", content="héllo 😀", name="bob"),
-    m.EncodeRequest: m.EncodeRequest(messages=[m.ChatMessage(role="user", content="hi")],
-                                     add_generation_prompt=False),
+    m.EncodeRequest: m.EncodeRequest(messages=[
+        m.ChatMessage(role="assistant", tool_calls=[TOOL_CALL]),
+        m.ChatMessage(role="tool", content="1", tool_call_id="call_1")],
+        add_generation_prompt=False, tools=[{"type": "function", "function": {"name": "f"}}]),
     m.EncodeReply: m.EncodeReply(token_ids=[1, 2, 3]),
     m.DecodeRequest: m.DecodeRequest(token_ids=[4, 5], skip_special_tokens=False),
     m.DecodeReply: m.DecodeReply(text="ok ✓"),
     m.TokenizerInfo: m.TokenizerInfo(model_name="x", max_model_len=8192, vocab_size=10,
                                      eos_token_ids=[2], has_chat_template=True),
     m.DetokState: STATE,
-    m.DetokItem: m.DetokItem("r1", [9, 10], STATE, ["\n\n"], True, False),
-    m.DetokResult: m.DetokResult("r1", "text", STATE, True, 1),
+    m.DetokItem: m.DetokItem("r1", [9, 10], STATE, ["\n\n"], True, False, [9, 11]),
+    m.DetokResult: m.DetokResult("r1", "text", STATE, True, 1, ["a", "\ufffd"], [b"a", b"\xe2"]),
     m.DetokenizeRequest: m.DetokenizeRequest([m.DetokItem("r1", [9], STATE)]),
     m.DetokenizeReply: m.DetokenizeReply([m.DetokResult("r1", "t", STATE)]),
     m.GenerateRequest: m.GenerateRequest(request_id="r1", prompt_token_ids=[1, 2], sampling=SAMPLING,
                                          output_subject="ns.v1.gateway.g.outputs", arrival_time=1.5,
-                                         priority=-1),
+                                         priority=-1, n=3),
     m.SubmitReply: m.SubmitReply(scheduler_id="s1"),
     m.AbortRequest: m.AbortRequest(request_ids=["r1", "r2"]),
-    m.RequestOutput: m.RequestOutput("r1", [42], "error", 3, ERROR),
+    m.RequestOutput: m.RequestOutput("r1", [42], "error", 3, ERROR, 0, 0.0, [LOGPROBS],
+                                     [None, LOGPROBS]),
     m.OutputBatch: m.OutputBatch([m.RequestOutput("r1", [42]), m.RequestOutput("r2", [], "abort")]),
     m.SchedulerStats: m.SchedulerStats(scheduler_id="s", replica_id="0", timestamp=1.0, num_running=2,
                                        num_waiting=1, num_blocks_used=3, num_blocks_total=9),
@@ -43,7 +55,7 @@ SAMPLES: dict[type, object] = {
     m.ScheduledRequest: m.ScheduledRequest("r1", 1, [7]),
     m.StepPlan: m.StepPlan(3, [m.NewRequestData("r1", [1], SAMPLING, [0])],
                            [m.ScheduledRequest("r1", 1)], ["r0"]),
-    m.StepResult: m.StepResult(3, ["r1"], [99], 0.01),
+    m.StepResult: m.StepResult(3, ["r1", "r2"], [99, 5], 0.01, [None, LOGPROBS], {"r1": [LOGPROBS]}),
     m.WorkerInfo: m.WorkerInfo(worker_id="w", replica_id="0", model_name="x", num_blocks=10,
                                block_size=16, max_model_len=8192, eos_token_ids=[2],
                                kv_cache_bytes=1 << 20, device="cpu", dtype="float32"),
@@ -74,12 +86,14 @@ def test_a_new_field_with_a_default_is_read_by_an_old_peer_and_vice_versa():
         error: m.ErrorInfo | None = None
         num_cached_tokens: int = 0
         queue_time_s: float = 0.0
-        logprobs: list[float] = []
+        logprobs: list[m.TokenLogprobs] = []
+        prompt_logprobs: list[m.TokenLogprobs | None] = []
+        future: list[float] = []
 
-    new = OutputV2("r", [1], None, 2, None, 0, 0.0, [-0.5])
+    new = OutputV2("r", [1], None, 2, None, 0, 0.0, [], [], [-0.5])
     assert m.decode(msgspec.msgpack.encode(new), m.RequestOutput) == m.RequestOutput("r", [1], None, 2)
     old = m.RequestOutput("r", [1])
-    assert msgspec.msgpack.decode(m.encode(old), type=OutputV2).logprobs == []
+    assert msgspec.msgpack.decode(m.encode(old), type=OutputV2).future == []
 
 
 def test_wrong_types_are_rejected():
