@@ -21,10 +21,12 @@ from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata, load_model
-from services.worker.sampler import make_generator, sample
+from services.worker.sampler import Sampler, make_generator, token_logprobs
 from services.worker.warmup import warm_up_attention
 from shared.config import parse_size
-from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan, StepResult
+from shared.messages import (
+    NewRequestData, SamplingParams, ScheduledRequest, StepPlan, StepResult, TokenLogprobs,
+)
 from shared.models import ModelFiles
 
 log = structlog.get_logger()
@@ -40,6 +42,8 @@ class RequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     num_prompt_tokens: int
+    # prompt logprobs still to compute: the request asked and had no outputs when it arrived
+    wants_prompt_logprobs: bool = False
 
     def seed_next_draw(self) -> None:
         """A seeded draw depends only on (seed, output index), so a request preempted and
@@ -57,6 +61,28 @@ class SequenceChunk:
     start: int
     block_table: list[int]
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    # leading positions of the chunk whose logits are wanted too (prompt logprobs)
+    num_logprob_rows: int = 0
+
+
+def logits_layout(chunks: list[SequenceChunk]) -> tuple[list[int], list[int]]:
+    """Which token of the step each logits row comes from, and which rows are sampled.
+
+    A chunk contributes its first ``num_logprob_rows`` tokens, then its last token if it
+    samples (unless already among them). Returns (token index per row, sampled rows).
+    """
+    token_indices: list[int] = []
+    sample_rows: list[int] = []
+    first = 0
+    for chunk in chunks:
+        num_tokens = len(chunk.token_ids)
+        token_indices.extend(range(first, first + chunk.num_logprob_rows))
+        if chunk.sample:
+            if chunk.num_logprob_rows < num_tokens:
+                token_indices.append(first + num_tokens - 1)
+            sample_rows.append(len(token_indices) - 1)
+        first += num_tokens
+    return token_indices, sample_rows
 
 
 def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.device
@@ -78,9 +104,8 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
     slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
     query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
-    logits_indices = torch.tensor(  # [num_sampled]: the last token of each sampled chunk
-        [int(query_start_loc[i + 1]) - 1 for i, chunk in enumerate(chunks) if chunk.sample],
-        dtype=torch.long)
+    # [num_logit_rows]: the last token of each sampled chunk, and prompt-logprob positions
+    logits_indices = torch.tensor(logits_layout(chunks)[0], dtype=torch.long)
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping.to(device, non_blocking=True),
         block_tables=block_tables.to(device, non_blocking=True),
@@ -118,6 +143,9 @@ class ModelRunner:
                                           self._dtype, self._device)
         self.model.bind_kv_cache(self.kv_cache)
         self._requests: dict[str, RequestState] = {}
+        self.sampler = Sampler(model_config.vocab_size, self.eos_token_ids, self._device,
+                               make_grammars=lambda: _grammar_bank(
+                                   model_files.path, model_config.vocab_size, self.eos_token_ids))
         self._graphs: DecodeGraphs | None = None
         if self._device.type == "cuda":
             warm_up_attention(self.model, self.block_size)
@@ -155,12 +183,17 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every request (a scheduler attached or a step failed); the cache memory stays."""
-        self._requests.clear()
+        for request_id in list(self._requests):
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        if self._requests.pop(request_id, None) is not None:
+            self.sampler.remove(request_id)
 
     def execute(self, plan: StepPlan) -> StepResult:
         start_time = time.perf_counter()
         for request_id in plan.finished_request_ids:
-            self._requests.pop(request_id, None)
+            self._forget(request_id)
         for new_request in plan.new_requests:
             self._add_request(new_request)
         if len({s.request_id for s in plan.scheduled}) != len(plan.scheduled):
@@ -168,6 +201,8 @@ class ModelRunner:
         chunks = [self._chunk(scheduled) for scheduled in plan.scheduled]
         sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
         sampled_token_ids: list[int] = []
+        sampled_logprobs: list[TokenLogprobs | None] = []
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if chunks:
             with torch.inference_mode():
                 input_ids, positions, metadata = build_step_inputs(
@@ -177,13 +212,18 @@ class ModelRunner:
                         and self._graphs.bucket_for(len(chunks)) is not None:
                     logits = self._graphs.run(input_ids, positions, metadata)  # [num_seqs, vocab]
                 else:
-                    logits = self.model(input_ids, positions, metadata)  # [num_sampled, vocab_size]
+                    logits = self.model(input_ids, positions, metadata)  # [num_logit_rows, vocab]
+                _, sample_rows = logits_layout(chunks)
+                prompt_logprobs = self._prompt_logprobs(plan.scheduled, chunks, logits)
+                if len(sample_rows) != logits.shape[0]:
+                    logits = logits[sample_rows]  # [num_sampled, vocab_size]
                 states = [self._requests[request_id] for request_id in sampled_ids]
                 for state in states:
                     state.seed_next_draw()
-                sampled_token_ids = sample(
-                    logits, [s.sampling for s in states], [s.generator for s in states],
-                    [len(s.token_ids) - s.num_prompt_tokens for s in states])
+                sampled_token_ids, sampled_logprobs = self.sampler.sample(
+                    logits, sampled_ids, [s.sampling for s in states],
+                    [len(s.token_ids) - s.num_prompt_tokens for s in states],
+                    [s.generator for s in states])
         for scheduled, chunk in zip(plan.scheduled, chunks):
             state = self._requests[scheduled.request_id]
             state.block_table = chunk.block_table
@@ -192,18 +232,43 @@ class ModelRunner:
             self._requests[request_id].token_ids.append(token_id)
         return StepResult(step_id=plan.step_id, request_ids=sampled_ids,
                           sampled_token_ids=sampled_token_ids,
-                          step_time_s=time.perf_counter() - start_time)
+                          step_time_s=time.perf_counter() - start_time,
+                          logprobs=sampled_logprobs if any(sampled_logprobs) else [],
+                          prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], chunks: list[SequenceChunk],
+                         logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+        """Logprobs of the prompt tokens whose predicting positions ran this step, per request
+        (the logits at position p give token p + 1)."""
+        result: dict[str, list[TokenLogprobs]] = {}
+        row = 0
+        for entry, chunk in zip(scheduled, chunks):
+            if chunk.num_logprob_rows:
+                state = self._requests[entry.request_id]
+                rows = logits[row:row + chunk.num_logprob_rows].float().log_softmax(-1)
+                next_ids = state.token_ids[chunk.start + 1:chunk.start + 1 + chunk.num_logprob_rows]
+                result[entry.request_id] = token_logprobs(
+                    rows, next_ids, [state.sampling.prompt_logprobs] * len(next_ids))
+            row += chunk.num_logprob_rows
+            if chunk.sample and chunk.num_logprob_rows < len(chunk.token_ids):
+                row += 1
+        return result
 
     def _add_request(self, new: NewRequestData) -> None:
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):
             raise ValueError(f"request {new.request_id}: num_computed_tokens "
                              f"{new.num_computed_tokens} outside [0, {len(new.token_ids)}]")
         self._check_block_ids(new.request_id, new.block_ids)
+        num_prompt_tokens = new.num_prompt_tokens or len(new.token_ids)
+        self._forget(new.request_id)
+        self.sampler.add(new.request_id, new.sampling, list(new.token_ids), num_prompt_tokens)
         self._requests[new.request_id] = RequestState(
             token_ids=list(new.token_ids), sampling=new.sampling, block_table=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             generator=make_generator(new.sampling, self._device),
-            num_prompt_tokens=new.num_prompt_tokens or len(new.token_ids))
+            num_prompt_tokens=num_prompt_tokens,
+            wants_prompt_logprobs=new.sampling.prompt_logprobs is not None
+            and num_prompt_tokens == len(new.token_ids))
 
     def _chunk(self, scheduled: ScheduledRequest) -> SequenceChunk:
         """Validate one scheduled entry and describe its work; no state changes yet."""
@@ -223,13 +288,23 @@ class ModelRunner:
         if len(block_table) * self.block_size < end:
             raise ValueError(f"request {request_id}: too few blocks, {len(block_table)} of "
                              f"{self.block_size} tokens for {end} tokens")
+        # positions start.. predicting prompt tokens (the last prompt position predicts an output)
+        num_logprob_rows = max(0, min(end, state.num_prompt_tokens - 1) - start) \
+            if state.wants_prompt_logprobs else 0
         return SequenceChunk(token_ids=state.token_ids[start:end], start=start,
-                             block_table=block_table, sample=end == len(state.token_ids))
+                             block_table=block_table, sample=end == len(state.token_ids),
+                             num_logprob_rows=num_logprob_rows)
 
     def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
             raise ValueError(f"request {request_id}: block ids {bad} outside [0, {self.num_blocks})")
+
+
+def _grammar_bank(model_dir: Path, vocab_size: int, eos_token_ids: list[int]):
+    from services.worker.structured import GrammarBank  # loads the grammar library on first use
+
+    return GrammarBank(model_dir, vocab_size, eos_token_ids)
 
 
 def _resolve_device(name: str) -> torch.device:

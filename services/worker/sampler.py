@@ -1,5 +1,9 @@
 """Pick one next token per row of a logits batch.
 
+``Sampler`` runs a step's sampling: it records raw log-probabilities for requests that asked,
+adjusts the logits (logit_bias, min_tokens, the structured-output mask, penalties, min_p), all
+vectorized over the rows that need it, then draws with ``sample``.
+
 Greedy rows (temperature 0 or top_k 1) are one vectorised argmax. The other rows are scaled by
 temperature, cut by top-k then top-p (in sorted order, vectorised), and each draws its token with
 its own ``torch.Generator`` when the request has a seed, so a seeded request gets the same tokens
@@ -10,12 +14,133 @@ row, random numbers keyed by (seed, output index), no per-row loop.
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.sampling import sample_tokens
-from shared.messages import SamplingParams
+from services.worker.penalties import PenaltyTables
+from shared.messages import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from services.worker.structured import GrammarBank
+
+
+class Sampler:
+    """Per-request sampling state (penalty counts, grammars) and one step's sampling."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], device: torch.device,
+                 make_grammars: Callable[[], GrammarBank] | None = None) -> None:
+        """make_grammars builds the grammar bank on the first structured request (it loads the
+        tokenizer); None: this worker refuses structured requests."""
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.penalties = PenaltyTables(vocab_size, device)
+        self.grammars: GrammarBank | None = None
+        self._make_grammars = make_grammars
+
+    def add(self, request_id: str, sampling: SamplingParams, token_ids: list[int],
+            num_prompt_tokens: int) -> None:
+        """A new or resumed request; ``token_ids`` are its prompt then its outputs so far."""
+        bad = [t for t in sampling.logit_bias if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id}: logit_bias token ids {bad} outside the "
+                             f"vocabulary of {self.vocab_size}")
+        if sampling.has_penalties:
+            self.penalties.add(request_id, token_ids[:num_prompt_tokens],
+                               token_ids[num_prompt_tokens:])
+        if sampling.structured is not None:
+            if self.grammars is None:
+                if self._make_grammars is None:
+                    raise ValueError("this worker has no tokenizer for structured outputs")
+                self.grammars = self._make_grammars()
+            self.grammars.add(request_id, sampling.structured, token_ids[num_prompt_tokens:])
+
+    def remove(self, request_id: str) -> None:
+        self.penalties.remove(request_id)
+        if self.grammars is not None:
+            self.grammars.remove(request_id)
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+               output_indices: list[int], generators: list[torch.Generator | None]
+               ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits: [num_rows, vocab_size], one row per request -> (token ids, logprobs per row).
+
+        output_indices: per row, how many tokens the request has generated so far.
+        """
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # [num_logprob_rows, vocab_size]: the model's own distribution, before any adjustment
+        logprobs = logits[logprob_rows].float().log_softmax(-1) if logprob_rows else None
+        if any(_adjusts(p) for p in params):
+            logits = self._adjusted(logits.clone(), request_ids, params, output_indices)
+        token_ids = sample(logits, params, generators, output_indices)
+        self.penalties.count(request_ids, token_ids)
+        if self.grammars is not None:
+            for request_id, token_id in zip(request_ids, token_ids):
+                if request_id in self.grammars:
+                    self.grammars.accept(request_id, token_id)
+        results: list[TokenLogprobs | None] = [None] * len(params)
+        if logprobs is not None:
+            for i, entry in zip(logprob_rows, token_logprobs(
+                    logprobs, [token_ids[i] for i in logprob_rows],
+                    [params[i].logprobs for i in logprob_rows])):
+                results[i] = entry
+        return token_ids, results
+
+    def _adjusted(self, logits: torch.Tensor, request_ids: list[str],
+                  params: list[SamplingParams], output_indices: list[int]) -> torch.Tensor:
+        device = logits.device
+        # (row, token, value) triples: added biases, and -inf for tokens min_tokens forbids
+        biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        biased += [(i, t, -math.inf) for i, p in enumerate(params)
+                   if output_indices[i] < p.min_tokens
+                   for t in {*self.eos_token_ids, *p.stop_token_ids}]
+        if biased:
+            rows, tokens, values = zip(*biased)
+            logits.index_put_((torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
+                              torch.tensor(values, dtype=logits.dtype, device=device),
+                              accumulate=True)
+        if self.grammars is not None and any(r in self.grammars for r in request_ids):
+            self.grammars.apply_bitmask(logits, self.grammars.fill_bitmask(request_ids).to(
+                device, non_blocking=True))
+        penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        self.penalties.apply(logits, penalty_rows, [request_ids[i] for i in penalty_rows],
+                             [params[i] for i in penalty_rows])
+        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0 and not p.is_greedy]
+        if min_p_rows:
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + temperature * log(min_p)
+            index = torch.tensor(min_p_rows, device=device)
+            selected = logits[index]  # [num_min_p_rows, vocab_size]
+            offsets = torch.tensor([params[i].temperature * math.log(params[i].min_p)
+                                    for i in min_p_rows], dtype=selected.dtype, device=device)
+            threshold = selected.max(dim=-1, keepdim=True).values + offsets[:, None]
+            logits[index] = selected.masked_fill(selected < threshold, -math.inf)
+        return logits
+
+
+def _adjusts(params: SamplingParams) -> bool:
+    return bool(params.logit_bias or params.min_tokens or params.structured is not None
+                or params.has_penalties or (params.min_p > 0.0 and not params.is_greedy))
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[int]
+                   ) -> list[TokenLogprobs]:
+    """logprobs: [num_rows, vocab_size] log-probabilities; per row the chosen token's and the
+    ``num_top[row]`` most likely."""
+    device = logprobs.device
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=device)[:, None])[:, 0].tolist()
+    max_top = max(num_top)
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    top_values: list[list[float]] = [[] for _ in token_ids]
+    if max_top > 0:
+        values, ids = logprobs.topk(max_top, dim=-1)  # [num_rows, max_top]
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [TokenLogprobs(token_id, value, ids[:k], values[:k])
+            for token_id, value, ids, values, k in zip(token_ids, chosen, top_ids, top_values,
+                                                       num_top)]
 
 
 def make_generator(sampling: SamplingParams, device: torch.device | str) -> torch.Generator | None:

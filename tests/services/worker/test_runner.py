@@ -186,3 +186,37 @@ def test_a_seeded_request_resumed_after_preemption_draws_the_same_tokens(runner)
     resumed = generate("resumed", prompt + straight[:3], len(prompt), 3)
     assert resumed == straight[3:]
     assert generate("again", prompt, len(prompt), 6) == straight
+
+
+def test_prompt_and_output_logprobs_match_hugging_face(runner, model_files, prompts):
+    """fp32 on CPU: the logprobs of every prompt token (computed over two chunks) and of the
+    greedy outputs equal log_softmax of transformers' logits on the same weights."""
+    prompt = prompts[1]  # 6 tokens: 4 + 2
+    params = SamplingParams(temperature=0.0, logprobs=3, prompt_logprobs=2, max_tokens=4)
+    first = 4
+    result = runner.execute(StepPlan(0, [NewRequestData("lp", prompt, params, [20, 21])],
+                                     [ScheduledRequest("lp", first)]))
+    prompt_logprobs = list(result.prompt_logprobs["lp"])
+    assert result.request_ids == [] and len(prompt_logprobs) == first
+    result = runner.execute(StepPlan(1, [], [ScheduledRequest("lp", len(prompt) - first)]))
+    prompt_logprobs += result.prompt_logprobs["lp"]
+    outputs, output_logprobs = list(result.sampled_token_ids), list(result.logprobs)
+    for step in range(2, 5):
+        result = runner.execute(StepPlan(step, [], [ScheduledRequest("lp", 1)]))
+        outputs += result.sampled_token_ids
+        output_logprobs += result.logprobs
+    runner.execute(StepPlan(5, [], [], ["lp"]))
+
+    model = AutoModelForCausalLM.from_pretrained(model_files.path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        token_ids = torch.tensor([prompt + outputs[:-1]])
+        reference = model(token_ids).logits[0].log_softmax(-1)  # [num_tokens, vocab_size]
+    assert [e.token_id for e in prompt_logprobs] == prompt[1:]
+    assert [e.token_id for e in output_logprobs] == outputs
+    for position, entry in enumerate(prompt_logprobs + output_logprobs):
+        expected = reference[position]
+        assert abs(entry.logprob - float(expected[entry.token_id])) < 1e-3
+        num_top = 2 if position < len(prompt) - 1 else 3
+        assert entry.top_token_ids == expected.topk(num_top).indices.tolist()
+        assert entry.top_logprobs == pytest.approx(expected.topk(num_top).values.tolist(), abs=1e-3)
+    assert all(e.top_token_ids[0] == e.token_id for e in output_logprobs)  # greedy
