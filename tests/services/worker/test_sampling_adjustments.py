@@ -19,8 +19,8 @@ def random_logits(num_rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(num_rows, VOCAB_SIZE, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def make_sampler() -> Sampler:
-    return Sampler(VOCAB_SIZE, [EOS_ID], torch.device("cpu"))
+def make_sampler(device: str = "cpu") -> Sampler:
+    return Sampler(VOCAB_SIZE, [EOS_ID], torch.device(device))
 
 
 def run(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
@@ -125,7 +125,8 @@ def test_logprobs_are_the_raw_model_distribution():
     assert math.isclose(third.logprob, float(reference[2, 4]), abs_tol=1e-6)  # before the bias
 
 
-def test_a_seeded_row_with_every_adjustment_is_the_same_alone_and_in_a_batch():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_seeded_row_with_every_adjustment_is_the_same_alone_and_in_a_batch(device):
     seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, min_p=0.02, seed=99,
                             presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
                             logit_bias={3: 1.5}, min_tokens=3, logprobs=2)
@@ -134,7 +135,7 @@ def test_a_seeded_row_with_every_adjustment_is_the_same_alone_and_in_a_batch():
               SamplingParams(temperature=0.7)]
 
     def generate(batch: bool) -> list[int]:
-        sampler = make_sampler()
+        sampler = make_sampler(device)
         params = [others[0], seeded, others[1], others[2]] if batch else [seeded]
         ids = [f"r{i}" for i in range(len(params))]
         for request_id, p in zip(ids, params):
@@ -144,8 +145,8 @@ def test_a_seeded_row_with_every_adjustment_is_the_same_alone_and_in_a_batch():
         for step in range(12):
             logits = random_logits(len(params), seed=1000 + step)
             logits[row] = random_logits(1, seed=step)[0]
-            sampled, _ = sampler.sample(logits, ids, params, [step] * len(params),
-                                        [make_generator(p, "cpu") for p in params])
+            sampled, _ = sampler.sample(logits.to(device), ids, params, [step] * len(params),
+                                        [make_generator(p, device) for p in params])
             tokens.append(sampled[row])
         return tokens
 
