@@ -48,7 +48,7 @@ class TextCodec:
             raise InvalidRequest("give exactly one of 'prompt' or 'messages'",
                                  param="messages" if req.messages is not None else "prompt")
         if req.messages is not None:
-            token_ids = self._encode_chat(req.messages, req.add_generation_prompt)
+            token_ids = self._encode_chat(req.messages, req.add_generation_prompt, req.tools)
         elif isinstance(req.prompt, str):
             token_ids = self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         else:
@@ -74,26 +74,43 @@ class TextCodec:
     def detokenize(self, items: list[DetokItem]) -> list[DetokResult]:
         return [detokenize_step(self.tokenizer, item) for item in items]
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for ``messages`` (what ``encode`` tokenizes)."""
+    @property
+    def template_uses_tools(self) -> bool:
+        """Whether the chat template renders ``tools`` itself (Qwen2.5/3, Llama 3.1, ...)."""
+        template = self.tokenizer.chat_template
+        sources = template.values() if isinstance(template, dict) else [template or ""]
+        return any("tools" in source for source in sources)
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's text for ``messages`` (what ``encode`` tokenizes).
+
+        A template that knows ``tools`` gets them, and the tool turns, as Hugging Face
+        templates expect; any other gets them rewritten as plain text (``_fallback``).
+        """
         if not self.has_chat_template:
             raise InvalidRequest("this model has no chat template: send a 'prompt' to "
                                  "/v1/completions instead", param="messages")
         if not messages:
             raise InvalidRequest("'messages' must not be empty", param="messages")
-        # omit_defaults drops unset fields (name, content=None), as OpenAI clients do.
-        conversation = [msgspec.to_builtins(message) for message in messages]
+        if self.template_uses_tools:
+            conversation = [_template_message(message) for message in messages]
+            extra = {"tools": tools} if tools else {}
+        else:
+            conversation, extra = _fallback_conversation(messages, tools), {}
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False,
+                **extra)
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
             raise InvalidRequest(f"the chat template rejected the messages: {exc}",
                                  param="messages") from exc
 
-    def _encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def _encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         # The rendered text already holds the template's special tokens; adding them
         # again (a second BOS) is what apply_chat_template avoids too.
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _checked_ids(self, token_ids: list[int], param: str) -> list[int]:
@@ -129,3 +146,85 @@ def _eos_token_ids(model_config: dict[str, Any], generation_config: dict[str, An
             if isinstance(token_id, int) and token_id not in eos_ids:
                 eos_ids.append(token_id)
     return eos_ids
+
+
+# ----------------------------------------------------------------- tool calling
+# The fallback for templates that do not render tools: the Hermes format Qwen2.5 uses,
+# which services/gateway/tool_calls.py parses back out of the output.
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as the object HF templates expect (``| tojson``); text that is
+    not a JSON object stays text."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    # omit_defaults drops unset fields (name, content=None), as OpenAI clients do.
+    entry = msgspec.to_builtins(message)
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {"id": call.id, "type": call.type,
+             "function": {"name": call.function.name,
+                          "arguments": _arguments(call.function.arguments)}}
+            for call in message.tool_calls]
+    return entry
+
+
+def tool_call_text(name: str, arguments: str) -> str:
+    """One call in the fallback format (what the model is asked to write)."""
+    call = json.dumps({"name": name, "arguments": _arguments(arguments)}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def _fallback_conversation(messages: list[ChatMessage],
+                           tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Tool turns as text any template renders: assistant calls as ``<tool_call>`` blocks,
+    each run of tool results as one user turn of ``<tool_response>`` blocks, and the
+    tools listed in the system message (appended to the client's own, if any)."""
+    conversation: list[dict[str, Any]] = []
+    in_tool_run = False
+    for message in messages:
+        if message.role == "tool":
+            block = f"<tool_response>\n{message.content or ''}\n</tool_response>"
+            if in_tool_run:
+                conversation[-1]["content"] += "\n" + block
+            else:
+                conversation.append({"role": "user", "content": block})
+            in_tool_run = True
+            continue
+        in_tool_run = False
+        entry = msgspec.to_builtins(message)
+        if message.tool_calls:
+            entry.pop("tool_calls")
+            calls = [tool_call_text(c.function.name, c.function.arguments)
+                     for c in message.tool_calls]
+            entry["content"] = "\n".join(([message.content] if message.content else []) + calls)
+        conversation.append(entry)
+    if tools:
+        listing = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+        prompt = TOOLS_PROMPT.format(tools=listing)
+        first = conversation[0]
+        if first["role"] == "system" and isinstance(first.get("content"), str):
+            first["content"] = f"{first['content']}\n\n{prompt}"
+        else:
+            conversation.insert(0, {"role": "system", "content": prompt})
+    return conversation
