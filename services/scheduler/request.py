@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, TokenLogprobs
 
 
 @dataclass(eq=False)  # identity: requests are looked up in lists
@@ -29,6 +29,12 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     first_scheduled_time: float | None = None
     num_outputs_sent: int = 0
+    # n > 1: sibling 0, while this sibling waits for it to schedule the shared prompt
+    leader: Request | None = None
+    # prompt logprobs received so far (until the first output carries them), and the step
+    # that (re)sent the request to the worker: results of earlier steps are stale
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    sent_at_step: int = 0
 
     @property
     def num_tokens(self) -> int:

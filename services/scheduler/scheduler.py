@@ -26,10 +26,11 @@ from services.scheduler.chunk_pacer import ChunkPacer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.prefix_hash import extend_block_hashes
 from services.scheduler.request import Request
+from services.scheduler.siblings import num_blocks_needed, shares_prompt, sibling_requests
 from shared.errors import InvalidRequest
 from shared.messages import (
     ErrorInfo, GenerateRequest, NewRequestData, RequestOutput, ScheduledRequest, StepPlan,
-    StepResult,
+    StepResult, TokenLogprobs, choice_request_ids,
 )
 
 
@@ -65,18 +66,27 @@ class Scheduler:
 
     # ------------------------------------------------------------ intake
     def add_request(self, request: GenerateRequest) -> None:
+        """Queue a request; n > 1 queues n siblings (siblings.py), the leader first."""
         self._validate(request)
         priority = request.priority if self.config.scheduling_policy == "priority" else 0
         extra_keys = (self.model_key,) + ((f"salt:{request.cache_salt}",) if request.cache_salt else ())
-        req = Request(request.request_id, list(request.prompt_token_ids), request.sampling,
-                      request.output_subject, (priority, next(self._arrivals)), extra_keys,
-                      request.arrival_time or time.time())
-        self.requests[req.request_id] = req
-        self._enqueue(req)
+        arrival_time = request.arrival_time or time.time()
+        shares = shares_prompt(request, self.config.prefix_caching)
+        leader = None
+        for sibling in sibling_requests(request):
+            req = Request(sibling.request_id, list(request.prompt_token_ids), sibling.sampling,
+                          request.output_subject, (priority, next(self._arrivals)), extra_keys,
+                          arrival_time, leader=leader if shares else None)
+            leader = leader or req
+            self.requests[req.request_id] = req
+            self._enqueue(req)
 
     def _validate(self, request: GenerateRequest) -> None:
-        if request.request_id in self.requests:
-            raise InvalidRequest(f"duplicate request id {request.request_id}", param="request_id")
+        if request.n < 1:
+            raise InvalidRequest(f"n must be at least 1, not {request.n}", param="n")
+        for request_id in choice_request_ids(request.request_id, request.n):
+            if request_id in self.requests:
+                raise InvalidRequest(f"duplicate request id {request_id}", param="request_id")
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
@@ -87,11 +97,13 @@ class Scheduler:
                 f"{num_total} tokens, over the model's context length of {self.max_model_len}",
                 param="max_tokens", code="context_length_exceeded")
         manager = self.block_manager
-        if num_blocks_for(num_total, manager.block_size) > manager.num_blocks:
+        num_blocks = num_blocks_needed(request, manager.block_size, self.config.prefix_caching)
+        if num_blocks > manager.num_blocks:
+            what = "the request needs" if request.n == 1 else f"the request's {request.n} sequences need"
             raise InvalidRequest(
-                f"the request needs {num_total} tokens of KV cache; this replica's cache holds "
-                f"{manager.num_blocks * manager.block_size}", param="max_tokens",
-                code="kv_cache_too_small")
+                f"{what} {num_blocks * manager.block_size} tokens of KV cache; this replica's cache "
+                f"holds {manager.num_blocks * manager.block_size}",
+                param="max_tokens" if request.n == 1 else "n", code="kv_cache_too_small")
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -132,10 +144,12 @@ class Scheduler:
             budget -= num_new
             num_chunk_tokens += num_new if prefilling else 0
             num_decodes += 0 if prefilling else 1
-        while not preempted and budget > 0 and self.waiting \
-                and len(self.running) < self.config.max_num_seqs:
+        while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            head = self._waiting_head()
+            if head is None:
+                break
             admit_budget = min(budget, self.chunk_pacer.chunk_budget(num_decodes) - num_chunk_tokens)
-            num_new = self._admit(self.waiting[0], admit_budget, new_requests, scheduled) \
+            num_new = self._admit(head, admit_budget, new_requests, scheduled) \
                 if admit_budget > 0 else 0
             if num_new == 0:
                 break  # the head does not fit: later requests wait behind it
@@ -152,8 +166,10 @@ class Scheduler:
         """Apply the tokens a step sampled; return the outputs to publish."""
         self.num_steps += 1
         self.chunk_pacer.observe(plan, result.step_time_s)
+        self._add_prompt_logprobs(plan, result)
         emitted: list[Emitted] = []
-        for request_id, token_id in zip(result.request_ids, result.sampled_token_ids):
+        logprobs = result.logprobs or [None] * len(result.request_ids)  # [] from an older worker
+        for request_id, token_id, entry in zip(result.request_ids, result.sampled_token_ids, logprobs):
             req = self.requests.get(request_id)
             if req is None:  # finished or aborted while the step ran: a wasted token
                 continue
@@ -161,10 +177,20 @@ class Scheduler:
             req.output_token_ids.append(token_id)
             self._register_full_blocks(req)
             finish_reason = self._finish_reason(req, token_id)
-            emitted.append(Emitted(req.output_subject, self._output(req, [token_id], finish_reason)))
+            output = self._output(req, [token_id], finish_reason, [entry] if entry is not None else [])
+            emitted.append(Emitted(req.output_subject, output))
             if finish_reason is not None:
                 self._finish(req)
         return emitted
+
+    def _add_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
+        """Collect prompt logprobs chunk by chunk until the first output carries them; a
+        step planned before the request was last sent to the worker (it was preempted
+        since, and recomputes from 0) brings stale ones."""
+        for request_id, entries in result.prompt_logprobs.items():
+            req = self.requests.get(request_id)
+            if req is not None and req.num_outputs_sent == 0 and plan.step_id >= req.sent_at_step:
+                req.prompt_logprobs.extend(entries)
 
     def fail_all(self, error: ErrorInfo) -> list[Emitted]:
         """The worker is gone: end every request with ``error``."""
@@ -189,7 +215,7 @@ class Scheduler:
         num_missing = num_blocks_for(num_cached + num_new, self.block_manager.block_size) - len(hit_ids)
         if not self.block_manager.can_allocate(num_missing, self.block_manager.num_evictable(hit_ids)):
             return 0
-        self.waiting.pop(0)
+        self.waiting.remove(req)
         self.running.append(req)
         self.block_manager.reuse(hit_ids)
         req.block_table = hit_ids + self.block_manager.allocate(num_missing)
@@ -202,9 +228,21 @@ class Scheduler:
         self._schedule(req, num_new, [], new_requests, scheduled)
         return num_new
 
+    def _waiting_head(self) -> Request | None:
+        """The first waiting request, skipping siblings whose leader is still scheduling
+        the prompt they will share (it runs, or waits ahead of them: no deadlock)."""
+        for req in self.waiting:
+            leader = req.leader
+            if leader is not None and self.requests.get(leader.request_id) is leader \
+                    and leader.num_computed_tokens < len(leader.prompt_token_ids):
+                continue
+            req.leader = None  # released for good
+            return req
+        return None
+
     def _prefix_hits(self, req: Request) -> list[int]:
-        if not self.config.prefix_caching:
-            return []
+        if not self.config.prefix_caching or self._wants_prompt_logprobs(req):
+            return []  # prompt logprobs need every prompt token's logits
         block_size = self.block_manager.block_size
         extend_block_hashes(req.block_hashes, req.all_token_ids, req.num_tokens, block_size,
                             req.extra_keys)
@@ -215,6 +253,9 @@ class Scheduler:
     def _schedule(self, req: Request, num_new: int, new_block_ids: list[int],
                   new_requests: list[NewRequestData], scheduled: list[ScheduledRequest]) -> None:
         if not req.known_to_worker:
+            req.sent_at_step = self._next_step_id
+            if self._wants_prompt_logprobs(req):
+                req.prompt_logprobs = []  # computed (again) from the start
             new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.sampling,
                                                list(req.block_table), req.num_computed_tokens,
                                                len(req.prompt_token_ids)))
@@ -273,13 +314,24 @@ class Scheduler:
     def _enqueue(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
-    def _output(self, req: Request, token_ids: list[int], finish_reason: str | None) -> RequestOutput:
+    @staticmethod
+    def _wants_prompt_logprobs(req: Request) -> bool:
+        """Prompt logprobs asked for and not sent yet (the worker computes them for a
+        request that has no outputs)."""
+        return req.sampling.prompt_logprobs is not None and not req.output_token_ids
+
+    def _output(self, req: Request, token_ids: list[int], finish_reason: str | None,
+                logprobs: list[TokenLogprobs]) -> RequestOutput:
         first = req.num_outputs_sent == 0
         req.num_outputs_sent += 1
         queue_time = (req.first_scheduled_time or req.arrival_time) - req.arrival_time
+        prompt_logprobs: list[TokenLogprobs | None] = []
+        if first and req.sampling.prompt_logprobs is not None:
+            prompt_logprobs = [None, *req.prompt_logprobs]
+            req.prompt_logprobs = []
         return RequestOutput(req.request_id, token_ids, finish_reason, len(req.prompt_token_ids),
                              None, req.num_cached_tokens if first else 0,
-                             max(0.0, queue_time) if first else 0.0)
+                             max(0.0, queue_time) if first else 0.0, logprobs, prompt_logprobs)
 
     def _finish_reason(self, req: Request, token_id: int) -> str | None:
         sampling = req.sampling

@@ -11,7 +11,7 @@ import pytest
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from shared.errors import InvalidRequest
-from shared.messages import GenerateRequest, SamplingParams, StepPlan, StepResult
+from shared.messages import GenerateRequest, SamplingParams, StepPlan, StepResult, TokenLogprobs
 
 EOS = 0
 
@@ -24,7 +24,9 @@ class FakeWorker:
     slot holds and checks, every step, that every request's whole context reads back
     its own tokens, so shared prefix blocks, reused blocks and preemption are all
     checked. The sampled token is a pure function of the request and its position,
-    so a preempted-and-recomputed request must continue with the same tokens."""
+    so a preempted-and-recomputed request must continue with the same tokens. Like the
+    real worker, it gives logprobs where asked: -position for prompt token ``position``
+    (prompt logprobs of a request that arrived with no outputs), -0.25 for a sampled one."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -37,9 +39,13 @@ class FakeWorker:
             self.state.pop(request_id)
         for new in plan.new_requests:
             assert new.request_id not in self.state
+            num_prompt = new.num_prompt_tokens or len(new.token_ids)
             self.state[new.request_id] = {"tokens": list(new.token_ids), "blocks": list(new.block_ids),
-                                          "computed": new.num_computed_tokens}
-        request_ids, token_ids = [], []
+                                          "computed": new.num_computed_tokens, "sampling": new.sampling,
+                                          "num_prompt": num_prompt,
+                                          "prompt_logprobs": new.sampling.prompt_logprobs is not None
+                                          and num_prompt == len(new.token_ids)}
+        request_ids, token_ids, logprobs, prompt_logprobs = [], [], [], {}
         for sched in plan.scheduled:
             st = self.state[sched.request_id]
             st["blocks"] += sched.new_block_ids
@@ -50,18 +56,24 @@ class FakeWorker:
             for position in range(start, end):
                 self.slots[self.slot(st, position)] = st["tokens"][position]
             st["computed"] = end
+            if st["prompt_logprobs"] and start + 1 < min(end + 1, st["num_prompt"]):
+                prompt_logprobs[sched.request_id] = [
+                    TokenLogprobs(st["tokens"][i], -float(i))
+                    for i in range(start + 1, min(end + 1, st["num_prompt"]))]
             if end == len(st["tokens"]):
                 token = next_token(sched.request_id, len(st["tokens"]))
                 st["tokens"].append(token)
                 request_ids.append(sched.request_id)
                 token_ids.append(token)
+                logprobs.append(None if st["sampling"].logprobs is None else TokenLogprobs(token, -0.25))
                 self.num_sampled[sched.request_id] = self.num_sampled.get(sched.request_id, 0) + 1
         for sched in plan.scheduled:  # attention reads the whole context
             st = self.state[sched.request_id]
             for position in range(st["computed"]):
                 assert self.slots.get(self.slot(st, position)) == st["tokens"][position], \
                     f"{sched.request_id}: KV of position {position} was overwritten or never written"
-        return StepResult(plan.step_id, request_ids, token_ids)
+        return StepResult(plan.step_id, request_ids, token_ids, 0.0,
+                          logprobs if any(logprobs) else [], prompt_logprobs)
 
     @staticmethod
     def slot(st: dict, position: int) -> int:
@@ -81,20 +93,22 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, max
 
 
 def request(request_id: str, num_prompt: int, max_tokens: int, prompt: list[int] | None = None,
-            priority: int = 0, cache_salt: str | None = None, **sampling) -> GenerateRequest:
+            priority: int = 0, cache_salt: str | None = None, n: int = 1,
+            **sampling) -> GenerateRequest:
     """A request whose prompt is its own (no shared prefix) unless ``prompt`` is given."""
     if prompt is None:
         base = 1 + (zlib.crc32(request_id.encode()) % 1000) * 1000
         prompt = list(range(base, base + num_prompt))
     return GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
                            sampling=SamplingParams(max_tokens=max_tokens, **sampling),
-                           output_subject="out", priority=priority, cache_salt=cache_salt)
+                           output_subject="out", priority=priority, cache_salt=cache_salt, n=n)
 
 
-def run_to_completion(scheduler: Scheduler, worker: FakeWorker, depth: int = 1, max_steps=10_000):
+def run_to_completion(scheduler: Scheduler, worker: FakeWorker, depth: int = 1, max_steps=10_000,
+                      record: list | None = None):
     """Drive the scheduler until it is idle. With ``depth`` > 1, plans run ahead of the
     results as in the service: the worker runs each plan in order, the scheduler sees
-    a result only ``depth - 1`` plans later."""
+    a result only ``depth - 1`` plans later. ``record`` collects every RequestOutput."""
     in_flight: deque = deque()
     outputs: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
@@ -111,6 +125,8 @@ def run_to_completion(scheduler: Scheduler, worker: FakeWorker, depth: int = 1, 
         plan, result = in_flight.popleft()
         for emitted in scheduler.update(plan, result):
             out = emitted.output
+            if record is not None:
+                record.append(out)
             assert out.request_id not in finish, "output after finish"
             outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.finish_reason:
