@@ -56,5 +56,11 @@ class Request:
         return len(self.output_token_ids) + self.num_pending_tokens >= self.sampling.max_tokens
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not sent yet: the worker computes them for a
+        request that comes to it with no outputs, so every prompt token is computed."""
+        return self.sampling.prompt_logprobs is not None and not self.output_token_ids
+
+    @property
     def is_prefilling(self) -> bool:
         return self.num_tokens_at_worker - self.num_computed_tokens > 1

@@ -7,7 +7,8 @@ requests first (decodes, then the rest of chunked prompts), then waiting request
 hash (prefix_hash.py), so a new request starts after its longest cached prefix.
 Blocks are allocated as tokens need them; when they run out, the lowest-priority,
 latest running request is preempted (blocks freed, recomputed later, mostly from the
-prefix cache), so nothing is lost and nothing is sent twice.
+prefix cache), so nothing is lost and nothing is sent twice. A request for n sequences
+runs as n sibling requests that compute the prompt once (siblings.py).
 
 Steps may overlap: a step can be planned while earlier ones are still running on the
 worker, which feeds each sampled token into the next step itself. The scheduler counts
@@ -241,7 +242,7 @@ class Scheduler:
         return None
 
     def _prefix_hits(self, req: Request) -> list[int]:
-        if not self.config.prefix_caching or self._wants_prompt_logprobs(req):
+        if not self.config.prefix_caching or req.wants_prompt_logprobs:
             return []  # prompt logprobs need every prompt token's logits
         block_size = self.block_manager.block_size
         extend_block_hashes(req.block_hashes, req.all_token_ids, req.num_tokens, block_size,
@@ -254,7 +255,7 @@ class Scheduler:
                   new_requests: list[NewRequestData], scheduled: list[ScheduledRequest]) -> None:
         if not req.known_to_worker:
             req.sent_at_step = self._next_step_id
-            if self._wants_prompt_logprobs(req):
+            if req.wants_prompt_logprobs:
                 req.prompt_logprobs = []  # computed (again) from the start
             new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.sampling,
                                                list(req.block_table), req.num_computed_tokens,
@@ -313,12 +314,6 @@ class Scheduler:
 
     def _enqueue(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
-
-    @staticmethod
-    def _wants_prompt_logprobs(req: Request) -> bool:
-        """Prompt logprobs asked for and not sent yet (the worker computes them for a
-        request that has no outputs)."""
-        return req.sampling.prompt_logprobs is not None and not req.output_token_ids
 
     def _output(self, req: Request, token_ids: list[int], finish_reason: str | None,
                 logprobs: list[TokenLogprobs]) -> RequestOutput:
