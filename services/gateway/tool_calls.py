@@ -173,6 +173,7 @@ class ToolCallParser:
         self._content_parts: list[str] = []
         self._calls: list[dict[str, Any]] = []
         self._scan = _JsonScanner(level=1 if plan.mode == "required" else 0)
+        self._consumed = 0  # required/named: end of the last call's JSON
 
     @property
     def tool_calls(self) -> list[dict[str, Any]]:
@@ -200,19 +201,20 @@ class ToolCallParser:
         return out
 
     def finish(self) -> list[dict[str, Any]]:
+        """The rest, at the end of the output. Call it once; feed nothing after it."""
         out: list[dict[str, Any]] = []
         if self.plan.mode in ("required", "named"):
-            tail = self._text[self._scan.consumed:]
             if not self._calls:
                 self._add_content(out, self._text)
-            elif tail.strip().lstrip(",").strip() not in ("", "]"):
-                self._add_content(out, tail.strip())
+            else:  # what follows the last call: a truncated or invalid one, say
+                rest = self._text[self._consumed:].strip().lstrip(",").strip()
+                self._add_content(out, "" if rest == "]" else rest)
         else:
             self._emit_text(out, self._text)  # held-back tag start or unterminated block
             if not self._calls:
                 self._add_content(out, self._held_space)
-        self._text, self._inside, self._held_space = "", False, ""
-        self._scan.consumed = 0
+        self._text, self._inside, self._held_space, self._consumed = "", False, "", 0
+        self._scan = _JsonScanner(self._scan.level)
         return out
 
     # ------------------------------------------------------------- auto mode
@@ -255,10 +257,11 @@ class ToolCallParser:
             element = self._text[start:end]
             call = self._parse_call(element) if self.plan.mode == "required" else \
                 self._named_call(element)
-            if call is None:
-                self._add_content(out, element)
-            else:
-                out.extend(self._add_call(*call))
+            if call is None:  # not a call after all: it and what follows are content
+                self._scan.dead = True
+                return
+            self._consumed = end
+            out.extend(self._add_call(*call))
 
     def _named_call(self, text: str) -> tuple[str, str] | None:
         arguments = _loads(text)
@@ -307,7 +310,6 @@ class _JsonScanner:
     def __init__(self, level: int) -> None:
         self.level = level
         self.pos = 0  # next character to scan
-        self.consumed = 0  # end of the last complete element
         self.depth = 0
         self.in_string = self.escaped = self.dead = False
         self.start: int | None = None
@@ -333,7 +335,7 @@ class _JsonScanner:
                 self.depth -= 1
                 if self.depth == self.level and self.start is not None:
                     found.append((self.start, pos + 1))
-                    self.consumed, self.start = pos + 1, None
+                    self.start = None
                 if self.depth <= 0:
                     self.dead = True  # the top value is complete
             elif self.depth == 0 and not char.isspace():
