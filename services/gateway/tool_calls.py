@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.structured import grammar_for
 from shared.errors import InvalidRequest
 from shared.messages import StructuredSpec
 
@@ -72,6 +73,7 @@ def plan_tools(tools: list[dict] | None, tool_choice: str | dict | None,
     else:
         schema = parameters[named]
         prompt_tools = [t for t in tools if t["function"]["name"] == named]
+    _check_enforceable(tools, {t["function"]["name"] for t in prompt_tools})
     spec = StructuredSpec(kind="json_schema", json_schema=json.dumps(schema, ensure_ascii=False))
     return ToolPlan(mode, tools_for_prompt=prompt_tools, structured=spec, parameters=parameters,
                     named=named, parallel_tool_calls=parallel)
@@ -113,6 +115,20 @@ def _check_tools(tools: Any) -> dict[str, dict[str, Any]]:
                                  param=f"{where}.function.strict")
         parameters[name] = schema
     return parameters
+
+
+def _check_enforceable(tools: list[dict], names: set[str]) -> None:
+    """The parameters schemas the output will be constrained to must compile to a grammar."""
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        if function["name"] not in names:
+            continue
+        schema = json.dumps(function.get("parameters", empty_parameters()))
+        try:
+            grammar_for(StructuredSpec(kind="json_schema", json_schema=schema))
+        except ValueError as exc:
+            raise InvalidRequest(f"'tools[{i}].function.parameters' cannot constrain the "
+                                 f"output: {exc}", param=f"tools[{i}].function.parameters") from None
 
 
 def _check_choice(tool_choice: Any, parameters: dict[str, Any]) -> tuple[str, str | None]:

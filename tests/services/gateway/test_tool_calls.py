@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from services.gateway.structured import grammar_for
 from services.gateway.tool_calls import (
     ToolCallParser, ToolPlan, empty_parameters, finish_reason, new_call_id, plan_tools,
 )
@@ -144,6 +145,26 @@ def test_plan_errors_name_the_parameter(tools, choice, param):
     with pytest.raises(InvalidRequest) as info:
         plan_tools(tools, choice, None)
     assert info.value.param == param and info.value.status == 400 and info.value.message
+
+
+BAD_SCHEMA = fn(name="bad", parameters={"type": "object",
+                                       "properties": {"a": {"type": "strin"}}})
+
+
+@pytest.mark.parametrize("choice", ["required", named("bad")])
+def test_constrained_modes_refuse_a_schema_the_mask_cannot_enforce(choice):
+    with pytest.raises(InvalidRequest) as info:
+        plan_tools([TIME, BAD_SCHEMA], choice, None)
+    assert info.value.param == "tools[1].function.parameters"
+    assert "strin" in info.value.message
+    assert plan_tools([TIME, BAD_SCHEMA], "auto", None).mode == "auto"  # auto is unconstrained
+    assert plan_tools([TIME, BAD_SCHEMA], named("get_time"), None).mode == "named"
+
+
+def test_planned_specs_compile_to_grammars():
+    for choice in ("required", named("get_weather"), named("get_time")):
+        for parallel in (None, False):
+            assert grammar_for(plan_tools(TOOLS, choice, parallel).structured)
 
 
 def test_parallel_tool_calls_must_be_a_boolean():
