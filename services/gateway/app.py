@@ -7,9 +7,9 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import structlog
 from fastapi import FastAPI, Request
@@ -17,35 +17,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway import protocol
+from services.gateway.choices import ChatChoice, CompletionChoice
 from services.gateway.config import GatewayConfig
+from services.gateway.generation import Generation, gather, merge_deltas, stream_events
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.service import Delta, GatewayService, RequestStream
+from services.gateway.service import Delta, GatewayService
+from services.gateway.structured import response_format_spec
+from services.gateway.tool_calls import plan_tools
 from shared.bus import Bus
 from shared.errors import FlotillaError, InvalidRequest, NotFound, Unauthorized
 from shared.messages import EncodeRequest, SamplingParams
 
 log = structlog.get_logger()
-
-
-@dataclass(frozen=True)
-class _Endpoint:
-    """How one endpoint shapes its output."""
-
-    name: str
-    id_prefix: str
-    chunk_object: str
-    full_response: Callable[..., dict]
-    chunk: Callable[[str, str, int, str, str | None], dict]
-
-
-def _chat_chunk(request_id: str, model: str, created: int, text: str, finish: str | None) -> dict:
-    return protocol.chat_chunk(request_id, model, created, {"content": text} if text else {}, finish)
-
-
-COMPLETIONS = _Endpoint("completions", "cmpl-", "text_completion", protocol.completion_response,
-                        protocol.completion_chunk)
-CHAT = _Endpoint("chat", "chatcmpl-", "chat.completion.chunk", protocol.chat_response, _chat_chunk)
 
 
 def error_response(exc: FlotillaError) -> JSONResponse:
@@ -117,37 +101,55 @@ def create_app(config: GatewayConfig) -> FastAPI:
         prompt = req.single_prompt
         prompt_ids = await service().encode(EncodeRequest(prompt=prompt))
         max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), info.max_model_len)
-        return await generate(request, COMPLETIONS, req, info.model_name, prompt_ids,
-                              req.sampling_params(max_tokens))
+        num_sequences = req.num_sequences
+        # best_of ranks sequences by cumulative logprob: the worker reports them even unasked
+        worker_logprobs = req.logprobs if req.logprobs is not None else \
+            (0 if num_sequences > req.n else None)
+        sampling = req.sampling_params(
+            max_tokens, info.vocab_size, logprobs=worker_logprobs,
+            prompt_logprobs=req.logprobs if req.echo else None)
+        echo_text = None
+        if req.echo:
+            echo_text = prompt if isinstance(prompt, str) else await service().decode(prompt_ids)
+        choices = [CompletionChoice(i, req.logprobs, echo_text) for i in range(num_sequences)]
+        return await generate(request, "completions", req, info.model_name, prompt_ids, sampling,
+                              choices, req.n)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = protocol.parse_request(protocol.ChatCompletionRequest, await read_json(request))
         info = await check_model(req.model)
+        tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        structured = tool_plan.structured or response_format_spec(
+            req.response_format.model_dump(exclude_none=True) if req.response_format else None)
         prompt_ids = await service().encode(EncodeRequest(
-            messages=[m.to_message() for m in req.messages], add_generation_prompt=True))
+            messages=[m.to_message() for m in req.messages], add_generation_prompt=True,
+            tools=tool_plan.tools_for_prompt))
         max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids),
                                         info.max_model_len)
-        return await generate(request, CHAT, req, info.model_name, prompt_ids,
-                              req.sampling_params(max_tokens))
+        sampling = req.sampling_params(max_tokens, info.vocab_size, logprobs=req.num_logprobs,
+                                       structured=structured)
+        choices = [ChatChoice(i, req.num_logprobs, tool_plan, _call_id) for i in range(req.n)]
+        return await generate(request, "chat", req, info.model_name, prompt_ids, sampling,
+                              choices, req.n)
 
-    async def generate(request: Request, endpoint: _Endpoint, req, model: str,
-                       prompt_ids: list[int], sampling: SamplingParams) -> Response:
+    async def generate(request: Request, kind: str, req, model: str, prompt_ids: list[int],
+                       sampling: SamplingParams, choices: list, num_returned: int) -> Response:
         started = time.perf_counter()
-        stream = await service().submit(prompt_ids, sampling, req.stop_strings,
-                                        priority=req.priority, cache_salt=req.cache_salt)
+        request_id, streams = await service().submit(
+            prompt_ids, sampling, req.stop_strings, priority=req.priority,
+            cache_salt=req.cache_salt, n=len(choices))
         metrics.prompt_tokens.inc(len(prompt_ids))
-        timed = _timed(service().deltas(stream), metrics, started)
-        request_id = endpoint.id_prefix + stream.request_id
+        generation = Generation(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id,
+                                model, choices, streams, len(prompt_ids), num_returned,
+                                req.include_usage)
+        deltas = merge_deltas([_timed(service().deltas(stream), metrics, started)
+                               for stream in streams])
         if req.stream:
-            events = _sse_events(endpoint, request_id, model, timed, len(prompt_ids),
-                                 req.include_usage, stream)
-            return StreamingResponse(events, media_type="text/event-stream")
-        text, finish_reason, num_tokens = await _gather_unless_disconnected(
-            request, timed, service(), stream)
-        return JSONResponse(endpoint.full_response(request_id, model, text, finish_reason,
-                                                   protocol.usage(len(prompt_ids), num_tokens,
-                                                                  stream.num_cached_tokens)))
+            return StreamingResponse(stream_events(generation, deltas),
+                                     media_type="text/event-stream")
+        return JSONResponse(await _gather_unless_disconnected(request, generation, deltas,
+                                                              service()))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -239,60 +241,25 @@ async def _timed(deltas: AsyncIterator[Delta], metrics: GatewayMetrics,
         yield delta
 
 
-async def _gather_unless_disconnected(request: Request, deltas: AsyncIterator[Delta],
-                                      service: GatewayService,
-                                      stream: RequestStream) -> tuple[str, str | None, int]:
-    async def gather() -> tuple[str, str | None, int]:
-        parts, num_tokens, finish_reason = [], 0, None
-        async for delta in deltas:
-            if delta.error is not None:
-                raise FlotillaError.from_info(delta.error)
-            parts.append(delta.text)
-            num_tokens += delta.num_new_tokens
-            finish_reason = delta.finish_reason
-        return "".join(parts), finish_reason, num_tokens
-
-    task = asyncio.create_task(gather())
+async def _gather_unless_disconnected(request: Request, generation: Generation,
+                                      deltas: AsyncIterator[tuple[int, Delta]],
+                                      service: GatewayService) -> dict:
+    task = asyncio.create_task(gather(generation, deltas))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if done:
                 return task.result()
             if await request.is_disconnected():
-                log.info("client_disconnected", request_id=stream.request_id)
+                log.info("client_disconnected", response_id=generation.response_id)
                 task.cancel()
-                service.release(stream)
+                for stream in generation.streams:
+                    service.release(stream)
                 raise FlotillaError("client disconnected", status=499)
     finally:
         if not task.done():
             task.cancel()
 
 
-async def _sse_events(endpoint: _Endpoint, request_id: str, model: str,
-                      deltas: AsyncIterator[Delta], num_prompt_tokens: int,
-                      include_usage: bool, stream: RequestStream) -> AsyncIterator[str]:
-    created = int(time.time())
-    num_tokens = 0
-
-    def event(payload: dict) -> str:
-        if include_usage and "usage" not in payload:
-            payload["usage"] = None
-        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-    if endpoint is CHAT:
-        yield event(protocol.chat_chunk(request_id, model, created,
-                                        {"role": "assistant", "content": ""}, None))
-    async for delta in deltas:
-        if delta.error is not None:
-            error = FlotillaError.from_info(delta.error)
-            yield "data: " + json.dumps({"error": {"message": error.message, "type": error.type,
-                                                   "param": error.param, "code": error.code}}) + "\n\n"
-            break
-        num_tokens += delta.num_new_tokens
-        if delta.text or delta.finish_reason is not None:
-            yield event(endpoint.chunk(request_id, model, created, delta.text, delta.finish_reason))
-    if include_usage:
-        yield event(protocol.usage_chunk(request_id, model, created, endpoint.chunk_object,
-                                         protocol.usage(num_prompt_tokens, num_tokens,
-                                                        stream.num_cached_tokens)))
-    yield "data: [DONE]\n\n"
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]

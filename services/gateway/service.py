@@ -20,14 +20,30 @@ from shared.bus import Bus
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
     AbortRequest, DecodeReply, DecodeRequest, DetokenizeReply, DetokenizeRequest, DetokItem,
-    DetokState, Empty, EncodeReply, EncodeRequest, ErrorInfo, GenerateRequest, HealthReply,
-    OutputBatch, SamplingParams, SchedulerStats, SubmitReply, TokenizerInfo,
+    DetokResult, DetokState, Empty, EncodeReply, EncodeRequest, ErrorInfo, GenerateRequest,
+    HealthReply, OutputBatch, RequestOutput, SamplingParams, SchedulerStats, SubmitReply,
+    TokenizerInfo, TokenLogprobs, choice_request_ids,
 )
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
 
 SERVICES = ("tokenizer", "scheduler", "worker")
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """A token as logprobs show it: its text, exact bytes and log-probability."""
+
+    token: str
+    token_bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    chosen: TokenText
+    top: tuple[TokenText, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -38,6 +54,7 @@ class Delta:
     num_new_tokens: int
     finish_reason: str | None = None
     error: ErrorInfo | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked
 
 
 @dataclass(eq=False)
@@ -50,6 +67,8 @@ class RequestStream:
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     has_output: bool = False
+    # when the request asked for prompt logprobs: one per prompt token (the first None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class GatewayService:
@@ -103,25 +122,30 @@ class GatewayService:
 
     # ------------------------------------------------------------ generation
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
-                     stop: list[str], *, priority: int = 0,
-                     cache_salt: str | None = None) -> RequestStream:
-        """Hand a request to the least loaded scheduler; raises if none accepts it."""
+                     stop: list[str], *, priority: int = 0, cache_salt: str | None = None,
+                     n: int = 1) -> tuple[str, list[RequestStream]]:
+        """Hand a request (n sequences of one prompt) to the least loaded scheduler; returns
+        its id and one stream per sequence. Raises if no scheduler accepts it."""
         request_id = uuid.uuid4().hex
-        stream = RequestStream(request_id, stop, initial_state(prompt_token_ids))
+        streams = [RequestStream(choice_id, stop, initial_state(prompt_token_ids))
+                   for choice_id in choice_request_ids(request_id, n)]
         request = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             output_subject=self.output_subject, arrival_time=time.time(), priority=priority,
-            cache_salt=cache_salt)
-        self._streams[request_id] = stream
+            cache_salt=cache_salt, n=n)
+        for stream in streams:
+            self._streams[stream.request_id] = stream
         try:
             reply = await self._submit(request)
         except BaseException:
-            self._streams.pop(request_id, None)
+            for stream in streams:
+                self._streams.pop(stream.request_id, None)
             raise
-        stream.scheduler_id = reply.scheduler_id
+        for stream in streams:
+            stream.scheduler_id = reply.scheduler_id
         self._heartbeats.setdefault(reply.scheduler_id, time.monotonic())
-        self._outstanding[reply.scheduler_id] = self._outstanding.get(reply.scheduler_id, 0) + 1
-        return stream
+        self._outstanding[reply.scheduler_id] = self._outstanding.get(reply.scheduler_id, 0) + n
+        return request_id, streams
 
     async def _submit(self, request: GenerateRequest) -> SubmitReply:
         scheduler_id = self._least_loaded_scheduler()
@@ -207,6 +231,7 @@ class GatewayService:
         """One scheduler step's outputs for this gateway: detokenize them in one call,
         in arrival order (this handler runs for one batch at a time)."""
         items: list[DetokItem] = []
+        outputs: dict[str, RequestOutput] = {}
         for output in batch.outputs:
             stream = self._streams.get(output.request_id)
             if stream is None or stream.finished:
@@ -219,11 +244,12 @@ class GatewayService:
                 stream.finished = True
                 stream.queue.put_nowait(Delta("", 0, "error", output.error))
                 continue
+            outputs[output.request_id] = output
             items.append(DetokItem(output.request_id, output.new_token_ids, stream.state,
-                                   stream.stop, output.finish_reason is not None))
+                                   stream.stop, output.finish_reason is not None, True,
+                                   _logprob_token_ids(output)))
         if not items:
             return
-        finish_reasons = {o.request_id: o.finish_reason for o in batch.outputs}
         try:
             results = await self._detokenize(items)
         except ServiceUnavailable as exc:
@@ -238,14 +264,19 @@ class GatewayService:
             if stream is None:
                 continue
             stream.state = result.state
+            output = outputs[item.request_id]
+            logprobs, prompt_logprobs = _named_logprobs(output, result)
+            if prompt_logprobs is not None:
+                stream.prompt_logprobs = prompt_logprobs
             if result.stopped:
                 stream.finished = True
                 self._spawn(self._abort(stream.scheduler_id, [item.request_id]))
-                stream.queue.put_nowait(Delta(result.text, result.num_tokens_used, "stop"))
+                stream.queue.put_nowait(Delta(result.text, result.num_tokens_used, "stop", None,
+                                              logprobs[:result.num_tokens_used]))
                 continue
-            finish_reason = finish_reasons[item.request_id]
-            stream.finished = finish_reason is not None
-            stream.queue.put_nowait(Delta(result.text, len(item.new_token_ids), finish_reason))
+            stream.finished = output.finish_reason is not None
+            stream.queue.put_nowait(Delta(result.text, len(item.new_token_ids),
+                                          output.finish_reason, None, logprobs))
 
     async def _detokenize(self, items: list[DetokItem]) -> list:
         """Any tokenizer replica will do; while none answers (say, one restarting),
@@ -261,3 +292,26 @@ class GatewayService:
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)
+
+
+def _logprob_token_ids(output: RequestOutput) -> list[int]:
+    """Every token id whose text the output's logprobs show, in order."""
+    entries = [*output.logprobs, *(e for e in output.prompt_logprobs if e is not None)]
+    return [token_id for e in entries for token_id in (e.token_id, *e.top_token_ids)]
+
+
+def _named_logprobs(output: RequestOutput, result: DetokResult
+                    ) -> tuple[tuple[TokenLogprob, ...], list[TokenLogprob | None] | None]:
+    """The output's logprobs with the text of each token (in _logprob_token_ids order)."""
+    names = iter(zip(result.logprob_tokens, result.logprob_token_bytes))
+
+    def named(entry: TokenLogprobs) -> TokenLogprob:
+        token, token_bytes = next(names)
+        top = tuple(TokenText(*next(names), logprob)
+                    for logprob in entry.top_logprobs)
+        return TokenLogprob(TokenText(token, token_bytes, entry.logprob), top)
+
+    logprobs = tuple(named(e) for e in output.logprobs)
+    prompt = [None if e is None else named(e) for e in output.prompt_logprobs] \
+        if output.prompt_logprobs else None
+    return logprobs, prompt

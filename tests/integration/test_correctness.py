@@ -82,3 +82,33 @@ def test_greedy_matches_transformers(stack, model_name, hf_model, hf_tokenizer):
         assert gap < NEAR_TIE, (messages, ours_text, ref_text, position, gap)
     print("greedy vs transformers:", report)
     assert report.count("same") >= len(PROMPTS) - 2
+
+
+def test_greedy_logprobs_match_transformers(stack, model_name, hf_model, hf_tokenizer):
+    """Chat logprobs (top 5) of greedy tokens equal log_softmax of transformers' logits on the
+    same weights within 1e-3, teacher-forcing our own tokens (found back from their bytes)."""
+    from services.tokenizer.token_bytes import TokenBytes
+
+    _, data = TokenBytes(hf_tokenizer).lookup(list(range(len(hf_tokenizer))))
+    id_of_bytes = {token_bytes: token_id for token_id, token_bytes in enumerate(data)}
+    client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0)
+    for messages in PROMPTS[:3]:
+        response = client.chat.completions.create(
+            model=model_name, messages=messages, temperature=0, max_tokens=12, logprobs=True,
+            top_logprobs=5)
+        content = response.choices[0].logprobs.content
+        assert len(content) == response.usage.completion_tokens
+        ours_ids = [id_of_bytes[bytes(entry.bytes)] for entry in content]
+        prompt_ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=True, return_dict=True)["input_ids"]
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt_ids + ours_ids])).logits[0]
+        reference = torch.log_softmax(logits[len(prompt_ids) - 1:-1].float(), dim=-1)
+        for position, entry in enumerate(content):
+            expected = reference[position]
+            assert abs(entry.logprob - float(expected[ours_ids[position]])) < 1e-3
+            top_values, top_ids = expected.topk(5)
+            assert [id_of_bytes[bytes(t.bytes)] for t in entry.top_logprobs][:1] == \
+                top_ids.tolist()[:1]
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+                top_values.tolist(), abs=1e-3)

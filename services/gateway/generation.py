@@ -1,0 +1,131 @@
+"""A request's choices from the deltas of its sequences to the client: SSE chunks, or one
+gathered response (with best_of, the n sequences of highest cumulative logprob)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from services.gateway.choices import ChatChoice, CompletionChoice
+from services.gateway.service import Delta, RequestStream
+from shared.errors import FlotillaError
+
+_DONE = object()
+
+
+@dataclass
+class Generation:
+    kind: str  # "chat" or "completions"
+    response_id: str
+    model: str
+    choices: list[ChatChoice] | list[CompletionChoice]
+    streams: list[RequestStream]  # one per choice, same order
+    num_prompt_tokens: int
+    num_returned: int  # n: fewer than the choices when best_of asked for more
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    @property
+    def chunk_object_name(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def usage(self) -> dict:
+        num_completion = sum(choice.num_tokens for choice in self.choices)
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": num_completion,
+                "total_tokens": self.num_prompt_tokens + num_completion,
+                "prompt_tokens_details": {"cached_tokens": self.streams[0].num_cached_tokens}}
+
+
+async def merge_deltas(deltas: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every sequence as they come; an error in one is raised."""
+    if len(deltas) == 1:  # the common case: no tasks
+        async for delta in deltas[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in source:
+                queue.put_nowait((index, delta))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((index, exc))
+        finally:
+            queue.put_nowait((index, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, source)) for i, source in enumerate(deltas)]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            index, item = await queue.get()
+            if item is _DONE:
+                num_open -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for source in deltas:  # release the sequences (abort any still running)
+            await source.aclose()
+
+
+async def gather(generation: Generation, deltas: AsyncIterator[tuple[int, Delta]]) -> dict:
+    async for index, delta in deltas:
+        if delta.error is not None:
+            raise FlotillaError.from_info(delta.error)
+        generation.choices[index].record(delta)
+    returned = generation.choices
+    if generation.num_returned < len(returned):  # best_of
+        returned = sorted(returned, key=lambda c: c.cumulative_logprob,
+                          reverse=True)[:generation.num_returned]
+    choices = []
+    for new_index, choice in enumerate(returned):
+        entry = choice.final() if generation.kind == "chat" else \
+            choice.final(generation.streams[choice.index].prompt_logprobs)
+        entry["index"] = new_index
+        choices.append(entry)
+    return {"id": generation.response_id, "object": generation.object_name,
+            "created": generation.created, "model": generation.model, "choices": choices,
+            "usage": generation.usage()}
+
+
+async def stream_events(generation: Generation,
+                        deltas: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[str]:
+    """Server-sent events: one choice entry per chunk, then usage if asked, then [DONE]."""
+    def event(entries: list[dict], usage: dict | None = None) -> str:
+        chunk = {"id": generation.response_id, "object": generation.chunk_object_name,
+                 "created": generation.created, "model": generation.model, "choices": entries}
+        if generation.include_usage:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    if generation.kind == "chat":
+        for choice in generation.choices:
+            yield event([choice.first_entry()])
+    started = [generation.kind == "chat"] * len(generation.choices)
+    async for index, delta in deltas:
+        if delta.error is not None:
+            error = FlotillaError.from_info(delta.error)
+            yield "data: " + json.dumps({"error": {"message": error.message, "type": error.type,
+                                                   "param": error.param, "code": error.code}}) + "\n\n"
+            break
+        choice = generation.choices[index]
+        if not started[index]:  # completions echo: the prompt first (its logprobs came now)
+            started[index] = True
+            entry = choice.first_entry(generation.streams[index].prompt_logprobs)
+            if entry is not None:
+                yield event([entry])
+        for entry in choice.on_delta(delta):
+            yield event([entry])
+    if generation.include_usage:
+        yield event([], generation.usage())
+    yield "data: [DONE]\n\n"
