@@ -56,7 +56,8 @@ def test_json_object(client, model_name):
     for seed in (1, 2):
         response = client.chat.completions.create(
             model=model_name, temperature=0.7, seed=seed, max_tokens=120,
-            messages=[{"role": "user", "content": "Give a JSON object describing a cat."}],
+            messages=[{"role": "user", "content": "Describe a cat named Tom, aged 3, as a "
+                                                  "JSON object with its name and age."}],
             response_format={"type": "json_object"})
         choice = response.choices[0]
         assert choice.finish_reason == "stop", choice.message.content

@@ -37,7 +37,7 @@ def test_usage_counts_match_the_tokenizer(client, model_name, tokenize):
 
 
 def _long_prompt() -> str:
-    words = " ".join(f"item{i}" for i in range(120))
+    words = " ".join(f"item{i}" for i in range(80))
     return f"Session {uuid.uuid4().hex}. Read this list and say which item is last: {words}."
 
 
