@@ -55,11 +55,13 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _check_common(self):
         if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise ValueError("at most 16 stop strings")
+            raise _ParameterError("stop", "at most 16 stop strings", code="invalid_value")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise _ParameterError("stream_options", "stream_options is only allowed when "
+                                        "stream is true", code="invalid_value")
         if isinstance(self.stop, list) and any(not s for s in self.stop):
-            raise ValueError("stop strings must not be empty")
+            raise _ParameterError("stop", "stop strings must not be empty",
+                                        code="invalid_value")
         return self
 
     @property
@@ -129,10 +131,10 @@ class CompletionRequest(_SamplingFields):
         _unsupported(bool(self.suffix), "suffix", "suffix is not supported")
         if self.best_of is not None:
             if self.best_of < self.n:
-                raise _UnsupportedParameter("best_of", f"best_of ({self.best_of}) must be at "
+                raise _ParameterError("best_of", f"best_of ({self.best_of}) must be at "
                                             f"least n ({self.n})", code="invalid_value")
             if self.stream and self.best_of > 1:
-                raise _UnsupportedParameter("best_of", "best_of cannot be used with stream",
+                raise _ParameterError("best_of", "best_of cannot be used with stream",
                                             code="invalid_value")
         return self
 
@@ -219,7 +221,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise _UnsupportedParameter("top_logprobs", "top_logprobs requires logprobs to be "
+            raise _ParameterError("top_logprobs", "top_logprobs requires logprobs to be "
                                         "true", code="invalid_value")
         return self
 
@@ -246,7 +248,7 @@ class DetokenizeHTTPRequest(_Strict):
     tokens: list[int]
 
 
-class _UnsupportedParameter(ValueError):
+class _ParameterError(ValueError):
     def __init__(self, param: str, message: str, code: str = "unsupported_parameter") -> None:
         super().__init__(message)
         self.param = param
@@ -255,7 +257,7 @@ class _UnsupportedParameter(ValueError):
 
 def _unsupported(condition: bool, param: str, message: str) -> None:
     if condition:
-        raise _UnsupportedParameter(param, message)
+        raise _ParameterError(param, message)
 
 
 def parse_request(model_cls: type[_Strict], payload: Any):
@@ -265,7 +267,7 @@ def parse_request(model_cls: type[_Strict], payload: Any):
     except ValidationError as exc:
         error = exc.errors()[0]
         ctx_error = (error.get("ctx") or {}).get("error")
-        if isinstance(ctx_error, _UnsupportedParameter):
+        if isinstance(ctx_error, _ParameterError):
             raise InvalidRequest(str(ctx_error), param=ctx_error.param,
                                  code=ctx_error.code) from None
         location = ".".join(str(part) for part in error["loc"]) or None
