@@ -160,7 +160,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
         messages = [m.to_message() for m in req.messages] if req.messages is not None else None
         token_ids = await service().encode(EncodeRequest(
             prompt=req.prompt, messages=messages, add_special_tokens=req.add_special_tokens,
-            add_generation_prompt=req.add_generation_prompt))
+            add_generation_prompt=req.add_generation_prompt,
+            tools=plan_tools(req.tools, None, None).tools_for_prompt if req.tools else None))
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": info.max_model_len}
 
     @app.post("/detokenize")

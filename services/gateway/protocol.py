@@ -239,6 +239,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
+    tools: list[dict[str, Any]] | None = None  # counted as the chat template renders them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
