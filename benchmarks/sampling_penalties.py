@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/sampling_penalties.py                 # CPU, the default model
     python benchmarks/sampling_penalties.py --device cuda --model dummy:llama-3.2-1b
+    python benchmarks/sampling_penalties.py --device cuda --sampler-only --vocab-size 128256
 
 The in-process engine (cli/engine.py: the scheduler's policy and the worker's ModelRunner,
 no bus) generates --batch requests at once, EOS ignored, --output-len tokens each, with
@@ -9,6 +10,9 @@ temperature 1.0 and top-p 0.95; the "penalties" runs add presence, frequency and
 penalties (plus a min_p, a logit_bias and min_tokens, so every adjustment is exercised).
 Runs alternate plain/penalties --repeats times; the median decode throughput of each is
 reported. Output token throughput counts only steps after every prompt is in (decode steps).
+
+``--sampler-only`` times the worker's Sampler alone on random logits (no model), per
+setting: plain, penalties only, and every adjustment, in ms per call of --batch rows.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ import json
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from cli.engine import Engine  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
+from services.worker.sampler import Sampler  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
 from shared.messages import SamplingParams  # noqa: E402
 from shared.models import resolve_model  # noqa: E402
@@ -38,6 +46,32 @@ def sampling(penalties: bool, index: int, output_len: int) -> SamplingParams:
                           min_tokens=output_len // 2)
 
 
+def sampler_only(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    logits = torch.randn(args.batch, args.vocab_size, device=device) * 3
+    ids = [f"r{i}" for i in range(args.batch)]
+    settings = {
+        "plain": [sampling(False, i, args.output_len) for i in range(args.batch)],
+        "penalties_only": [SamplingParams(
+            max_tokens=args.output_len, temperature=1.0, top_p=0.95, seed=i, presence_penalty=0.5,
+            frequency_penalty=0.5, repetition_penalty=1.2) for i in range(args.batch)],
+        "all_adjustments": [sampling(True, i, args.output_len) for i in range(args.batch)]}
+    result = {}
+    for name, params in settings.items():
+        sampler = Sampler(args.vocab_size, [2], device)
+        for request_id, p in zip(ids, params):
+            sampler.add(request_id, p, list(range(100, 100 + args.input_len)), args.input_len)
+        times = []
+        for step in range(60):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            sampler.sample(logits, ids, params, [step] * args.batch, [None] * args.batch)
+            times.append(time.perf_counter() - start)
+        result[f"{name}_ms"] = round(statistics.median(times[10:]) * 1e3, 3)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
@@ -47,7 +81,12 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here")
+    parser.add_argument("--sampler-only", action="store_true")
+    parser.add_argument("--vocab-size", type=int, default=49152, help="with --sampler-only")
     args = parser.parse_args()
+    if args.sampler_only:
+        print(json.dumps(sampler_only(args), indent=2))
+        return
 
     worker = WorkerConfig(device=args.device, max_num_seqs=max(args.batch, 8),
                           max_num_batched_tokens=max(2048, args.batch * args.input_len))

@@ -31,6 +31,11 @@ for stage in "$@"; do
         --workload sharegpt --num-prompts 1000 ${E_ARGS:-} 2>&1 | tail -40;;
     stack-f) python3 benchmarks/gpu/stack_throughput.py --model $M/dummy-llama-3.1-8b \
         --num-prompts 1000 --input-len 1024 --output-len 128 ${F_ARGS:-} 2>&1 | tail -40;;
+    sampling-tests) python3 -m pytest -q -m gpu tests/services/worker/test_sampling_adjustments.py \
+        tests/services/worker/test_runner_gpu.py tests/kernels/test_sampling.py \
+        tests/kernels/test_penalties.py -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -30;;
+    penalties) python3 benchmarks/sampling_penalties.py --device cuda --model $M/dummy-llama-3.2-1b \
+        ${P_ARGS:-} 2>&1 | tail -30;;
     profile) python3 benchmarks/gpu/step_profile.py --model $M/dummy-llama-3.1-8b 2>&1 | tail -60;;
     *) echo "unknown stage $stage";;
   esac

@@ -23,6 +23,7 @@ import torch
 
 from kernels.sampling import sample_tokens
 from services.worker.penalties import PenaltyTables
+from services.worker.transfer import to_device
 from shared.messages import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -68,14 +69,15 @@ class Sampler:
                output_indices: list[int], generators: list[torch.Generator | None]
                ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [num_rows, vocab_size], one row per request -> (token ids, logprobs per row).
+        The logits are adjusted in place.
 
         output_indices: per row, how many tokens the request has generated so far.
         """
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # [num_logprob_rows, vocab_size]: the model's own distribution, before any adjustment
         logprobs = logits[logprob_rows].float().log_softmax(-1) if logprob_rows else None
-        if any(_adjusts(p) for p in params):
-            logits = self._adjusted(logits.clone(), request_ids, params, output_indices)
+        if any(_adjusts(p) for p in params):  # in place: the caller is done with these logits
+            logits = self._adjusted(logits, request_ids, params, output_indices)
         token_ids = sample(logits, params, generators, output_indices)
         self.penalties.count(request_ids, token_ids)
         if self.grammars is not None:
@@ -99,25 +101,26 @@ class Sampler:
                    if output_indices[i] < p.min_tokens
                    for t in {*self.eos_token_ids, *p.stop_token_ids}]
         if biased:
-            rows, tokens, values = zip(*biased)
-            logits.index_put_((torch.tensor(rows, device=device), torch.tensor(tokens, device=device)),
-                              torch.tensor(values, dtype=logits.dtype, device=device),
-                              accumulate=True)
+            if not logits.is_contiguous():
+                logits = logits.contiguous()
+            vocab_size = logits.shape[1]
+            flat_index = to_device(torch.tensor([row * vocab_size + t for row, t, _ in biased]),
+                                   device)
+            values = to_device(torch.tensor([v for _, _, v in biased], dtype=logits.dtype), device)
+            logits.view(-1).index_add_(0, flat_index, values)
         if self.grammars is not None and any(r in self.grammars for r in request_ids):
             self.grammars.apply_bitmask(logits, self.grammars.fill_bitmask(request_ids).to(
                 device, non_blocking=True))
-        penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
-        self.penalties.apply(logits, penalty_rows, [request_ids[i] for i in penalty_rows],
-                             [params[i] for i in penalty_rows])
-        min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0.0 and not p.is_greedy]
-        if min_p_rows:
-            # p_i < min_p * p_max  <=>  logit_i < logit_max + temperature * log(min_p)
-            index = torch.tensor(min_p_rows, device=device)
-            selected = logits[index]  # [num_min_p_rows, vocab_size]
-            offsets = torch.tensor([params[i].temperature * math.log(params[i].min_p)
-                                    for i in min_p_rows], dtype=selected.dtype, device=device)
-            threshold = selected.max(dim=-1, keepdim=True).values + offsets[:, None]
-            logits[index] = selected.masked_fill(selected < threshold, -math.inf)
+        if any(p.has_penalties for p in params):
+            self.penalties.apply(logits, request_ids, params)
+        if any(p.min_p > 0.0 and not p.is_greedy for p in params):
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + temperature * log(min_p);
+            # rows without min_p get an offset of -inf, which masks nothing
+            offsets = to_device(torch.tensor(  # [num_rows]
+                [p.temperature * math.log(p.min_p) if p.min_p > 0.0 and not p.is_greedy
+                 else -math.inf for p in params], dtype=logits.dtype), device)
+            threshold = logits.max(dim=-1, keepdim=True).values + offsets[:, None]
+            logits.masked_fill_(logits < threshold, -math.inf)
         return logits
 
 
@@ -184,16 +187,17 @@ def sample_with_kernel(logits: torch.Tensor, params: list[SamplingParams],
     """Every row in one launch (kernels/sampling.py): no per-row loop, one sync to read the
     tokens. A row without a seed gets a fresh random one."""
     device = logits.device
-    temperatures = torch.tensor([0.0 if p.is_greedy else p.temperature for p in params])
-    seeds = [p.seed if p.seed is not None else random.getrandbits(62) for p in params]
-    token_ids = sample_tokens(
-        logits, temperatures.to(device), torch.tensor([p.top_k for p in params],
-                                                      dtype=torch.int32).to(device),
-        torch.tensor([p.top_p for p in params]).to(device),
-        torch.tensor(seeds, dtype=torch.int64).to(device),
-        torch.tensor(output_indices, dtype=torch.int64).to(device),
-        apply_filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
+    # two host-to-device copies for every row's parameters
+    floats = to_device(torch.tensor([[0.0 if p.is_greedy else p.temperature for p in params],
+                                     [p.top_p for p in params]], dtype=torch.float32), device)
+    ints = to_device(torch.tensor([
+        [p.top_k for p in params],
+        [p.seed if p.seed is not None else random.getrandbits(62) for p in params],
+        output_indices], dtype=torch.int64), device)
+    token_ids = sample_tokens(logits, floats[0], ints[0], floats[1], ints[1], ints[2],
+                              apply_filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
     return token_ids.tolist()
+
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -26,7 +26,7 @@ def make_sampler(device: str = "cpu") -> Sampler:
 def run(sampler: Sampler, logits: torch.Tensor, params: list[SamplingParams],
         request_ids: list[str] | None = None, output_indices: list[int] | None = None):
     request_ids = request_ids or [f"r{i}" for i in range(len(params))]
-    return sampler.sample(logits, request_ids, params, output_indices or [0] * len(params),
+    return sampler.sample(logits.clone(), request_ids, params, output_indices or [0] * len(params),
                           [make_generator(p, "cpu") for p in params])
 
 
@@ -158,3 +158,24 @@ def test_a_seeded_row_with_every_adjustment_is_the_same_alone_and_in_a_batch(dev
 def test_out_of_range_logit_bias_is_refused():
     with pytest.raises(ValueError, match="logit_bias"):
         make_sampler().add("r", SamplingParams(logit_bias={VOCAB_SIZE: 1.0}), [1], 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_token_bitmask_leaves_only_its_tokens(device):
+    from services.worker.structured import apply_token_bitmask, bitmask_width
+
+    vocab_size = 100  # not a multiple of 32: the last word is partial
+    allowed = [[0, 31, 32, 99], [], [5]]  # row 1: every token (all bits set)
+    bitmask = torch.zeros(3, bitmask_width(vocab_size), dtype=torch.int32)
+    bitmask[1] = -1
+    for row, tokens in enumerate(allowed):
+        for token in tokens:
+            word = int(bitmask[row, token // 32]) & 0xFFFFFFFF | (1 << token % 32)
+            bitmask[row, token // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    logits = torch.randn(3, vocab_size, device=device)
+    masked = logits.clone()
+    apply_token_bitmask(masked, bitmask)
+    for row, tokens in enumerate(allowed):
+        finite = torch.isfinite(masked[row]).nonzero().flatten().tolist()
+        assert finite == (tokens or list(range(vocab_size)))
+        torch.testing.assert_close(masked[row, finite], logits[row, finite])
