@@ -97,8 +97,10 @@ class Sampler:
         device = logits.device
         # (row, token, value) triples: added biases, and -inf for tokens min_tokens forbids
         biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]
+        # min_tokens does not apply under a structured-output grammar: a complete JSON value
+        # allows only EOS, and masking that too would leave no token at all
         biased += [(i, t, -math.inf) for i, p in enumerate(params)
-                   if output_indices[i] < p.min_tokens
+                   if output_indices[i] < p.min_tokens and p.structured is None
                    for t in {*self.eos_token_ids, *p.stop_token_ids}]
         if biased:
             if not logits.is_contiguous():
