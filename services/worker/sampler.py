@@ -111,8 +111,8 @@ class Sampler:
             values = to_device(torch.tensor([v for _, _, v in biased], dtype=logits.dtype), device)
             logits.view(-1).index_add_(0, flat_index, values)
         if self.grammars is not None and any(r in self.grammars for r in request_ids):
-            self.grammars.apply_bitmask(logits, self.grammars.fill_bitmask(request_ids).to(
-                device, non_blocking=True))
+            self.grammars.apply_bitmask(logits, to_device(self.grammars.fill_bitmask(request_ids),
+                                                          device))
         if any(p.has_penalties for p in params):
             self.penalties.apply(logits, request_ids, params)
         if any(p.min_p > 0.0 and not p.is_greedy for p in params):
