@@ -98,21 +98,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def completions(request: Request) -> Response:
         req = protocol.parse_request(protocol.CompletionRequest, await read_json(request))
         info = await check_model(req.model)
-        prompt = req.single_prompt
-        prompt_ids = await service().encode(EncodeRequest(prompt=prompt))
-        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), info.max_model_len)
         num_sequences = req.num_sequences
         # best_of ranks sequences by cumulative logprob: the worker reports them even unasked
         worker_logprobs = req.logprobs if req.logprobs is not None else \
             (0 if num_sequences > req.n else None)
-        sampling = req.sampling_params(
-            max_tokens, info.vocab_size, logprobs=worker_logprobs,
-            prompt_logprobs=req.logprobs if req.echo else None)
-        echo_text = None
-        if req.echo:
-            echo_text = prompt if isinstance(prompt, str) else await service().decode(prompt_ids)
-        choices = [CompletionChoice(i, req.logprobs, echo_text) for i in range(num_sequences)]
-        return await generate(request, "completions", req, info.model_name, prompt_ids, sampling,
+        submissions, choices = [], []
+        for prompt in req.prompts:  # choice index: prompt index x sequences per prompt + i
+            prompt_ids = await service().encode(EncodeRequest(prompt=prompt))
+            max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), info.max_model_len)
+            submissions.append((prompt_ids, req.sampling_params(
+                max_tokens, info.vocab_size, logprobs=worker_logprobs,
+                prompt_logprobs=req.logprobs if req.echo else None)))
+            echo_text = None
+            if req.echo:
+                echo_text = prompt if isinstance(prompt, str) else \
+                    await service().decode(prompt_ids)
+            choices += [CompletionChoice(len(choices) + i, req.logprobs, echo_text)
+                        for i in range(num_sequences)]
+        return await generate(request, "completions", req, info.model_name, submissions,
                               choices, req.n)
 
     @app.post("/v1/chat/completions")
@@ -130,19 +133,33 @@ def create_app(config: GatewayConfig) -> FastAPI:
         sampling = req.sampling_params(max_tokens, info.vocab_size, logprobs=req.num_logprobs,
                                        structured=structured)
         choices = [ChatChoice(i, req.num_logprobs, tool_plan, _call_id) for i in range(req.n)]
-        return await generate(request, "chat", req, info.model_name, prompt_ids, sampling,
+        return await generate(request, "chat", req, info.model_name, [(prompt_ids, sampling)],
                               choices, req.n)
 
-    async def generate(request: Request, kind: str, req, model: str, prompt_ids: list[int],
-                       sampling: SamplingParams, choices: list, num_returned: int) -> Response:
+    async def generate(request: Request, kind: str, req, model: str,
+                       submissions: list[tuple[list[int], SamplingParams]], choices: list,
+                       num_returned: int) -> Response:
+        """Submit each prompt for len(choices) / len(submissions) sequences and answer with
+        all of them (num_returned per prompt)."""
         started = time.perf_counter()
-        request_id, streams = await service().submit(
-            prompt_ids, sampling, req.stop_strings, priority=req.priority,
-            cache_salt=req.cache_salt, n=len(choices))
-        metrics.prompt_tokens.inc(len(prompt_ids))
-        generation = Generation(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id,
-                                model, choices, streams, len(prompt_ids), num_returned,
-                                req.include_usage)
+        num_per_prompt = len(choices) // len(submissions)
+        request_ids, streams = [], []
+        try:
+            for prompt_ids, sampling in submissions:
+                request_id, prompt_streams = await service().submit(
+                    prompt_ids, sampling, req.stop_strings, priority=req.priority,
+                    cache_salt=req.cache_salt, n=num_per_prompt)
+                request_ids.append(request_id)
+                streams += prompt_streams
+        except BaseException:
+            for stream in streams:  # a later prompt was refused: stop the earlier ones
+                service().release(stream)
+            raise
+        num_prompt_tokens = sum(len(prompt_ids) for prompt_ids, _ in submissions)
+        metrics.prompt_tokens.inc(num_prompt_tokens)
+        generation = Generation(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + request_ids[0],
+                                model, choices, streams, num_prompt_tokens, num_returned,
+                                req.include_usage, num_per_prompt=num_per_prompt)
         deltas = merge_deltas([_timed(service().deltas(stream), metrics, started)
                                for stream in streams])
         if req.stream:

@@ -1,5 +1,9 @@
 """A request's choices from the deltas of its sequences to the client: SSE chunks, or one
-gathered response (with best_of, the n sequences of highest cumulative logprob)."""
+gathered response (with best_of, the n sequences of highest cumulative logprob).
+
+A completions request may carry a batch of prompts: its choices are grouped by prompt
+(``num_per_prompt`` sequences each, in prompt order), and best_of picks within each group.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +27,14 @@ class Generation:
     model: str
     choices: list[ChatChoice] | list[CompletionChoice]
     streams: list[RequestStream]  # one per choice, same order
-    num_prompt_tokens: int
-    num_returned: int  # n: fewer than the choices when best_of asked for more
+    num_prompt_tokens: int  # over all prompts
+    num_returned: int  # n per prompt: fewer than its sequences when best_of asked for more
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    num_per_prompt: int = 0  # sequences per prompt (0: all the choices are one prompt's)
+
+    def __post_init__(self) -> None:
+        self.num_per_prompt = self.num_per_prompt or len(self.choices)
 
     @property
     def object_name(self) -> str:
@@ -38,9 +46,11 @@ class Generation:
 
     def usage(self) -> dict:
         num_completion = sum(choice.num_tokens for choice in self.choices)
+        num_cached = sum(stream.num_cached_tokens  # each prompt's first sequence
+                         for stream in self.streams[::self.num_per_prompt])
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": num_completion,
                 "total_tokens": self.num_prompt_tokens + num_completion,
-                "prompt_tokens_details": {"cached_tokens": self.streams[0].num_cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": num_cached}}
 
 
 async def merge_deltas(deltas: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
@@ -83,10 +93,13 @@ async def gather(generation: Generation, deltas: AsyncIterator[tuple[int, Delta]
         if delta.error is not None:
             raise FlotillaError.from_info(delta.error)
         generation.choices[index].record(delta)
-    returned = generation.choices
-    if generation.num_returned < len(returned):  # best_of
-        returned = sorted(returned, key=lambda c: c.cumulative_logprob,
-                          reverse=True)[:generation.num_returned]
+    returned = []
+    for first in range(0, len(generation.choices), generation.num_per_prompt):
+        group = generation.choices[first:first + generation.num_per_prompt]
+        if generation.num_returned < len(group):  # best_of
+            group = sorted(group, key=lambda c: c.cumulative_logprob,
+                           reverse=True)[:generation.num_returned]
+        returned += group
     choices = []
     for new_index, choice in enumerate(returned):
         entry = choice.final() if generation.kind == "chat" else \

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage, FunctionCall, SamplingParams, StructuredSpec, ToolCall
 
-MAX_N = 128  # sequences per request (n, best_of)
+MAX_N = 128  # sequences per request (n, best_of; over all prompts of a batch)
+MAX_PROMPTS = 64  # prompts in one completions request
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs, as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # completions logprobs, as OpenAI
 
@@ -144,16 +145,21 @@ class CompletionRequest(_SamplingFields):
         return self.best_of or self.n
 
     @property
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch (a list of strings or of token lists)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise InvalidRequest("send one prompt per request (batched prompts are not "
-                                     "supported yet)", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
+            prompts = list(prompt)
+        else:
+            prompts = [prompt]
+        if len(prompts) > MAX_PROMPTS:
+            raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        if not prompts or any(not p for p in prompts):
             raise InvalidRequest("prompt must not be empty", param="prompt")
-        return prompt
+        if len(prompts) * self.num_sequences > MAX_N:
+            raise InvalidRequest(f"prompts x {'best_of' if self.best_of else 'n'} must be at most "
+                                 f"{MAX_N}", param="prompt")
+        return prompts
 
 
 class TextPart(_Strict):

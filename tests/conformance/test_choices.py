@@ -115,3 +115,25 @@ def test_best_of(client, model_name):
     # returned best first: by cumulative logprob, descending
     totals = [sum(choice.logprobs.token_logprobs) for choice in two_of_three.choices]
     assert totals[0] >= totals[1]
+
+
+def test_completions_batch_of_prompts(client, model_name, tokenize):
+    """A list of prompts: choices grouped by prompt (prompt index x n + i), usage over all."""
+    prompts = [SUMMER, "The capital of France is"]
+    singles = [client.completions.create(model=model_name, prompt=p, temperature=0,
+                                         max_tokens=6).choices[0].text for p in prompts]
+    response = client.completions.create(model=model_name, prompt=prompts, n=2, temperature=0,
+                                         max_tokens=6, extra_body=LONG)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [c.text for c in response.choices] == [singles[0]] * 2 + [singles[1]] * 2
+    assert response.usage.prompt_tokens == sum(len(tokenize(prompt=p)) for p in prompts)
+    assert response.usage.completion_tokens == 4 * 6
+    streamed = defaultdict(str)
+    for chunk in client.completions.create(model=model_name, prompt=prompts, temperature=0,
+                                           max_tokens=6, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert dict(streamed) == {0: singles[0], 1: singles[1]}
+    best = client.completions.create(model=model_name, prompt=prompts, best_of=2, temperature=0,
+                                     max_tokens=6)
+    assert [c.text for c in best.choices] == singles

@@ -102,3 +102,17 @@ def test_streamed_chat_with_n_and_usage():
     assert finishes == {0: "length", 1: "stop"}
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_best_of_picks_within_each_prompt_of_a_batch():
+    choices = [CompletionChoice(i, None) for i in range(4)]  # 2 prompts x best_of 2
+    generation = Generation("completions", "cmpl-1", "m", choices, streams(4), 9, num_returned=1,
+                            num_per_prompt=2)
+    streams_of = generation.streams
+    streams_of[0].num_cached_tokens, streams_of[2].num_cached_tokens = 16, 32
+    values = [-2.0, -1.0, -0.5, -3.0]
+    deltas = from_list([(i, Delta(f"t{i}", 1, "length", None, (logprob(f"t{i}", v),)))
+                        for i, v in enumerate(values)])
+    response = asyncio.run(gather(generation, deltas))
+    assert [(c["index"], c["text"]) for c in response["choices"]] == [(0, "t1"), (1, "t2")]
+    assert response["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
