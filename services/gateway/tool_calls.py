@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.json_scanner import JsonScanner
 from services.gateway.structured import grammar_for
 from shared.errors import InvalidRequest
 from shared.messages import StructuredSpec
@@ -188,7 +189,7 @@ class ToolCallParser:
         self._held_space = ""  # auto: trailing whitespace, dropped next to a call
         self._content_parts: list[str] = []
         self._calls: list[dict[str, Any]] = []
-        self._scan = _JsonScanner(level=1 if plan.mode == "required" else 0)
+        self._scan = JsonScanner(level=1 if plan.mode == "required" else 0)
         self._consumed = 0  # required/named: end of the last call's JSON
 
     @property
@@ -230,7 +231,7 @@ class ToolCallParser:
             if not self._calls:
                 self._add_content(out, self._held_space)
         self._text, self._inside, self._held_space, self._consumed = "", False, "", 0
-        self._scan = _JsonScanner(self._scan.level)
+        self._scan = JsonScanner(self._scan.level)
         return out
 
     # ------------------------------------------------------------- auto mode
@@ -317,46 +318,6 @@ def finish_reason(plan: ToolPlan | None, parser: ToolCallParser | None,
     if plan.mode in ("auto", "required") and parser.has_tool_calls:
         return "tool_calls"
     return "stop"
-
-
-class _JsonScanner:
-    """Finds the complete JSON objects/arrays at one nesting ``level`` of a growing text
-    (0: the top value itself; 1: the elements of a top-level array)."""
-
-    def __init__(self, level: int) -> None:
-        self.level = level
-        self.pos = 0  # next character to scan
-        self.depth = 0
-        self.in_string = self.escaped = self.dead = False
-        self.start: int | None = None
-
-    def feed(self, text: str, opener: str) -> list[tuple[int, int]]:
-        found = []
-        while self.pos < len(text) and not self.dead:
-            char, pos = text[self.pos], self.pos
-            self.pos += 1
-            if self.in_string:
-                self.escaped, self.in_string = (False, True) if self.escaped else \
-                    (char == "\\", char != '"')
-            elif char == '"':
-                self.in_string = True
-            elif char in "[{":
-                if self.depth == 0 and char != opener:
-                    self.dead = True  # not the shape we constrained: all content at finish
-                    break
-                if self.depth == self.level:
-                    self.start = pos
-                self.depth += 1
-            elif char in "]}":
-                self.depth -= 1
-                if self.depth == self.level and self.start is not None:
-                    found.append((self.start, pos + 1))
-                    self.start = None
-                if self.depth <= 0:
-                    self.dead = True  # the top value is complete
-            elif self.depth == 0 and not char.isspace():
-                self.dead = True
-        return found
 
 
 def _partial_tag(text: str, tag: str) -> int:
