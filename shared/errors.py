@@ -23,6 +23,11 @@ class FlotillaError(Exception):
         if type is not None:
             self.type = type
 
+    def openai_body(self) -> dict:
+        """OpenAI's error object, as every HTTP error and SSE error event carries it."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
     def to_info(self) -> ErrorInfo:
         return ErrorInfo(status=self.status, message=self.message, type=self.type,
                          code=self.code, param=self.param)

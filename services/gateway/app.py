@@ -33,8 +33,7 @@ log = structlog.get_logger()
 
 
 def error_response(exc: FlotillaError) -> JSONResponse:
-    return JSONResponse(status_code=exc.status, content={"error": {
-        "message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}})
+    return JSONResponse(status_code=exc.status, content=exc.openai_body())
 
 
 def create_app(config: GatewayConfig) -> FastAPI:

@@ -127,9 +127,7 @@ async def stream_events(generation: Generation,
     started = [generation.kind == "chat"] * len(generation.choices)
     async for index, delta in deltas:
         if delta.error is not None:
-            error = FlotillaError.from_info(delta.error)
-            yield "data: " + json.dumps({"error": {"message": error.message, "type": error.type,
-                                                   "param": error.param, "code": error.code}}) + "\n\n"
+            yield f"data: {json.dumps(FlotillaError.from_info(delta.error).openai_body())}\n\n"
             break
         choice = generation.choices[index]
         if not started[index]:  # completions echo: the prompt first (its logprobs came now)

@@ -6,6 +6,8 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from shared.errors import PayloadTooLarge
+
 
 class BodyTooLarge(Exception):
     pass
@@ -51,9 +53,9 @@ class BodySizeLimit:
                 await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
-        body = json.dumps({"error": {
-            "message": f"the request body is over the limit of {self.max_body_bytes} bytes",
-            "type": "invalid_request_error", "param": None, "code": "payload_too_large"}}).encode()
+        error = PayloadTooLarge(f"the request body is over the limit of {self.max_body_bytes} "
+                                "bytes", code="payload_too_large")
+        body = json.dumps(error.openai_body()).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
