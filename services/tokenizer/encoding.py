@@ -14,6 +14,7 @@ import msgspec
 from transformers import AutoTokenizer
 
 from services.tokenizer.detokenizer import detokenize_step
+from services.tokenizer.token_bytes import TokenBytes
 from shared.errors import InvalidRequest
 from shared.messages import (
     ChatMessage, DecodeRequest, DetokItem, DetokResult, EncodeRequest, TokenizerInfo,
@@ -31,6 +32,7 @@ class TextCodec:
             raise ValueError(f"max_model_len must be >= 0, got {max_model_len}")
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.token_bytes = TokenBytes(self.tokenizer)
         model_config = _read_json(self.model_dir / "config.json")
         self.max_model_len = max_model_len or _context_length(model_config)
         self.vocab_size = len(self.tokenizer)  # includes added (special) tokens
@@ -72,7 +74,16 @@ class TextCodec:
         )
 
     def detokenize(self, items: list[DetokItem]) -> list[DetokResult]:
-        return [detokenize_step(self.tokenizer, item) for item in items]
+        """Each item's new text, plus the text and bytes of its logprob tokens if it asks."""
+        results = []
+        for item in items:
+            result = detokenize_step(self.tokenizer, item)
+            if item.logprob_token_ids:
+                texts, data = self.token_bytes.lookup(item.logprob_token_ids)
+                result = msgspec.structs.replace(result, logprob_tokens=texts,
+                                                 logprob_token_bytes=data)
+            results.append(result)
+        return results
 
     @property
     def template_uses_tools(self) -> bool:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-import msgspec
 import structlog
 
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.encoding import TextCodec
-from services.tokenizer.token_bytes import TokenBytes
 from shared.bus import Bus
 from shared.messages import (
     DecodeReply, DecodeRequest, DetokenizeReply, DetokenizeRequest, Empty, EncodeReply,
@@ -28,7 +26,6 @@ class TokenizerService:
         self.bus = bus
         self.codec = codec
         self.info = codec.info(model_name)
-        self.token_bytes = TokenBytes(codec.tokenizer)
         self.subjects = Subjects(config.namespace)
 
     async def start(self) -> None:
@@ -48,13 +45,7 @@ class TokenizerService:
         return DecodeReply(text=self.codec.decode(request))
 
     async def _on_detokenize(self, request: DetokenizeRequest) -> DetokenizeReply:
-        results = self.codec.detokenize(request.items)
-        for index, item in enumerate(request.items):
-            if item.logprob_token_ids:  # the text and bytes of each, for logprobs
-                texts, data = self.token_bytes.lookup(item.logprob_token_ids)
-                results[index] = msgspec.structs.replace(
-                    results[index], logprob_tokens=texts, logprob_token_bytes=data)
-        return DetokenizeReply(results)
+        return DetokenizeReply(self.codec.detokenize(request.items))
 
     async def _on_info(self, _: Empty) -> TokenizerInfo:
         return self.info
