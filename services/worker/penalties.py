@@ -36,9 +36,6 @@ class PenaltyTables:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._slots
 
-    def slot(self, request_id: str) -> int:
-        return self._slots[request_id]
-
     def add(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
         """Give a request a slot, filled from its tokens so far (a resumed request has outputs)."""
         self.remove(request_id)

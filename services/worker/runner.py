@@ -65,29 +65,41 @@ class SequenceChunk:
     num_logprob_rows: int = 0
 
 
-def logits_layout(chunks: list[SequenceChunk]) -> tuple[list[int], list[int]]:
-    """Which token of the step each logits row comes from, and which rows are sampled.
+@dataclass(frozen=True)
+class LogitsLayout:
+    """Which rows of a step's logits belong to which chunk.
 
     A chunk contributes its first ``num_logprob_rows`` tokens, then its last token if it
-    samples (unless already among them). Returns (token index per row, sampled rows).
+    samples (unless already among them).
     """
+
+    token_indices: list[int]  # per row: the step token it comes from
+    sample_rows: list[int]  # per sampled chunk: its row
+    first_rows: list[int]  # per chunk: its first row (its prompt-logprob rows start there)
+
+
+def logits_layout(chunks: list[SequenceChunk]) -> LogitsLayout:
     token_indices: list[int] = []
     sample_rows: list[int] = []
+    first_rows: list[int] = []
     first = 0
     for chunk in chunks:
         num_tokens = len(chunk.token_ids)
+        first_rows.append(len(token_indices))
         token_indices.extend(range(first, first + chunk.num_logprob_rows))
         if chunk.sample:
             if chunk.num_logprob_rows < num_tokens:
                 token_indices.append(first + num_tokens - 1)
             sample_rows.append(len(token_indices) - 1)
         first += num_tokens
-    return token_indices, sample_rows
+    return LogitsLayout(token_indices, sample_rows, first_rows)
 
 
-def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.device
+def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.device,
+                      layout: LogitsLayout | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Flatten a step's chunks into (input_ids [num_tokens], positions [num_tokens], metadata)."""
+    """Flatten a step's chunks into (input_ids [num_tokens], positions [num_tokens], metadata);
+    ``layout`` is ``logits_layout(chunks)`` when the caller has it already."""
     q_lens = [len(chunk.token_ids) for chunk in chunks]
     seq_lens = [chunk.start + q_len for chunk, q_len in zip(chunks, q_lens)]
     num_blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
@@ -105,7 +117,8 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
     query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
     # [num_logit_rows]: the last token of each sampled chunk, and prompt-logprob positions
-    logits_indices = torch.tensor(logits_layout(chunks)[0], dtype=torch.long)
+    layout = layout or logits_layout(chunks)
+    logits_indices = torch.tensor(layout.token_indices, dtype=torch.long)
     metadata = AttentionMetadata(
         slot_mapping=slot_mapping.to(device, non_blocking=True),
         block_tables=block_tables.to(device, non_blocking=True),
@@ -205,16 +218,18 @@ class ModelRunner:
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if chunks:
             with torch.inference_mode():
+                layout = logits_layout(chunks)
                 input_ids, positions, metadata = build_step_inputs(
-                    chunks, self.block_size, self._device)
+                    chunks, self.block_size, self._device, layout)
                 if self._graphs is not None and metadata.max_query_len == 1 \
                         and len(sampled_ids) == len(chunks) \
                         and self._graphs.bucket_for(len(chunks)) is not None:
                     logits = self._graphs.run(input_ids, positions, metadata)  # [num_seqs, vocab]
                 else:
                     logits = self.model(input_ids, positions, metadata)  # [num_logit_rows, vocab]
-                _, sample_rows = logits_layout(chunks)
-                prompt_logprobs = self._prompt_logprobs(plan.scheduled, chunks, logits)
+                sample_rows = layout.sample_rows
+                prompt_logprobs = self._prompt_logprobs(plan.scheduled, chunks, layout.first_rows,
+                                                        logits)
                 if len(sample_rows) != logits.shape[0]:
                     logits = logits[sample_rows]  # [num_sampled, vocab_size]
                 states = [self._requests[request_id] for request_id in sampled_ids]
@@ -237,21 +252,18 @@ class ModelRunner:
                           prompt_logprobs=prompt_logprobs)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], chunks: list[SequenceChunk],
-                         logits: torch.Tensor) -> dict[str, list[TokenLogprobs]]:
+                         first_rows: list[int], logits: torch.Tensor
+                         ) -> dict[str, list[TokenLogprobs]]:
         """Logprobs of the prompt tokens whose predicting positions ran this step, per request
         (the logits at position p give token p + 1)."""
         result: dict[str, list[TokenLogprobs]] = {}
-        row = 0
-        for entry, chunk in zip(scheduled, chunks):
+        for entry, chunk, row in zip(scheduled, chunks, first_rows):
             if chunk.num_logprob_rows:
                 state = self._requests[entry.request_id]
                 rows = logits[row:row + chunk.num_logprob_rows].float().log_softmax(-1)
                 next_ids = state.token_ids[chunk.start + 1:chunk.start + 1 + chunk.num_logprob_rows]
                 result[entry.request_id] = token_logprobs(
                     rows, next_ids, [state.sampling.prompt_logprobs] * len(next_ids))
-            row += chunk.num_logprob_rows
-            if chunk.sample and chunk.num_logprob_rows < len(chunk.token_ids):
-                row += 1
         return result
 
     def _add_request(self, new: NewRequestData) -> None:
