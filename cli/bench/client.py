@@ -59,13 +59,40 @@ def _error_message(body: bytes) -> str:
         return body.decode("utf-8", errors="replace").strip()
 
 
+class _Timeline:
+    """Arrival times of one kind of chunk, and the tokens each carried when the server
+    sends per-chunk usage (vLLM's continuous usage stats)."""
+
+    def __init__(self) -> None:
+        self.times_s: list[float] = []
+        self.num_tokens: list[int] | None = None
+        self.last_completion_tokens = 0
+
+    def add(self, at_s: float, usage: dict | None) -> None:
+        self.times_s.append(at_s)
+        if usage and usage.get("completion_tokens") is not None:
+            if self.num_tokens is None:
+                self.num_tokens = [1] * (len(self.times_s) - 1)
+            self.num_tokens.append(usage["completion_tokens"] - self.last_completion_tokens)
+            self.last_completion_tokens = usage["completion_tokens"]
+        elif self.num_tokens is not None:
+            self.num_tokens.append(1)
+
+
 class _StreamReader:
-    """Folds SSE lines into a RequestRecord."""
+    """Folds SSE lines into a RequestRecord.
+
+    Chunks that carry text are timed (TTFT, ITL). A stream none of whose chunks carries
+    text but whose usage counts output tokens (a random-weight model's ids can decode to
+    nothing) is timed by its chunks that carry a choice, text or not; failing those, by
+    the chunk that brought the usage."""
 
     def __init__(self, record: RequestRecord, sent_at: float) -> None:
         self.record = record
         self.sent_at = sent_at
-        self.last_completion_tokens = 0
+        self.text = _Timeline()
+        self.choices = _Timeline()
+        self.usage_at_s: float | None = None
 
     def feed(self, line: str, now: float) -> bool:
         """Handle one line; False once the stream says it is done."""
@@ -83,31 +110,41 @@ class _StreamReader:
             self.record.error = _reason(f"stream error: {message}")
             return False
         usage = payload.get("usage")
-        if chunk_text(payload):
-            self.record.chunk_times_s.append(now - self.sent_at)
-            self._count_chunk_tokens(usage)
+        at_s = now - self.sent_at
+        if payload.get("choices"):
+            self.choices.add(at_s, usage)
+            if chunk_text(payload):
+                self.text.add(at_s, usage)
         if usage:
             self.record.num_prompt_tokens = usage.get("prompt_tokens")
             self.record.num_output_tokens = usage.get("completion_tokens")
+            if self.usage_at_s is None and usage.get("completion_tokens"):
+                self.usage_at_s = at_s
         return True
 
-    def _count_chunk_tokens(self, usage: dict | None) -> None:
-        # Servers with continuous usage stats say how many tokens each chunk carried.
-        if usage and usage.get("completion_tokens") is not None:
-            if self.record.chunk_num_tokens is None:
-                self.record.chunk_num_tokens = [1] * (len(self.record.chunk_times_s) - 1)
-            self.record.chunk_num_tokens.append(usage["completion_tokens"]
-                                                - self.last_completion_tokens)
-            self.last_completion_tokens = usage["completion_tokens"]
-        elif self.record.chunk_num_tokens is not None:
-            self.record.chunk_num_tokens.append(1)
+    def finish(self) -> None:
+        """Pick the timed chunks; a stream with neither text nor usage tokens failed."""
+        record = self.record
+        if self.text.times_s:
+            record.chunk_times_s, record.chunk_num_tokens = self.text.times_s, self.text.num_tokens
+        elif record.num_output_tokens:
+            record.text = False
+            if self.choices.times_s:
+                record.chunk_times_s = self.choices.times_s
+                record.chunk_num_tokens = self.choices.num_tokens
+            else:
+                record.chunk_times_s = [self.usage_at_s]
+        elif record.error is None:
+            record.error = "no output: no text and no usage tokens received"
 
 
 async def send(client: httpx.AsyncClient, request: BenchRequest, settings: RequestSettings,
-               run_started: float) -> RequestRecord:
-    """Send one request and time it; never raises for a failed request (the record's
-    ``error`` says why)."""
-    record = RequestRecord(prompt_len=request.prompt_len, output_len=request.output_len)
+               run_started: float, record: RequestRecord | None = None) -> RequestRecord:
+    """Send one request and time it into ``record`` (a new one if not given); never raises
+    for a failed request (the record's ``error`` says why). The client's read timeout is a
+    stall timeout: no bytes for that long fails the request."""
+    if record is None:
+        record = new_record(request)
     sent_at = time.perf_counter()
     record.start_s = sent_at - run_started
     reader = _StreamReader(record, sent_at)
@@ -121,9 +158,21 @@ async def send(client: httpx.AsyncClient, request: BenchRequest, settings: Reque
                 async for line in response.aiter_lines():
                     if not reader.feed(line, time.perf_counter()):
                         break
+    except httpx.ReadTimeout:
+        record.error = f"stalled: no data for {client.timeout.read:g} s (--request-timeout)"
     except (httpx.HTTPError, ValueError) as exc:
         record.error = _reason(f"{type(exc).__name__}: {exc}")
-    record.e2e_s = time.perf_counter() - sent_at
-    if record.error is None and not record.chunk_times_s:
-        record.error = "no text received"
+    finally:  # also when cancelled at a deadline: the record keeps what arrived
+        record.e2e_s = time.perf_counter() - sent_at
+        reader.finish()
     return record
+
+
+def new_record(request: BenchRequest) -> RequestRecord:
+    return RequestRecord(prompt_len=request.prompt_len, output_len=request.output_len)
+
+
+def is_connection_error(error: str | None) -> bool:
+    """An HTTP error status, a connection that failed or broke, or a stall: the server
+    could not be reached or refused the request (a wrong URL, model or key)."""
+    return error is not None and not error.startswith(("stream error:", "no output:"))

@@ -61,7 +61,7 @@ async def _iterations(args: argparse.Namespace, base_url: str,
     settings = workload.request_settings(args, model_name, ignore_eos=True)
     iteration_s, records = [], []
     async with http_client(base_url, args.api_key, args.request_timeout) as client:
-        await warm_up(client, warmups, settings, num_warmups=1)
+        await warm_up(client, warmups, settings, num_warmups=1, warn=report.notice)
         for batch in batches[:args.num_iters_warmup]:
             await run_load(client, batch, settings, LoadSettings())
         for batch in tqdm(batches[args.num_iters_warmup:], desc="iterations",

@@ -7,13 +7,13 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
-from cli.bench.client import RequestSettings, send
+from cli.bench.client import RequestSettings, is_connection_error, new_record, send
 from cli.bench.datasets import BenchRequest
-from cli.bench.metrics import RequestRecord
+from cli.bench.metrics import RequestRecord, summarize
 
 
 @dataclass(frozen=True)
@@ -24,10 +24,22 @@ class LoadSettings:
     seed: int = 0
 
 
+DEADLINE_ERROR = "unfinished at the --max-duration deadline"
+
+
 @dataclass
 class RunResult:
-    records: list[RequestRecord]
-    duration_s: float  # first send to last reply
+    records: list[RequestRecord]  # the finished requests (completed or failed), dataset order
+    duration_s: float  # first send to last reply, or to the deadline
+    # a run cut short at its deadline: requests sent but unfinished (what had arrived of
+    # them, error DEADLINE_ERROR), and how many were never sent
+    in_flight: list[RequestRecord] = field(default_factory=list)
+    num_not_sent: int = 0
+    deadline_reached: bool = False
+
+    def summary(self, slo_s: dict[str, float] | None = None) -> dict:
+        return summarize(self.records, self.duration_s, slo_s, num_in_flight=len(self.in_flight),
+                         num_not_sent=self.num_not_sent, deadline_reached=self.deadline_reached)
 
 
 def arrival_gaps(num_requests: int, request_rate: float, burstiness: float = 1.0,
@@ -54,36 +66,82 @@ def http_client(base_url: str, api_key: str | None, timeout_s: float) -> httpx.A
 
 async def run_load(client: httpx.AsyncClient, requests: list[BenchRequest],
                    settings: RequestSettings, load: LoadSettings,
-                   on_done: Callable[[RequestRecord], None] = lambda record: None) -> RunResult:
+                   on_done: Callable[[RequestRecord], None] = lambda record: None,
+                   max_duration_s: float | None = None) -> RunResult:
+    """Send every request on the arrival schedule and wait for all of them, or until
+    ``max_duration_s`` has passed: then cancel what is in flight and return what finished."""
     gaps = arrival_gaps(len(requests), load.request_rate, load.burstiness, load.seed)
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+    records = [new_record(request) for request in requests]
+    sent = [False] * len(requests)
+    finished = [False] * len(requests)
     started = time.perf_counter()
 
-    async def one(request: BenchRequest) -> RequestRecord:
+    async def one(i: int) -> None:
         if limit is None:
-            record = await send(client, request, settings, started)
+            await send_one(i)
         else:
             async with limit:
-                record = await send(client, request, settings, started)
-        on_done(record)
-        return record
+                await send_one(i)
 
-    tasks = []
-    for request, gap in zip(requests, gaps):
-        if gap > 0:
-            await asyncio.sleep(gap)
-        tasks.append(asyncio.create_task(one(request)))
-    records = await asyncio.gather(*tasks)
-    return RunResult(list(records), time.perf_counter() - started)
+    async def send_one(i: int) -> None:
+        sent[i] = True
+        await send(client, requests[i], settings, started, records[i])
+        finished[i] = True
+        on_done(records[i])
+
+    tasks: list[asyncio.Task] = []
+
+    async def dispatch() -> None:
+        for i, gap in enumerate(gaps):
+            if gap > 0:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+
+    dispatcher = asyncio.create_task(dispatch())
+    done, _ = await asyncio.wait({dispatcher}, timeout=max_duration_s)
+    duration_s = time.perf_counter() - started
+    if done:
+        dispatcher.result()  # a bug in a callback surfaces here
+        return RunResult(records, duration_s)
+    for task in (dispatcher, *tasks):
+        task.cancel()
+    await asyncio.gather(dispatcher, *tasks, return_exceptions=True)
+    in_flight = [r for r, s, f in zip(records, sent, finished) if s and not f]
+    for record in in_flight:
+        record.error = DEADLINE_ERROR
+    return RunResult([r for r, f in zip(records, finished) if f], duration_s, in_flight,
+                     num_not_sent=sent.count(False), deadline_reached=True)
 
 
 async def warm_up(client: httpx.AsyncClient, requests: list[BenchRequest],
-                  settings: RequestSettings, num_warmups: int) -> None:
-    """Send ``num_warmups`` requests one by one (not measured). Raise if none succeeds, so
-    a wrong URL or model name stops the run before it starts."""
+                  settings: RequestSettings, num_warmups: int,
+                  max_duration_s: float | None = None,
+                  warn: Callable[[str], None] = lambda message: None) -> list[RequestRecord]:
+    """Send ``num_warmups`` requests one by one (not measured). A failed warm-up is a
+    warning (``warn``) and the run goes on, unless every one failed to reach the server
+    (an HTTP error status, a refused or broken connection, a stall): then raise, so a wrong
+    URL, model name or key stops the run before it starts. Raise too if the warm-up is not
+    done within ``max_duration_s``."""
     if num_warmups <= 0 or not requests:
-        return
-    records = [await send(client, requests[i % len(requests)], settings, time.perf_counter())
-               for i in range(num_warmups)]
-    if not any(record.success for record in records):
+        return []
+    records: list[RequestRecord] = []
+
+    async def warm() -> None:
+        for i in range(num_warmups):
+            request = requests[i % len(requests)]
+            records.append(new_record(request))
+            await send(client, request, settings, time.perf_counter(), records[-1])
+
+    try:
+        await asyncio.wait_for(warm(), max_duration_s)
+    except asyncio.TimeoutError:
+        raise RuntimeError(f"the warm-up did not finish within --max-duration "
+                           f"{max_duration_s:g} s (is the server stalled?)") from None
+    failed = [record for record in records if not record.success]
+    if len(failed) == len(records) and all(is_connection_error(r.error) for r in failed):
         raise RuntimeError(f"warm-up request failed: {records[-1].error}")
+    for record in failed:
+        warn(f"warning: a warm-up request failed ({record.error}); the run goes on")
+    return records

@@ -1,9 +1,11 @@
 """Benchmark figures from per-request timings. Pure arithmetic: no I/O, no clocks.
 
 Definitions (times in seconds here; the report shows milliseconds):
-- TTFT: send to the first chunk that carries text.
-- ITL: the gaps between consecutive text-bearing chunks. When the server says how many
-  tokens each chunk carried, a gap is split evenly over that chunk's tokens.
+- TTFT: send to the first chunk that carries text. A stream whose chunks carry no text at
+  all but whose usage counts output tokens (a random-weight model's token ids can decode to
+  nothing) is timed by its chunks that carry a choice instead (see ``RequestRecord.text``).
+- ITL: the gaps between consecutive timed chunks (text-bearing ones, as above). When the
+  server says how many tokens each chunk carried, a gap is split evenly over them.
 - TPOT: (E2E - TTFT) / (output tokens - 1), per request; undefined for one token.
 - E2E: send to the end of the stream.
 - Goodput: completed requests that meet every SLO, per second of the run.
@@ -25,12 +27,15 @@ class RequestRecord:
     prompt_len: int  # prompt tokens the dataset meant to send
     output_len: int  # output tokens asked for (max_tokens)
     start_s: float = 0.0  # when it was sent, seconds after the run began
-    chunk_times_s: list[float] = field(default_factory=list)  # text chunks, seconds after send
-    chunk_num_tokens: list[int] | None = None  # tokens per text chunk, when the server said
+    # the timed chunks, seconds after send: those that carried text, or, when none did
+    # (text is False), those that carried a choice
+    chunk_times_s: list[float] = field(default_factory=list)
+    chunk_num_tokens: list[int] | None = None  # tokens per timed chunk, when the server said
     e2e_s: float = 0.0
     num_prompt_tokens: int | None = None  # the server's usage figure, when it sent one
     num_output_tokens: int | None = None  # the server's usage figure, when it sent one
     error: str | None = None
+    text: bool = True  # False: the stream's chunks carried no text (tokens counted by usage)
 
     @property
     def success(self) -> bool:
@@ -87,8 +92,8 @@ def inter_token_latencies(chunk_times_s: list[float],
 
 
 def num_output_tokens(record: RequestRecord) -> int:
-    """The server's count when it gave one; otherwise one token per text chunk (a lower
-    bound: a chunk can carry several tokens)."""
+    """The server's usage count whenever it gave one; otherwise one token per text chunk
+    (a lower bound: a chunk can carry several tokens)."""
     if record.num_output_tokens is not None:
         return record.num_output_tokens
     if record.chunk_num_tokens:
@@ -119,15 +124,24 @@ def meets_slo(record: RequestRecord, slo_s: dict[str, float]) -> bool:
 
 
 def summarize(records: list[RequestRecord], duration_s: float,
-              slo_s: dict[str, float] | None = None) -> dict:
-    """Every figure of one run. Token totals count completed requests only."""
+              slo_s: dict[str, float] | None = None, *, num_in_flight: int = 0,
+              num_not_sent: int = 0, deadline_reached: bool = False) -> dict:
+    """Every figure of one run. ``records`` are the finished requests (completed or
+    failed). A run cut short at its deadline (``deadline_reached``) also had
+    ``num_in_flight`` requests sent but unfinished and ``num_not_sent`` never sent: both
+    are outstanding, neither failed. Token totals count completed requests only."""
     done = [r for r in records if r.success]
     input_tokens = sum(num_prompt_tokens(r) for r in done)
     output_tokens = sum(num_output_tokens(r) for r in done)
     tpots = [t for t in (tpot_s(r) for r in done) if t is not None]
     itls = [gap for r in done for gap in inter_token_latencies(r.chunk_times_s, r.chunk_num_tokens)]
+    num_outstanding = num_in_flight + num_not_sent
     summary = {
-        "num_requests": len(records), "completed": len(done), "failed": len(records) - len(done),
+        "num_requests": len(records) + num_outstanding, "completed": len(done),
+        "failed": len(records) - len(done), "outstanding": num_outstanding,
+        "outstanding_in_flight": num_in_flight, "outstanding_not_sent": num_not_sent,
+        "deadline_reached": deadline_reached,
+        "completed_without_text": sum(not r.text for r in done),
         "failure_reasons": dict(Counter(r.error for r in records if not r.success)),
         "duration_s": duration_s,
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,

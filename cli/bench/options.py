@@ -49,6 +49,17 @@ def parse_rate(text: str) -> float:
     return rate
 
 
+def parse_seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError("must be a positive number of seconds")
+    return seconds
+
+
 def parse_int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
@@ -81,7 +92,9 @@ def add_target_flags(parser: argparse.ArgumentParser, base_url_default: str | No
                        help="Hugging Face tokenizer directory (default: the --model's)")
     group.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     group.add_argument("--api-key", default=None, help="bearer token for the server")
-    group.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS")
+    group.add_argument("--request-timeout", type=parse_seconds, default=600.0, metavar="SECONDS",
+                       help="stall timeout: a request that receives no bytes for this long "
+                       "fails (default 600)")
     group.add_argument("--temperature", type=float, default=0.0)
     group.add_argument("--ignore-eos", action="store_true",
                        help="generate exactly the requested output lengths (server extension)")

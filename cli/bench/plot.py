@@ -14,7 +14,8 @@ _LABELS = {"TTFT": "time to first token", "TPOT": "time per output token",
 
 
 def records_of(run: dict) -> list[RequestRecord]:
-    return [RequestRecord(**{name: r[name] for name in _RECORD_FIELDS}) for r in run["requests"]]
+    return [RequestRecord(**{name: r[name] for name in _RECORD_FIELDS if name in r})
+            for r in run["requests"]]
 
 
 def run_label(run: dict) -> str:

@@ -40,13 +40,20 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
     lines = [_title(title),
              _line("Successful requests:", summary["completed"]),
              _line("Failed requests:", summary["failed"]),
-             _line("Benchmark duration (s):", summary["duration_s"]),
-             _line("Total input tokens:", summary["total_input_tokens"]),
-             _line("Total generated tokens:", summary["total_output_tokens"]),
-             _line("Request throughput (req/s):", summary["request_throughput"]),
-             _line("Input token throughput (tok/s):", summary["input_throughput"]),
-             _line("Output token throughput (tok/s):", summary["output_throughput"]),
-             _line("Total token throughput (tok/s):", summary["total_token_throughput"])]
+             _line("Outstanding requests (deadline):", summary["outstanding"])]
+    if summary["deadline_reached"]:
+        lines += [_line("  cancelled in flight:", summary["outstanding_in_flight"]),
+                  _line("  never sent:", summary["outstanding_not_sent"])]
+    if summary["completed_without_text"]:
+        lines.append(_line("Completed with no text (usage only):",
+                           summary["completed_without_text"]))
+    lines += [_line("Benchmark duration (s):", summary["duration_s"]),
+              _line("Total input tokens:", summary["total_input_tokens"]),
+              _line("Total generated tokens:", summary["total_output_tokens"]),
+              _line("Request throughput (req/s):", summary["request_throughput"]),
+              _line("Input token throughput (tok/s):", summary["input_throughput"]),
+              _line("Output token throughput (tok/s):", summary["output_throughput"]),
+              _line("Total token throughput (tok/s):", summary["total_token_throughput"])]
     if "goodput" in summary:
         slo = " ".join(f"{k}<={v:g}ms" for k, v in summary["slo_ms"].items())
         lines += [f"{'SLO:':<14}{slo:>38}",
@@ -56,6 +63,8 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
     if summary["failure_reasons"]:
         lines.append(_title("Failures", "-"))
         lines += [f"{count:>5} x {reason}" for reason, count in summary["failure_reasons"].items()]
+    if summary["deadline_reached"]:
+        lines.append(_title("CUT SHORT at the --max-duration deadline", "!"))
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
 
@@ -63,12 +72,12 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
 def sweep_table(runs: list[dict]) -> str:
     lines = [_title("Concurrency sweep"),
              f"{'conc.':>6}{'req/s':>9}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
-             f"{'failed':>7}"]
+             f"{'failed':>7}{'outst.':>7}"]
     for run in runs:
         s = run["summary"]
         lines.append(f"{run['max_concurrency']:>6}{s['request_throughput']:>9.2f}"
                      f"{s['output_throughput']:>11.1f}{s['ttft_ms']['median']:>10.1f}"
-                     f"{s['tpot_ms']['median']:>10.1f}{s['failed']:>7}")
+                     f"{s['tpot_ms']['median']:>10.1f}{s['failed']:>7}{s['outstanding']:>7}")
     return "\n".join(lines)
 
 
@@ -108,6 +117,11 @@ def _finite(value):
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def notice(message: str) -> None:
+    """A line on stderr, beside the progress bar (warnings, the run's milestones)."""
+    print(f"flotilla bench: {message}", file=sys.stderr, flush=True)
 
 
 def write_json(path: str, payload: dict) -> None:

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 
 from cli.bench import options, report, target, workload
 from cli.bench.client import RequestSettings
 from cli.bench.datasets import BenchRequest
 from cli.bench.load import LoadSettings, http_client, run_load, warm_up
-from cli.bench.metrics import summarize
+
+DEFAULT_MAX_DURATION_S = 1800.0
+# on stderr as each run starts: benchmarks/gpu/online_serve.py starts its profilers on it
+RUN_STARTED = "run started:"
+EXIT_DEADLINE = 3  # a run was cut short by --max-duration (its partial results are reported)
 
 
 def add_parser(commands) -> None:
@@ -29,6 +34,11 @@ def add_parser(commands) -> None:
                        metavar="N[,N...]", help="most requests in flight; a list runs a sweep")
     group.add_argument("--num-warmups", type=int, default=1,
                        help="requests sent (one by one, not measured) before the run")
+    group.add_argument("--max-duration", type=options.parse_seconds,
+                       default=DEFAULT_MAX_DURATION_S, metavar="SECONDS",
+                       help="deadline for the warm-up and all runs together (default 1800): "
+                       "then what is in flight is cancelled, the partial results are reported "
+                       f"and the exit status is {EXIT_DEADLINE}")
     options.add_output_flags(parser)
     parser.set_defaults(handler=run)
 
@@ -36,23 +46,48 @@ def add_parser(commands) -> None:
 async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[BenchRequest]],
                 warmups: list[BenchRequest], settings: RequestSettings) -> list[dict]:
     """One run per --max-concurrency value (one run without a limit if none given), each
-    on its own prompts."""
+    on its own prompts, all within --max-duration: a run still going at the deadline is
+    cut short, and the runs after it are not started."""
     from tqdm import tqdm
 
+    deadline = time.monotonic() + args.max_duration
     runs = []
     async with http_client(base_url, args.api_key, args.request_timeout) as client:
-        await warm_up(client, warmups, settings, args.num_warmups)
+        await warm_up(client, warmups, settings, args.num_warmups, args.max_duration,
+                      warn=report.notice)
         for max_concurrency, requests in zip(args.max_concurrency or [None], workloads):
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
+                report.notice(f"--max-duration {args.max_duration:g} s has passed: the runs "
+                              f"from concurrency {max_concurrency} on were not started")
+                break
             load = LoadSettings(args.request_rate, args.burstiness, max_concurrency, args.seed)
             label = f"concurrency {max_concurrency}" if max_concurrency else "requests"
+            report.notice(f"{RUN_STARTED} {len(requests)} requests ({label}, deadline in "
+                          f"{remaining_s:.0f} s)")
             with tqdm(total=len(requests), desc=label, disable=args.disable_tqdm) as bar:
                 result = await run_load(client, requests, settings, load,
-                                        on_done=lambda record: bar.update(1))
+                                        on_done=lambda record: bar.update(1),
+                                        max_duration_s=remaining_s)
+            if result.deadline_reached:
+                report.notice(f"--max-duration {args.max_duration:g} s passed: "
+                              f"{len(result.records)} of {len(requests)} requests finished, "
+                              f"{len(result.in_flight)} were cancelled in flight and "
+                              f"{result.num_not_sent} never sent")
             runs.append({"max_concurrency": max_concurrency, "request_rate": args.request_rate,
-                         "summary": summarize(result.records, result.duration_s, args.slo),
+                         "summary": result.summary(args.slo),
                          "dataset": workload.dataset_settings(args, requests),
-                         "requests": [report.record_dict(r) for r in result.records]})
+                         "requests": [report.record_dict(r) for r in result.records],
+                         "unfinished_requests": [report.record_dict(r) for r in result.in_flight]})
     return runs
+
+
+def exit_status(runs: list[dict], num_runs_planned: int) -> int:
+    """EXIT_DEADLINE if the deadline cut the benchmark short, else 1 if a run completed no
+    request, else 0."""
+    if len(runs) < num_runs_planned or any(r["summary"]["deadline_reached"] for r in runs):
+        return EXIT_DEADLINE
+    return 0 if all(r["summary"]["completed"] for r in runs) else 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,4 +115,4 @@ def run(args: argparse.Namespace) -> int:
         from cli.bench.plot import plot_runs
 
         plot_runs(runs, args.plot, title=f"flotilla bench serve: {settings.model}")
-    return 0 if all(r["summary"]["completed"] for r in runs) else 1
+    return exit_status(runs, len(workloads))

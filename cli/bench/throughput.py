@@ -54,7 +54,7 @@ async def _measure(args: argparse.Namespace, base_url: str, requests: list[Bench
 
     settings = workload.request_settings(args, model_name, ignore_eos=True)
     async with http_client(base_url, args.api_key, args.request_timeout) as client:
-        await warm_up(client, warmups, settings, num_warmups=1)
+        await warm_up(client, warmups, settings, num_warmups=1, warn=report.notice)
         with tqdm(total=len(requests), desc="requests", disable=args.disable_tqdm) as bar:
             result = await run_load(client, requests, settings, LoadSettings(),
                                     on_done=lambda record: bar.update(1))

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import httpx
 import pytest
 
 from cli.bench.client import RequestSettings, request_body, send
 from cli.bench.datasets import BenchRequest
-from cli.bench.load import LoadSettings, arrival_gaps, run_load, warm_up
+from cli.bench.load import DEADLINE_ERROR, LoadSettings, arrival_gaps, run_load, warm_up
+from cli.bench.metrics import num_output_tokens, tpot_s, ttft_s
 
 REQUEST = BenchRequest(prompt="hello there", prompt_ids=[1, 2], output_len=4)
 SETTINGS = RequestSettings(model="m", ignore_eos=True)
@@ -80,6 +82,38 @@ def test_chat_deltas_and_continuous_usage_give_tokens_per_chunk():
     assert record.num_output_tokens == 6
 
 
+def test_a_usage_only_stream_succeeds_timed_by_its_choice_chunks():
+    # A random-weight model's ids can decode to nothing: chunks with empty text, and the
+    # tokens only in the usage.
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=sse(
+            text_chunk(""), text_chunk(""), {"choices": [{"index": 0, "text": "",
+                                                          "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}}, "[DONE]"))
+
+    record = run_send(handler)
+    assert record.success and not record.text
+    assert num_output_tokens(record) == 4 and record.num_prompt_tokens == 2
+    assert len(record.chunk_times_s) == 3  # every chunk that carried a choice
+    assert 0 < ttft_s(record) == record.chunk_times_s[0] <= record.e2e_s
+    assert tpot_s(record) is not None
+
+
+def test_a_stream_with_only_a_usage_chunk_is_timed_by_it():
+    body = sse({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}}, "[DONE]")
+    record = run_send(lambda request: httpx.Response(200, content=body))
+    assert record.success and not record.text and len(record.chunk_times_s) == 1
+    assert num_output_tokens(record) == 3
+
+
+def test_text_chunks_time_a_stream_that_has_them():
+    body = sse(text_chunk(""), text_chunk("a"), text_chunk(""), text_chunk("b"),
+               {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 4}}, "[DONE]")
+    record = run_send(lambda request: httpx.Response(200, content=body))
+    assert record.success and record.text and len(record.chunk_times_s) == 2
+    assert num_output_tokens(record) == 4  # usage, not the chunk count
+
+
 @pytest.mark.parametrize("status, body, reason", [
     (400, {"error": {"message": "bad prompt", "type": "invalid_request_error"}},
      "HTTP 400: bad prompt"),
@@ -98,7 +132,10 @@ def test_an_error_inside_the_stream_is_a_failed_record():
 
 def test_a_stream_without_text_or_a_broken_connection_fails():
     empty = run_send(lambda request: httpx.Response(200, content=sse("[DONE]")))
-    assert empty.error == "no text received"
+    assert empty.error == "no output: no text and no usage tokens received"
+    no_tokens = sse(text_chunk(""), {"choices": [], "usage": {"prompt_tokens": 2,
+                                                              "completion_tokens": 0}}, "[DONE]")
+    assert not run_send(lambda request: httpx.Response(200, content=no_tokens)).success
 
     def refuse(request):
         raise httpx.ConnectError("connection refused")
@@ -137,6 +174,58 @@ def test_warm_up_stops_a_run_that_cannot_succeed():
 
     with pytest.raises(RuntimeError, match="does not exist"):
         asyncio.run(go())
+
+
+def test_a_failed_warm_up_with_no_text_is_a_warning_not_an_abort():
+    usage_only = sse(text_chunk(""), {"choices": [], "usage": {"prompt_tokens": 2,
+                                                               "completion_tokens": 4}}, "[DONE]")
+    broken = sse({"error": {"message": "worker died"}})
+    bodies = iter([usage_only, broken, sse("[DONE]")])
+    warnings = []
+
+    async def go():
+        async with client_for(lambda request: httpx.Response(200, content=next(bodies))) as client:
+            return await warm_up(client, [REQUEST], SETTINGS, num_warmups=3, warn=warnings.append)
+
+    records = asyncio.run(go())
+    assert [r.success for r in records] == [True, False, False]
+    assert len(warnings) == 2 and "worker died" in warnings[0] and "no output" in warnings[1]
+
+    only_empty = iter([sse("[DONE]")] * 2)  # every warm-up failed, but the server answered
+
+    async def go_empty():
+        async with client_for(lambda r: httpx.Response(200, content=next(only_empty))) as client:
+            return await warm_up(client, [REQUEST], SETTINGS, num_warmups=2)
+
+    assert not any(r.success for r in asyncio.run(go_empty()))
+
+
+def test_the_deadline_cancels_what_is_in_flight_and_counts_what_was_never_sent():
+    never = asyncio.Event()
+    calls = 0
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        if calls > 2:
+            await never.wait()  # the server stalls from the third request on
+        return httpx.Response(200, content=sse(text_chunk("x"), "[DONE]"))
+
+    async def go():
+        async with client_for(handler) as client:
+            return await run_load(client, [REQUEST] * 6, SETTINGS, LoadSettings(max_concurrency=1),
+                                  max_duration_s=0.3)
+
+    started = time.perf_counter()
+    result = asyncio.run(go())
+    assert time.perf_counter() - started < 3
+    assert result.deadline_reached and len(result.records) == 2
+    assert len(result.in_flight) == 1 and result.in_flight[0].error == DEADLINE_ERROR
+    assert result.num_not_sent == 3
+    summary = result.summary()
+    assert (summary["completed"], summary["failed"], summary["outstanding"]) == (2, 0, 4)
+    assert (summary["outstanding_in_flight"], summary["outstanding_not_sent"]) == (1, 3)
+    assert summary["num_requests"] == 6 and summary["duration_s"] == pytest.approx(0.3, abs=0.2)
 
 
 def test_poisson_gaps_have_the_requested_mean():

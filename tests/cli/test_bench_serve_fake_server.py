@@ -1,0 +1,136 @@
+"""``flotilla bench serve`` end to end against a scripted HTTP server on a random port:
+usage-only streams (a random-weight model's ids decode to no text) count, and a server
+that stalls gives partial results at the --max-duration deadline instead of a hang."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from cli.bench.serve import EXIT_DEADLINE
+from cli.main import main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def usage_only(num_tokens: int) -> list[dict]:
+    """A stream whose chunks carry no text; the tokens are only in the usage."""
+    chunk = {"choices": [{"index": 0, "text": "", "finish_reason": None}]}
+    return [chunk] * num_tokens + [
+        {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+        {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": num_tokens}}]
+
+
+class FakeServer:
+    """Answers POST /v1/completions with ``script(call_number, body)``: a list of SSE
+    payloads, or None to stall (send the headers and one chunk, then nothing until the
+    server is closed)."""
+
+    def __init__(self, script: Callable[[int, dict], list[dict] | None]) -> None:
+        self.script = script
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.closing = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (the http.server API)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    outer.calls += 1
+                    payloads = outer.script(outer.calls, body)
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                if payloads is None:
+                    self.write({"choices": [{"index": 0, "text": "", "finish_reason": None}]})
+                    outer.closing.wait(30)
+                    return
+                for payload in payloads:
+                    self.write(payload)
+                self.wfile.write(b"data: [DONE]\n\n")
+
+            def write(self, payload: dict) -> None:
+                self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
+                self.wfile.flush()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.http.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.http.server_address[1]}"
+
+    def __enter__(self) -> FakeServer:
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.closing.set()
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture
+def bench(tmp_path) -> Iterator[Callable[..., tuple[int, dict, float]]]:
+    def run(server: FakeServer, *extra: str) -> tuple[int, dict, float]:
+        result = tmp_path / "serve.json"
+        started = time.perf_counter()
+        code = main(["bench", "serve", "--base-url", server.base_url, "--model", "m",
+                     "--tokenizer", "smollm2", "--num-prompts", "6", "--input-len", "8",
+                     "--output-len", "4", "--ignore-eos", "--disable-tqdm",
+                     "--result-json", str(result), *extra])
+        return code, json.loads(result.read_text()), time.perf_counter() - started
+    yield run
+
+
+def test_usage_only_streams_are_successes_with_their_tokens(bench, capsys):
+    with FakeServer(lambda call, body: usage_only(body["max_tokens"])) as server:
+        code, data, _ = bench(server)
+    assert code == 0 and server.calls == 7  # one warm-up and six requests
+    summary = data["runs"][0]["summary"]
+    assert (summary["completed"], summary["failed"], summary["outstanding"]) == (6, 0, 0)
+    assert summary["completed_without_text"] == 6 and not summary["deadline_reached"]
+    assert summary["total_output_tokens"] == 24 and summary["output_throughput"] > 0
+    assert summary["ttft_ms"]["count"] == 6 and summary["ttft_ms"]["median"] > 0
+    assert all(not r["text"] and r["num_output_tokens"] == 4 for r in data["runs"][0]["requests"])
+    out = capsys.readouterr()
+    assert "Completed with no text (usage only):" in out.out and "warning" not in out.err
+
+
+def test_a_stalled_server_gives_partial_results_at_the_deadline(bench, capsys):
+    # the warm-up and the first three requests finish; the last three stall
+    with FakeServer(lambda call, body: usage_only(4) if call <= 4 else None) as server:
+        code, data, elapsed_s = bench(server, "--max-duration", "2")
+    assert code == EXIT_DEADLINE and elapsed_s < 15
+    run = data["runs"][0]
+    summary = run["summary"]
+    assert summary["deadline_reached"] and summary["num_requests"] == 6
+    assert (summary["completed"], summary["failed"], summary["outstanding"]) == (3, 0, 3)
+    assert (summary["outstanding_in_flight"], summary["outstanding_not_sent"]) == (3, 0)
+    assert summary["duration_s"] == pytest.approx(2.0, abs=1.0)
+    assert len(run["requests"]) == 3 and len(run["unfinished_requests"]) == 3
+    out = capsys.readouterr()
+    assert "Outstanding requests (deadline):" in out.out and "cancelled in flight" in out.err
+
+
+def test_a_request_that_stalls_fails_after_the_request_timeout(bench):
+    with FakeServer(lambda call, body: usage_only(4) if call <= 4 else None) as server:
+        code, data, elapsed_s = bench(server, "--request-timeout", "0.5", "--max-duration", "20")
+    summary = data["runs"][0]["summary"]
+    assert code == 0 and elapsed_s < 15 and not summary["deadline_reached"]
+    assert (summary["completed"], summary["failed"], summary["outstanding"]) == (3, 3, 0)
+    assert list(summary["failure_reasons"]) == ["stalled: no data for 0.5 s (--request-timeout)"]
+
+
+def test_a_warm_up_without_output_warns_and_the_run_goes_on(bench, capsys):
+    # the warm-up's stream ends with neither text nor usage tokens
+    with FakeServer(lambda call, body: [] if call == 1 else usage_only(4)) as server:
+        code, data, _ = bench(server)
+    assert code == 0 and data["runs"][0]["summary"]["completed"] == 6
+    assert "warning: a warm-up request failed (no output" in capsys.readouterr().err
