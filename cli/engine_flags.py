@@ -13,6 +13,8 @@ def add_engine_flags(parser) -> None:
     parser.add_argument("--kv-cache-memory", default=None, help="worker KV cache size, e.g. 2GiB")
     parser.add_argument("--max-num-seqs", default=None, help="most requests running at once")
     parser.add_argument("--max-num-batched-tokens", default=None, help="most tokens per step")
+    parser.add_argument("--max-queued-requests", default=None,
+                        help="most requests waiting per replica; more get 429 (default 4096)")
     parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
     parser.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
     parser.add_argument("--gpu-memory-utilization", default=None,
@@ -30,4 +32,4 @@ def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
         kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
     return {"worker": worker + (["--enforce-eager"] if args.enforce_eager else []),
-            "scheduler": batch_limits}
+            "scheduler": batch_limits + flags(max_queued_requests=args.max_queued_requests)}

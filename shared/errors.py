@@ -58,6 +58,17 @@ class PayloadTooLarge(FlotillaError):
     type = "invalid_request_error"
 
 
+class TooManyRequests(FlotillaError):
+    """The queue is full: try again later (the gateway adds Retry-After)."""
+
+    status = 429
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, **kwargs) -> None:
+        kwargs.setdefault("code", "queue_full")
+        super().__init__(message, **kwargs)
+
+
 class ServiceUnavailable(FlotillaError):
     """A needed service is down, not answering, or timed out."""
 

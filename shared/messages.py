@@ -148,51 +148,6 @@ class TokenizerInfo(Struct, frozen=True, kw_only=True):
     has_chat_template: bool
 
 
-class DetokState(Struct, frozen=True, array_like=True, gc=False):
-    """Everything incremental detokenization needs between calls, carried by the
-    caller so any tokenizer replica can continue any request.
-
-    ``window_ids`` are the last few token ids (starting a little before the unread
-    ones, so decoding keeps the right spacing); the first ``read_offset`` of them
-    were already turned into text. ``held_text`` is decoded text not yet released
-    because it could be the start of a stop string.
-    """
-
-    window_ids: list[int] = []
-    read_offset: int = 0
-    held_text: str = ""
-
-
-class DetokItem(Struct, frozen=True, array_like=True, gc=False):
-    request_id: str
-    new_token_ids: list[int]
-    state: DetokState
-    stop: list[str] = []
-    finished: bool = False  # the request ended: flush held text
-    skip_special_tokens: bool = True
-    # ids whose text and bytes the caller also wants (logprobs), each on its own
-    logprob_token_ids: list[int] = []
-
-
-class DetokResult(Struct, frozen=True, array_like=True, gc=False):
-    request_id: str
-    text: str  # newly released text
-    state: DetokState
-    stopped: bool = False  # a stop string matched; text ends before it
-    # how many of new_token_ids were consumed (all of them unless stopped)
-    num_tokens_used: int = 0
-    logprob_tokens: list[str] = []  # the text of each of the item's logprob_token_ids
-    logprob_token_bytes: list[bytes] = []  # and its exact bytes (a token may split a character)
-
-
-class DetokenizeRequest(Struct, frozen=True, array_like=True, gc=False):
-    items: list[DetokItem]
-
-
-class DetokenizeReply(Struct, frozen=True, array_like=True, gc=False):
-    results: list[DetokResult]
-
-
 # ----------------------------------------------------------------- scheduler
 class GenerateRequest(Struct, frozen=True, kw_only=True):
     """gateway -> scheduler: a tokenized request to run."""
@@ -328,8 +283,7 @@ class WorkerInfo(Struct, frozen=True, kw_only=True):
 ALL_MESSAGES: tuple[type[Struct], ...] = (
     ErrorInfo, HealthReply, Empty, StructuredSpec, SamplingParams, TokenLogprobs, FunctionCall,
     ToolCall, ChatMessage, EncodeRequest,
-    EncodeReply, DecodeRequest, DecodeReply, TokenizerInfo, DetokState, DetokItem,
-    DetokResult, DetokenizeRequest, DetokenizeReply, GenerateRequest, SubmitReply,
+    EncodeReply, DecodeRequest, DecodeReply, TokenizerInfo, GenerateRequest, SubmitReply,
     AbortRequest, RequestOutput, OutputBatch, SchedulerStats, NewRequestData,
     ScheduledRequest, StepPlan, StepResult, WorkerInfo,
 )

@@ -34,12 +34,23 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def run_event_loop(main: Awaitable[None]) -> None:
+    """Run ``main`` to completion on uvloop (libuv: cheaper socket I/O for the gateway's
+    many streams and the scheduler's step loop), or asyncio's loop where uvloop is absent."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
+
+
 def service_main(name: str, config_cls: type[C],
                  serve: Callable[[C, asyncio.Event], Awaitable[None]],
                  argv: Sequence[str] | None = None) -> None:
     """Run ``serve(config, stop)`` until SIGINT/SIGTERM sets ``stop``."""
     config = setup_process(name, config_cls, argv)
-    asyncio.run(_run(config, serve))
+    run_event_loop(_run(config, serve))
 
 
 async def _run(config: C, serve: Callable[[C, asyncio.Event], Awaitable[None]]) -> None:

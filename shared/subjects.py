@@ -35,9 +35,6 @@ class Subjects:
     def tokenizer_decode(self) -> str:
         return self._svc("tokenizer", "decode")
 
-    @property
-    def tokenizer_detokenize(self) -> str:
-        return self._svc("tokenizer", "detokenize")
 
     @property
     def tokenizer_info(self) -> str:

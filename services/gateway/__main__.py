@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import structlog
 import uvicorn
 
@@ -11,7 +9,7 @@ from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
 from shared.config import load_config
 from shared.logging import setup_logging
-from shared.runtime import freeze_startup_objects
+from shared.runtime import freeze_startup_objects, run_event_loop
 from shared.tracing import setup_tracing
 
 
@@ -24,7 +22,7 @@ def main(argv=None) -> None:
         create_app(config), host=config.host, port=config.port, log_level="warning",
         access_log=False, timeout_graceful_shutdown=5))
     freeze_startup_objects()
-    asyncio.run(server.serve())  # uvicorn handles SIGINT/SIGTERM
+    run_event_loop(server.serve())  # uvicorn handles SIGINT/SIGTERM
 
 
 if __name__ == "__main__":

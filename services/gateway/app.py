@@ -17,23 +17,29 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway import protocol
+from services.gateway.access import AuthAndCount, error_response
 from services.gateway.choices import ChatChoice, CompletionChoice
 from services.gateway.config import GatewayConfig
 from services.gateway.generation import Generation, gather, merge_deltas, stream_events
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.service import Delta, GatewayService
+from services.gateway.service import GatewayService
+from services.gateway.streams import Delta
 from services.gateway.structured import response_format_spec
 from services.gateway.tool_calls import plan_tools
 from shared.bus import Bus
-from shared.errors import FlotillaError, InvalidRequest, NotFound, Unauthorized
+from shared.errors import FlotillaError, InvalidRequest, NotFound
 from shared.messages import EncodeRequest, SamplingParams
+from shared.models import resolve_model
 
 log = structlog.get_logger()
 
 
-def error_response(exc: FlotillaError) -> JSONResponse:
-    return JSONResponse(status_code=exc.status, content=exc.openai_body())
+def load_tokenizer(model: str, cache_dir: str):
+    """The served model's tokenizer, for turning output tokens into text here."""
+    from transformers import AutoTokenizer  # heavy: only when a gateway starts
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model, cache_dir).path))
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -42,16 +48,21 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.model, config.cache_dir)
         bus = await Bus.connect(config.nats_url, name=f"gateway-{config.instance_id}")
-        service = GatewayService(config, bus, metrics)
+        service = GatewayService(config, bus, metrics, tokenizer)
         await service.start()
         state["service"] = service
         log.info("gateway_started", host=config.host, port=config.port)
         yield
+        await service.stop()
         await bus.close()
 
     app = FastAPI(title="flotilla", lifespan=lifespan)
+    # Pure ASGI middleware only: a BaseHTTPMiddleware (@app.middleware) costs a task
+    # switch per streamed chunk, which was a third of the gateway's time at 500 streams.
     app.add_middleware(BodySizeLimit, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(AuthAndCount, api_key=config.api_key, metrics=metrics)
 
     def service() -> GatewayService:
         return state["service"]
@@ -64,20 +75,6 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(FlotillaError(str(exc.detail), status=exc.status_code,
                                             type="invalid_request_error"))
-
-    @app.middleware("http")
-    async def _auth_and_count(request: Request, call_next):
-        path = request.url.path
-        if config.api_key and (path.startswith("/v1/") or path in ("/tokenize", "/detokenize")):
-            auth = request.headers.get("authorization", "")
-            if not secrets.compare_digest(auth.encode(), f"Bearer {config.api_key}".encode()):
-                response = error_response(Unauthorized("Incorrect API key provided",
-                                                       code="invalid_api_key"))
-                metrics.requests.labels(path, "401").inc()
-                return response
-        response = await call_next(request)
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
 
     async def check_model(model: str | None):
         info = await service().tokenizer_info()
@@ -261,21 +258,28 @@ async def _timed(deltas: AsyncIterator[Delta], metrics: GatewayMetrics,
 async def _gather_unless_disconnected(request: Request, generation: Generation,
                                       deltas: AsyncIterator[tuple[int, Delta]],
                                       service: GatewayService) -> dict:
+    """The gathered response; if the client goes away first, abort every sequence."""
     task = asyncio.create_task(gather(generation, deltas))
+    gone = asyncio.create_task(_client_gone(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                log.info("client_disconnected", response_id=generation.response_id)
-                task.cancel()
-                for stream in generation.streams:
-                    service.release(stream)
-                raise FlotillaError("client disconnected", status=499)
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        log.info("client_disconnected", response_id=generation.response_id)
+        task.cancel()
+        for stream in generation.streams:
+            service.release(stream)
+        raise FlotillaError("client disconnected", status=499)
     finally:
-        if not task.done():
-            task.cancel()
+        task.cancel()
+        gone.cancel()
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client disconnects. The body has been read, so the next ASGI
+    message is the disconnect: no polling."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _call_id() -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from services.gateway.service import Delta, TokenLogprob, TokenText
+from services.gateway.streams import Delta, TokenLogprob, TokenText
 from services.gateway.tool_calls import ToolCallParser, ToolPlan, finish_reason as tool_finish
 
 

@@ -13,7 +13,6 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     api_key: str = ""  # when set, /v1/* and /tokenize need "Authorization: Bearer <key>"
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout_s: float = 5.0  # bus calls to the tokenizer and scheduler
-    tokenizer_retry_s: float = 30.0  # keep retrying detokenization this long (tokenizer restarts)
     heartbeat_timeout_s: float = 5.0  # a scheduler silent this long has failed its requests
     health_timeout_s: float = 1.0
 
@@ -23,7 +22,6 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "api_key": "require this bearer token on the API",
         "max_body_bytes": "largest request body accepted (413 above)",
         "request_timeout_s": "timeout for calls to the tokenizer and scheduler",
-        "tokenizer_retry_s": "how long to retry detokenization while the tokenizer restarts",
         "heartbeat_timeout_s": "fail a request whose scheduler has been silent this long",
         "health_timeout_s": "timeout of each service's health check",
     }

@@ -8,16 +8,19 @@ A completions request may carry a batch of prompts: its choices are grouped by p
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+import structlog
+
 from services.gateway.choices import ChatChoice, CompletionChoice
-from services.gateway.service import Delta, RequestStream
+from services.gateway.streams import Delta, RequestStream
 from shared.errors import FlotillaError
 
 _DONE = object()
+log = structlog.get_logger()
 
 
 @dataclass
@@ -111,32 +114,47 @@ async def gather(generation: Generation, deltas: AsyncIterator[tuple[int, Delta]
             "usage": generation.usage()}
 
 
+_json = msgspec.json.Encoder()
+
+
 async def stream_events(generation: Generation,
-                        deltas: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[str]:
-    """Server-sent events: one choice entry per chunk, then usage if asked, then [DONE]."""
-    def event(entries: list[dict], usage: dict | None = None) -> str:
+                        deltas: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
+    """Server-sent events: one choice entry per chunk, then usage if asked, then [DONE].
+    The events of one delta go out in one write."""
+    def event(entries: list[dict], usage: dict | None = None) -> bytes:
         chunk = {"id": generation.response_id, "object": generation.chunk_object_name,
                  "created": generation.created, "model": generation.model, "choices": entries}
         if generation.include_usage:
             chunk["usage"] = usage
-        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        return b"data: " + _json.encode(chunk) + b"\n\n"
+
+    def error_event(error: FlotillaError) -> bytes:
+        return b"data: " + _json.encode(error.openai_body()) + b"\n\n"
 
     if generation.kind == "chat":
-        for choice in generation.choices:
-            yield event([choice.first_entry()])
+        yield b"".join(event([choice.first_entry()]) for choice in generation.choices)
     started = [generation.kind == "chat"] * len(generation.choices)
-    async for index, delta in deltas:
-        if delta.error is not None:
-            yield f"data: {json.dumps(FlotillaError.from_info(delta.error).openai_body())}\n\n"
-            break
-        choice = generation.choices[index]
-        if not started[index]:  # completions echo: the prompt first (its logprobs came now)
-            started[index] = True
-            entry = choice.first_entry(generation.streams[index].prompt_logprobs)
-            if entry is not None:
-                yield event([entry])
-        for entry in choice.on_delta(delta):
-            yield event([entry])
-    if generation.include_usage:
-        yield event([], generation.usage())
-    yield "data: [DONE]\n\n"
+    try:
+        async for index, delta in deltas:
+            if delta.error is not None:
+                yield error_event(FlotillaError.from_info(delta.error))
+                return  # an error event ends the stream: no [DONE], so it is not a success
+            choice = generation.choices[index]
+            events = []
+            if not started[index]:  # completions echo: the prompt first (its logprobs came now)
+                started[index] = True
+                entry = choice.first_entry(generation.streams[index].prompt_logprobs)
+                if entry is not None:
+                    events.append(event([entry]))
+            events += [event([entry]) for entry in choice.on_delta(delta)]
+            if events:
+                yield b"".join(events)
+    except FlotillaError as exc:
+        yield error_event(exc)
+        return
+    except Exception as exc:  # noqa: BLE001 - a stream never ends silently
+        log.exception("stream_failed", response_id=generation.response_id)
+        yield error_event(FlotillaError(f"the stream failed: {type(exc).__name__}: {exc}"))
+        return
+    tail = [event([], generation.usage())] if generation.include_usage else []
+    yield b"".join(tail) + b"data: [DONE]\n\n"

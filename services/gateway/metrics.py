@@ -17,6 +17,9 @@ class GatewayMetrics:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("flotilla_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
+        self.rejected = Counter("flotilla_requests_rejected",
+                                "Requests refused before running, by reason (queue_full: 429)",
+                                ["reason"], registry=r)
         self.prompt_tokens = Counter("flotilla_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("flotilla_generation_tokens", "Tokens generated", registry=r)
         self.time_to_first_token = self._latency("flotilla_time_to_first_token_seconds",

@@ -1,6 +1,6 @@
-"""The gateway's NATS edge: tokenizes, submits to a scheduler, and turns the token
-outputs coming back into text deltas (through the stateless tokenizer service, with
-each request's detokenizer state held here).
+"""The gateway's NATS edge: tokenizes (through the tokenizer service), submits to a
+scheduler, and turns the token outputs coming back into text deltas itself (one
+incremental detokenizer per sequence, see streams.py).
 """
 
 from __future__ import annotations
@@ -9,73 +9,36 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import structlog
 
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
-from services.tokenizer.detokenizer import initial_state
+from services.gateway.streams import Delta, RequestStream, apply_output
 from shared.bus import Bus
+from shared.detokenizer import IncrementalDetokenizer, TokenBytes, fast_decoder
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
-    AbortRequest, DecodeReply, DecodeRequest, DetokenizeReply, DetokenizeRequest, DetokItem,
-    DetokResult, DetokState, Empty, EncodeReply, EncodeRequest, ErrorInfo, GenerateRequest,
-    HealthReply, OutputBatch, RequestOutput, SamplingParams, SchedulerStats, SubmitReply,
-    TokenizerInfo, TokenLogprobs, choice_request_ids,
+    AbortRequest, DecodeReply, DecodeRequest, Empty, EncodeReply, EncodeRequest,
+    GenerateRequest, HealthReply, OutputBatch, SamplingParams, SchedulerStats, SubmitReply,
+    TokenizerInfo, choice_request_ids,
 )
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
 
 SERVICES = ("tokenizer", "scheduler", "worker")
-
-
-@dataclass(frozen=True)
-class TokenText:
-    """A token as logprobs show it: its text, exact bytes and log-probability."""
-
-    token: str
-    token_bytes: bytes
-    logprob: float
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    chosen: TokenText
-    top: tuple[TokenText, ...] = ()
-
-
-@dataclass(frozen=True)
-class Delta:
-    """New text for one request, as the client should see it."""
-
-    text: str
-    num_new_tokens: int
-    finish_reason: str | None = None
-    error: ErrorInfo | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked
-
-
-@dataclass(eq=False)
-class RequestStream:
-    request_id: str
-    stop: list[str]
-    state: DetokState
-    scheduler_id: str = ""
-    queue: asyncio.Queue[Delta] = field(default_factory=asyncio.Queue)
-    finished: bool = False
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
-    has_output: bool = False
-    # when the request asked for prompt logprobs: one per prompt token (the first None)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+HEARTBEAT_CHECK_S = 1.0
 
 
 class GatewayService:
-    def __init__(self, config: GatewayConfig, bus: Bus, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: GatewayConfig, bus: Bus, metrics: GatewayMetrics,
+                 tokenizer) -> None:
         self.config = config
         self.bus = bus
         self.metrics = metrics
+        self.decoder = fast_decoder(tokenizer)  # output text is made here, per sequence
+        self.token_bytes = TokenBytes(tokenizer)
         self.subjects = Subjects(config.namespace)
         self.output_subject = self.subjects.gateway_outputs(config.instance_id)
         self._streams: dict[str, RequestStream] = {}
@@ -88,6 +51,11 @@ class GatewayService:
     async def start(self) -> None:
         await self.bus.subscribe(self.output_subject, OutputBatch, self._on_outputs)
         await self.bus.subscribe(self.subjects.scheduler_stats, SchedulerStats, self._on_stats)
+        self._spawn(self._watch_heartbeats())
+
+    async def stop(self) -> None:
+        for task in list(self._background):
+            task.cancel()
 
     # ------------------------------------------------------------ tokenizer calls
     async def tokenizer_info(self) -> TokenizerInfo:
@@ -127,7 +95,8 @@ class GatewayService:
         """Hand a request (n sequences of one prompt) to the least loaded scheduler; returns
         its id and one stream per sequence. Raises if no scheduler accepts it."""
         request_id = uuid.uuid4().hex
-        streams = [RequestStream(choice_id, stop, initial_state(prompt_token_ids))
+        streams = [RequestStream(choice_id,
+                                 IncrementalDetokenizer(self.decoder, prompt_token_ids, stop))
                    for choice_id in choice_request_ids(request_id, n)]
         request = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
@@ -182,7 +151,7 @@ class GatewayService:
         Leaving early (client gone) aborts the request at its scheduler."""
         try:
             while True:
-                delta = await self._next_delta(stream)
+                delta = await stream.next_delta()
                 yield delta
                 if delta.finish_reason is not None:
                     return
@@ -197,16 +166,18 @@ class GatewayService:
             stream.finished = True
             self._spawn(self._abort(stream.scheduler_id, [stream.request_id]))
 
-    async def _next_delta(self, stream: RequestStream) -> Delta:
+    async def _watch_heartbeats(self) -> None:
+        """Fail the streams of a scheduler silent for longer than the heartbeat timeout:
+        its steps will not come (one task for all streams, not a timer per wait)."""
         while True:
-            try:
-                return await asyncio.wait_for(stream.queue.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                silent_s = time.monotonic() - self._heartbeats.get(stream.scheduler_id, 0.0)
-                if silent_s > self.config.heartbeat_timeout_s:
-                    stream.finished = True
-                    raise ServiceUnavailable(
-                        f"the scheduler stopped responding ({silent_s:.0f}s without a heartbeat)")
+            await asyncio.sleep(HEARTBEAT_CHECK_S)
+            now = time.monotonic()
+            for stream in list(self._streams.values()):
+                silent_s = now - self._heartbeats.get(stream.scheduler_id, now)
+                if not stream.finished and silent_s > self.config.heartbeat_timeout_s:
+                    stream.fail(ServiceUnavailable(
+                        f"the scheduler stopped responding ({silent_s:.0f}s without a "
+                        "heartbeat)").to_info())
 
     async def _abort(self, scheduler_id: str, request_ids: list[str]) -> None:
         try:
@@ -228,10 +199,7 @@ class GatewayService:
         self.metrics.observe_scheduler(stats)
 
     async def _on_outputs(self, batch: OutputBatch) -> None:
-        """One scheduler step's outputs for this gateway: detokenize them in one call,
-        in arrival order (this handler runs for one batch at a time)."""
-        items: list[DetokItem] = []
-        outputs: dict[str, RequestOutput] = {}
+        """One scheduler step's outputs for this gateway, turned into text here."""
         for output in batch.outputs:
             stream = self._streams.get(output.request_id)
             if stream is None or stream.finished:
@@ -240,78 +208,5 @@ class GatewayService:
                 stream.has_output = True
                 stream.num_cached_tokens = output.num_cached_tokens
                 self.metrics.queue_time.observe(output.queue_time_s)
-            if output.error is not None:
-                stream.finished = True
-                stream.queue.put_nowait(Delta("", 0, "error", output.error))
-                continue
-            outputs[output.request_id] = output
-            items.append(DetokItem(output.request_id, output.new_token_ids, stream.state,
-                                   stream.stop, output.finish_reason is not None, True,
-                                   _logprob_token_ids(output)))
-        if not items:
-            return
-        try:
-            results = await self._detokenize(items)
-        except ServiceUnavailable as exc:
-            for item in items:
-                stream = self._streams.get(item.request_id)
-                if stream is not None:
-                    stream.finished = True
-                    stream.queue.put_nowait(Delta("", 0, "error", exc.to_info()))
-            return
-        for item, result in zip(items, results):
-            stream = self._streams.get(item.request_id)
-            if stream is None:
-                continue
-            stream.state = result.state
-            output = outputs[item.request_id]
-            logprobs, prompt_logprobs = _named_logprobs(output, result)
-            if prompt_logprobs is not None:
-                stream.prompt_logprobs = prompt_logprobs
-            if result.stopped:
-                stream.finished = True
-                self._spawn(self._abort(stream.scheduler_id, [item.request_id]))
-                stream.queue.put_nowait(Delta(result.text, result.num_tokens_used, "stop", None,
-                                              logprobs[:result.num_tokens_used]))
-                continue
-            stream.finished = output.finish_reason is not None
-            stream.queue.put_nowait(Delta(result.text, len(item.new_token_ids),
-                                          output.finish_reason, None, logprobs))
-
-    async def _detokenize(self, items: list[DetokItem]) -> list:
-        """Any tokenizer replica will do; while none answers (say, one restarting),
-        retry the same call: the state travels with it, so a retry is safe."""
-        deadline = time.monotonic() + self.config.tokenizer_retry_s
-        while True:
-            try:
-                reply = await self.bus.request(self.subjects.tokenizer_detokenize,
-                                               DetokenizeRequest(items), DetokenizeReply,
-                                               timeout=self.config.request_timeout_s)
-                return reply.results
-            except ServiceUnavailable:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
-
-
-def _logprob_token_ids(output: RequestOutput) -> list[int]:
-    """Every token id whose text the output's logprobs show, in order."""
-    entries = [*output.logprobs, *(e for e in output.prompt_logprobs if e is not None)]
-    return [token_id for e in entries for token_id in (e.token_id, *e.top_token_ids)]
-
-
-def _named_logprobs(output: RequestOutput, result: DetokResult
-                    ) -> tuple[tuple[TokenLogprob, ...], list[TokenLogprob | None] | None]:
-    """The output's logprobs with the text of each token (in _logprob_token_ids order)."""
-    names = iter(zip(result.logprob_tokens, result.logprob_token_bytes))
-
-    def named(entry: TokenLogprobs) -> TokenLogprob:
-        token, token_bytes = next(names)
-        top = tuple(TokenText(*next(names), logprob)
-                    for logprob in entry.top_logprobs)
-        return TokenLogprob(TokenText(token, token_bytes, entry.logprob), top)
-
-    logprobs = tuple(named(e) for e in output.logprobs)
-    prompt = [None if e is None else named(e) for e in output.prompt_logprobs] \
-        if output.prompt_logprobs else None
-    return logprobs, prompt
+            if apply_output(stream, output, self.token_bytes):
+                self._spawn(self._abort(stream.scheduler_id, [output.request_id]))

@@ -2,7 +2,7 @@
 
 A schema is checked here by compiling it to an llguidance grammar without a vocabulary
 (no tokenizer, no torch: llguidance is a small Rust extension), with exactly the options the
-worker uses (``grammar_for``, shared with services/worker/structured.py), so a schema that
+worker uses (``shared.grammar.grammar_for``, which the worker builds its matchers from), so a schema that
 passes here compiles at the worker. Unsupported keywords are refused, not ignored: a 400
 beats output that silently breaks the schema. Choice of library: docs/structured-outputs.md.
 """
@@ -13,45 +13,12 @@ import json
 import re
 from typing import Any
 
-import llguidance
-
 from shared.errors import InvalidRequest
+from shared.grammar import JSON_OBJECT, JSON_OPTIONS, JSON_SCHEMA, grammar_for  # noqa: F401
 from shared.messages import StructuredSpec
 
-JSON_OBJECT = "json_object"
-JSON_SCHEMA = "json_schema"
-_ANY_OBJECT = '{"type": "object"}'
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 _PARAM = "response_format"
-# One space after "," and ":", no other whitespace: a small model cannot spin on whitespace, and
-# ", " / ": " are how most JSON in training data looks. Overrides win over a schema's own
-# "x-guidance" options (which we also strip).
-JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
-                                "key_separator": ": ", "lenient": False}
-
-
-def grammar_for(spec: StructuredSpec) -> str:
-    """The llguidance grammar (JSON text) for a spec; ValueError if the spec is unusable.
-
-    Pure and vocabulary-free; the worker builds its matchers from this same text."""
-    if spec.kind == JSON_OBJECT:
-        schema_text = _ANY_OBJECT
-    elif spec.kind == JSON_SCHEMA:
-        schema_text = spec.json_schema
-    else:
-        raise ValueError(f"unknown structured output kind {spec.kind!r}")
-    try:
-        schema = json.loads(schema_text)
-    except ValueError as exc:
-        raise ValueError(f"the schema is not valid JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise ValueError("the schema must be a JSON object")
-    schema.pop("x-guidance", None)
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-    error = llguidance.LLMatcher.validate_grammar(grammar, None)
-    if error:
-        raise ValueError(error.strip())
-    return grammar
 
 
 def validate_spec(spec: StructuredSpec) -> None:

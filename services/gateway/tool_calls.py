@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.json_scanner import JsonScanner
-from services.gateway.structured import grammar_for
+from shared.grammar import grammar_for
 from shared.errors import InvalidRequest
 from shared.messages import StructuredSpec
 

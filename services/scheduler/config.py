@@ -11,6 +11,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     replica_id: str = "0"  # drives the worker with the same replica id
     max_num_seqs: int = 64  # requests running at once
     max_num_batched_tokens: int = 2048  # tokens computed per step (decodes + prompt chunks)
+    max_queued_requests: int = 4096  # waiting requests; past this a submit gets 429
     prefix_caching: bool = True  # --no-prefix-caching turns it off
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values run first
     max_steps_in_flight: int = 2  # 2 overlaps planning step N+1 with computing step N
@@ -23,6 +24,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
         "replica_id": "replica this scheduler drives (its worker uses the same id)",
         "max_num_seqs": "most requests running at once",
         "max_num_batched_tokens": "most tokens computed in one step",
+        "max_queued_requests": "most requests waiting to run; more are refused with 429",
         "prefix_caching": "reuse the KV of cached prompt prefixes",
         "scheduling_policy": "fcfs or priority",
         "max_steps_in_flight": "steps sent ahead to the worker (1: no overlap)",

@@ -13,7 +13,7 @@ import structlog
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Emitted, Scheduler
 from shared.bus import Bus
-from shared.errors import FlotillaError, ServiceUnavailable
+from shared.errors import FlotillaError, ServiceUnavailable, TooManyRequests
 from shared.messages import (
     AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch, SchedulerStats, StepPlan,
     StepResult, SubmitReply, WorkerInfo,
@@ -57,6 +57,13 @@ class SchedulerService:
     async def _on_submit(self, request: GenerateRequest) -> SubmitReply:
         if self.core is None:
             raise ServiceUnavailable("the worker is not ready yet")
+        # Queued: what would still wait if every free batch slot were filled now (a request
+        # submitted a moment ago sits in `waiting` until the next step admits it).
+        core = self.core
+        num_queued = len(core.running) + len(core.waiting) - self.config.max_num_seqs
+        if num_queued >= self.config.max_queued_requests:
+            raise TooManyRequests(f"the server is busy: {num_queued} requests are queued to "
+                                  "run; try again later")
         self.core.add_request(request)
         self._wakeup.set()
         return SubmitReply(scheduler_id=self.config.instance_id)

@@ -1,4 +1,5 @@
-"""Encode, decode and detokenize with one model's Hugging Face tokenizer.
+"""Encode and decode with one model's Hugging Face tokenizer (output text is made at
+the gateway: shared/detokenizer.py).
 
 Plain synchronous code: ``service.py`` wraps it for the bus, tests drive it directly.
 """
@@ -13,26 +14,21 @@ import jinja2
 import msgspec
 from transformers import AutoTokenizer
 
-from services.tokenizer.detokenizer import detokenize_step
-from services.tokenizer.token_bytes import TokenBytes
 from shared.errors import InvalidRequest
-from shared.messages import (
-    ChatMessage, DecodeRequest, DetokItem, DetokResult, EncodeRequest, TokenizerInfo,
-)
+from shared.messages import ChatMessage, DecodeRequest, EncodeRequest, TokenizerInfo
 
 # config.json keys that hold the context length, most common first.
 _CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
 class TextCodec:
-    """One model's tokenizer: chat templates, encode, decode, incremental detokenize."""
+    """One model's tokenizer: chat templates, encode, decode."""
 
     def __init__(self, model_dir: str | Path, max_model_len: int = 0) -> None:
         if max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {max_model_len}")
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.token_bytes = TokenBytes(self.tokenizer)
         model_config = _read_json(self.model_dir / "config.json")
         self.max_model_len = max_model_len or _context_length(model_config)
         self.vocab_size = len(self.tokenizer)  # includes added (special) tokens
@@ -72,18 +68,6 @@ class TextCodec:
             eos_token_ids=list(self.eos_token_ids),
             has_chat_template=self.has_chat_template,
         )
-
-    def detokenize(self, items: list[DetokItem]) -> list[DetokResult]:
-        """Each item's new text, plus the text and bytes of its logprob tokens if it asks."""
-        results = []
-        for item in items:
-            result = detokenize_step(self.tokenizer, item)
-            if item.logprob_token_ids:
-                texts, data = self.token_bytes.lookup(item.logprob_token_ids)
-                result = msgspec.structs.replace(result, logprob_tokens=texts,
-                                                 logprob_token_bytes=data)
-            results.append(result)
-        return results
 
     @property
     def template_uses_tools(self) -> bool:

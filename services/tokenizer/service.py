@@ -10,7 +10,7 @@ from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.encoding import TextCodec
 from shared.bus import Bus
 from shared.messages import (
-    DecodeReply, DecodeRequest, DetokenizeReply, DetokenizeRequest, Empty, EncodeReply,
+    DecodeReply, DecodeRequest, Empty, EncodeReply,
     EncodeRequest, HealthReply, TokenizerInfo,
 )
 from shared.models import resolve_model
@@ -33,8 +33,6 @@ class TokenizerService:
         queue = s.queue_group("tokenizer")
         await self.bus.serve(s.tokenizer_encode, EncodeRequest, self._on_encode, queue=queue)
         await self.bus.serve(s.tokenizer_decode, DecodeRequest, self._on_decode, queue=queue)
-        await self.bus.serve(s.tokenizer_detokenize, DetokenizeRequest, self._on_detokenize,
-                             queue=queue)
         await self.bus.serve(s.tokenizer_info, Empty, self._on_info, queue=queue)
         await self.bus.serve(s.health("tokenizer"), Empty, self._on_health, queue=queue)
 
@@ -43,9 +41,6 @@ class TokenizerService:
 
     async def _on_decode(self, request: DecodeRequest) -> DecodeReply:
         return DecodeReply(text=self.codec.decode(request))
-
-    async def _on_detokenize(self, request: DetokenizeRequest) -> DetokenizeReply:
-        return DetokenizeReply(self.codec.detokenize(request.items))
 
     async def _on_info(self, _: Empty) -> TokenizerInfo:
         return self.info

@@ -25,7 +25,7 @@ import structlog
 import torch
 from transformers import AutoTokenizer
 
-from services.gateway.structured import grammar_for
+from shared.grammar import grammar_for
 from shared.messages import StructuredSpec
 
 log = structlog.get_logger()

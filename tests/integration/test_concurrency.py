@@ -44,3 +44,54 @@ def test_concurrent_streams_equal_their_solo_runs(stack, model_name):
         assert finish in ("stop", "length")
         assert text, i
         assert (text, finish) == solo[i], i
+
+
+NUM_STREAMS = 1024
+NUM_DISTINCT = 16
+
+
+async def sse_text(client, body: dict) -> tuple[str, str | None, int]:
+    """A streamed completion's text, finish reason and usage tokens, read with plain httpx."""
+    import json
+
+    parts, finish, num_tokens = [], None, 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            assert "error" not in payload, payload
+            if payload["choices"]:
+                parts.append(payload["choices"][0]["text"])
+                finish = payload["choices"][0]["finish_reason"] or finish
+            if payload.get("usage"):
+                num_tokens = payload["usage"]["completion_tokens"]
+    return "".join(parts), finish, num_tokens
+
+
+def test_a_thousand_streams_equal_their_solo_runs(stack, model_name):
+    """1,024 streams at once (far more than --max-num-seqs: most queue), 32 tokens each;
+    every text equals the prompt's solo greedy run. Half stop at a stop string."""
+    import httpx
+
+    def body(i: int) -> dict:
+        distinct = i % NUM_DISTINCT
+        return {"model": model_name, "max_tokens": 32, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True},
+                "prompt": f"Here are {distinct // 8 + 2} facts about {TOPICS[distinct % 8]}:",
+                **({"stop": ["."]} if distinct % 2 else {})}
+
+    async def run():
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=600, limits=limits) as client:
+            solo = [await sse_text(client, body(i)) for i in range(NUM_DISTINCT)]
+            together = await asyncio.gather(*(sse_text(client, body(i))
+                                              for i in range(NUM_STREAMS)))
+        return solo, together
+
+    solo, together = asyncio.run(run())
+    assert all(text and finish in ("stop", "length") for text, finish, _ in solo)
+    assert any(finish == "stop" for _, finish, _ in solo)  # the stop strings were met
+    mismatched = [i for i, result in enumerate(together) if result != solo[i % NUM_DISTINCT]]
+    assert not mismatched, f"{len(mismatched)} streams differ, e.g. {mismatched[:5]}"

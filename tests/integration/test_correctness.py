@@ -87,7 +87,7 @@ def test_greedy_matches_transformers(stack, model_name, hf_model, hf_tokenizer):
 def test_greedy_logprobs_match_transformers(stack, model_name, hf_model, hf_tokenizer):
     """Chat logprobs (top 5) of greedy tokens equal log_softmax of transformers' logits on the
     same weights within 1e-3, teacher-forcing our own tokens (found back from their bytes)."""
-    from services.tokenizer.token_bytes import TokenBytes
+    from shared.detokenizer import TokenBytes
 
     _, data = TokenBytes(hf_tokenizer).lookup(list(range(len(hf_tokenizer))))
     id_of_bytes = {token_bytes: token_id for token_id, token_bytes in enumerate(data)}

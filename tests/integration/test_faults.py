@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 
 import httpx
@@ -17,8 +18,11 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory):
+    # 2 running and 2 waiting at most: a fifth request gets 429
     stack = start_stack(tmp_path_factory.mktemp("fault-logs"),
-                        service_args={"worker": ["--kv-cache-memory", "256MiB"]})
+                        service_args={"worker": ["--kv-cache-memory", "256MiB"],
+                                      "scheduler": ["--max-num-seqs", "2",
+                                                    "--max-queued-requests", "2"]})
     yield stack
     stack.stop()
 
@@ -63,6 +67,70 @@ def test_client_disconnect_aborts_and_frees_blocks(own_stack, model_name):
         # the gauge follows the scheduler's stats events (every 0.5 s)
         assert wait_for(lambda: blocks_in_use(own_stack) > 0), "the request holds no blocks"
     assert wait_for(lambda: blocks_in_use(own_stack) == 0), "blocks were not freed"
+
+
+def metric(stack, name: str) -> float:
+    text = httpx.get(stack.base_url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_a_non_streaming_client_leaving_aborts_its_request(own_stack, model_name):
+    body = {**stream_request(model_name, 4000), "stream": False}
+    outcome = []
+
+    def leave_after_3s() -> None:
+        try:
+            httpx.post(own_stack.base_url + "/v1/completions", json=body,
+                       timeout=httpx.Timeout(60, read=3))
+            outcome.append("answered")
+        except httpx.ReadTimeout:
+            outcome.append("left")  # the client closes the connection
+
+    client = threading.Thread(target=leave_after_3s)
+    client.start()
+    assert wait_for(lambda: blocks_in_use(own_stack) > 0), "the request holds no blocks"
+    client.join(30)
+    assert outcome == ["left"]
+    assert wait_for(lambda: blocks_in_use(own_stack) == 0), "the abandoned request still runs"
+    assert metric(own_stack, "flotilla_num_requests_running") == 0
+
+
+def test_a_full_queue_answers_429_with_retry_after(own_stack, model_name):
+    """--max-num-seqs 2 and --max-queued-requests 2: four long requests fill the batch and the
+    queue; a fifth is refused at once with OpenAI's error body, and nothing else is disturbed."""
+    leave = threading.Event()
+    received = [0] * 4
+
+    def hold(index: int) -> None:
+        with httpx.stream("POST", own_stack.base_url + "/v1/completions",
+                          json=stream_request(model_name, 4000), timeout=120) as response:
+            for _ in response.iter_lines():
+                received[index] += 1
+                if leave.is_set():
+                    return
+
+    holders = [threading.Thread(target=hold, args=(i,)) for i in range(4)]
+    for thread in holders:
+        thread.start()
+    try:
+        assert wait_for(lambda: metric(own_stack, "flotilla_num_requests_waiting") == 2
+                        and metric(own_stack, "flotilla_num_requests_running") == 2)
+        rejected_before = metric(own_stack, "flotilla_requests_rejected_total")
+        refused = httpx.post(own_stack.base_url + "/v1/completions", timeout=30,
+                             json=stream_request(model_name, 4))
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        error = refused.json()["error"]
+        assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
+        assert metric(own_stack, "flotilla_requests_rejected_total") == rejected_before + 1
+        running = received[:]
+        assert wait_for(lambda: sum(received) > sum(running)), "the running requests stalled"
+    finally:
+        leave.set()
+        for thread in holders:
+            thread.join(60)
+    assert wait_for(lambda: blocks_in_use(own_stack) == 0, 60)
 
 
 def test_a_missing_service_gives_503_not_a_hang(own_stack, model_name):

@@ -1,13 +1,13 @@
 import itertools
 import random
+from typing import NamedTuple
 
 import pytest
 
-from services.tokenizer.detokenizer import (
-    MAX_UNREAD_TOKENS, NUM_CONTEXT_TOKENS, detokenize_step, find_stop, initial_state,
+from shared.detokenizer import (
+    MAX_UNREAD_TOKENS, NUM_CONTEXT_TOKENS, IncrementalDetokenizer, fast_decoder, find_stop,
     partial_stop_len,
 )
-from shared.messages import DetokItem, DetokResult
 
 MULTIBYTE_TEXTS = [
     "Ünïcödé 😀🎉 日本語 — done",
@@ -19,21 +19,39 @@ CHUNKINGS = [[1], [2, 1, 3], [5, 1, 1, 7], [1000]]
 PROMPT = "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n"
 
 
+class State(NamedTuple):
+    window_ids: list[int]
+    read_offset: int
+    held_text: str
+
+
+class Result(NamedTuple):
+    """One step's outcome and the detokenizer's state after it."""
+
+    text: str
+    stopped: bool
+    num_tokens_used: int
+    state: State
+
+
+def step(detok: IncrementalDetokenizer, token_ids, finished=False) -> Result:
+    out = detok.step(token_ids, finished)
+    return Result(out.text, out.stopped, out.num_tokens_used,
+                  State(list(detok.window_ids), detok.read_offset, detok.held_text))
+
+
 def stream(tokenizer, output_ids, sizes=(1,), stop=(), prompt_ids=(), finish=True,
-           skip_special_tokens=True) -> tuple[str, list[DetokResult]]:
+           skip_special_tokens=True) -> tuple[str, list[Result]]:
     """Feed ``output_ids`` in chunks of ``sizes`` (cycled); the last chunk carries
     ``finished`` when ``finish``. Stops feeding once a result says ``stopped``."""
-    state = initial_state(list(prompt_ids))
+    detok = IncrementalDetokenizer(tokenizer, list(prompt_ids), list(stop), skip_special_tokens)
     results, start = [], 0
     for size in itertools.cycle(sizes):
         chunk = output_ids[start:start + size]
         start += size
         last = start >= len(output_ids)
-        item = DetokItem("r", chunk, state, list(stop), finished=finish and last,
-                         skip_special_tokens=skip_special_tokens)
-        result = detokenize_step(tokenizer, item)
+        result = step(detok, chunk, finished=finish and last)
         results.append(result)
-        state = result.state
         if result.stopped or last:
             break
     return "".join(r.text for r in results), results
@@ -144,7 +162,7 @@ def test_stop_strings(tokenizer, prompt_ids, text, stops, expected, sizes):
 
 def test_num_tokens_used_within_one_group(tokenizer):
     output_ids = tokenizer.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
-    result = detokenize_step(tokenizer, DetokItem("r", output_ids, initial_state([]), ["gamma"]))
+    result = step(IncrementalDetokenizer(tokenizer, [], ["gamma"]), output_ids)
     assert result.stopped and result.text == "alpha beta "
     assert result.num_tokens_used == tokens_to_stop(tokenizer, output_ids, ["gamma"]) == 3
 
@@ -153,12 +171,11 @@ def test_held_prefix_released_when_not_a_stop(tokenizer):
     pieces = ["hello", " world", " war", " and", " world", " peace", " after"]
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in pieces]
     assert all(len(i) == 1 for i in ids)  # one token each: the steps below rely on it
-    state, texts, held = initial_state([]), [], []
+    detok, texts, held = IncrementalDetokenizer(tokenizer, [], ["world peace"]), [], []
     for token_ids in ids:
-        result = detokenize_step(tokenizer, DetokItem("r", token_ids, state, ["world peace"]))
-        state = result.state
+        result = step(detok, token_ids)
         texts.append(result.text)
-        held.append(state.held_text)
+        held.append(result.state.held_text)
         if result.stopped:
             break
     assert texts == ["hello", " ", "world war", " and", " ", ""]
@@ -172,10 +189,10 @@ def test_finished_flushes_held_text(tokenizer):
     assert streamed == "hello world" and not results[-1].stopped
     assert results[-2].state.held_text == "" and results[-1].state.held_text == ""
     # held until an empty, finishing item comes
-    _, results = stream(tokenizer, output_ids, [1], ["world peace"], finish=False)
+    detok = IncrementalDetokenizer(tokenizer, [], ["world peace"])
+    results = [step(detok, [token_id]) for token_id in output_ids]
     assert results[-1].state.held_text == "world"
-    flush = detokenize_step(tokenizer, DetokItem("r", [], results[-1].state, ["world peace"],
-                                                 finished=True))
+    flush = step(detok, [], finished=True)
     assert flush.text == "world" and flush.state.held_text == "" and flush.num_tokens_used == 0
 
 
@@ -266,3 +283,24 @@ def test_sentencepiece_spacing_and_byte_fallback(sentencepiece_tokenizer, sizes)
     # with no prompt, the stream matches decoding the output alone
     assert stream(tok, output_ids, sizes)[0] == "world 日本 is a test ok"
     assert stream(tok, output_ids, sizes, ["本 is"], prompt_ids)[0] == " world 日"
+
+
+def test_nothing_after_a_stop(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], ["b"])
+    assert detok.step(tokenizer.encode("a b c", add_special_tokens=False)).stopped
+    later = detok.step(tokenizer.encode(" more", add_special_tokens=False), finished=True)
+    assert later.stopped and later.text == "" and later.num_tokens_used == 0
+
+
+def test_fast_decoder_decodes_as_the_tokenizer(tokenizer, prompt_ids):
+    decoder = fast_decoder(tokenizer)
+    assert decoder is not tokenizer  # SmolLM2: the Rust backend, no clean-up step
+    for text in MULTIBYTE_TEXTS + ["Paris.<|im_end|>"]:
+        ids = prompt_ids + tokenizer.encode(text, add_special_tokens=False)
+        for skip in (True, False):
+            for end in range(1, len(ids) + 1):
+                assert decoder.decode(ids[:end], skip_special_tokens=skip) == \
+                    tokenizer.decode(ids[:end], skip_special_tokens=skip)
+    streamed, _ = stream(decoder, tokenizer.encode(MULTIBYTE_TEXTS[2], add_special_tokens=False),
+                         [2, 1], prompt_ids=prompt_ids)
+    assert streamed == MULTIBYTE_TEXTS[2]

@@ -14,7 +14,6 @@ SAMPLING = m.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, 
                             min_tokens=2, logprobs=3, prompt_logprobs=0, structured=STRUCTURED)
 LOGPROBS = m.TokenLogprobs(5, -0.25, [5, 6], [-0.25, -1.5])
 TOOL_CALL = m.ToolCall(id="call_1", function=m.FunctionCall(name="f", arguments='{"a": 1}'))
-STATE = m.DetokState([5, 6, 7], 2, "<st")
 ERROR = m.ErrorInfo(status=503, message="worker gone", type="service_unavailable", code="x", param="p")
 
 SAMPLES: dict[type, object] = {
@@ -36,11 +35,6 @@ SAMPLES: dict[type, object] = {
     m.DecodeReply: m.DecodeReply(text="ok ✓"),
     m.TokenizerInfo: m.TokenizerInfo(model_name="x", max_model_len=8192, vocab_size=10,
                                      eos_token_ids=[2], has_chat_template=True),
-    m.DetokState: STATE,
-    m.DetokItem: m.DetokItem("r1", [9, 10], STATE, ["\n\n"], True, False, [9, 11]),
-    m.DetokResult: m.DetokResult("r1", "text", STATE, True, 1, ["a", "\ufffd"], [b"a", b"\xe2"]),
-    m.DetokenizeRequest: m.DetokenizeRequest([m.DetokItem("r1", [9], STATE)]),
-    m.DetokenizeReply: m.DetokenizeReply([m.DetokResult("r1", "t", STATE)]),
     m.GenerateRequest: m.GenerateRequest(request_id="r1", prompt_token_ids=[1, 2], sampling=SAMPLING,
                                          output_subject="ns.v1.gateway.g.outputs", arrival_time=1.5,
                                          priority=-1, n=3),

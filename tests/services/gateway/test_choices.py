@@ -8,8 +8,7 @@ import json
 
 from services.gateway.choices import ChatChoice, CompletionChoice
 from services.gateway.generation import Generation, gather, merge_deltas, stream_events
-from services.gateway.service import Delta, RequestStream, TokenLogprob, TokenText
-from shared.messages import DetokState
+from services.gateway.streams import Delta, RequestStream, TokenLogprob, TokenText
 
 
 def logprob(token: str, value: float, *top: tuple[str, float]) -> TokenLogprob:
@@ -18,12 +17,19 @@ def logprob(token: str, value: float, *top: tuple[str, float]) -> TokenLogprob:
 
 
 def streams(num: int) -> list[RequestStream]:
-    return [RequestStream(f"r-{i}", [], DetokState()) for i in range(num)]
+    return [RequestStream(f"r-{i}", None) for i in range(num)]
 
 
 async def from_list(items):
     for item in items:
         yield item
+
+
+def sse_events(writes: list[bytes]) -> list[str]:
+    """The server-sent events in a response's writes (one write may carry several)."""
+    text = b"".join(writes).decode()
+    assert text.endswith("\n\n")
+    return text.removesuffix("\n\n").split("\n\n")
 
 
 def collect(agen) -> list:
@@ -92,8 +98,8 @@ def test_streamed_chat_with_n_and_usage():
     generation = Generation("chat", "chatcmpl-1", "m", choices, streams(2), 5, 2,
                             include_usage=True)
     deltas = from_list([(1, Delta("b", 1, "stop")), (0, Delta("a", 1)), (0, Delta("", 1, "length"))])
-    events = collect(stream_events(generation, deltas))
-    assert events[-1] == "data: [DONE]\n\n"
+    events = sse_events(collect(stream_events(generation, deltas)))
+    assert events[-1] == "data: [DONE]"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from services.gateway.structured import grammar_for
+from shared.grammar import grammar_for
 from services.gateway.tool_calls import (
     ToolCallParser, ToolPlan, empty_parameters, finish_reason, new_call_id, plan_tools,
 )

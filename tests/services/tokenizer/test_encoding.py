@@ -3,11 +3,10 @@ import shutil
 
 import pytest
 
-from services.tokenizer.detokenizer import initial_state
 from services.tokenizer.encoding import TOOLS_PROMPT, TextCodec
 from shared.errors import InvalidRequest
 from shared.messages import (
-    ChatMessage, DecodeRequest, DetokItem, EncodeRequest, FunctionCall, ToolCall,
+    ChatMessage, DecodeRequest, EncodeRequest, FunctionCall, ToolCall,
 )
 from shared.models import resolve_model
 
@@ -115,18 +114,6 @@ def test_info_merges_eos_lists_and_honours_max_model_len(tmp_path):
     info = codec.info("m")
     assert info.eos_token_ids == [0, 2]
     assert info.max_model_len == 1024
-
-
-def test_detokenize_batch(codec, tokenizer):
-    prompt = codec.encode(EncodeRequest(messages=CONVERSATIONS[0]))
-    out_a = tokenizer.encode(" Paris is the capital.", add_special_tokens=False)
-    out_b = tokenizer.encode(" Ünïcödé 😀", add_special_tokens=False)
-    items = [DetokItem("a", out_a, initial_state(prompt), finished=True),
-             DetokItem("b", out_b, initial_state(prompt), stop=["😀"], finished=True)]
-    results = codec.detokenize(items)
-    assert [r.request_id for r in results] == ["a", "b"]
-    assert results[0].text == " Paris is the capital." and not results[0].stopped
-    assert results[1].text == " Ünïcödé " and results[1].stopped
 
 
 # ----------------------------------------------------------------- tool calling
