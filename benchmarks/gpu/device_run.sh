@@ -37,6 +37,15 @@ for stage in "$@"; do
     penalties) python3 benchmarks/sampling_penalties.py --device cuda --model $M/dummy-llama-3.2-1b \
         ${P_ARGS:-} 2>&1 | tail -30;;
     profile) python3 benchmarks/gpu/step_profile.py --model $M/dummy-llama-3.1-8b 2>&1 | tail -60;;
+    # online serving (docs/bench.md): flotilla alone, or flotilla then vLLM (needs the vLLM kit
+    # installed by an earlier call: shared/peers/vllm/README.md); each ends within ~9 minutes,
+    # so run it as the only stage of its call. Files in $OUT/online. ON_ARGS: more flags (e.g.
+    # --profile-seconds 20, with a py-spy wheel in .whl/); VLLM_ARGS: more vllm serve flags.
+    online) python3 benchmarks/gpu/online_serve.py --model $M/dummy-llama-3.1-8b --out "$OUT/online" \
+        --skip-vllm --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192" ${ON_ARGS:-} 2>&1 | tail -80;;
+    online-vllm) python3 benchmarks/gpu/online_serve.py --model $M/dummy-llama-3.1-8b --out "$OUT/online" \
+        --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192" --vllm-args "${VLLM_ARGS:-}" \
+        ${ON_ARGS:-} 2>&1 | tail -80;;
     *) echo "unknown stage $stage";;
   esac
 done
