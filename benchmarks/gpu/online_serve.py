@@ -160,15 +160,15 @@ def descendants(root_pid: int) -> list[int]:
     return found
 
 
-def service_pids(root_pid: int) -> dict[str, int]:
-    """{"gateway": pid, "tokenizer": pid} among the stack's processes."""
+def service_pids(root_pid: int, names: tuple[str, ...] = PROFILED) -> dict[str, int]:
+    """{"gateway": pid, "tokenizer": pid, ...} among the stack's processes."""
     pids = {}
     for pid in descendants(root_pid):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        for name in PROFILED:
+        for name in names:
             if f"services.{name}".encode() in argv and name not in pids:
                 pids[name] = pid
     return pids
@@ -178,8 +178,10 @@ class Profiler:
     """py-spy record (speedscope and flamegraph) on the gateway and tokenizer for N
     seconds (or until the load ends), and one py-spy dump of each halfway (10 s at most)."""
 
-    def __init__(self, py_spy: str, root_pid: int, out: Path, seconds: float, rate: int) -> None:
+    def __init__(self, py_spy: str, root_pid: int, out: Path, seconds: float, rate: int,
+                 services: tuple[str, ...] = PROFILED) -> None:
         self.py_spy, self.root_pid, self.out = py_spy, root_pid, out
+        self.services = services
         self.seconds, self.rate = seconds, rate
         self.records: list[subprocess.Popen] = []
         self.files: list[str] = []
@@ -187,7 +189,7 @@ class Profiler:
         self.timer: threading.Timer | None = None
 
     def start(self) -> None:
-        pids = service_pids(self.root_pid)
+        pids = service_pids(self.root_pid, self.services)
         log(f"py-spy: sampling {pids} for {self.seconds:g} s")
         seconds = str(max(1, round(self.seconds)))
         for name, pid in pids.items():
@@ -341,11 +343,13 @@ def phase(server: Server, args: argparse.Namespace, budget: Budget, out: Path, n
                 log("py-spy is not on PATH: no profile")
             else:
                 profiler = Profiler(py_spy, process.pid, out,
-                                    min(args.profile_seconds, max_duration_s), args.profile_rate)
+                                    min(args.profile_seconds, max_duration_s), args.profile_rate,
+                                    tuple(args.profile_services.split(",")))
         result["bench_exit"] = run_bench(engine, command, max_duration_s + BENCH_SETUP_S, out,
                                          profiler.start if profiler else lambda: None)
         if profiler is not None:
             result["profile"] = profiler.finish()
+        save_metrics(server.base_url, out / f"metrics_{engine}.txt")
         if result_json.exists():
             result["summary"] = json.loads(result_json.read_text())["runs"][0]["summary"]
         exit_code = result["bench_exit"]
@@ -355,6 +359,15 @@ def phase(server: Server, args: argparse.Namespace, budget: Budget, out: Path, n
     finally:
         stop_server(process)
         log(f"{engine}: stopped")
+
+
+def save_metrics(base_url: str, path: Path) -> None:
+    """The server's Prometheus /metrics after the load (step times, idle ratio, queues)."""
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
+            path.write_bytes(response.read())
+    except (OSError, urllib.error.URLError) as exc:
+        log(f"no /metrics from {base_url}: {exc}")
 
 
 def table(results: list[dict]) -> str:
@@ -406,6 +419,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-seconds", type=float, default=0.0,
                         help="py-spy the gateway and tokenizer this long under load (0: off)")
     parser.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--profile-services", default=",".join(PROFILED),
+                        help="the flotilla services py-spy samples, comma-separated")
     return parser.parse_args()
 
 

@@ -8,11 +8,13 @@ each scheduled request and samples the ones that reach the end of their known to
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import structlog
 import torch
 
@@ -99,35 +101,46 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
                       layout: LogitsLayout | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Flatten a step's chunks into (input_ids [num_tokens], positions [num_tokens], metadata);
-    ``layout`` is ``logits_layout(chunks)`` when the caller has it already."""
-    q_lens = [len(chunk.token_ids) for chunk in chunks]
-    seq_lens = [chunk.start + q_len for chunk, q_len in zip(chunks, q_lens)]
-    num_blocks_per_seq = [-(-seq_len // block_size) for seq_len in seq_lens]
-    max_blocks = max(num_blocks_per_seq)
-    padded_tables = [chunk.block_table[:n] + [0] * (max_blocks - n)
-                     for chunk, n in zip(chunks, num_blocks_per_seq)]
-    block_tables = torch.tensor(padded_tables, dtype=torch.int32)  # [num_seqs, max_blocks]
-    input_ids = torch.tensor([t for chunk in chunks for t in chunk.token_ids], dtype=torch.long)
-    positions = torch.cat([torch.arange(chunk.start, seq_len)  # [num_tokens]
-                           for chunk, seq_len in zip(chunks, seq_lens)])
-    # [num_tokens]: which sequence each token belongs to
-    seq_index = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(q_lens))
-    block_ids = block_tables.long()[seq_index, positions // block_size]  # [num_tokens]
-    slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
-    query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.tensor(q_lens).cumsum(0)
+    ``layout`` is ``logits_layout(chunks)`` when the caller has it already.
+
+    Vectorized with numpy: one pass over the chunks to gather their lists, no per-sequence
+    tensor ops (at 256 sequences a step, per-sequence torch calls cost milliseconds)."""
+    num_seqs = len(chunks)
+    q_lens = np.fromiter((len(chunk.token_ids) for chunk in chunks), np.int64, num_seqs)
+    starts = np.fromiter((chunk.start for chunk in chunks), np.int64, num_seqs)
+    seq_lens = starts + q_lens  # [num_seqs]
+    num_blocks_per_seq = -(-seq_lens // block_size)  # [num_seqs]
+    max_blocks = int(num_blocks_per_seq.max())
+    block_tables = np.zeros((num_seqs, max_blocks), np.int32)  # [num_seqs, max_blocks]
+    used = np.arange(max_blocks) < num_blocks_per_seq[:, None]  # row-major, as the flat list
+    block_tables[used] = [block_id for chunk, n in zip(chunks, num_blocks_per_seq.tolist())
+                          for block_id in chunk.block_table[:n]]
+    num_tokens = int(q_lens.sum())
+    input_ids = np.fromiter(itertools.chain.from_iterable(chunk.token_ids for chunk in chunks),
+                            np.int64, num_tokens)  # [num_tokens]
+    ends = np.cumsum(q_lens)  # [num_seqs]: where each sequence's tokens end in the step
+    seq_index = np.repeat(np.arange(num_seqs), q_lens)  # [num_tokens]
+    positions = np.arange(num_tokens) + np.repeat(starts - (ends - q_lens), q_lens)  # [num_tokens]
+    slot_mapping = (block_tables[seq_index, positions // block_size].astype(np.int64) * block_size
+                    + positions % block_size)  # [num_tokens]
+    query_start_loc = np.zeros(num_seqs + 1, np.int32)
+    query_start_loc[1:] = ends
     # [num_logit_rows]: the last token of each sampled chunk, and prompt-logprob positions
     layout = layout or logits_layout(chunks)
-    logits_indices = torch.tensor(layout.token_indices, dtype=torch.long)
+    longer = np.flatnonzero(q_lens > 1)
+
+    def to_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(device, non_blocking=True)
+
     metadata = AttentionMetadata(
-        slot_mapping=slot_mapping.to(device, non_blocking=True),
-        block_tables=block_tables.to(device, non_blocking=True),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
-        query_start_loc=query_start_loc.to(device, non_blocking=True),
-        logits_indices=logits_indices.to(device, non_blocking=True),
-        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
-        num_decodes=next((i for i, q_len in enumerate(q_lens) if q_len > 1), len(q_lens)))
-    return input_ids.to(device, non_blocking=True), positions.to(device, non_blocking=True), metadata
+        slot_mapping=to_device(slot_mapping),
+        block_tables=to_device(block_tables),
+        seq_lens=to_device(seq_lens.astype(np.int32)),
+        query_start_loc=to_device(query_start_loc),
+        logits_indices=to_device(np.asarray(layout.token_indices, np.int64)),
+        max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
+        num_decodes=int(longer[0]) if len(longer) else num_seqs)
+    return to_device(input_ids), to_device(positions), metadata
 
 
 class ModelRunner:
