@@ -161,6 +161,9 @@ class GenerateRequest(Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None  # isolates this tenant's prefix-cache entries
     # n > 1: n sequences from one prompt (ids from choice_request_ids), sharing its KV blocks
     n: int = 1
+    # a migrated request (its replica died): the tokens it had generated, which the client
+    # already has; the scheduler resumes after them as after a preemption (n must be 1)
+    output_token_ids: list[int] = []
 
 
 def choice_request_ids(request_id: str, n: int) -> list[str]:

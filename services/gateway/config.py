@@ -13,7 +13,9 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     api_key: str = ""  # when set, /v1/* and /tokenize need "Authorization: Bearer <key>"
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout_s: float = 5.0  # bus calls to the tokenizer and scheduler
-    heartbeat_timeout_s: float = 5.0  # a scheduler silent this long has failed its requests
+    heartbeat_timeout_s: float = 5.0  # a scheduler silent this long has lost its requests
+    migration_limit: int = 3  # times a request moves to another replica when its own dies
+    migration_timeout_s: float = 60.0  # how long a moving request waits for a live replica
     health_timeout_s: float = 1.0
 
     __help__ = {
@@ -22,6 +24,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "api_key": "require this bearer token on the API",
         "max_body_bytes": "largest request body accepted (413 above)",
         "request_timeout_s": "timeout for calls to the tokenizer and scheduler",
-        "heartbeat_timeout_s": "fail a request whose scheduler has been silent this long",
+        "heartbeat_timeout_s": "a scheduler silent this long has lost its requests (they move)",
+        "migration_limit": "times a request may move to another replica when its own dies (0: never)",
+        "migration_timeout_s": "how long a moving request waits for a live replica",
         "health_timeout_s": "timeout of each service's health check",
     }

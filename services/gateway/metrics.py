@@ -20,6 +20,10 @@ class GatewayMetrics:
         self.rejected = Counter("flotilla_requests_rejected",
                                 "Requests refused before running, by reason (queue_full: 429)",
                                 ["reason"], registry=r)
+        self.migrations = Counter("flotilla_request_migrations",
+                                  "Requests moved to another replica after theirs died, by "
+                                  "outcome (resumed, failed: no live replica in time)",
+                                  ["outcome"], registry=r)
         self.prompt_tokens = Counter("flotilla_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("flotilla_generation_tokens", "Tokens generated", registry=r)
         self.time_to_first_token = self._latency("flotilla_time_to_first_token_seconds",

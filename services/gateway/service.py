@@ -14,12 +14,13 @@ import structlog
 
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.migration import can_migrate, resumed_request
 from services.gateway.streams import Delta, RequestStream, apply_output
 from shared.bus import Bus
 from shared.detokenizer import IncrementalDetokenizer, TokenBytes, fast_decoder
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
-    AbortRequest, DecodeReply, DecodeRequest, Empty, EncodeReply, EncodeRequest,
+    AbortRequest, DecodeReply, DecodeRequest, Empty, EncodeReply, EncodeRequest, ErrorInfo,
     GenerateRequest, HealthReply, OutputBatch, SamplingParams, SchedulerStats, SubmitReply,
     TokenizerInfo, choice_request_ids,
 )
@@ -29,6 +30,7 @@ log = structlog.get_logger()
 
 SERVICES = ("tokenizer", "scheduler", "worker")
 HEARTBEAT_CHECK_S = 1.0
+MIGRATION_RETRY_S = 0.5  # while no replica takes a moving request
 
 
 class GatewayService:
@@ -103,6 +105,7 @@ class GatewayService:
             output_subject=self.output_subject, arrival_time=time.time(), priority=priority,
             cache_salt=cache_salt, n=n)
         for stream in streams:
+            stream.request = request if n == 1 else None  # n > 1 is not migrated
             self._streams[stream.request_id] = stream
         try:
             reply = await self._submit(request)
@@ -116,8 +119,8 @@ class GatewayService:
         self._outstanding[reply.scheduler_id] = self._outstanding.get(reply.scheduler_id, 0) + n
         return request_id, streams
 
-    async def _submit(self, request: GenerateRequest) -> SubmitReply:
-        scheduler_id = self._least_loaded_scheduler()
+    async def _submit(self, request: GenerateRequest, avoid: str = "") -> SubmitReply:
+        scheduler_id = self._least_loaded_scheduler(avoid)
         if scheduler_id is not None:
             # Count it before the reply comes, so a burst of requests spreads out.
             self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + 1
@@ -137,10 +140,13 @@ class GatewayService:
         return [stats for sid, stats in self._schedulers.items()
                 if now - self._heartbeats.get(sid, 0.0) < self.config.heartbeat_timeout_s]
 
-    def _least_loaded_scheduler(self) -> str | None:
+    def _least_loaded_scheduler(self, avoid: str = "") -> str | None:
         """The live scheduler with the least outstanding work: its last stats, or our
-        own count of requests sent to it since, whichever is larger."""
+        own count of requests sent to it since, whichever is larger. ``avoid`` (one that
+        just lost a request) is taken only when no other is live."""
         live = [stats for stats in self.live_schedulers() if stats.worker_ready]
+        if avoid and any(stats.scheduler_id != avoid for stats in live):
+            live = [stats for stats in live if stats.scheduler_id != avoid]
         if not live:
             return None
         return min(live, key=lambda st: max(st.num_running + st.num_waiting,
@@ -164,20 +170,70 @@ class GatewayService:
             self._outstanding[stream.scheduler_id] -= 1
         if not stream.finished:
             stream.finished = True
-            self._spawn(self._abort(stream.scheduler_id, [stream.request_id]))
+            if stream.scheduler_id:  # (a moving request is aborted once it lands)
+                self._spawn(self._abort(stream.scheduler_id, [stream.request_id]))
 
     async def _watch_heartbeats(self) -> None:
-        """Fail the streams of a scheduler silent for longer than the heartbeat timeout:
+        """The streams of a scheduler silent for longer than the heartbeat timeout are lost:
         its steps will not come (one task for all streams, not a timer per wait)."""
         while True:
             await asyncio.sleep(HEARTBEAT_CHECK_S)
             now = time.monotonic()
             for stream in list(self._streams.values()):
                 silent_s = now - self._heartbeats.get(stream.scheduler_id, now)
-                if not stream.finished and silent_s > self.config.heartbeat_timeout_s:
-                    stream.fail(ServiceUnavailable(
+                if silent_s > self.config.heartbeat_timeout_s:
+                    self._lost(stream, ServiceUnavailable(
                         f"the scheduler stopped responding ({silent_s:.0f}s without a "
                         "heartbeat)").to_info())
+
+    def _lost(self, stream: RequestStream, error: ErrorInfo) -> None:
+        """The replica running ``stream`` failed it: move it to another, or end it."""
+        if stream.finished or stream.migrating:
+            return
+        if can_migrate(stream.request, stream.num_migrations, self.config.migration_limit, error):
+            stream.migrating = True
+            self._spawn(self._migrate(stream, error))
+        else:
+            stream.fail(error)
+
+    async def _migrate(self, stream: RequestStream, error: ErrorInfo) -> None:
+        """Submit the stream's request again, resuming after its tokens, to a live replica
+        (waiting up to the migration timeout for one); its deltas keep coming to the same
+        stream, so the client sees one unbroken answer."""
+        old_id, old_scheduler = stream.request_id, stream.scheduler_id
+        if self._streams.pop(old_id, None) is not None and old_scheduler:
+            self._outstanding[old_scheduler] -= 1
+        self._spawn(self._abort(old_scheduler, [old_id]))  # in case it still runs it
+        stream.num_migrations += 1
+        request = resumed_request(stream.request, stream.output_token_ids, stream.num_migrations,
+                                  time.time())
+        stream.request_id, stream.scheduler_id = request.request_id, ""
+        self._streams[request.request_id] = stream
+        log.warning("request_migrating", request_id=old_id, new_request_id=request.request_id,
+                    scheduler_id=old_scheduler, num_output_tokens=len(stream.output_token_ids),
+                    reason=error.message)
+        deadline = time.monotonic() + self.config.migration_timeout_s
+        while True:
+            try:
+                reply = await self._submit(request, avoid=old_scheduler)
+                break
+            except FlotillaError as exc:
+                if stream.finished:  # the client left while it waited
+                    return
+                if exc.status != 503 or time.monotonic() > deadline:
+                    self._streams.pop(request.request_id, None)
+                    self.metrics.migrations.labels("failed").inc()
+                    stream.migrating = False
+                    stream.fail(exc.to_info() if exc.status != 503 else error)
+                    return
+                await asyncio.sleep(MIGRATION_RETRY_S)
+        stream.scheduler_id = reply.scheduler_id
+        stream.migrating = False
+        self._heartbeats.setdefault(reply.scheduler_id, time.monotonic())
+        self._outstanding[reply.scheduler_id] = self._outstanding.get(reply.scheduler_id, 0) + 1
+        self.metrics.migrations.labels("resumed").inc()
+        if self._streams.get(request.request_id) is not stream:  # the client left meanwhile
+            self._spawn(self._abort(reply.scheduler_id, [request.request_id]))
 
     async def _abort(self, scheduler_id: str, request_ids: list[str]) -> None:
         try:
@@ -194,9 +250,26 @@ class GatewayService:
 
     # ------------------------------------------------------------ inbound events
     async def _on_stats(self, stats: SchedulerStats) -> None:
+        if stats.scheduler_id not in self._schedulers:
+            self._replaced_by(stats)
         self._heartbeats[stats.scheduler_id] = time.monotonic()
         self._schedulers[stats.scheduler_id] = stats
         self.metrics.observe_scheduler(stats)
+
+    def _replaced_by(self, stats: SchedulerStats) -> None:
+        """A new scheduler for a replica that had another: the old one restarted, and its
+        requests are lost now (no need to wait for its heartbeat to time out)."""
+        old_ids = [sid for sid, old in self._schedulers.items()
+                   if old.replica_id == stats.replica_id and sid != stats.scheduler_id]
+        for old_id in old_ids:
+            log.warning("scheduler_replaced", replica_id=stats.replica_id,
+                        old_scheduler_id=old_id, new_scheduler_id=stats.scheduler_id)
+            self._schedulers.pop(old_id, None)
+            self._heartbeats.pop(old_id, None)
+            lost = ServiceUnavailable(f"scheduler {old_id} of replica {stats.replica_id} "
+                                      "restarted").to_info()
+            for stream in [s for s in self._streams.values() if s.scheduler_id == old_id]:
+                self._lost(stream, lost)
 
     async def _on_outputs(self, batch: OutputBatch) -> None:
         """One scheduler step's outputs for this gateway, turned into text here."""
@@ -208,5 +281,7 @@ class GatewayService:
                 stream.has_output = True
                 stream.num_cached_tokens = output.num_cached_tokens
                 self.metrics.queue_time.observe(output.queue_time_s)
-            if apply_output(stream, output, self.token_bytes):
+            if output.error is not None:
+                self._lost(stream, output.error)
+            elif apply_output(stream, output, self.token_bytes):
                 self._spawn(self._abort(stream.scheduler_id, [output.request_id]))

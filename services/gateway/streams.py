@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from shared.detokenizer import IncrementalDetokenizer, TokenBytes
-from shared.messages import ErrorInfo, RequestOutput, TokenLogprobs
+from shared.messages import ErrorInfo, GenerateRequest, RequestOutput, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +57,12 @@ class RequestStream:
     has_output: bool = False
     # when the request asked for prompt logprobs: one per prompt token (the first None)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # migration (migration.py): the request as submitted (None: cannot be migrated), every
+    # token generated so far, how often it moved, and whether a move is under way
+    request: GenerateRequest | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_migrations: int = 0
+    migrating: bool = False
     _pending: Delta | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -88,6 +94,7 @@ def apply_output(stream: RequestStream, output: RequestOutput,
         stream.fail(output.error)
         return False
     finished = output.finish_reason is not None
+    stream.output_token_ids += output.new_token_ids
     step = stream.detokenizer.step(output.new_token_ids, finished)
     logprobs, prompt_logprobs = named_logprobs(output, token_bytes)
     if prompt_logprobs is not None:

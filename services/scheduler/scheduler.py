@@ -77,7 +77,9 @@ class Scheduler:
         for sibling in sibling_requests(request):
             req = Request(sibling.request_id, list(request.prompt_token_ids), sibling.sampling,
                           request.output_subject, (priority, next(self._arrivals)), extra_keys,
-                          arrival_time, leader=leader if shares else None)
+                          arrival_time, leader=leader if shares else None,
+                          output_token_ids=list(request.output_token_ids),
+                          num_outputs_sent=1 if request.output_token_ids else 0)
             leader = leader or req
             self.requests[req.request_id] = req
             self._enqueue(req)
@@ -91,6 +93,10 @@ class Scheduler:
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")
+        if request.output_token_ids and (request.n != 1 or len(request.output_token_ids)
+                                         >= request.sampling.max_tokens):
+            raise InvalidRequest("a resumed request needs n = 1 and fewer output tokens than "
+                                 "max_tokens", param="output_token_ids")
         num_total = num_prompt + request.sampling.max_tokens
         if num_total > self.max_model_len:
             raise InvalidRequest(

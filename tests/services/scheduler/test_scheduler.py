@@ -6,6 +6,7 @@ from __future__ import annotations
 import zlib
 from collections import deque
 
+import msgspec
 import pytest
 
 from services.scheduler.config import SchedulerConfig
@@ -377,3 +378,27 @@ def test_overlap_with_preemption_and_prefix_hits_stays_exact():
     assert scheduler.num_preemptions > 0 and scheduler.num_prefix_hits > 0
     for i in range(6):
         assert outputs[f"r{i}"] == expected_tokens(f"r{i}", 9, 12)
+
+
+def test_a_resumed_request_continues_after_the_outputs_it_brings():
+    """Migration: a request re-submitted with the tokens it had generated elsewhere runs
+    like a preempted one resuming: the worker gets prompt + outputs with the prompt's
+    length, max_tokens counts the outputs it brought, and only new tokens come out."""
+    scheduler, worker = make_scheduler(), FakeWorker(64)
+    done = expected_tokens("r", 4, 20)[:7]
+    resumed = request("r", 4, 20, ignore_eos=True)
+    scheduler.add_request(msgspec.structs.replace(resumed, output_token_ids=done))
+    record = []
+    outputs, finish, plans = run_to_completion(scheduler, worker, record=record)
+    new = plans[0].new_requests[0]
+    assert new.token_ids == resumed.prompt_token_ids + done and new.num_prompt_tokens == 4
+    assert outputs["r"] == expected_tokens("r", 4, 20)[7:] and finish["r"] == "length"
+    assert record[0].num_cached_tokens == 0 and not record[0].prompt_logprobs
+
+
+@pytest.mark.parametrize("n, num_done", [(2, 3), (1, 20)])
+def test_a_resumed_request_must_be_single_and_unfinished(n, num_done):
+    scheduler = make_scheduler()
+    with pytest.raises(InvalidRequest, match="resumed"):
+        scheduler.add_request(msgspec.structs.replace(request("r", 4, 20, n=n),
+                                                      output_token_ids=[5] * num_done))

@@ -1,0 +1,139 @@
+"""Request migration: a worker or scheduler killed (kill -9) mid-stream; every greedy stream
+in flight still ends with exactly the text of its solo run, with no error and no gap."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.conftest import start_stack, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+
+PROMPTS = ["The old lighthouse keeper", "In the year 2150, the city", "My favourite recipe for bread",
+           "The river wound through"]
+MAX_TOKENS = 32
+
+
+def body(model_name: str, prompt: str, stream: bool = True, **extra) -> dict:
+    return {"model": model_name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": stream, **extra}
+
+
+class StreamReader(threading.Thread):
+    """One streaming completion read in a thread: its text pieces, error events, [DONE]."""
+
+    def __init__(self, base_url: str, request: dict) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.request = base_url, request
+        self.parts: list[str] = []
+        self.errors: list[dict] = []
+        self.done = False
+        self.exception: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", self.base_url + "/v1/completions", json=self.request,
+                              timeout=180) as response:
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        self.done = True
+                    elif line.startswith("data: "):
+                        payload = json.loads(line[6:])
+                        if "error" in payload:
+                            self.errors.append(payload["error"])
+                        elif payload["choices"]:
+                            self.parts.append(payload["choices"][0]["text"])
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            self.exception = exc
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def migrations(stack) -> float:
+    text = httpx.get(stack.base_url + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('flotilla_request_migrations_total{outcome="resumed"}'))
+
+
+def solo_texts(stack, model_name) -> list[str]:
+    return [httpx.post(stack.base_url + "/v1/completions", json=body(model_name, p, stream=False),
+                       timeout=120).json()["choices"][0]["text"] for p in PROMPTS]
+
+
+def kill_mid_stream(stack, model_name, victim: str, restart: bool) -> list[StreamReader]:
+    """Start a stream per prompt, kill ``victim`` once each has some text, restart it (in
+    place) when asked, and wait for every stream to end."""
+    readers = [StreamReader(stack.base_url, body(model_name, p)) for p in PROMPTS]
+    for reader in readers:
+        reader.start()
+    assert wait_for(lambda: all(len(r.parts) >= 3 for r in readers), 60), "no text before the kill"
+    stack.stop_service(victim, signal.SIGKILL)
+    if restart:
+        time.sleep(1)
+        stack.start_service(victim)
+    for reader in readers:
+        reader.join(150)
+        assert not reader.is_alive(), "a stream hung"
+    return readers
+
+
+def assert_same_as_solo(readers: list[StreamReader], reference: list[str]) -> None:
+    for reader, expected in zip(readers, reference):
+        assert reader.exception is None, reader.exception
+        assert not reader.errors, reader.errors
+        assert reader.done, "the stream ended without [DONE]"
+        assert reader.text == expected
+
+
+@pytest.fixture(scope="module")
+def one_replica(tmp_path_factory):
+    stack = start_stack(tmp_path_factory.mktemp("migration-logs"),
+                        service_args={"worker": ["--kv-cache-memory", "256MiB"]})
+    yield stack
+    stack.stop()
+
+
+@pytest.mark.parametrize("victim", ["worker", "scheduler"])
+def test_a_replica_restarted_in_place_resumes_every_stream(one_replica, model_name, victim):
+    reference = solo_texts(one_replica, model_name)
+    before = migrations(one_replica)
+    readers = kill_mid_stream(one_replica, model_name, victim, restart=True)
+    assert_same_as_solo(readers, reference)
+    assert migrations(one_replica) >= before + len(PROMPTS)
+    one_replica.wait_ready(120)
+
+
+def test_a_request_that_cannot_move_ends_with_an_error_event(one_replica, model_name):
+    """n > 1 is not migrated: its stream ends with an OpenAI error event, never silently."""
+    reader = StreamReader(one_replica.base_url, body(model_name, PROMPTS[0], n=2,
+                                                     max_tokens=400))
+    reader.start()
+    assert wait_for(lambda: len(reader.parts) >= 3, 60)
+    one_replica.stop_service("worker", signal.SIGKILL)
+    reader.join(60)
+    one_replica.start_service("worker")
+    assert not reader.is_alive() and reader.exception is None
+    assert reader.errors and reader.errors[0]["type"] == "service_unavailable"
+    assert not reader.done
+    one_replica.wait_ready(120)
+
+
+def test_two_replicas_one_killed_for_good(tmp_path_factory, model_name):
+    """--replicas 2: a scheduler killed and not restarted; its streams finish on the other."""
+    stack = start_stack(tmp_path_factory.mktemp("migration2-logs"), replicas=2,
+                        service_args={"worker": ["--kv-cache-memory", "256MiB"],
+                                      "gateway": ["--heartbeat-timeout-s", "3"]})
+    try:
+        reference = solo_texts(stack, model_name)
+        readers = kill_mid_stream(stack, model_name, "scheduler", restart=False)
+        assert_same_as_solo(readers, reference)
+    finally:
+        stack.stop()
