@@ -8,8 +8,9 @@ SERVICE defaults to the one running as PID 1 (``python -m services.<name>``).
 
 What each check asks:
 
-- gateway: ``GET /health`` on its port (200: every tier answers); ``--live``: ``GET
-  /metrics`` (the HTTP server is serving, whatever the other tiers do).
+- gateway: ``GET /health/ready`` on its port (200: every tier answers and a replica is
+  ready: its worker attached and stepping); ``--live``: ``GET /health/live`` (the HTTP
+  server is serving, whatever the other tiers do).
 - worker: ``{ns}.v1.worker.{replica}.ping``, answered by this replica's worker even
   while a step runs, once its model is loaded.
 - scheduler: waits for this replica's stats heartbeat (``{ns}.v1.evt.scheduler.stats``,
@@ -101,7 +102,7 @@ def check(service: str, config: HealthcheckConfig) -> str:
 
 def check_gateway(config: HealthcheckConfig) -> str:
     host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
-    path = "/metrics" if config.live else "/health"
+    path = "/health/live" if config.live else "/health/ready"
     url = f"http://{host}:{config.port}{path}"
     try:
         with urllib.request.urlopen(url, timeout=config.timeout_s) as response:

@@ -20,7 +20,7 @@ def main(argv=None) -> None:
     structlog.contextvars.bind_contextvars(service="gateway", instance=config.instance_id)
     server = uvicorn.Server(uvicorn.Config(
         create_app(config), host=config.host, port=config.port, log_level="warning",
-        access_log=False, timeout_graceful_shutdown=5))
+        access_log=False, timeout_graceful_shutdown=config.shutdown_timeout_s))
     freeze_startup_objects()
     run_event_loop(server.serve())  # uvicorn handles SIGINT/SIGTERM
 

@@ -183,19 +183,42 @@ def create_app(config: GatewayConfig) -> FastAPI:
         await check_model(req.model)
         return {"prompt": await service().decode(req.tokens)}
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    async def readiness() -> dict:
+        """Every tier answers, and at least one replica is ready (its worker attached and
+        stepping whenever it has work)."""
+        gateway = service()
         services = {"gateway": {"status": "ok", "instance_id": config.instance_id},
-                    **await service().health()}
-        healthy = all(s["status"] == "ok" for s in services.values())
+                    **await gateway.health()}
         replicas = {stats.replica_id: {"scheduler_id": stats.scheduler_id,
+                                       "ready": gateway.is_ready(stats),
                                        "worker_ready": stats.worker_ready,
+                                       "seconds_since_step": round(
+                                           gateway.seconds_since_step(stats.scheduler_id), 1),
                                        "num_running": stats.num_running,
                                        "num_waiting": stats.num_waiting}
-                    for stats in service().live_schedulers()}
-        return JSONResponse(status_code=200 if healthy else 503,
-                            content={"status": "ok" if healthy else "unavailable",
-                                     "services": services, "replicas": replicas})
+                    for stats in gateway.live_schedulers()}
+        ready = all(s["status"] == "ok" for s in services.values()) and \
+            any(r["ready"] for r in replicas.values())
+        return {"status": "ok" if ready else "unavailable", "live": True, "ready": ready,
+                "services": services, "replicas": replicas}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """Everything: each service's answer and each replica's readiness (503 unless ready)."""
+        report = await readiness()
+        return JSONResponse(status_code=200 if report["ready"] else 503, content=report)
+
+    @app.get("/health/ready")
+    async def health_ready() -> JSONResponse:
+        """Readiness probe: send traffic here (the same verdict as /health)."""
+        report = await readiness()
+        return JSONResponse(status_code=200 if report["ready"] else 503,
+                            content={"ready": report["ready"], "status": report["status"]})
+
+    @app.get("/health/live")
+    async def health_live() -> dict:
+        """Liveness probe: the gateway process serves HTTP, whatever the other tiers do."""
+        return {"live": True}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -16,6 +16,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     heartbeat_timeout_s: float = 5.0  # a scheduler silent this long has lost its requests
     migration_limit: int = 3  # times a request moves to another replica when its own dies
     migration_timeout_s: float = 60.0  # how long a moving request waits for a live replica
+    stall_timeout_s: float = 60.0  # a replica with work and no finished step this long is stuck
+    shutdown_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests this long, then exit
     health_timeout_s: float = 1.0
 
     __help__ = {
@@ -27,5 +29,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "heartbeat_timeout_s": "a scheduler silent this long has lost its requests (they move)",
         "migration_limit": "times a request may move to another replica when its own dies (0: never)",
         "migration_timeout_s": "how long a moving request waits for a live replica",
+        "stall_timeout_s": "a replica with work queued and no finished step this long is not "
+                           "ready; its requests move",
+        "shutdown_timeout_s": "on SIGTERM, finish in-flight requests for this long, then exit",
         "health_timeout_s": "timeout of each service's health check",
     }

@@ -47,6 +47,9 @@ class GatewayService:
         self._heartbeats: dict[str, float] = {}  # scheduler id -> monotonic time last heard
         self._schedulers: dict[str, SchedulerStats] = {}  # latest stats of each scheduler
         self._outstanding: dict[str, int] = {}  # scheduler id -> our requests still running
+        # scheduler id -> (steps it had finished, when that count last changed)
+        self._progress: dict[str, tuple[int, float]] = {}
+        self._stalled: set[str] = set()  # replicas whose stall was already acted on
         self._tokenizer_info: TokenizerInfo | None = None
         self._background: set[asyncio.Task] = set()
 
@@ -140,11 +143,23 @@ class GatewayService:
         return [stats for sid, stats in self._schedulers.items()
                 if now - self._heartbeats.get(sid, 0.0) < self.config.heartbeat_timeout_s]
 
+    def seconds_since_step(self, scheduler_id: str) -> float:
+        """How long the replica has gone without finishing a step (0 when it has no work)."""
+        stats = self._schedulers.get(scheduler_id)
+        if stats is None or not (stats.num_running or stats.num_waiting):
+            return 0.0
+        return time.monotonic() - self._progress.get(scheduler_id, (0, time.monotonic()))[1]
+
+    def is_ready(self, stats: SchedulerStats) -> bool:
+        """Ready: heard from, its worker attached, and stepping whenever it has work."""
+        return stats.worker_ready and \
+            self.seconds_since_step(stats.scheduler_id) <= self.config.stall_timeout_s
+
     def _least_loaded_scheduler(self, avoid: str = "") -> str | None:
         """The live scheduler with the least outstanding work: its last stats, or our
         own count of requests sent to it since, whichever is larger. ``avoid`` (one that
         just lost a request) is taken only when no other is live."""
-        live = [stats for stats in self.live_schedulers() if stats.worker_ready]
+        live = [stats for stats in self.live_schedulers() if self.is_ready(stats)]
         if avoid and any(stats.scheduler_id != avoid for stats in live):
             live = [stats for stats in live if stats.scheduler_id != avoid]
         if not live:
@@ -179,12 +194,30 @@ class GatewayService:
         while True:
             await asyncio.sleep(HEARTBEAT_CHECK_S)
             now = time.monotonic()
+            stalled = self._newly_stalled()
             for stream in list(self._streams.values()):
                 silent_s = now - self._heartbeats.get(stream.scheduler_id, now)
                 if silent_s > self.config.heartbeat_timeout_s:
                     self._lost(stream, ServiceUnavailable(
                         f"the scheduler stopped responding ({silent_s:.0f}s without a "
                         "heartbeat)").to_info())
+                elif stream.scheduler_id in stalled:
+                    self._lost(stream, stalled[stream.scheduler_id])
+
+    def _newly_stalled(self) -> dict[str, ErrorInfo]:
+        """Replicas alive but not stepping with work queued for over the stall timeout
+        (a hung worker): reported not ready, and their requests move, once per stall."""
+        found = {}
+        for scheduler_id, stats in self._schedulers.items():
+            stuck_s = self.seconds_since_step(scheduler_id)
+            if stuck_s > self.config.stall_timeout_s and scheduler_id not in self._stalled:
+                self._stalled.add(scheduler_id)
+                log.warning("replica_stalled", scheduler_id=scheduler_id,
+                            replica_id=stats.replica_id, seconds=round(stuck_s, 1))
+                found[scheduler_id] = ServiceUnavailable(
+                    f"replica {stats.replica_id} has not finished a step for {stuck_s:.0f}s "
+                    "with work queued").to_info()
+        return found
 
     def _lost(self, stream: RequestStream, error: ErrorInfo) -> None:
         """The replica running ``stream`` failed it: move it to another, or end it."""
@@ -252,7 +285,11 @@ class GatewayService:
     async def _on_stats(self, stats: SchedulerStats) -> None:
         if stats.scheduler_id not in self._schedulers:
             self._replaced_by(stats)
-        self._heartbeats[stats.scheduler_id] = time.monotonic()
+        now = time.monotonic()
+        self._heartbeats[stats.scheduler_id] = now
+        if self._progress.get(stats.scheduler_id, (-1, 0.0))[0] != stats.num_steps:
+            self._progress[stats.scheduler_id] = (stats.num_steps, now)
+            self._stalled.discard(stats.scheduler_id)
         self._schedulers[stats.scheduler_id] = stats
         self.metrics.observe_scheduler(stats)
 

@@ -103,8 +103,8 @@ def test_defaults_run_every_service_with_real_probes(rendered):
     assert probe_command(tokenizer["readinessProbe"]) == HEALTHCHECK + ["tokenizer"]
     assert "livenessProbe" not in tokenizer  # queue-group health: see values.yaml
     gateway = container(workloads["gateway"])
-    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert gateway["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "http"}
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "http"}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": "http"}
     assert gateway["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     assert env(workloads["gateway"])["FLOTILLA_PORT"] == {"value": "8000"}
 

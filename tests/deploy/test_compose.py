@@ -145,7 +145,7 @@ def test_same_values_where_they_must_agree(stack, chart):
 
 def test_same_health_checks_as_the_chart(stack, chart):
     """Compose's healthcheck is the chart's readiness probe: the same command, or for the
-    gateway the same GET /health (what `shared.healthcheck gateway` requests)."""
+    gateway the same GET /health/ready (what `shared.healthcheck gateway` requests)."""
     workloads = chart_services(chart)
     for name in stack:
         if name == "nats":
@@ -155,7 +155,7 @@ def test_same_health_checks_as_the_chart(stack, chart):
         assert test[0] == "CMD" and test[1:] == HEALTHCHECK + [service], name
         readiness = container(workloads[service])["readinessProbe"]
         if service == "gateway":
-            assert readiness["httpGet"]["path"] == "/health"
+            assert readiness["httpGet"]["path"] == "/health/ready"
         else:
             assert readiness["exec"]["command"] == test[1:], name
     nats_pod = [d for d in of_kind(chart, "StatefulSet")

@@ -137,3 +137,29 @@ def test_two_replicas_one_killed_for_good(tmp_path_factory, model_name):
         assert_same_as_solo(readers, reference)
     finally:
         stack.stop()
+
+
+def test_a_gateway_sigterm_finishes_streams_in_flight(one_replica, model_name):
+    """Graceful drain: SIGTERM on the gateway refuses new connections but lets the streams
+    it is serving run to their end (within --shutdown-timeout), then it exits."""
+    readers = [StreamReader(one_replica.base_url, body(model_name, p)) for p in PROMPTS[:2]]
+    for reader in readers:
+        reader.start()
+    assert wait_for(lambda: all(len(r.parts) >= 2 for r in readers), 60)
+    gateway = one_replica.processes["gateway"]
+    gateway.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: refused(one_replica.base_url), 10), "still taking new connections"
+    for reader in readers:
+        reader.join(120)
+    assert all(r.done and not r.errors and r.exception is None for r in readers)
+    assert gateway.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it drained on
+    one_replica.start_service("gateway")
+    one_replica.wait_ready(120)
+
+
+def refused(base_url: str) -> bool:
+    try:
+        httpx.get(base_url + "/health/live", timeout=2)
+        return False
+    except httpx.TransportError:
+        return True
