@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
-import time
+import threading
+from pathlib import Path
 
 from cli import bench
 from cli.engine_flags import add_engine_flags, engine_service_args
 from cli.stack import Stack, StackOptions, flags
+
+STOP_MARGIN_S = 10.0  # beyond --shutdown-timeout: the services' own exit after their drain
+SUPERVISE_EVERY_S = 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,12 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
                        "many decode-only steps' time (default 0: off)")
     serve.add_argument("--cache-dir", default="~/.cache/flotilla", help="converted-model cache")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-dir", type=Path, default=None,
+                       help="write each service's output to DIR/<service>.log and the restart "
+                       "counts to DIR/restarts.json (default: the output comes here, on stderr)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds the services get to finish in-flight requests on the first "
+                       "Ctrl-C or SIGTERM before they are killed (a second Ctrl-C stops at once)")
     bench.add_parser(commands)
     return parser
 
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Start the stack, restart any child that exits (give up, exit 1, when one keeps
+    crashing), and stop it in order on the first Ctrl-C/SIGTERM; the second kills it."""
     service_args = engine_service_args(args)
     service_args["scheduler"] += flags(scheduling_policy=args.scheduling_policy,
                                        chunk_step_ratio=args.chunk_step_ratio)
@@ -49,20 +62,30 @@ def serve(args: argparse.Namespace) -> int:
     options = StackOptions(
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         namespace=args.namespace, cache_dir=args.cache_dir, log_level=args.log_level,
-        replicas=args.replicas, service_args=service_args)
+        replicas=args.replicas, log_dir=args.log_dir, service_args=service_args, supervise=True,
+        shutdown_timeout_s=args.shutdown_timeout)
     stack = Stack(options)
+    stopping = threading.Event()
+    started = False
 
     def request_stop(_signum, _frame) -> None:
-        # Once: a second Ctrl-C or SIGTERM must not interrupt the orderly shutdown.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
+        # Only os.write and signals here: the main thread may be inside a print or a wait.
+        if stopping.is_set():
+            os.write(2, b"\nflotilla: stopping at once\n")
+            stack.kill()
+            return
+        stopping.set()
+        os.write(2, f"\nflotilla: stopping (up to {args.shutdown_timeout:g} s for requests in "
+                    f"flight; Ctrl-C again to stop at once)\n".encode())
+        if not started:
+            raise KeyboardInterrupt  # out of stack.start(), which stops what it started
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     print(f"flotilla: starting model {args.model} (the first start converts it, ~30 s)", flush=True)
     try:
         stack.start()
+        started = True
         from shared.models import resolve_model  # cached by now: the services resolved it
         name = resolve_model(args.model, args.cache_dir).name
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
@@ -71,17 +94,17 @@ def serve(args: argparse.Namespace) -> int:
               f"{auth} \\\n    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
               f"\"content\": \"What is the capital of France?\"}}]}}'\n"
               f"Ctrl-C stops everything.", flush=True)
-        while True:
-            stack.check_alive()
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        print("\nflotilla: stopping", flush=True)
+        while not stopping.is_set():
+            stack.supervise_once()
+            stopping.wait(SUPERVISE_EVERY_S)
         return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:  # ServiceFailed is a RuntimeError
         print(f"flotilla: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        stack.stop()
+        stack.stop(timeout_s=args.shutdown_timeout + STOP_MARGIN_S)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,17 @@
 """Run the whole stack as OS processes: a nats-server (unless one is given) and every
 service. Used by ``flotilla serve`` and by the integration tests, so both start
-the stack the same way."""
+the stack the same way.
+
+With ``StackOptions.supervise`` (``flotilla serve`` turns it on) a child that exits is
+started again after a backoff by ``Stack.supervise_once()``, which the caller runs every
+~0.5 s; the integration tests leave it off and stop and start services by hand."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -17,12 +21,61 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import IO
 
 REPLICATED = ("worker", "scheduler")  # one pair per model replica
+STOP_ORDER = ("gateway", "scheduler", "worker")  # then the rest (tokenizer), then nats
+SHUTDOWN_FLAGS = ("--shutdown-timeout", "--shutdown-timeout-s")  # the first one a service takes
+TAIL_LINES = 20  # of a child's output, shown when it is given up on
 _PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a supervised child that exited is started again."""
+
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 10.0  # the wait doubles after each exit, up to this
+    reset_after_s: float = 30.0  # a child up this long starts over from initial_backoff_s
+    max_restarts: int = 5  # this many restarts within window_s and one more exit: give up
+    window_s: float = 60.0
+
+
+class Backoff:
+    """One child's restart state. Pure: the caller passes the clock's time in."""
+
+    def __init__(self, policy: RestartPolicy) -> None:
+        self.policy = policy
+        self.started_at: float | None = None
+        self.next_delay_s = policy.initial_backoff_s
+        self.restart_times: deque[float] = deque()  # exits that got a restart, within window_s
+
+    def started(self, now: float) -> None:
+        self.started_at = now
+
+    def exited(self, now: float) -> float | None:
+        """Seconds to wait before starting the child again, or None: it exited again after
+        ``max_restarts`` restarts within ``window_s``; give up."""
+        policy = self.policy
+        if self.started_at is not None and now - self.started_at >= policy.reset_after_s:
+            self.next_delay_s = policy.initial_backoff_s
+        while self.restart_times and now - self.restart_times[0] > policy.window_s:
+            self.restart_times.popleft()
+        if len(self.restart_times) >= policy.max_restarts:
+            return None
+        self.restart_times.append(now)
+        delay, self.next_delay_s = self.next_delay_s, min(self.next_delay_s * 2,
+                                                          policy.max_backoff_s)
+        return delay
+
+
+class ServiceFailed(RuntimeError):
+    """A supervised child exited too often: the stack should stop."""
 
 
 @dataclass
@@ -35,15 +88,20 @@ class StackOptions:
     replicas: int = 1  # scheduler + worker pairs
     cache_dir: str = "~/.cache/flotilla"
     log_level: str = "info"
-    log_dir: Path | None = None  # None: children write to our stdout/stderr
+    log_dir: Path | None = None  # None: children's output goes to our stderr
     # extra flags per service, e.g. {"worker": ["--kv-cache-memory", "2GiB"]}
     service_args: dict[str, list[str]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
+    supervise: bool = False  # supervise_once() restarts children that exited
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    # Given to each service whose flags include --shutdown-timeout (its drain on SIGTERM).
+    shutdown_timeout_s: float | None = None
 
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: get SIGTERM if the launcher dies, so a killed
-    launcher leaves no orphans."""
+    launcher leaves no orphans. (Linux sends it when the *thread* that started the child
+    ends: start and supervise a stack from one long-lived thread.)"""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
@@ -73,13 +131,45 @@ def nats_server_binary() -> str:
     return found
 
 
+@cache
+def service_flags(kind: str) -> frozenset[str]:
+    """The flags ``python -m services.<kind>`` takes (what its --help lists), read from its
+    config struct without starting it."""
+    from shared.config import build_parser
+
+    try:
+        config_cls = getattr(importlib.import_module(f"services.{kind}.config"),
+                             f"{kind.capitalize()}Config")
+    except (ImportError, AttributeError):
+        return frozenset()
+    return frozenset(build_parser(config_cls)._option_string_actions)
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode >= 0:
+        return f"exit code {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    hint = ", e.g. kill -9 or the out-of-memory killer" if -returncode == signal.SIGKILL else ""
+    return f"killed by {name}{hint}"
+
+
 class Stack:
     def __init__(self, options: StackOptions) -> None:
         self.options = options
         self.nats_url = options.nats_url
         self.processes: dict[str, subprocess.Popen] = {}
+        self.restarts: dict[str, int] = {}  # supervised restarts per child ("nats" included)
+        self.clock: Callable[[], float] = time.monotonic  # supervision's clock (tests: fake)
         self._nats: subprocess.Popen | None = None
-        self._log_files: list[IO] = []
+        self._nats_port: int | None = None  # fixed once chosen: a restart reuses it
+        self._backoff: dict[str, Backoff] = {}
+        self._restart_due: dict[str, float] = {}  # child -> when supervise_once starts it
+        self._tails: dict[str, deque[str]] = {}  # last output lines of piped children
+        self._pumps: list[threading.Thread] = []
+        self._stopping = False
 
     @property
     def base_url(self) -> str:
@@ -88,9 +178,13 @@ class Stack:
 
     # ------------------------------------------------------------ start
     def start(self, timeout_s: float = 300.0) -> None:
+        """Start everything and wait until healthy. A child that exits during the start
+        fails it at once (a bad flag should not wait out the backoffs); supervision, when
+        on, begins with the first supervise_once()."""
+        self._stopping = False
         try:
             if self.nats_url is None:
-                self.nats_url = self._start_nats()
+                self.nats_url = self.start_nats()
             for name in self.service_names():
                 self.start_service(name)
             self.wait_ready(timeout_s)
@@ -98,39 +192,62 @@ class Stack:
             self.stop()
             raise
 
-    def _start_nats(self) -> str:
-        log = self._log_target("nats")
-        self._nats = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", "-1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_die_with_parent)
-        assert self._nats.stderr is not None
+    def start_nats(self) -> str:
+        """Our own nats-server: on a free port the first time, on the same port on every
+        restart, so the services' clients reconnect to it. Returns its URL."""
+        for _ in range(1 if self._nats_port else 3):  # a free port can be taken meanwhile
+            port = self._nats_port or free_port()
+            if self._spawn_nats(port):
+                self._nats_port = port
+                return f"nats://127.0.0.1:{port}"
+        raise RuntimeError("nats-server did not start: " + "".join(self._tails.get("nats", [])))
+
+    def _spawn_nats(self, port: int) -> bool:
+        ready = threading.Event()
+        process = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, errors="replace", preexec_fn=_die_with_parent, process_group=0)
+        self._nats = process
+        self._backoff.setdefault("nats", Backoff(self.options.restart_policy)).started(self.clock())
+        self._pump("nats", process.stderr, self._log_target("nats"), echo=False,
+                   on_line=lambda line: "Server is ready" in line and ready.set())
         deadline = time.monotonic() + 15
-        url = None
-        while time.monotonic() < deadline:
-            line = self._nats.stderr.readline()
-            if not line:
-                break
-            if log is not None:
-                log.write(line)
-            match = re.search(r"Listening for client connections on ([\d.]+):(\d+)", line)
-            if match:
-                url = f"nats://{match.group(1)}:{match.group(2)}"
-            if "Server is ready" in line and url:
-                # Keep draining stderr into the log (or nowhere) so the pipe never fills.
-                self._drain(self._nats.stderr, log)
-                return url
-        raise RuntimeError("nats-server did not start")
+        while not ready.wait(0.05):
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                process.wait()
+                return False
+        return True
 
-    @staticmethod
-    def _drain(stream: IO, log: IO | None) -> None:
+    def _pump(self, name: str, stream: IO[str], log: IO | None, echo: bool,
+              on_line: Callable[[str], object] | None = None) -> None:
+        """Read a child's output on a thread (so the pipe never fills): into its log file,
+        and to our stderr when ``echo``; keep the last lines for a failure message."""
+        tail = self._tails[name] = deque(maxlen=TAIL_LINES)
+
         def pump() -> None:
-            for line in stream:
-                if log is not None:
-                    log.write(line)
-                    log.flush()
+            to_stderr = echo
+            with stream:
+                for line in stream:
+                    tail.append(line)
+                    if log is not None:
+                        log.write(line)
+                        log.flush()
+                    if to_stderr:
+                        try:
+                            sys.stderr.write(line)
+                            sys.stderr.flush()
+                        except (OSError, ValueError):  # our stderr is gone: keep draining
+                            to_stderr = False
+                    if on_line is not None:
+                        on_line(line)
+            if log is not None:
+                log.close()
 
-        threading.Thread(target=pump, daemon=True).start()
+        thread = threading.Thread(target=pump, name=f"output-{name}", daemon=True)
+        thread.start()
+        self._pumps = [t for t in self._pumps if t.is_alive()] + [thread]
 
     def service_names(self) -> list[str]:
         """'worker' and 'scheduler' for replica 0, 'worker-1', 'scheduler-1', ... after."""
@@ -151,25 +268,39 @@ class Stack:
             command += ["--num-threads", str(max(1, (os.cpu_count() or 1) // o.replicas))]
         if kind == "gateway":
             command += ["--host", o.host, "--port", str(o.port)]
+        drain = next((flag for flag in SHUTDOWN_FLAGS if flag in service_flags(kind)), None)
+        if o.shutdown_timeout_s is not None and drain:  # services that drain on SIGTERM
+            command += [drain, f"{o.shutdown_timeout_s:g}"]
         return command + list(o.service_args.get(kind, []))
 
     def start_service(self, name: str) -> subprocess.Popen:
+        """Start (or start again) one service. Its own process group: a Ctrl-C in the
+        terminal reaches only the launcher, which stops the services in order."""
         env = {**os.environ, **self.options.env, "TOKENIZERS_PARALLELISM": "false"}
         if not name.startswith("worker"):
             env["OMP_NUM_THREADS"] = "1"  # the cores belong to the workers
         log = self._log_target(name)
-        process = subprocess.Popen(self.service_command(name), env=env, stdout=log, stderr=log,
-                                   preexec_fn=_die_with_parent)
+        if log is None:
+            env["PYTHONUNBUFFERED"] = "1"  # piped to our stderr: lines as they come
+        try:
+            process = subprocess.Popen(
+                self.service_command(name), env=env, stdin=subprocess.DEVNULL,
+                stdout=log or subprocess.PIPE, stderr=log or subprocess.STDOUT,
+                text=True, errors="replace", preexec_fn=_die_with_parent, process_group=0)
+        finally:
+            if log is not None:
+                log.close()  # the child has its own copy
+        if log is None:
+            self._pump(name, process.stdout, None, echo=True)
         self.processes[name] = process
+        self._backoff.setdefault(name, Backoff(self.options.restart_policy)).started(self.clock())
         return process
 
     def _log_target(self, name: str) -> IO | None:
         if self.options.log_dir is None:
             return None
         self.options.log_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(self.options.log_dir / f"{name}.log", "a", buffering=1)
-        self._log_files.append(handle)
-        return handle
+        return open(self.options.log_dir / f"{name}.log", "a", buffering=1)
 
     def health(self) -> dict | None:
         try:
@@ -199,22 +330,126 @@ class Stack:
             if process.poll() is not None:
                 raise RuntimeError(f"the {name} service exited with code {process.returncode}")
 
+    # ------------------------------------------------------------ supervision
+    def supervise_once(self) -> None:
+        """Start again, after its backoff, each child that exited (nothing unless
+        ``options.supervise``). Call it every ~0.5 s from the thread that started the stack.
+        A service stopped with stop_service() is no longer watched. Raises ServiceFailed
+        when a child exits too often (RestartPolicy); the caller then stops the stack."""
+        if not self.options.supervise or self._stopping:
+            return
+        now = self.clock()
+        children = {**({"nats": self._nats} if self._nats is not None else {}), **self.processes}
+        for name, process in children.items():  # nats first: the services need it
+            due = self._restart_due.get(name)
+            if due is None:
+                if process.poll() is None:
+                    continue
+                due = self._restart_due[name] = self._schedule_restart(name, process, now)
+            if now >= due:
+                del self._restart_due[name]
+                self._restart(name)
+
+    def _schedule_restart(self, name: str, process: subprocess.Popen, now: float) -> float:
+        backoff = self._backoff.setdefault(name, Backoff(self.options.restart_policy))
+        uptime = "" if backoff.started_at is None else f" after {now - backoff.started_at:.1f} s"
+        how = describe_exit(process.returncode)
+        delay = backoff.exited(now)
+        if delay is None:
+            policy = self.options.restart_policy
+            raise ServiceFailed(
+                f"the {name} service exited again{uptime} ({how}); it was restarted "
+                f"{policy.max_restarts} times within {policy.window_s:g} s: giving up and "
+                f"stopping everything.\n"
+                f"Last lines of its {self._log_name(name)}:\n" +
+                "".join(f"    {line.rstrip()}\n" for line in self.tail(name)))
+        self._say(f"{name} exited ({how}){uptime}; restart {self.restarts.get(name, 0) + 1} "
+                  f"in {delay:g} s")
+        return now + delay
+
+    def _restart(self, name: str) -> None:
+        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        self._save_restarts()
+        try:
+            if name == "nats":
+                self.start_nats()
+                pid = self._nats.pid
+            else:
+                pid = self.start_service(name).pid
+        except (OSError, RuntimeError) as exc:  # seen as exited again at the next call
+            self._say(f"{name} did not start again (restart {count}): {exc}")
+            return
+        self._say(f"{name} restarted (restart {count}, pid {pid})")
+
+    def _save_restarts(self) -> None:
+        """restarts.json in the log folder: restarts per child, for whoever reads logs."""
+        if self.options.log_dir is not None:
+            path = self.options.log_dir / "restarts.json"
+            path.with_suffix(".tmp").write_text(json.dumps(self.restarts, sort_keys=True))
+            path.with_suffix(".tmp").replace(path)
+
+    def tail(self, name: str) -> list[str]:
+        """The last lines a child wrote (its log file, or what we piped)."""
+        if name in self._tails:
+            return list(self._tails[name])
+        if self.options.log_dir is None:
+            return []
+        try:
+            with open(self.options.log_dir / f"{name}.log", "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 16384))
+                return log.read().decode(errors="replace").splitlines()[-TAIL_LINES:]
+        except OSError:
+            return []
+
+    def _log_name(self, name: str) -> str:
+        if self.options.log_dir is None:
+            return "output"
+        return f"log ({self.options.log_dir / f'{name}.log'})"
+
+    @staticmethod
+    def _say(message: str) -> None:
+        print(f"flotilla: {message}", file=sys.stderr, flush=True)
+
     # ------------------------------------------------------------ stop
     def stop_service(self, name: str, sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         process = self.processes.pop(name, None)
+        self._restart_due.pop(name, None)
         if process is not None:
             _terminate([process], sig, timeout_s)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        processes = list(self.processes.values())
+    def stop(self, timeout_s: float = 10.0, min_per_tier_s: float = 2.0) -> None:
+        """SIGTERM in order, each group once the one before has exited: the gateway (it can
+        finish its streams while the rest still runs), schedulers, workers, the tokenizer,
+        then our nats-server. One deadline for all, ``timeout_s`` away, but each group gets
+        at least ``min_per_tier_s``; what is still running then is killed."""
+        self._stopping = True
+        self._restart_due.clear()
+        deadline = time.monotonic() + timeout_s
+        for tier in self._stop_tiers():
+            _terminate(tier, signal.SIGTERM, max(deadline - time.monotonic(), min_per_tier_s))
         self.processes.clear()
-        _terminate(processes, signal.SIGTERM, timeout_s)
-        if self._nats is not None:
-            _terminate([self._nats], signal.SIGTERM, timeout_s)
-            self._nats = None
-        for handle in self._log_files:
-            handle.close()
-        self._log_files.clear()
+        self._nats = None
+        for thread in self._pumps:  # the pipes are closed: let them finish their writes
+            thread.join(timeout=2)
+        self._pumps.clear()
+        self._stopping = False
+
+    def _stop_tiers(self) -> list[list[subprocess.Popen]]:
+        tiers = [[p for n, p in self.processes.items() if n.partition("-")[0] == kind]
+                 for kind in STOP_ORDER]
+        tiers.append([p for n, p in self.processes.items()
+                      if n.partition("-")[0] not in STOP_ORDER])
+        return tiers + [[self._nats] if self._nats is not None else []]
+
+    def kill(self) -> None:
+        """SIGKILL every child now (a second Ctrl-C); a stop() under way then ends at once.
+        Safe in a signal handler: it only sends signals."""
+        for process in [*self.processes.values(), *([self._nats] if self._nats else [])]:
+            if process.returncode is None:
+                try:
+                    os.kill(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def _terminate(processes: list[subprocess.Popen], sig: int, timeout_s: float) -> None:

@@ -1,5 +1,6 @@
 """`flotilla serve` as a user runs it: prints where the API is, serves, and stops
-every process it started on SIGTERM or Ctrl-C."""
+every process it started on SIGTERM or Ctrl-C. (Restarts of killed children:
+tests/chaos/test_supervision.py.)"""
 
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ def descendants(pid: int) -> set[int]:
     return children
 
 
+def parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -64,6 +69,10 @@ def test_serve_prints_the_api_and_stops_cleanly(stop_signal, model_name):
         assert response.status_code == 200
         children = descendants(process.pid)
         assert len(children) >= 5  # nats-server and four services
+        # Each child in its own process group: a Ctrl-C typed in the terminal reaches only
+        # the launcher, which stops the services in order (gateway first, nats last).
+        direct = [pid for pid in children if parent(pid) == process.pid]
+        assert len(direct) == 5 and all(os.getpgid(pid) == pid for pid in direct)
         process.send_signal(stop_signal)
         assert process.wait(timeout=30) == 0
         assert not [pid for pid in children if alive(pid)], "orphaned processes"
