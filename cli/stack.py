@@ -16,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -170,6 +171,10 @@ class Stack:
         self._tails: dict[str, deque[str]] = {}  # last output lines of piped children
         self._pumps: list[threading.Thread] = []
         self._stopping = False
+        # where the restart counts go (the gateway shows them in /metrics)
+        self.restarts_file = (options.log_dir / "restarts.json" if options.log_dir is not None
+                              else Path(tempfile.gettempdir())
+                              / f"flotilla-restarts-{os.getpid()}.json")
 
     @property
     def base_url(self) -> str:
@@ -277,6 +282,8 @@ class Stack:
         """Start (or start again) one service. Its own process group: a Ctrl-C in the
         terminal reaches only the launcher, which stops the services in order."""
         env = {**os.environ, **self.options.env, "TOKENIZERS_PARALLELISM": "false"}
+        if name == "gateway" and self.options.supervise:
+            env["FLOTILLA_RESTARTS_FILE"] = str(self.restarts_file)
         if not name.startswith("worker"):
             env["OMP_NUM_THREADS"] = "1"  # the cores belong to the workers
         log = self._log_target(name)
@@ -382,11 +389,12 @@ class Stack:
         self._say(f"{name} restarted (restart {count}, pid {pid})")
 
     def _save_restarts(self) -> None:
-        """restarts.json in the log folder: restarts per child, for whoever reads logs."""
-        if self.options.log_dir is not None:
-            path = self.options.log_dir / "restarts.json"
-            path.with_suffix(".tmp").write_text(json.dumps(self.restarts, sort_keys=True))
-            path.with_suffix(".tmp").replace(path)
+        """Restarts per child, as JSON in ``restarts_file`` (the log folder's restarts.json
+        when there is one): the gateway reads it for /metrics."""
+        path = self.restarts_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(self.restarts, sort_keys=True))
+        path.with_suffix(".tmp").replace(path)
 
     def tail(self, name: str) -> list[str]:
         """The last lines a child wrote (its log file, or what we piped)."""
@@ -432,6 +440,8 @@ class Stack:
         for thread in self._pumps:  # the pipes are closed: let them finish their writes
             thread.join(timeout=2)
         self._pumps.clear()
+        if self.options.log_dir is None:  # our temporary restart counts
+            self.restarts_file.unlink(missing_ok=True)
         self._stopping = False
 
     def _stop_tiers(self) -> list[list[subprocess.Popen]]:

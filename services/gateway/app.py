@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import structlog
 from fastapi import FastAPI, Request
@@ -222,7 +223,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(_read_restarts(config.restarts_file)),
+                        media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -303,6 +305,17 @@ async def _client_gone(request: Request) -> None:
     message is the disconnect: no polling."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _read_restarts(path: str) -> dict[str, int]:
+    """The launcher's restart counts ({} when there is no launcher or no file yet)."""
+    if not path:
+        return {}
+    try:
+        counts = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {str(k): int(v) for k, v in counts.items()} if isinstance(counts, dict) else {}
 
 
 def _call_id() -> str:

@@ -18,6 +18,7 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     migration_timeout_s: float = 60.0  # how long a moving request waits for a live replica
     stall_timeout_s: float = 60.0  # a replica with work and no finished step this long is stuck
     shutdown_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests this long, then exit
+    restarts_file: str = ""  # flotilla serve's restart counts (JSON), shown in /metrics
     health_timeout_s: float = 1.0
 
     __help__ = {
@@ -32,5 +33,6 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "stall_timeout_s": "a replica with work queued and no finished step this long is not "
                            "ready; its requests move",
         "shutdown_timeout_s": "on SIGTERM, finish in-flight requests for this long, then exit",
+        "restarts_file": "JSON file of service restart counts (set by flotilla serve)",
         "health_timeout_s": "timeout of each service's health check",
     }

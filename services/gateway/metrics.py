@@ -24,6 +24,12 @@ class GatewayMetrics:
                                   "Requests moved to another replica after theirs died, by "
                                   "outcome (resumed, failed: no live replica in time)",
                                   ["outcome"], registry=r)
+        self.service_restarts = Gauge("flotilla_service_restarts",
+                                      "Times flotilla serve restarted each service it runs",
+                                      ["service"], registry=r)
+        self.replica_restarts = Counter("flotilla_scheduler_replacements",
+                                        "Schedulers seen replaced by a new instance, by replica",
+                                        ["replica_id"], registry=r)
         self.prompt_tokens = Counter("flotilla_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("flotilla_generation_tokens", "Tokens generated", registry=r)
         self.time_to_first_token = self._latency("flotilla_time_to_first_token_seconds",
@@ -84,5 +90,7 @@ class GatewayMetrics:
             self.step_tokens.observe(num_tokens)
             self.step_time.observe(seconds)
 
-    def render(self) -> bytes:
+    def render(self, restarts: dict[str, int] | None = None) -> bytes:
+        for service, count in (restarts or {}).items():
+            self.service_restarts.labels(service).set(count)
         return generate_latest(self.registry)

@@ -303,6 +303,7 @@ class GatewayService:
                         old_scheduler_id=old_id, new_scheduler_id=stats.scheduler_id)
             self._schedulers.pop(old_id, None)
             self._heartbeats.pop(old_id, None)
+            self.metrics.replica_restarts.labels(stats.replica_id).inc()
             lost = ServiceUnavailable(f"scheduler {old_id} of replica {stats.replica_id} "
                                       "restarted").to_info()
             for stream in [s for s in self._streams.values() if s.scheduler_id == old_id]:

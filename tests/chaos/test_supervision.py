@@ -327,6 +327,9 @@ def test_serve_restarts_a_killed_tokenizer_and_nats_server(model_name, tmp_path)
         wait_healthy(base_url, 30)
         complete(base_url, model_name)
         assert process.poll() is None
+        metrics = httpx.get(base_url + "/metrics").text  # the launcher's counts, via the gateway
+        assert 'flotilla_service_restarts{service="tokenizer"} 1.0' in metrics
+        assert 'flotilla_service_restarts{service="nats"} 1.0' in metrics
 
         children = children_of(process.pid)
         process.send_signal(signal.SIGTERM)
