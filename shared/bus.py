@@ -2,17 +2,25 @@
 across as a reply header, OpenTelemetry trace context in NATS headers.
 
 Only each service's ``service.py`` uses this module; core logic never sees NATS.
+
+Losing NATS (docs/ARCHITECTURE.md, "Failure handling"): nats-py reconnects forever and
+replays the subscriptions; the Bus logs ``nats_disconnected`` / ``nats_reconnected``,
+fails every request waiting for a reply the moment the link drops (core NATS keeps
+nothing: a reply due during the outage is gone) and refuses to send while it is down,
+so no wait outlives the link. A connection nats-py closes for good (a server error)
+ends the process with EXIT_NATS_LOST, so a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
-import nats
 import nats.errors
 import structlog
 from nats.aio.client import Client
@@ -25,6 +33,10 @@ from shared.messages import ErrorInfo, decode, encode
 from shared.tracing import extract_context, inject_headers, tracer
 
 ERROR_HEADER = "Flotilla-Error"
+EXIT_NATS_LOST = 75  # EX_TEMPFAIL: the NATS connection was closed for good; restart me
+RECONNECT_WAIT_S = 0.5  # between reconnect attempts
+PING_INTERVAL_S = 5  # a link dead without a TCP reset is found after ~3 of these
+MAX_OUTSTANDING_PINGS = 2
 
 log = structlog.get_logger()
 
@@ -33,37 +45,145 @@ Rep = TypeVar("Rep")
 
 _error_encoder = msgspec.json.Encoder()
 _error_decoder = msgspec.json.Decoder(ErrorInfo)
+_SEND_ERRORS = (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                nats.errors.ConnectionDrainingError, nats.errors.OutboundBufferLimitError)
 
 
 class Bus:
-    def __init__(self, nc: Client) -> None:
-        self._nc = nc
-        self._subscriptions: list[Subscription] = []
+    """One NATS connection. ``on_lost`` runs once if nats-py closes it for good (not
+    on ``close()``); by default the process exits with EXIT_NATS_LOST."""
+
+    def __init__(self, url: str = "", name: str = "",
+                 on_lost: Callable[[], None] | None = None) -> None:
+        self.url = url
+        self.name = name
+        self._nc: Client | None = None
+        self._on_lost = on_lost or _exit_process
+        self._subscriptions: dict[tuple[str, str], list[Subscription]] = {}
+        self._listeners: list[Callable[[bool], None]] = []
+        self._link_up = False
+        self._lost_link: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._closing = False
+        self.lost_for_good = False  # nats-py closed the connection; nothing will come back
+        self.num_disconnects = 0  # bumped each time the link drops: anything in flight may be gone
+        self.connected_at = 0.0  # monotonic time the link last came up
+        self._down_since = 0.0
 
     @classmethod
-    async def connect(cls, url: str, name: str, *, timeout_s: float = 30.0) -> "Bus":
+    async def connect(cls, url: str, name: str, *, timeout_s: float = 30.0,
+                      on_lost: Callable[[], None] | None = None) -> "Bus":
         """Connect, retrying until ``timeout_s`` (NATS may still be starting);
         once connected, reconnect forever."""
+        bus = cls(url, name, on_lost)
         deadline = time.monotonic() + timeout_s
         while True:
+            nc = Client()
             try:
-                nc = await nats.connect(
+                await nc.connect(
                     url, name=name, connect_timeout=2, allow_reconnect=True,
-                    max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                )
-                return cls(nc)
+                    max_reconnect_attempts=-1, reconnect_time_wait=RECONNECT_WAIT_S,
+                    ping_interval=PING_INTERVAL_S, max_outstanding_pings=MAX_OUTSTANDING_PINGS,
+                    disconnected_cb=bus._callback(nc, bus._on_disconnected),
+                    reconnected_cb=bus._callback(nc, bus._on_reconnected),
+                    closed_cb=bus._callback(nc, bus._on_closed),
+                    error_cb=bus._on_error)
+                break
             except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
                 if time.monotonic() > deadline:
                     raise ServiceUnavailable(f"cannot reach NATS at {url}: {exc}") from exc
                 await asyncio.sleep(0.2)
+        bus._nc = nc
+        bus._link_up, bus.connected_at = True, time.monotonic()
+        return bus
 
+    # ------------------------------------------------------------ connection state
     @property
     def is_connected(self) -> bool:
-        return self._nc.is_connected
+        return self._nc is not None and self._link_up and self._nc.is_connected
+
+    @property
+    def is_closed(self) -> bool:
+        return self._nc is None or self._nc.is_closed
+
+    def add_listener(self, listener: Callable[[bool], None]) -> None:
+        """``listener(False)`` when the link drops, ``listener(True)`` when it is back
+        (subscriptions replayed). Called on the bus's event loop; must not block."""
+        self._listeners.append(listener)
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.is_connected and not self.lost_for_good:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return self.is_connected
+
+    def exit_if_lost(self) -> None:
+        """After the service stopped: exit non-zero if it stopped because NATS was lost."""
+        if self.lost_for_good:
+            raise SystemExit(EXIT_NATS_LOST)
+
+    def _callback(self, nc: Client, handler: Callable[[], None]) -> Callable[[], Awaitable[None]]:
+        async def callback() -> None:
+            if self._nc is nc:  # not an earlier attempt of connect()
+                handler()
+        return callback
+
+    def _on_disconnected(self) -> None:
+        self._link_down("disconnected")
+
+    def _link_down(self, why: str) -> None:
+        if not self._link_up:
+            return
+        self._link_up = False
+        self.num_disconnects += 1
+        self._down_since = time.monotonic()
+        lost, self._lost_link = self._lost_link, asyncio.get_running_loop().create_future()
+        lost.set_result(None)  # every request waiting for a reply fails now
+        if not self._closing:
+            log.warning("nats_disconnected", name=self.name, url=self.url, reason=why)
+        self._notify(False)
+
+    def _on_reconnected(self) -> None:
+        if self._closing or self._link_up:
+            return
+        self._link_up, self.connected_at = True, time.monotonic()
+        log.info("nats_reconnected", name=self.name, url=self.url,
+                 down_s=round(self.connected_at - self._down_since, 2))
+        self._notify(True)
+
+    def _on_closed(self) -> None:
+        self._link_down("closed")
+        if self._closing:
+            return
+        self.lost_for_good = True
+        error = self._nc.last_error if self._nc is not None else None
+        log.error("nats_closed", name=self.name, url=self.url,
+                  error=repr(error) if error else None)
+        self._on_lost()
+
+    async def _on_error(self, exc: Exception) -> None:
+        # nats-py reports each failed reconnect attempt here: one line, no traceback
+        log.debug("nats_error", name=self.name, error=repr(exc))
+
+    def _notify(self, up: bool) -> None:
+        for listener in list(self._listeners):
+            try:
+                listener(up)
+            except Exception:  # noqa: BLE001 - a listener must not break the others
+                log.exception("bus_listener_failed")
+
+    def _check_link(self, subject: str) -> None:
+        if self._nc is not None and not self._nc.is_connected:
+            self._link_down("noticed on send")  # before nats-py's callback runs
+        if not self.is_connected:
+            raise ServiceUnavailable(f"not connected to NATS (cannot send on {subject}); "
+                                     "reconnecting")
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Drain (finish in-flight handlers), but never wait long: NATS may be gone."""
-        if self._nc.is_closed:
+        self._closing = True
+        if self._nc is None or self._nc.is_closed:
             return
         try:
             await asyncio.wait_for(self._nc.drain(), timeout_s)
@@ -76,27 +196,44 @@ class Bus:
     async def request(self, subject: str, message: Any, reply_type: type[Rep], *,
                       timeout: float = 5.0) -> Rep:
         """Send a request; return the decoded reply. Raises ServiceUnavailable when
-        nobody serves the subject or the reply does not come in time, and the remote
-        FlotillaError when the handler failed."""
-        headers = inject_headers()
+        nobody serves the subject, the reply does not come in time, or the link to NATS
+        is down or drops before the reply comes; and the remote FlotillaError when the
+        handler failed."""
+        self._check_link(subject)
+        lost = self._lost_link
+        call = asyncio.ensure_future(
+            self._nc.request(subject, encode(message), timeout=timeout, headers=inject_headers()))
         try:
-            reply = await self._nc.request(subject, encode(message), timeout=timeout, headers=headers)
+            await asyncio.wait((call, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not call.done():
+                call.cancel()
+        if not call.done() or call.cancelled():
+            raise ServiceUnavailable(f"lost the connection to NATS while waiting for a reply "
+                                     f"on {subject}")
+        try:
+            reply = call.result()
         except nats.errors.NoRespondersError as exc:
             raise ServiceUnavailable(f"no service is answering on {subject}") from exc
         except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
             raise ServiceUnavailable(f"no reply on {subject} within {timeout:g}s") from exc
-        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                nats.errors.OutboundBufferLimitError) as exc:
-            raise ServiceUnavailable(f"NATS connection unavailable: {exc}") from exc
+        except _SEND_ERRORS as exc:
+            raise ServiceUnavailable(f"NATS connection unavailable: {exc!r}") from exc
         if reply.headers and ERROR_HEADER in reply.headers:
             raise FlotillaError.from_info(_error_decoder.decode(reply.headers[ERROR_HEADER]))
         return decode(reply.data, reply_type)
 
     async def publish(self, subject: str, message: Any) -> None:
-        await self._nc.publish(subject, encode(message), headers=inject_headers())
+        """Send an event. Raises ServiceUnavailable while the link to NATS is down (it
+        is not buffered for later: core NATS could not promise its delivery anyway)."""
+        self._check_link(subject)
+        try:
+            await self._nc.publish(subject, encode(message), headers=inject_headers())
+        except _SEND_ERRORS as exc:
+            raise ServiceUnavailable(f"NATS connection unavailable: {exc!r}") from exc
 
-    async def flush(self) -> None:
-        await self._nc.flush()
+    async def flush(self, timeout_s: float = 2.0) -> None:
+        await self._nc.flush(timeout=timeout_s)
 
     # ------------------------------------------------------------ server side
     async def serve(self, subject: str, request_type: type[Req],
@@ -119,10 +256,14 @@ class Bus:
                 except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
                     log.exception("handler_failed", subject=subject)
                     headers = _error_headers(FlotillaError(f"{type(exc).__name__}: {exc}"))
-                if msg.reply:
+                if not msg.reply:
+                    return
+                try:
                     await self._nc.publish(msg.reply, body, headers=headers)
+                except _SEND_ERRORS:  # the link dropped meanwhile: the caller fails on its own
+                    log.info("reply_dropped", subject=subject, reason="NATS link down")
 
-        self._subscriptions.append(await self._nc.subscribe(subject, queue=queue or "", cb=on_message))
+        await self._subscribe(subject, queue, on_message)
 
     async def subscribe(self, subject: str, message_type: type[Req],
                         handler: Callable[[Req], Awaitable[None]], *, queue: str | None = None) -> None:
@@ -136,8 +277,30 @@ class Bus:
                 except Exception:  # noqa: BLE001
                     log.exception("subscriber_failed", subject=subject)
 
-        self._subscriptions.append(await self._nc.subscribe(subject, queue=queue or "", cb=on_message))
+        await self._subscribe(subject, queue, on_message)
+
+    async def _subscribe(self, subject: str, queue: str | None, cb) -> None:
+        sub = await self._nc.subscribe(subject, queue=queue or "", cb=cb)
+        self._subscriptions.setdefault((subject, queue or ""), []).append(sub)
+
+    async def unsubscribe(self, subject: str, *, queue: str | None = None) -> None:
+        """Stop receiving on ``subject`` (as subscribed with ``queue``): a request to it
+        goes to the other members of the queue group, or gets "no responders"."""
+        for sub in self._subscriptions.pop((subject, queue or ""), []):
+            try:
+                await sub.unsubscribe()
+            except (nats.errors.Error, *_SEND_ERRORS) as exc:
+                log.info("unsubscribe_failed", subject=subject, error=repr(exc))
 
 
 def _error_headers(exc: FlotillaError) -> dict[str, str]:
     return {ERROR_HEADER: _error_encoder.encode(exc.to_info()).decode()}
+
+
+def _exit_process() -> None:
+    """The default when NATS is gone for good: exit non-zero, so a supervisor restarts
+    the process instead of it sitting there connected to nothing."""
+    log.error("exiting", reason="the NATS connection was closed for good", code=EXIT_NATS_LOST)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_NATS_LOST)

@@ -19,6 +19,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     # many decode-only steps' time (prompt chunks shrink to fit); 0: off
     step_timeout_s: float = 120.0  # a step taking longer means the worker is gone
     stats_interval_s: float = 0.5  # stats events at most this often (and as a heartbeat)
+    shutdown_timeout: float = 30.0  # s; on SIGTERM: finish held requests this long, fail the rest
 
     __help__ = {
         "replica_id": "replica this scheduler drives (its worker uses the same id)",
@@ -32,6 +33,8 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
                             "many decode-only steps' time (0: off)",
         "step_timeout_s": "seconds to wait for a step before failing its requests",
         "stats_interval_s": "seconds between stats events",
+        "shutdown_timeout": "on SIGTERM, take no new requests and finish the running and "
+                              "waiting ones for this long; then fail what is left (503) and exit",
     }
 
     def __post_init__(self) -> None:
@@ -39,5 +42,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
         if self.chunk_step_ratio < 0:
             raise ValueError("chunk_step_ratio must be 0 (off) or positive")
+        if self.shutdown_timeout < 0:
+            raise ValueError("shutdown_timeout must be 0 or more")
         if self.max_steps_in_flight < 1:
             raise ValueError("max_steps_in_flight must be at least 1")

@@ -53,7 +53,8 @@ class TokenizerService:
 async def serve(config: TokenizerConfig, stop: asyncio.Event) -> None:
     model_files = resolve_model(config.model, config.cache_dir)
     codec = await asyncio.to_thread(TextCodec, model_files.path, config.max_model_len)
-    bus = await Bus.connect(config.nats_url, name=f"tokenizer-{config.instance_id}")
+    bus = await Bus.connect(config.nats_url, name=f"tokenizer-{config.instance_id}",
+                            on_lost=stop.set)
     service = TokenizerService(config, bus, codec, model_files.name)
     await service.start()
     freeze_startup_objects()
@@ -62,3 +63,4 @@ async def serve(config: TokenizerConfig, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         await bus.close()
+    bus.exit_if_lost()  # NATS closed the connection for good: exit non-zero, to be restarted

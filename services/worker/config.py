@@ -20,6 +20,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     block_size: int = 16  # tokens per KV block
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
+    shutdown_timeout: float = 30.0  # s; on SIGTERM: serve steps until none came for 1 s, at most this
 
     __help__ = {
         "replica_id": "replica this worker serves (its scheduler uses the same id)",
@@ -35,6 +36,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "block_size": "tokens per KV cache block",
         "max_model_len": "context length limit (0: the model's own)",
         "num_threads": "torch CPU threads (0: torch default)",
+        "shutdown_timeout": "on SIGTERM, keep serving steps until none came for a second "
+                              "(its scheduler drained), at most this long; then exit",
     }
 
     def __post_init__(self) -> None:

@@ -1,4 +1,11 @@
-"""The worker's NATS edge: answers its scheduler's step plans with sampled tokens."""
+"""The worker's NATS edge: answers its scheduler's step plans with sampled tokens.
+
+On SIGTERM (or SIGINT) it keeps serving steps until none came for DRAIN_IDLE_S (its
+scheduler drained, or is gone), at most ``shutdown_timeout`` seconds, then exits; a
+second signal stops it at once. Its pings report how often its link to NATS dropped,
+so the scheduler can tell a step whose reply may have been lost. A NATS connection
+closed for good ends the process with EXIT_NATS_LOST.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import asyncio
 import signal
 import sys
 import threading
+import time
 from concurrent.futures import Executor
 
 import structlog
@@ -13,7 +21,7 @@ import structlog
 from services.worker.config import WorkerConfig
 from services.worker.main_thread import MainThreadExecutor
 from services.worker.runner import ModelRunner
-from shared.bus import Bus
+from shared.bus import EXIT_NATS_LOST, Bus
 from shared.errors import ServiceUnavailable
 from shared.messages import Empty, HealthReply, StepPlan, StepResult, WorkerInfo
 from shared.models import resolve_model
@@ -23,6 +31,8 @@ from shared.subjects import Subjects
 log = structlog.get_logger()
 
 GIL_SWITCH_INTERVAL_S = 0.0002
+DRAIN_IDLE_S = 1.0  # draining: exit once no step came for this long
+DRAIN_POLL_S = 0.1
 
 
 class WorkerService:
@@ -34,6 +44,12 @@ class WorkerService:
         self.subjects = Subjects(config.namespace)
         self.num_steps = 0
         self.forward = forward  # where runner.execute runs (the main thread)
+        self.num_running = 0  # steps being computed
+        self.last_step_at = time.monotonic()  # when a step last came or ended
+        self.draining = False
+        # The step id due next: plans come numbered from 0 after each attach; one out of
+        # order was sent before the scheduler re-attached (held up in a NATS outage).
+        self._next_step_id: int | None = None  # None: no scheduler attached yet
 
     async def start(self) -> None:
         replica_id = self.config.replica_id
@@ -49,6 +65,14 @@ class WorkerService:
             raise ServiceUnavailable(
                 f"worker {self.config.instance_id} got a step planned for worker "
                 f"{plan.worker_id}: it restarted and its cache is empty; the scheduler re-attaches")
+        if self._next_step_id is not None and plan.step_id != self._next_step_id:
+            log.warning("stale_step_refused", step_id=plan.step_id,
+                        expected_step_id=self._next_step_id)
+            raise ServiceUnavailable(f"step {plan.step_id} is out of order (step "
+                                     f"{self._next_step_id} is due): a stale step")
+        self._next_step_id = plan.step_id + 1
+        self.num_running += 1
+        self.last_step_at = time.monotonic()
         try:
             # Off the event loop, so pings still answer during long steps.
             result = await asyncio.get_running_loop().run_in_executor(
@@ -56,13 +80,21 @@ class WorkerService:
         except Exception:
             self.runner.reset()  # the scheduler fails these requests; start clean
             raise
+        finally:
+            self.num_running -= 1
+            self.last_step_at = time.monotonic()
         self.num_steps += 1
         return result
 
     async def _on_attach(self, _: Empty) -> WorkerInfo:
-        self.runner.reset()
+        self._next_step_id = 0  # at once: a stale step coming during the reset is refused
+        # On the forward thread, after any step still computing (one sent before the
+        # scheduler lost it, e.g. over a NATS outage): never a reset under a running step.
+        started = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(self.forward, self.runner.reset)
         runner = self.runner
-        log.info("scheduler_attached", num_blocks=runner.num_blocks)
+        log.info("scheduler_attached", num_blocks=runner.num_blocks,
+                 waited_s=round(time.monotonic() - started, 3))
         return WorkerInfo(
             worker_id=self.config.instance_id, replica_id=self.config.replica_id,
             model_name=runner.model_name, num_blocks=runner.num_blocks,
@@ -73,24 +105,42 @@ class WorkerService:
     async def _on_health(self, _: Empty) -> HealthReply:
         return HealthReply(service="worker", instance_id=self.config.instance_id, detail={
             "replica_id": self.config.replica_id, "num_blocks": self.runner.num_blocks,
-            "num_steps": self.num_steps, "device": str(self.runner.device)})
+            "num_steps": self.num_steps, "device": str(self.runner.device),
+            "draining": self.draining, "nats_disconnects": self.bus.num_disconnects})
+
+    async def drain(self, timeout_s: float) -> None:
+        """Keep serving until no step came for DRAIN_IDLE_S (at most ``timeout_s``)."""
+        self.draining = True
+        log.info("worker_draining", timeout_s=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.num_running and time.monotonic() - self.last_step_at >= DRAIN_IDLE_S:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        log.info("worker_drained", num_steps=self.num_steps,
+                 timed_out=time.monotonic() >= deadline)
 
 
 async def serve_bus(config: WorkerConfig, runner: ModelRunner, forward: Executor,
-                    stop: asyncio.Event) -> None:
-    bus = await Bus.connect(config.nats_url, name=f"worker-{config.instance_id}")
+                    stop: asyncio.Event, outcome: dict[str, int]) -> None:
+    bus = await Bus.connect(config.nats_url, name=f"worker-{config.instance_id}",
+                            on_lost=stop.set)
     service = WorkerService(config, bus, runner, forward)
     await service.start()
     log.info("worker_started", replica_id=config.replica_id)
     try:
         await stop.wait()
+        if not bus.lost_for_good:
+            await service.drain(config.shutdown_timeout)
     finally:
         await bus.close()
+        if bus.lost_for_good:
+            outcome["exit_code"] = EXIT_NATS_LOST
 
 
 def run(config: WorkerConfig) -> None:
     """Load the model and run forwards on the main thread; NATS runs in a second
-    thread until SIGINT/SIGTERM."""
+    thread until SIGINT/SIGTERM (then the worker drains) or a lost NATS connection."""
     # The bus thread must get the GIL quickly while the main thread launches a step's kernels
     # (pure Python for milliseconds on a GPU): at the default 5 ms switch interval, plans and
     # replies waited behind it and the GPU sat idle between steps.
@@ -103,19 +153,39 @@ def run(config: WorkerConfig) -> None:
     forward = MainThreadExecutor()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
+    outcome = {"exit_code": 0}
 
     def bus_main() -> None:
         try:
-            loop.run_until_complete(serve_bus(config, runner, forward, stop))
+            loop.run_until_complete(serve_bus(config, runner, forward, stop, outcome))
         except Exception:  # noqa: BLE001 - logged; the process then exits
             log.exception("bus_failed")
+            outcome["exit_code"] = 1
         finally:
             forward.shutdown()  # without the bus the worker has nothing to do
 
+    num_signals = 0
+
+    def on_signal(*_) -> None:
+        nonlocal num_signals
+        num_signals += 1
+        if num_signals > 1:
+            forward.shutdown()  # a second signal: now
+            return
+        try:
+            loop.call_soon_threadsafe(stop.set)  # the bus thread drains, then stops forward
+        except RuntimeError:  # its loop is gone already
+            forward.shutdown()
+
     bus_thread = threading.Thread(target=bus_main, name="bus", daemon=True)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: forward.shutdown())
+        signal.signal(sig, on_signal)
     bus_thread.start()
     forward.run_forever()
-    loop.call_soon_threadsafe(stop.set)
+    try:
+        loop.call_soon_threadsafe(stop.set)
+    except RuntimeError:
+        pass
     bus_thread.join(timeout=10)
+    if outcome["exit_code"]:
+        sys.exit(outcome["exit_code"])
