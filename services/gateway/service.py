@@ -57,6 +57,19 @@ class GatewayService:
         await self.bus.subscribe(self.output_subject, OutputBatch, self._on_outputs)
         await self.bus.subscribe(self.subjects.scheduler_stats, SchedulerStats, self._on_stats)
         self._spawn(self._watch_heartbeats())
+        self.bus.add_listener(self._on_link)
+
+    def _on_link(self, up: bool) -> None:
+        """Our own NATS link dropped: outputs sent meanwhile may be lost, so every running
+        request moves (resuming from the tokens we did receive; late outputs of the old
+        ids are ignored)."""
+        if up:
+            return
+        lost = ServiceUnavailable("the gateway lost its connection to NATS (outputs may be "
+                                  "lost)", code="nats_unavailable").to_info()
+        for stream in list(self._streams.values()):
+            if stream.scheduler_id:
+                self._lost(stream, lost)
 
     async def stop(self) -> None:
         for task in list(self._background):

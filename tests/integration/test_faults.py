@@ -59,6 +59,7 @@ def test_a_restarted_tokenizer_does_not_break_requests_in_flight(own_stack, mode
         own_stack.start_service("tokenizer")
         parts += list(texts)
     assert "".join(parts) == reference
+    own_stack.wait_ready(120)  # the next test needs a tokenizer again
 
 
 def test_client_disconnect_aborts_and_frees_blocks(own_stack, model_name):
