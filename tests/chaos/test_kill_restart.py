@@ -3,14 +3,13 @@ in flight still ends with exactly the text of its solo run, with no error and no
 
 from __future__ import annotations
 
-import json
 import signal
-import threading
 import time
 
 import httpx
 import pytest
 
+from tests.chaos.streams import StreamReader
 from tests.integration.conftest import start_stack, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -23,38 +22,6 @@ MAX_TOKENS = 32
 def body(model_name: str, prompt: str, stream: bool = True, **extra) -> dict:
     return {"model": model_name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": stream, **extra}
-
-
-class StreamReader(threading.Thread):
-    """One streaming completion read in a thread: its text pieces, error events, [DONE]."""
-
-    def __init__(self, base_url: str, request: dict) -> None:
-        super().__init__(daemon=True)
-        self.base_url, self.request = base_url, request
-        self.parts: list[str] = []
-        self.errors: list[dict] = []
-        self.done = False
-        self.exception: Exception | None = None
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", self.base_url + "/v1/completions", json=self.request,
-                              timeout=180) as response:
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        payload = json.loads(line[6:])
-                        if "error" in payload:
-                            self.errors.append(payload["error"])
-                        elif payload["choices"]:
-                            self.parts.append(payload["choices"][0]["text"])
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            self.exception = exc
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
 
 
 def migrations(stack) -> float:

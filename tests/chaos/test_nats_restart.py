@@ -9,8 +9,6 @@ and the stack serves a new request within 10 s of NATS being back."""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 
 import httpx
@@ -18,6 +16,7 @@ import pytest
 
 from cli.stack import free_port
 from tests.chaos.test_nats_bus import NatsServer
+from tests.chaos.streams import StreamReader
 from tests.integration.conftest import start_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
@@ -49,38 +48,6 @@ def nats_and_stack(tmp_path_factory):
 def body(model_name: str, prompt: str, stream: bool = True) -> dict:
     return {"model": model_name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "stream": stream}
-
-
-class StreamReader(threading.Thread):
-    """One streaming completion read in a thread: its text, error events, [DONE]."""
-
-    def __init__(self, base_url: str, request: dict) -> None:
-        super().__init__(daemon=True)
-        self.base_url, self.request = base_url, request
-        self.parts: list[str] = []
-        self.errors: list[dict] = []
-        self.done = False
-        self.exception: Exception | None = None
-
-    def run(self) -> None:
-        try:
-            with httpx.stream("POST", self.base_url + "/v1/completions", json=self.request,
-                              timeout=180) as response:
-                for line in response.iter_lines():
-                    if line == "data: [DONE]":
-                        self.done = True
-                    elif line.startswith("data: "):
-                        payload = json.loads(line[6:])
-                        if "error" in payload:
-                            self.errors.append(payload["error"])
-                        elif payload["choices"]:
-                            self.parts.append(payload["choices"][0]["text"])
-        except Exception as exc:  # noqa: BLE001 - the test reports it
-            self.exception = exc
-
-    @property
-    def text(self) -> str:
-        return "".join(self.parts)
 
 
 def complete(base_url: str, request: dict) -> httpx.Response:
