@@ -8,7 +8,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from services.gateway import protocol
 from services.gateway.access import AuthAndCount, error_response
 from services.gateway.choices import ChatChoice, CompletionChoice
 from services.gateway.config import GatewayConfig
-from services.gateway.generation import Generation, gather, merge_deltas, stream_events
+from services.gateway.generation import CHOICES, Generation, OutputShape, merge_deltas
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.service import GatewayService
@@ -34,6 +34,7 @@ from shared.messages import EncodeRequest, SamplingParams
 from shared.models import resolve_model
 
 log = structlog.get_logger()
+_ID_PREFIXES = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}
 
 
 def load_tokenizer(model: str, cache_dir: str):
@@ -135,9 +136,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     async def generate(request: Request, kind: str, req, model: str,
                        submissions: list[tuple[list[int], SamplingParams]], choices: list,
-                       num_returned: int) -> Response:
+                       num_returned: int, output: OutputShape = CHOICES) -> Response:
         """Submit each prompt for len(choices) / len(submissions) sequences and answer with
-        all of them (num_returned per prompt)."""
+        all of them (num_returned per prompt), in ``output``'s shape."""
         started = time.perf_counter()
         num_per_prompt = len(choices) // len(submissions)
         request_ids, streams = [], []
@@ -154,16 +155,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
             raise
         num_prompt_tokens = sum(len(prompt_ids) for prompt_ids, _ in submissions)
         metrics.prompt_tokens.inc(num_prompt_tokens)
-        generation = Generation(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + request_ids[0],
+        generation = Generation(kind, _ID_PREFIXES[kind] + request_ids[0],
                                 model, choices, streams, num_prompt_tokens, num_returned,
                                 req.include_usage, num_per_prompt=num_per_prompt)
         deltas = merge_deltas([_timed(service().deltas(stream), metrics, started)
                                for stream in streams])
         if req.stream:
-            return StreamingResponse(stream_events(generation, deltas),
+            return StreamingResponse(output.events(generation, deltas),
                                      media_type="text/event-stream")
-        return JSONResponse(await _gather_unless_disconnected(request, generation, deltas,
-                                                              service()))
+        return JSONResponse(await _gather_unless_disconnected(
+            request, generation, output.gather(generation, deltas), service()))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -281,10 +282,10 @@ async def _timed(deltas: AsyncIterator[Delta], metrics: GatewayMetrics,
 
 
 async def _gather_unless_disconnected(request: Request, generation: Generation,
-                                      deltas: AsyncIterator[tuple[int, Delta]],
+                                      gathering: Awaitable[dict],
                                       service: GatewayService) -> dict:
     """The gathered response; if the client goes away first, abort every sequence."""
-    task = asyncio.create_task(gather(generation, deltas))
+    task = asyncio.ensure_future(gathering)
     gone = asyncio.create_task(_client_gone(request))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -25,7 +25,7 @@ log = structlog.get_logger()
 
 @dataclass
 class Generation:
-    kind: str  # "chat" or "completions"
+    kind: str  # "chat", "completions" or "responses"
     response_id: str
     model: str
     choices: list[ChatChoice] | list[CompletionChoice]
@@ -158,3 +158,15 @@ async def stream_events(generation: Generation,
         return
     tail = [event([], generation.usage())] if generation.include_usage else []
     yield b"".join(tail) + b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class OutputShape:
+    """How a generation reaches the client: as server-sent events, or gathered into one
+    body. Chat and completions use their choices (``CHOICES``); /v1/responses its own."""
+
+    events: Callable[[Generation, AsyncIterator[tuple[int, Delta]]], AsyncIterator[bytes]]
+    gather: Callable[[Generation, AsyncIterator[tuple[int, Delta]]], Awaitable[dict]]
+
+
+CHOICES = OutputShape(stream_events, gather)
