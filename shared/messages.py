@@ -140,12 +140,27 @@ class DecodeReply(Struct, frozen=True, kw_only=True):
     text: str
 
 
+class GenerationDefaults(Struct, frozen=True, kw_only=True):
+    """The model's own sampling defaults (its generation_config.json), applied by the
+    gateway to a request that leaves the parameter out; None: the model sets none."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+
+
 class TokenizerInfo(Struct, frozen=True, kw_only=True):
     model_name: str
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
     has_chat_template: bool
+    generation_defaults: GenerationDefaults = GenerationDefaults()
+    # what a completions prompt of "" or null starts from (<|endoftext|>, else BOS, else EOS)
+    document_start_token_id: int | None = None
 
 
 # ----------------------------------------------------------------- scheduler
@@ -286,7 +301,8 @@ class WorkerInfo(Struct, frozen=True, kw_only=True):
 ALL_MESSAGES: tuple[type[Struct], ...] = (
     ErrorInfo, HealthReply, Empty, StructuredSpec, SamplingParams, TokenLogprobs, FunctionCall,
     ToolCall, ChatMessage, EncodeRequest,
-    EncodeReply, DecodeRequest, DecodeReply, TokenizerInfo, GenerateRequest, SubmitReply,
+    EncodeReply, DecodeRequest, DecodeReply, GenerationDefaults, TokenizerInfo, GenerateRequest,
+    SubmitReply,
     AbortRequest, RequestOutput, OutputBatch, SchedulerStats, NewRequestData,
     ScheduledRequest, StepPlan, StepResult, WorkerInfo,
 )

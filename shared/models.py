@@ -32,6 +32,8 @@ from pathlib import Path
 
 import structlog
 
+from shared.messages import GenerationDefaults
+
 log = structlog.get_logger()
 
 DEFAULT_MODEL = "smollm2"
@@ -177,3 +179,38 @@ def _convert_gguf(gguf_path: Path, staging: Path) -> None:
     model.generation_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
+
+
+# generation_config.json keys a request's parameter defaults to, with the values accepted
+# (a value outside them is ignored with a warning, as if the model set none).
+_GENERATION_DEFAULT_RANGES: dict[str, tuple[type, float, float]] = {
+    "temperature": (float, 0.0, 2.0),
+    "top_p": (float, 1e-9, 1.0),
+    "top_k": (int, -1, float("inf")),
+    "min_p": (float, 0.0, 1.0),
+    "repetition_penalty": (float, 1e-9, 10.0),
+    "max_new_tokens": (int, 1, float("inf")),
+}
+
+
+def read_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
+    """The sampling defaults of a model directory's generation_config.json (temperature,
+    top_p, top_k, min_p, repetition_penalty, max_new_tokens); what the file leaves out is
+    None. ``do_sample`` is not read: a client asks for greedy output with temperature 0."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        log.warning("generation_config_unreadable", path=str(path))
+        return GenerationDefaults()
+    values = {}
+    for key, (kind, low, high) in _GENERATION_DEFAULT_RANGES.items():
+        value = config.get(key) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or (kind is int and not isinstance(value, int)) or not low <= value <= high:
+            log.warning("generation_default_ignored", key=key, value=value, path=str(path))
+            continue
+        values[key] = kind(value)
+    return GenerationDefaults(**values)

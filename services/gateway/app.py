@@ -17,13 +17,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway import protocol
+from services.gateway import protocol, response_models as bodies
 from services.gateway.access import AuthAndCount, error_response
 from services.gateway.choices import ChatChoice, CompletionChoice
 from services.gateway.config import GatewayConfig
 from services.gateway.generation import CHOICES, Generation, OutputShape, merge_deltas
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.openapi import install as install_openapi, json_responses, request_body
 from services.gateway.service import GatewayService
 from services.gateway.streams import Delta
 from services.gateway.structured import response_format_spec
@@ -65,6 +66,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     # switch per streamed chunk, which was a third of the gateway's time at 500 streams.
     app.add_middleware(BodySizeLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(AuthAndCount, api_key=config.api_key, metrics=metrics)
+    install_openapi(app)
 
     def service() -> GatewayService:
         return state["service"]
@@ -85,27 +87,40 @@ def create_app(config: GatewayConfig) -> FastAPI:
                            code="model_not_found")
         return info
 
-    @app.get("/v1/models")
-    async def list_models() -> dict:
-        info = await service().tokenizer_info()
-        return {"object": "list", "data": [{
-            "id": info.model_name, "object": "model", "created": 0, "owned_by": "flotilla",
-            "max_model_len": info.max_model_len}]}
+    def parse(model_cls, payload):
+        return protocol.parse_request(model_cls, payload, config.accept_unknown_fields)
 
-    @app.post("/v1/completions")
+    def model_card(info) -> dict:
+        return {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flotilla",
+                "max_model_len": info.max_model_len}
+
+    @app.get("/v1/models", response_model=None,
+             responses=json_responses(bodies.ModelList, errors=(401, 503)))
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card(await service().tokenizer_info())]}
+
+    @app.get("/v1/models/{model:path}", response_model=None,
+             responses=json_responses(bodies.ModelCard, errors=(401, 404, 503)))
+    async def retrieve_model(model: str) -> dict:
+        return model_card(await check_model(model))
+
+    @app.post("/v1/completions", openapi_extra=request_body(protocol.CompletionRequest),
+              responses=json_responses(bodies.Completion, stream=bodies.Completion))
     async def completions(request: Request) -> Response:
-        req = protocol.parse_request(protocol.CompletionRequest, await read_json(request))
+        req = parse(protocol.CompletionRequest, await read_json(request))
         info = await check_model(req.model)
         num_sequences = req.num_sequences
         # best_of ranks sequences by cumulative logprob: the worker reports them even unasked
         worker_logprobs = req.logprobs if req.logprobs is not None else \
             (0 if num_sequences > req.n else None)
         submissions, choices = [], []
-        for prompt in req.prompts:  # choice index: prompt index x sequences per prompt + i
+        # choice index: prompt index x sequences per prompt + i
+        for prompt in req.prompts_or_document_start(info.document_start_token_id):
             prompt_ids = await service().encode(EncodeRequest(prompt=prompt))
             max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), info.max_model_len)
             submissions.append((prompt_ids, req.sampling_params(
-                max_tokens, info.vocab_size, logprobs=worker_logprobs,
+                max_tokens, info.vocab_size, defaults=info.generation_defaults,
+                logprobs=worker_logprobs,
                 prompt_logprobs=req.logprobs if req.echo else None)))
             echo_text = None
             if req.echo:
@@ -116,20 +131,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return await generate(request, "completions", req, info.model_name, submissions,
                               choices, req.n)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(protocol.ChatCompletionRequest),
+              responses=json_responses(bodies.ChatCompletion, stream=bodies.ChatCompletionChunk))
     async def chat_completions(request: Request) -> Response:
-        req = protocol.parse_request(protocol.ChatCompletionRequest, await read_json(request))
+        req = parse(protocol.ChatCompletionRequest, await read_json(request))
         info = await check_model(req.model)
-        tool_plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+        tool_plan = plan_tools(*req.tools_and_choice(), req.parallel_tool_calls)
         structured = tool_plan.structured or response_format_spec(
-            req.response_format.model_dump(exclude_none=True) if req.response_format else None)
+            req.response_format.as_dict() if req.response_format else None)
         prompt_ids = await service().encode(EncodeRequest(
             messages=[m.to_message() for m in req.messages], add_generation_prompt=True,
             tools=tool_plan.tools_for_prompt))
-        max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids),
-                                        info.max_model_len)
-        sampling = req.sampling_params(max_tokens, info.vocab_size, logprobs=req.num_logprobs,
-                                       structured=structured)
+        max_tokens = resolve_max_tokens(
+            req.requested_max_tokens, len(prompt_ids), info.max_model_len,
+            default_limit=protocol.default_max_tokens(info.generation_defaults,
+                                                      config.max_tokens_default))
+        sampling = req.sampling_params(max_tokens, info.vocab_size,
+                                       defaults=info.generation_defaults,
+                                       logprobs=req.num_logprobs, structured=structured)
         choices = [ChatChoice(i, req.num_logprobs, tool_plan, _call_id) for i in range(req.n)]
         return await generate(request, "chat", req, info.model_name, [(prompt_ids, sampling)],
                               choices, req.n)
@@ -166,9 +185,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return JSONResponse(await _gather_unless_disconnected(
             request, generation, output.gather(generation, deltas), service()))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(protocol.TokenizeRequest),
+              response_model=None, responses=json_responses(bodies.TokenizeResponse))
     async def tokenize(request: Request) -> dict:
-        req = protocol.parse_request(protocol.TokenizeRequest, await read_json(request))
+        req = parse(protocol.TokenizeRequest, await read_json(request))
         info = await check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give exactly one of prompt or messages", param="prompt")
@@ -176,12 +196,13 @@ def create_app(config: GatewayConfig) -> FastAPI:
         token_ids = await service().encode(EncodeRequest(
             prompt=req.prompt, messages=messages, add_special_tokens=req.add_special_tokens,
             add_generation_prompt=req.add_generation_prompt,
-            tools=plan_tools(req.tools, None, None).tools_for_prompt if req.tools else None))
+            tools=plan_tools(req.tool_dicts(), None, None).tools_for_prompt if req.tools else None))
         return {"tokens": token_ids, "count": len(token_ids), "max_model_len": info.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(protocol.DetokenizeHTTPRequest),
+              response_model=None, responses=json_responses(bodies.DetokenizeResponse))
     async def detokenize(request: Request) -> dict:
-        req = protocol.parse_request(protocol.DetokenizeHTTPRequest, await read_json(request))
+        req = parse(protocol.DetokenizeHTTPRequest, await read_json(request))
         await check_model(req.model)
         return {"prompt": await service().decode(req.tokens)}
 
@@ -204,25 +225,29 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return {"status": "ok" if ready else "unavailable", "live": True, "ready": ready,
                 "services": services, "replicas": replicas}
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": bodies.HealthReport},
+                                   503: {"model": bodies.HealthReport}})
     async def health() -> JSONResponse:
         """Everything: each service's answer and each replica's readiness (503 unless ready)."""
         report = await readiness()
         return JSONResponse(status_code=200 if report["ready"] else 503, content=report)
 
-    @app.get("/health/ready")
+    @app.get("/health/ready", responses={200: {"model": bodies.Readiness},
+                                         503: {"model": bodies.Readiness}})
     async def health_ready() -> JSONResponse:
         """Readiness probe: send traffic here (the same verdict as /health)."""
         report = await readiness()
         return JSONResponse(status_code=200 if report["ready"] else 503,
                             content={"ready": report["ready"], "status": report["status"]})
 
-    @app.get("/health/live")
+    @app.get("/health/live", response_model=None,
+             responses={200: {"model": bodies.Liveness}})
     async def health_live() -> dict:
         """Liveness probe: the gateway process serves HTTP, whatever the other tiers do."""
         return {"live": True}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                          "description": "Prometheus text format"}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(_read_restarts(config.restarts_file)),
                         media_type="text/plain; version=0.0.4")
@@ -245,7 +270,10 @@ async def read_json(request: Request):
     return payload
 
 
-def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       default_limit: int | None = None) -> int:
+    """The request's own limit, which must fit the context; without one, ``default_limit``
+    (protocol.default_max_tokens) or the room the prompt leaves, whichever is less."""
     room = max_model_len - num_prompt_tokens
     if requested is None:
         if room < 1:
@@ -253,7 +281,7 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
                 f"the prompt has {num_prompt_tokens} tokens, which leaves no room in the model's "
                 f"context length of {max_model_len}", param="messages",
                 code="context_length_exceeded")
-        return room
+        return min(room, default_limit) if default_limit else room
     if requested > room:
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, you "

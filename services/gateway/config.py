@@ -20,6 +20,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     shutdown_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests this long, then exit
     restarts_file: str = ""  # flotilla serve's restart counts (JSON), shown in /metrics
     health_timeout_s: float = 1.0
+    accept_unknown_fields: bool = False  # drop and log parameters outside OpenAI's schema
+    max_tokens_default: int = 0  # output limit of a request that sets none (0: the context)
 
     __help__ = {
         "host": "address to listen on",
@@ -35,4 +37,12 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "shutdown_timeout_s": "on SIGTERM, finish in-flight requests for this long, then exit",
         "restarts_file": "JSON file of service restart counts (set by flotilla serve)",
         "health_timeout_s": "timeout of each service's health check",
+        "accept_unknown_fields": "accept request parameters outside OpenAI's schema (vendor "
+                                 "extensions), dropping and logging them, instead of a 400",
+        "max_tokens_default": "output tokens of a request that gives no max_tokens (and no "
+                              "smaller model default); 0: what the context leaves",
     }
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_default < 0:
+            raise ValueError("max_tokens_default must be 0 (no default) or positive")

@@ -16,8 +16,10 @@ from transformers import AutoTokenizer
 
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage, DecodeRequest, EncodeRequest, TokenizerInfo
+from shared.models import read_generation_defaults
 
 # config.json keys that hold the context length, most common first.
+_DOCUMENT_SEPARATOR = "<|endoftext|>"
 _CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
 
@@ -35,6 +37,7 @@ class TextCodec:
         self.eos_token_ids = _eos_token_ids(
             model_config, _read_json(self.model_dir / "generation_config.json"),
             self.tokenizer.eos_token_id)
+        self.generation_defaults = read_generation_defaults(self.model_dir)
 
     @property
     def has_chat_template(self) -> bool:
@@ -67,7 +70,21 @@ class TextCodec:
             vocab_size=self.vocab_size,
             eos_token_ids=list(self.eos_token_ids),
             has_chat_template=self.has_chat_template,
+            generation_defaults=self.generation_defaults,
+            document_start_token_id=self.document_start_token_id,
         )
+
+    @property
+    def document_start_token_id(self) -> int | None:
+        """What a completion with no prompt starts from: ``<|endoftext|>`` (OpenAI's
+        document separator, which SmolLM2 and Qwen share) when it is one token, else BOS,
+        else the first EOS."""
+        separator = self.tokenizer.get_vocab().get(_DOCUMENT_SEPARATOR)
+        if separator is not None:
+            return separator
+        if self.tokenizer.bos_token_id is not None:
+            return self.tokenizer.bos_token_id
+        return self.eos_token_ids[0] if self.eos_token_ids else None
 
     @property
     def template_uses_tools(self) -> bool:

@@ -1,0 +1,217 @@
+"""The parts of a chat-completions request: messages and their content parts, tools and
+tool_choice, response_format and prediction, in OpenAI's shapes.
+
+flotilla serves text models: a content part that is not text (an image, audio, a file)
+is a 400 naming it. Tools are checked and planned by ``tool_calls.plan_tools``, which
+takes the plain dicts these models hand on.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.gateway.request_base import OpenAIModel, ParameterError
+from shared.messages import ChatMessage, FunctionCall, ToolCall
+
+
+class TextPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class RefusalPart(OpenAIModel):
+    """An assistant's earlier refusal, shown to the model as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
+class _NonTextPart(BaseModel):
+    """Image, audio and file parts: known, refused (the model reads text only)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="after")
+    def _refuse(self):
+        raise ParameterError("messages", f"content parts of type '{self.type}' are not "
+                             "supported: this model reads text only")
+
+
+class ImagePart(_NonTextPart):
+    type: Literal["image_url"]
+    image_url: dict[str, Any]
+
+
+class AudioPart(_NonTextPart):
+    type: Literal["input_audio"]
+    input_audio: dict[str, Any]
+
+
+class FilePart(_NonTextPart):
+    type: Literal["file"]
+    file: dict[str, Any]
+
+
+ContentPart = Annotated[TextPart | RefusalPart | ImagePart | AudioPart | FilePart,
+                       Field(discriminator="type")]
+
+
+class FunctionCallParam(OpenAIModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: str
+
+
+class ToolCallParam(OpenAIModel):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class ChatMessageParam(OpenAIModel):
+    # clients echo back fields of earlier responses that we do not use (refusal, audio, ...)
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_roles(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def to_message(self) -> ChatMessage:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text if isinstance(part, TextPart) else part.refusal
+                              for part in content)
+        tool_calls = [ToolCall(id=call.id, function=FunctionCall(
+            name=call.function.name, arguments=call.function.arguments))
+            for call in self.tool_calls] if self.tool_calls else None
+        return ChatMessage(role=self.role, content=content, name=self.name,
+                           tool_calls=tool_calls, tool_call_id=self.tool_call_id)
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object
+    strict: bool | None = None
+
+
+class FunctionTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class CustomTool(OpenAIModel):
+    """A free-form or grammar-constrained custom tool: refused (function tools only)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["custom"]
+    custom: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _refuse(self):
+        raise ParameterError("tools", "custom tools are not supported: declare function tools")
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AllowedTools(OpenAIModel):
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]] = Field(min_length=1)  # {"type": "function", "function": {"name"}}
+
+
+class AllowedToolsChoice(OpenAIModel):
+    """Only these of the declared tools may be called, in mode auto or required."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+    def names(self) -> list[str]:
+        names = []
+        for tool in self.allowed_tools.tools:
+            function = tool.get("function") if tool.get("type") == "function" else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ParameterError("tool_choice", "allowed_tools.tools must be "
+                                     '{"type": "function", "function": {"name": ...}} entries',
+                                     code="invalid_value")
+            names.append(function["name"])
+        return names
+
+
+class NamedCustomToolChoice(OpenAIModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["custom"]
+    custom: dict[str, Any]
+
+    @model_validator(mode="after")
+    def _refuse(self):
+        raise ParameterError("tool_choice", "custom tools are not supported")
+
+
+Tool = Annotated[FunctionTool | CustomTool, Field(discriminator="type")]
+ToolChoice = Literal["none", "auto", "required"] | Annotated[
+    NamedToolChoice | AllowedToolsChoice | NamedCustomToolChoice, Field(discriminator="type")]
+
+
+def tools_and_choice(tools: list[FunctionTool] | None,
+                     tool_choice: ToolChoice | None) -> tuple[list[dict] | None, str | dict | None]:
+    """The tools and tool_choice as plan_tools takes them (plain dicts); an allowed_tools
+    choice keeps only the tools it names, in its mode."""
+    tool_dicts = [tool.model_dump(exclude_unset=True) for tool in tools] \
+        if tools is not None else None
+    if isinstance(tool_choice, AllowedToolsChoice):
+        names = tool_choice.names()
+        declared = {tool["function"]["name"] for tool in tool_dicts or []}
+        missing = [name for name in names if name not in declared]
+        if missing:
+            raise ParameterError("tool_choice", f"allowed_tools names {missing[0]!r}, which "
+                                 "is not in 'tools'", code="invalid_value")
+        return [t for t in tool_dicts if t["function"]["name"] in names], \
+            tool_choice.allowed_tools.mode
+    if isinstance(tool_choice, BaseModel):
+        return tool_dicts, tool_choice.model_dump(exclude_unset=True)
+    return tool_dicts, tool_choice
+
+
+class JsonSchemaFormat(OpenAIModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """text, json_object or json_schema; structured.response_format_spec checks it."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, by_alias=True)
+
+
+class PredictionContent(OpenAIModel):
+    """Predicted output: a speed-up hint elsewhere, ignored here (the output is the same)."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]

@@ -1,0 +1,61 @@
+"""What every OpenAI request model shares: strict types, null as "the default", and the
+error that names the parameter at fault.
+
+OpenAI documents most parameters as nullable, a null meaning the parameter's default, and
+clients send nulls for what they leave unset. So a null for an optional parameter is
+dropped before validation (the default applies), and the published JSON schema says such
+a parameter may be null. A required parameter keeps its null, which is then checked like
+any other value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+def _optional_may_be_null(schema: dict[str, Any], model: type[BaseModel]) -> None:
+    """JSON schema: every optional property also admits null (which means its default)."""
+    required = set(schema.get("required", ()))
+    for name, prop in schema.get("properties", {}).items():
+        if name in required or _admits_null(prop):
+            continue
+        outer = {key: prop.pop(key) for key in ("title", "description", "default", "deprecated")
+                 if key in prop}
+        schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **outer}
+
+
+def _admits_null(prop: dict[str, Any]) -> bool:
+    if prop.get("type") == "null" or prop == {}:
+        return True
+    return any(_admits_null(option) for option in prop.get("anyOf", ()))
+
+
+class OpenAIModel(BaseModel):
+    # strict: "5" is not a number, as in OpenAI's API; unknown parameters are refused
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_optional_may_be_null)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
+
+
+class ParameterError(ValueError):
+    """Raised inside a validator: becomes a 400 naming ``param`` (parse_request)."""
+
+    def __init__(self, param: str, message: str, code: str = "unsupported_parameter") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+def refuse_if(condition: bool, param: str, message: str) -> None:
+    """A parameter that cannot be honoured: a 400 naming it, never silently ignored."""
+    if condition:
+        raise ParameterError(param, message)
