@@ -25,6 +25,11 @@ from services.gateway.generation import CHOICES, Generation, OutputShape, merge_
 from services.gateway.limits import BodySizeLimit
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import install as install_openapi, json_responses, request_body
+from services.gateway.responses import echo_fields, plan_response
+from services.gateway.responses import sampling_params as responses_sampling
+from services.gateway.responses_output import responses_shape
+from services.gateway.responses_schema import ResponseObject, ResponsesRequest, openapi_request_body
+from services.gateway.responses_schema import parse_request as parse_responses_request
 from services.gateway.service import GatewayService
 from services.gateway.streams import Delta
 from services.gateway.structured import response_format_spec
@@ -153,6 +158,24 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return await generate(request, "chat", req, info.model_name, [(prompt_ids, sampling)],
                               choices, req.n)
 
+    @app.post("/v1/responses", openapi_extra=openapi_request_body(ResponsesRequest),
+              responses={200: {"model": ResponseObject, "description": "The response; with "
+                               "stream, its events (text/event-stream)"}})
+    async def create_response(request: Request) -> Response:
+        """OpenAI's Responses API, run on the chat path (services/gateway/responses.py)."""
+        req = parse_responses_request(await read_json(request))
+        info = await check_model(req.model)
+        plan = plan_response(req)
+        prompt_ids = await service().encode(EncodeRequest(
+            messages=plan.messages, add_generation_prompt=True,
+            tools=plan.tool_plan.tools_for_prompt))
+        max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt_ids),
+                                        info.max_model_len, param="max_output_tokens")
+        choice = ChatChoice(0, plan.num_logprobs, plan.tool_plan, _call_id)
+        return await generate(request, "responses", req, info.model_name,
+                              [(prompt_ids, responses_sampling(req, plan, max_tokens))],
+                              [choice], 1, output=responses_shape(echo_fields(req)))
+
     async def generate(request: Request, kind: str, req, model: str,
                        submissions: list[tuple[list[int], SamplingParams]], choices: list,
                        num_returned: int, output: OutputShape = CHOICES) -> Response:
@@ -271,6 +294,7 @@ async def read_json(request: Request):
 
 
 def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int,
+                       param: str = "max_tokens",
                        default_limit: int | None = None) -> int:
     """The request's own limit, which must fit the context; without one, ``default_limit``
     (protocol.default_max_tokens) or the room the prompt leaves, whichever is less."""
@@ -286,7 +310,7 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
         raise InvalidRequest(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the "
-            f"prompt, {requested} for the completion).", param="max_tokens",
+            f"prompt, {requested} for the completion).", param=param,
             code="context_length_exceeded")
     return requested
 
