@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.gateway.request_base import OpenAIModel, ParameterError
+from services.gateway.request_base import OpenAIModel, ParameterError, refused_model
+from shared.errors import InvalidRequest
 from shared.messages import ChatMessage, FunctionCall, ToolCall
 
 
@@ -31,7 +32,8 @@ class RefusalPart(OpenAIModel):
 class _NonTextPart(BaseModel):
     """Image, audio and file parts: known, refused (the model reads text only)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True,
+                              json_schema_extra=refused_model("this model reads text only"))
 
     @model_validator(mode="after")
     def _refuse(self):
@@ -71,20 +73,16 @@ class ToolCallParam(OpenAIModel):
     function: FunctionCallParam
 
 
-class ChatMessageParam(OpenAIModel):
-    # clients echo back fields of earlier responses that we do not use (refusal, audio, ...)
+class _MessageParam(OpenAIModel):
+    # clients echo back fields of earlier responses that we do not use (audio, ...)
     model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallParam] | None = None
-    tool_call_id: str | None = None
 
     @model_validator(mode="after")
-    def _check_roles(self):
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a message with role 'tool' needs the tool_call_id it answers")
-        if self.tool_calls and self.role != "assistant":
+    def _tool_calls_only_from_the_assistant(self):
+        if self.role != "assistant" and (self.model_extra or {}).get("tool_calls"):
             raise ValueError("only assistant messages carry tool_calls")
         return self
 
@@ -93,11 +91,47 @@ class ChatMessageParam(OpenAIModel):
         if isinstance(content, list):
             content = "".join(part.text if isinstance(part, TextPart) else part.refusal
                               for part in content)
+        calls = getattr(self, "tool_calls", None)
+        if content is None and not calls:  # an assistant turn that said nothing
+            content = ""
         tool_calls = [ToolCall(id=call.id, function=FunctionCall(
             name=call.function.name, arguments=call.function.arguments))
-            for call in self.tool_calls] if self.tool_calls else None
+            for call in calls] if calls else None
         return ChatMessage(role=self.role, content=content, name=self.name,
-                           tool_calls=tool_calls, tool_call_id=self.tool_call_id)
+                           tool_calls=tool_calls, tool_call_id=getattr(self, "tool_call_id", None))
+
+
+class SystemMessageParam(_MessageParam):
+    role: Literal["system"]
+    content: str | list[ContentPart]
+
+
+class DeveloperMessageParam(_MessageParam):
+    role: Literal["developer"]
+    content: str | list[ContentPart]
+
+
+class UserMessageParam(_MessageParam):
+    role: Literal["user"]
+    content: str | list[ContentPart]
+
+
+class AssistantMessageParam(_MessageParam):
+    role: Literal["assistant"]
+    tool_calls: list[ToolCallParam] | None = None
+    refusal: str | None = None  # an earlier refusal; its text is in content if shown at all
+
+
+class ToolMessageParam(_MessageParam):
+    role: Literal["tool"]
+    content: str | list[ContentPart]
+    tool_call_id: str  # the call this message answers
+
+
+# One message of a conversation, by role (as OpenAI's schema has them).
+ChatMessageParam = Annotated[SystemMessageParam | DeveloperMessageParam | UserMessageParam |
+                             AssistantMessageParam | ToolMessageParam,
+                             Field(discriminator="role")]
 
 
 class FunctionDefinition(OpenAIModel):
@@ -115,7 +149,7 @@ class FunctionTool(OpenAIModel):
 class CustomTool(OpenAIModel):
     """A free-form or grammar-constrained custom tool: refused (function tools only)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=refused_model("function tools only"))
     type: Literal["custom"]
     custom: dict[str, Any]
 
@@ -135,7 +169,7 @@ class NamedToolChoice(OpenAIModel):
 
 class AllowedTools(OpenAIModel):
     mode: Literal["auto", "required"]
-    tools: list[dict[str, Any]] = Field(min_length=1)  # {"type": "function", "function": {"name"}}
+    tools: list[NamedToolChoice] = Field(min_length=1)
 
 
 class AllowedToolsChoice(OpenAIModel):
@@ -145,19 +179,11 @@ class AllowedToolsChoice(OpenAIModel):
     allowed_tools: AllowedTools
 
     def names(self) -> list[str]:
-        names = []
-        for tool in self.allowed_tools.tools:
-            function = tool.get("function") if tool.get("type") == "function" else None
-            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise ParameterError("tool_choice", "allowed_tools.tools must be "
-                                     '{"type": "function", "function": {"name": ...}} entries',
-                                     code="invalid_value")
-            names.append(function["name"])
-        return names
+        return [tool.function.name for tool in self.allowed_tools.tools]
 
 
 class NamedCustomToolChoice(OpenAIModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=refused_model("function tools only"))
     type: Literal["custom"]
     custom: dict[str, Any]
 
@@ -182,8 +208,8 @@ def tools_and_choice(tools: list[FunctionTool] | None,
         declared = {tool["function"]["name"] for tool in tool_dicts or []}
         missing = [name for name in names if name not in declared]
         if missing:
-            raise ParameterError("tool_choice", f"allowed_tools names {missing[0]!r}, which "
-                                 "is not in 'tools'", code="invalid_value")
+            raise InvalidRequest(f"allowed_tools names {missing[0]!r}, which is not in 'tools'",
+                                 param="tool_choice", code="invalid_value")
         return [t for t in tool_dicts if t["function"]["name"] in names], \
             tool_choice.allowed_tools.mode
     if isinstance(tool_choice, BaseModel):

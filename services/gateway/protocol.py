@@ -20,7 +20,8 @@ from pydantic import Field, StringConstraints, ValidationError, model_validator
 
 from services.gateway.chat_params import (ChatMessageParam, PredictionContent, ResponseFormat,
                                           Tool, ToolChoice, tools_and_choice)
-from services.gateway.request_base import OpenAIModel, ParameterError, refuse_if
+from services.gateway.request_base import (OpenAIModel, ParameterError, only_null,
+                                           only_schema, refuse_if)
 from shared.errors import InvalidRequest
 from shared.messages import GenerationDefaults, SamplingParams, StructuredSpec
 
@@ -32,7 +33,12 @@ MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20  # chat top_logprobs, as OpenAI
 MAX_COMPLETION_LOGPROBS = 5  # completions logprobs, as OpenAI
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+SAMPLING_EPS = 1e-5  # a temperature or top_p below this is greedy
+MIN_REPETITION_PENALTY = 0.01  # logits are divided by it: smaller ones overflow
 
+INT32_LIMIT = 2**31  # counts and token ids fit an int32: anything larger is a 400, not an
+# overflow deeper in (msgpack carries at most 64 bits)
+TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT)]
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^-?[0-9]+$")]
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 # parameters whose value is a map: an error inside one names the parameter itself
@@ -50,22 +56,24 @@ class _SamplingFields(OpenAIModel):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)  # 0: the top token only
-    top_k: int | None = Field(default=None, ge=-1)  # extension; -1 or 0: off
+    top_k: int | None = Field(default=None, ge=-1, lt=INT32_LIMIT)  # extension; -1, 0: off
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[TokenId] | None = None  # extension
     ignore_eos: bool = False  # extension
-    min_tokens: int = Field(default=0, ge=0)  # extension
+    min_tokens: int = Field(default=0, ge=0, lt=INT32_LIMIT)  # extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)  # extension
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY,
+                                              le=10.0)  # extension
     logit_bias: dict[TokenIdKey, LogitBias] | None = None  # {"token id": bias}
     user: str | None = None  # ignored: an end-user id for OpenAI's abuse monitoring
-    priority: int = 0  # extension: lower runs first under --scheduling-policy priority
+    # extension: lower runs first under --scheduling-policy priority
+    priority: int = Field(default=0, ge=-INT32_LIMIT, lt=INT32_LIMIT)
     cache_salt: str | None = Field(default=None, min_length=1)  # extension: prefix-cache isolation
 
     @model_validator(mode="after")
@@ -98,10 +106,13 @@ class _SamplingFields(OpenAIModel):
             _check_token_id(token_id, vocab_size, "stop_token_ids")
         top_p = _first(self.top_p, defaults.top_p, 1.0)
         top_k = max(0, _first(self.top_k, defaults.top_k, 0))
-        if top_p == 0.0:  # no probability mass: only the most likely token is left
+        if top_p < SAMPLING_EPS:  # (next to) no probability mass: only the top token is left
             top_p, top_k = 1.0, 1
+        temperature = _first(self.temperature, defaults.temperature, 1.0)
+        if temperature < SAMPLING_EPS:  # logits / a tiny temperature overflow: it is greedy
+            temperature = 0.0
         return SamplingParams(
-            max_tokens=max_tokens, temperature=_first(self.temperature, defaults.temperature, 1.0),
+            max_tokens=max_tokens, temperature=temperature,
             top_p=top_p, top_k=top_k, seed=self.seed,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             min_p=_first(self.min_p, defaults.min_p, 0.0),
@@ -140,16 +151,18 @@ def default_max_tokens(defaults: GenerationDefaults, operator_limit: int) -> int
     return min(limits) if limits else None
 
 
-Prompt = str | list[str] | Annotated[list[int], Field(min_length=1)] | list[list[int]] | None
+Prompt = str | list[str] | Annotated[list[TokenId], Field(min_length=1)] | \
+    list[list[TokenId]] | None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt  # "" or null: the model starts a new document
-    max_tokens: int = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    max_tokens: int = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1, lt=INT32_LIMIT)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
-    suffix: str | None = None  # refused unless empty: no insertion (fill-in-the-middle)
+    suffix: str | None = Field(default=None, json_schema_extra=only_schema(
+        {"type": "string", "maxLength": 0}, "no insertion (fill-in-the-middle)"))
 
     @model_validator(mode="after")
     def _check_completion(self):
@@ -204,8 +217,9 @@ class CompletionRequest(_SamplingFields):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, json_schema_extra=_DEPRECATED)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, lt=INT32_LIMIT,
+                                   json_schema_extra=_DEPRECATED)
+    max_completion_tokens: int | None = Field(default=None, ge=1, lt=INT32_LIMIT)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
@@ -213,7 +227,8 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # accepted and ignored: no effect on a self-hosted model (docs/openai-api.md)
-    store: bool | None = None  # false only: nothing is kept to list or retrieve later
+    store: bool | None = Field(default=None, json_schema_extra=only_schema(
+        {"type": "boolean", "const": False}, "nothing is kept to list or retrieve later"))
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None  # prefix caching is automatic for every request
@@ -222,15 +237,21 @@ class ChatCompletionRequest(_SamplingFields):
     safety_identifier: str | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
-    modalities: list[Literal["text", "audio"]] | None = None  # ["text"] only
+    modalities: list[Literal["text", "audio"]] | None = Field(
+        default=None, json_schema_extra=only_schema({"type": "array", "items": {"const": "text"}},
+                                                    "text output only"))
     prediction: PredictionContent | None = None  # a speed-up hint; the output is the same
-    # refused unless null: they cannot be honoured here
-    audio: dict[str, Any] | None = None
-    web_search_options: dict[str, Any] | None = None
-    moderation: dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = Field(default=None, json_schema_extra=_DEPRECATED)
-    function_call: str | dict[str, Any] | None = Field(default=None,
-                                                       json_schema_extra=_DEPRECATED)
+    # refused unless null: they cannot be honoured here (the schema says null only)
+    audio: dict[str, Any] | None = Field(default=None, json_schema_extra=only_null(
+        "audio output is not supported"))
+    web_search_options: dict[str, Any] | None = Field(default=None, json_schema_extra=only_null(
+        "web search is not supported"))
+    moderation: dict[str, Any] | None = Field(default=None, json_schema_extra=only_null(
+        "moderation is not supported"))
+    functions: list[dict[str, Any]] | None = Field(default=None, json_schema_extra=only_null(
+        "deprecated: declare tools", deprecated=True))
+    function_call: str | dict[str, Any] | None = Field(default=None, json_schema_extra=only_null(
+        "deprecated: use tool_choice", deprecated=True))
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -279,7 +300,7 @@ class TokenizeRequest(OpenAIModel):
 
 class DetokenizeHTTPRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def parse_request(model_cls: type[OpenAIModel], payload: Any,

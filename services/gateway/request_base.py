@@ -32,18 +32,58 @@ def _admits_null(prop: dict[str, Any]) -> bool:
     return any(_admits_null(option) for option in prop.get("anyOf", ()))
 
 
+def _integral_as_int(value: Any) -> Any:
+    """An integer as JSON Schema has it: 2.0 is one too (a string "2" is not). Applied to a
+    parameter's value and the items of a list (token ids, one list deep), where a float
+    parameter takes the int just as well; objects inside are left as they are."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, list):
+        return [_integral_as_int(item) if not isinstance(item, dict) else item for item in value]
+    return value
+
+
 class OpenAIModel(BaseModel):
     # strict: "5" is not a number, as in OpenAI's API; unknown parameters are refused
     model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=_optional_may_be_null)
 
     @model_validator(mode="before")
     @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
+    def _null_means_default(cls, data: Any) -> Any:  # and 2.0 means 2
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {key: value for key, value in data.items()
+        return {key: _integral_as_int(value) for key, value in data.items()
                 if value is not None or key not in fields or fields[key].is_required()}
+
+
+def only_schema(accepted: dict[str, Any], note: str, deprecated: bool = False):
+    """``json_schema_extra`` for a parameter OpenAI defines more widely than it is honoured
+    here: the published schema shows only what is accepted (a wider value is a 400 naming
+    the parameter), so a client or a fuzzer generated from it sends nothing refused."""
+    def narrow(schema: dict[str, Any]) -> None:
+        title = schema.get("title")
+        schema.clear()
+        schema.update(accepted, description=f"{note} (any other value is refused)")
+        if title:
+            schema["title"] = title
+        if deprecated:
+            schema["deprecated"] = True
+    return narrow
+
+
+REFUSED = "x-flotilla-refused"  # in a model's JSON schema: a known shape that is refused
+
+
+def refused_model(note: str) -> dict[str, Any]:
+    """``json_schema_extra`` of a model that is a 400 wherever it appears: /openapi.json
+    leaves it out of the unions it is a member of (the validation keeps the clear error)."""
+    return {REFUSED: note}
+
+
+def only_null(note: str, deprecated: bool = False):
+    """``json_schema_extra`` for a parameter refused unless null (see ``only_schema``)."""
+    return only_schema({"type": "null"}, note, deprecated)
 
 
 class ParameterError(ValueError):

@@ -33,7 +33,7 @@ def chat(model_name, **extra) -> dict:
     ({"max_tokens": "ten"}, "max_tokens"),
     ({"temperature": 3.5}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
-    ({"top_p": 0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),  # 0 is allowed, as in OpenAI: the top token only
     ({"stream": "yes"}, "stream"),
     ({"bogus_option": 1}, "bogus_option"),
     ({"n": 3}, "n"),

@@ -45,11 +45,13 @@ def test_defaults_are_no_ops():
     (ChatCompletionRequest, {"min_p": 1.5}, "min_p"),
     (ChatCompletionRequest, {"repetition_penalty": 0}, "repetition_penalty"),
     (ChatCompletionRequest, {"logit_bias": {"x": 1}}, "logit_bias"),
+    (ChatCompletionRequest, {"stop_token_ids": [-1]}, "stop_token_ids.0"),
     (ChatCompletionRequest, {"logit_bias": {"1": 101}}, "logit_bias"),
-    (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "1"}]}, "messages.0"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "tool_calls": [
+    (ChatCompletionRequest, {"messages": [{"role": "tool", "content": "1"}]},
+     "messages.0.tool.tool_call_id"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-     "messages.0"),
+     "messages.0.user"),
 ])
 def test_invalid_combinations_name_the_parameter(model, extra, param):
     base = CHAT if model is ChatCompletionRequest else COMPLETION
@@ -60,7 +62,7 @@ def test_invalid_combinations_name_the_parameter(model, extra, param):
 
 @pytest.mark.parametrize("extra, param", [
     ({"logit_bias": {str(VOCAB_SIZE): 1}}, "logit_bias"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [VOCAB_SIZE]}, "stop_token_ids"),
     ({"min_tokens": 9}, "min_tokens"),
 ])
 def test_values_checked_against_the_model(extra, param):
