@@ -28,7 +28,7 @@ from services.gateway.openapi import install as install_openapi, json_responses,
 from services.gateway.responses import echo_fields, plan_response
 from services.gateway.responses import sampling_params as responses_sampling
 from services.gateway.responses_output import responses_shape
-from services.gateway.responses_schema import ResponseObject, ResponsesRequest, openapi_request_body
+from services.gateway.responses_schema import ResponsesRequest, openapi_responses
 from services.gateway.responses_schema import parse_request as parse_responses_request
 from services.gateway.service import GatewayService
 from services.gateway.streams import Delta
@@ -158,23 +158,25 @@ def create_app(config: GatewayConfig) -> FastAPI:
         return await generate(request, "chat", req, info.model_name, [(prompt_ids, sampling)],
                               choices, req.n)
 
-    @app.post("/v1/responses", openapi_extra=openapi_request_body(ResponsesRequest),
-              responses={200: {"model": ResponseObject, "description": "The response; with "
-                               "stream, its events (text/event-stream)"}})
+    @app.post("/v1/responses", openapi_extra=request_body(ResponsesRequest),
+              responses=openapi_responses())
     async def create_response(request: Request) -> Response:
         """OpenAI's Responses API, run on the chat path (services/gateway/responses.py)."""
-        req = parse_responses_request(await read_json(request))
+        req = parse_responses_request(await read_json(request), config.accept_unknown_fields)
         info = await check_model(req.model)
         plan = plan_response(req)
         prompt_ids = await service().encode(EncodeRequest(
             messages=plan.messages, add_generation_prompt=True,
             tools=plan.tool_plan.tools_for_prompt))
-        max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt_ids),
-                                        info.max_model_len, param="max_output_tokens")
+        max_tokens = resolve_max_tokens(
+            req.max_output_tokens, len(prompt_ids), info.max_model_len,
+            param="max_output_tokens", default_limit=protocol.default_max_tokens(
+                info.generation_defaults, config.max_tokens_default))
+        sampling = responses_sampling(req, plan, max_tokens, info.generation_defaults)
         choice = ChatChoice(0, plan.num_logprobs, plan.tool_plan, _call_id)
         return await generate(request, "responses", req, info.model_name,
-                              [(prompt_ids, responses_sampling(req, plan, max_tokens))],
-                              [choice], 1, output=responses_shape(echo_fields(req)))
+                              [(prompt_ids, sampling)], [choice], 1,
+                              output=responses_shape(echo_fields(req, sampling)))
 
     async def generate(request: Request, kind: str, req, model: str,
                        submissions: list[tuple[list[int], SamplingParams]], choices: list,

@@ -25,10 +25,12 @@ from services.gateway.responses_schema import (
     LOGPROBS_INCLUDE, FunctionCallItem, FunctionCallOutputItem, ItemReference, MessageItem,
     ResponsesFunctionTool, ResponsesNonTextContent, ResponsesRefusal, ResponsesRequest,
     ResponsesToolChoiceFunction, TextFormatJsonObject, TextFormatJsonSchema, TextFormatText)
+from services.gateway.protocol import SAMPLING_EPS
 from services.gateway.structured import response_format_spec
 from services.gateway.tool_calls import ToolPlan, plan_tools
 from shared.errors import InvalidRequest
-from shared.messages import ChatMessage, FunctionCall, SamplingParams, StructuredSpec, ToolCall
+from shared.messages import (ChatMessage, FunctionCall, GenerationDefaults, SamplingParams,
+                             StructuredSpec, ToolCall)
 
 _REFUSED = {
     "store": (lambda v: v is True, "store: true is not supported: flotilla keeps no responses. "
@@ -76,12 +78,26 @@ def plan_response(req: ResponsesRequest) -> ResponsesPlan:
                          (req.top_logprobs or 0) if wants_logprobs else None)
 
 
-def sampling_params(req: ResponsesRequest, plan: ResponsesPlan,
-                    max_tokens: int) -> SamplingParams:
+def sampling_params(req: ResponsesRequest, plan: ResponsesPlan, max_tokens: int,
+                    defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+    """The request's temperature and top_p, else the model's (generation_config.json), else
+    OpenAI's; the model's top_k, min_p and repetition_penalty, which Responses cannot set."""
+    temperature = _first(req.temperature, defaults.temperature, 1.0)
+    top_p = _first(req.top_p, defaults.top_p, 1.0)
+    top_k = max(0, _first(defaults.top_k, 0))
+    if temperature < SAMPLING_EPS:  # as on the chat path: a tiny temperature is greedy
+        temperature = 0.0
+    if top_p < SAMPLING_EPS:
+        top_p, top_k = 1.0, 1
     return SamplingParams(
-        max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, logprobs=plan.num_logprobs,
-        structured=plan.structured)
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=_first(defaults.min_p, 0.0),
+        repetition_penalty=_first(defaults.repetition_penalty, 1.0),
+        logprobs=plan.num_logprobs, structured=plan.structured)
+
+
+def _first(*values):
+    return next(value for value in values if value is not None)
 
 
 def chat_messages(req: ResponsesRequest) -> list[ChatMessage]:
@@ -169,14 +185,14 @@ def _relabelled(check):
         raise InvalidRequest(message, param=param, code=exc.code) from None
 
 
-def echo_fields(req: ResponsesRequest) -> dict[str, Any]:
-    """The request's settings as a response object repeats them."""
+def echo_fields(req: ResponsesRequest, sampling: SamplingParams) -> dict[str, Any]:
+    """The request's settings as a response object repeats them (temperature and top_p:
+    the ones used)."""
     format_ = req.text.format if req.text and req.text.format else TextFormatText(type="text")
     tool_choice = req.tool_choice if req.tool_choice is not None else "auto"
     return {
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "temperature": sampling.temperature, "top_p": sampling.top_p,
         "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or []],
         "tool_choice": tool_choice if isinstance(tool_choice, str) else tool_choice.model_dump(),
         "parallel_tool_calls": req.parallel_tool_calls is not False,

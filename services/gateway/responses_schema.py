@@ -11,9 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal, Union
 
+import structlog
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
+from services.gateway.openapi import json_responses
+from services.gateway.protocol import INT32_LIMIT
 from shared.errors import InvalidRequest
+
+log = structlog.get_logger()
 
 MAX_TOP_LOGPROBS = 20
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -185,7 +190,7 @@ class ResponsesRequest(_Strict):
     model: str
     input: _one_of(_text_or, text=str, list=list[InputItem])
     instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, lt=INT32_LIMIT)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     tools: list[ResponsesFunctionTool] | None = None
@@ -223,9 +228,14 @@ class ResponsesRequest(_Strict):
     include_usage = property(lambda self: False)
 
 
-def parse_request(payload: dict) -> ResponsesRequest:
+def parse_request(payload: dict, accept_unknown_fields: bool = False) -> ResponsesRequest:
     """Validate a request body; a problem is a 400 naming the parameter as OpenAI would
-    (``input[2].call_id``), without pydantic's union tags."""
+    (``input[2].call_id``), without pydantic's union tags. With ``accept_unknown_fields``
+    (the gateway's flag), unknown top-level parameters are dropped and logged instead."""
+    unknown = sorted(set(payload) - set(ResponsesRequest.model_fields))
+    if accept_unknown_fields and unknown:
+        log.info("unknown_fields_ignored", request="ResponsesRequest", fields=unknown)
+        payload = {key: value for key, value in payload.items() if key not in unknown}
     try:
         return ResponsesRequest.model_validate(payload)
     except ValidationError as exc:
@@ -319,22 +329,25 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None
 
 
-def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """An operation's ``requestBody`` for /openapi.json: ``model``'s JSON schema, its
-    definitions inlined (the route reads the body itself, so FastAPI does not see the model).
-    """
-    schema = model.model_json_schema()
-    definitions = schema.pop("$defs", {})
+class ResponsesStreamEvent(BaseModel):
+    """One event of a streamed response: ``event: <type>`` and this as its data. Which
+    other fields an event has follows its type, as in OpenAI's API (docs/openai-api.md):
+    response.created / .in_progress / .completed / .incomplete / .failed carry the
+    ``response`` object; output_item.added / .done an ``item``; content_part.added / .done
+    a ``part``; output_text.delta a ``delta``; function_call_arguments.delta / .done the
+    call's ``delta`` or ``arguments``; error a ``message`` and ``code``."""
 
-    def inline(node: Any) -> Any:
-        if isinstance(node, list):
-            return [inline(value) for value in node]
-        if not isinstance(node, dict):
-            return node
-        if "$ref" in node:  # "#/$defs/Name"; pydantic makes no recursive ones here
-            rest = {key: value for key, value in node.items() if key != "$ref"}
-            return inline({**definitions[node["$ref"].rsplit("/", 1)[-1]], **rest})
-        return {key: inline(value) for key, value in node.items()}
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
 
-    return {"requestBody": {"required": True,
-                            "content": {"application/json": {"schema": inline(schema)}}}}
+
+def openapi_responses() -> dict[int, dict[str, Any]]:
+    """The route's answers for /openapi.json: the response object, its stream's events
+    (no ``[DONE]`` at the end, unlike chat), and OpenAI errors."""
+    answers = json_responses(ResponseObject, stream=ResponsesStreamEvent)
+    answers[200]["description"] = (
+        "the response; with stream: server-sent events, each 'event: <type>' and "
+        "'data: <ResponsesStreamEvent>', from response.created to response.completed "
+        "(or .incomplete, or error and response.failed)")
+    return answers

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from services.gateway.responses import chat_messages, echo_fields, plan_response
+from services.gateway.responses import chat_messages, echo_fields, plan_response, sampling_params
 from services.gateway.responses_schema import ResponsesRequest, parse_request
 from shared.errors import InvalidRequest
+from shared.messages import GenerationDefaults
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -150,12 +151,34 @@ def test_refused_with_the_parameter_named(fields, param):
         assert "keeps no responses" in error.message
 
 
+def test_sampling_takes_the_model_defaults_where_the_request_is_silent():
+    defaults = GenerationDefaults(temperature=0.6, top_p=0.9, top_k=50, min_p=0.05,
+                                  repetition_penalty=1.1)
+    req = request(temperature=0.2)
+    sampling = sampling_params(req, plan_response(req), 8, defaults)
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p,
+            sampling.repetition_penalty, sampling.max_tokens) == (0.2, 0.9, 50, 0.05, 1.1, 8)
+    req = request()
+    bare = sampling_params(req, plan_response(req), 8)
+    assert (bare.temperature, bare.top_p, bare.top_k) == (1.0, 1.0, 0)
+    req = request(temperature=1e-9)
+    assert sampling_params(req, plan_response(req), 8).temperature == 0.0
+
+
 def test_echo_repeats_the_settings():
-    echo = echo_fields(request(tools=[WEATHER], tool_choice={"type": "function",
-                                                             "name": "get_weather"},
-                               temperature=0, text={"format": {"type": "json_schema",
-                                                               "name": "n", "schema": {}}}))
+    req = request(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                  temperature=0, text={"format": {"type": "json_schema", "name": "n",
+                                                  "schema": {}}})
+    echo = echo_fields(req, sampling_params(req, plan_response(req), 8))
     assert echo["tools"] == [WEATHER]
     assert echo["tool_choice"] == {"type": "function", "name": "get_weather"}
     assert echo["temperature"] == 0 and echo["store"] is False
     assert echo["text"]["format"] == {"type": "json_schema", "name": "n", "schema": {}}
+
+
+def test_unknown_parameters_are_refused_unless_the_gateway_accepts_them():
+    with pytest.raises(InvalidRequest) as caught:
+        parse_request({"model": "m", "input": "Hi", "vendor_extension": 1})
+    assert caught.value.param == "vendor_extension"
+    assert parse_request({"model": "m", "input": "Hi", "vendor_extension": 1},
+                         accept_unknown_fields=True).input == "Hi"

@@ -12,7 +12,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from services.gateway.choices import ChatChoice
 from services.gateway.generation import Generation
-from services.gateway.responses import echo_fields, plan_response
+from services.gateway.responses import echo_fields, plan_response, sampling_params
 from services.gateway.responses_output import responses_shape
 from services.gateway.responses_schema import ResponseObject, parse_request
 from services.gateway.streams import Delta, RequestStream, TokenLogprob, TokenText
@@ -31,7 +31,7 @@ def run(deltas: list[Delta], stream: bool, **fields):
     choice = ChatChoice(0, plan.num_logprobs, plan.tool_plan, lambda: next(ids))
     generation = Generation("responses", "resp_1", "m", [choice], [RequestStream("r", None)],
                             num_prompt_tokens=7, num_returned=1)
-    shape = responses_shape(echo_fields(req))
+    shape = responses_shape(echo_fields(req, sampling_params(req, plan, 16)))
 
     async def source():
         for delta in deltas:
