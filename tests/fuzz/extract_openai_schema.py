@@ -18,11 +18,13 @@ OPERATIONS = {("/chat/completions", "post"), ("/completions", "post"), ("/models
 TARGET = Path(__file__).with_name("openai_openapi_subset.json")
 
 
-def _refs(node, found: set[str]) -> None:
+def _refs(node, found: set[tuple[str, str]]) -> None:
+    """Every (component kind, name) that ``node`` refers to."""
     if isinstance(node, dict):
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
-            found.add(ref.rsplit("/", 1)[1])
+        if isinstance(ref, str) and ref.startswith("#/components/"):
+            kind, name = ref.removeprefix("#/components/").split("/", 1)
+            found.add((kind, name))
         for value in node.values():
             _refs(value, found)
     elif isinstance(node, list):
@@ -36,19 +38,22 @@ def subset(document: dict, commit: str) -> dict:
         operation = dict(document["paths"][path][method])
         operation.pop("x-oaiMeta", None)
         paths.setdefault(path, {})[method] = operation
-    schemas = document["components"]["schemas"]
-    needed: set[str] = set()
+    components = document["components"]
+    needed: set[tuple[str, str]] = set()
     _refs(paths, needed)
     todo = list(needed)
     while todo:
-        found: set[str] = set()
-        _refs(schemas[todo.pop()], found)
+        kind, name = todo.pop()
+        found: set[tuple[str, str]] = set()
+        _refs(components[kind][name], found)
         todo += sorted(found - needed)
         needed |= found
+    subset_components: dict[str, dict] = {}
+    for kind, name in sorted(needed):
+        subset_components.setdefault(kind, {})[name] = components[kind][name]
     return {"openapi": document["openapi"],
             "info": {**document["info"], "x-source": f"openai/openai-openapi@{commit}"},
-            "servers": [{"url": "/v1"}], "paths": paths,
-            "components": {"schemas": {name: schemas[name] for name in sorted(needed)}}}
+            "servers": [{"url": "/v1"}], "paths": paths, "components": subset_components}
 
 
 if __name__ == "__main__":
