@@ -21,11 +21,12 @@ from typing import Any
 
 import msgspec
 
+from services.gateway.protocol import SAMPLING_EPS
 from services.gateway.responses_schema import (
     LOGPROBS_INCLUDE, FunctionCallItem, FunctionCallOutputItem, ItemReference, MessageItem,
-    ResponsesFunctionTool, ResponsesNonTextContent, ResponsesRefusal, ResponsesRequest,
-    ResponsesToolChoiceFunction, TextFormatJsonObject, TextFormatJsonSchema, TextFormatText)
-from services.gateway.protocol import SAMPLING_EPS
+    ResponsesAllowedTools, ResponsesFunctionTool, ResponsesNonTextContent, ResponsesRefusal,
+    ResponsesRequest, ResponsesToolChoiceFunction, TextFormatJsonObject, TextFormatJsonSchema,
+    TextFormatText)
 from services.gateway.structured import response_format_spec
 from services.gateway.tool_calls import ToolPlan, plan_tools
 from shared.errors import InvalidRequest
@@ -67,9 +68,10 @@ def plan_response(req: ResponsesRequest) -> ResponsesPlan:
     if any(tool.defer_loading for tool in req.tools or []):
         raise InvalidRequest("defer_loading (tool search) is not supported",
                              param="tools", code="unsupported_parameter")
+    tools, tool_choice = _allowed(req.tools, req.tool_choice)
     tool_plan = _relabelled(lambda: plan_tools(
-        [_chat_tool(tool) for tool in req.tools] if req.tools else None,
-        _chat_tool_choice(req.tool_choice), req.parallel_tool_calls))
+        [_chat_tool(tool) for tool in tools] if tools else None,
+        _chat_tool_choice(tool_choice), req.parallel_tool_calls))
     format_ = req.text.format if req.text else None
     structured = tool_plan.structured or _relabelled(lambda: response_format_spec(
         _response_format(format_)))
@@ -150,6 +152,20 @@ def _chat_tool(tool: ResponsesFunctionTool) -> dict[str, Any]:
     function = {"name": tool.name, "description": tool.description,
                 "parameters": tool.parameters, "strict": tool.strict}
     return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+
+def _allowed(tools: list[ResponsesFunctionTool] | None, choice: Any
+             ) -> tuple[list[ResponsesFunctionTool] | None, Any]:
+    """An allowed_tools choice keeps only the tools it names, in its mode."""
+    if not isinstance(choice, ResponsesAllowedTools):
+        return tools, choice
+    declared = {tool.name for tool in tools or []}
+    names = [allowed.name for allowed in choice.tools]
+    missing = [name for name in names if name not in declared]
+    if missing:
+        raise InvalidRequest(f"allowed_tools names {missing[0]!r}, which is not in 'tools'",
+                             param="tool_choice", code="invalid_value")
+    return [tool for tool in tools if tool.name in names], choice.mode
 
 
 def _chat_tool_choice(choice: str | ResponsesToolChoiceFunction | None) -> str | dict | None:

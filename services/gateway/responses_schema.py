@@ -54,8 +54,9 @@ def _text_or(value: Any) -> str:
     return "text" if isinstance(value, str) else "list"
 
 
-def _mode_or_object(value: Any) -> str:
-    return "mode" if isinstance(value, str) else "object"
+def _choice_kind(value: Any) -> str | None:
+    """tool_choice: a mode, or an object by its type."""
+    return "mode" if isinstance(value, str) else _by_type()(value)
 
 
 def _id_or_object(value: Any) -> str:
@@ -152,6 +153,14 @@ class ResponsesToolChoiceFunction(_Strict):
     name: str
 
 
+class ResponsesAllowedTools(_Strict):
+    """Only these of the declared tools may be called, in mode auto or required."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[ResponsesToolChoiceFunction] = Field(min_length=1)
+
+
 class TextFormatText(_Strict):
     type: Literal["text"]
 
@@ -194,8 +203,9 @@ class ResponsesRequest(_Strict):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     tools: list[ResponsesFunctionTool] | None = None
-    tool_choice: _one_of(_mode_or_object, mode=Literal["none", "auto", "required"],
-                         object=ResponsesToolChoiceFunction) | None = None
+    tool_choice: _one_of(_choice_kind, mode=Literal["none", "auto", "required"],
+                         function=ResponsesToolChoiceFunction,
+                         allowed_tools=ResponsesAllowedTools) | None = None
     parallel_tool_calls: bool | None = None
     text: ResponsesTextConfig | None = None
     stream: bool | None = None

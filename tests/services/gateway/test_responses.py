@@ -83,6 +83,16 @@ def test_flat_function_tools_plan_like_chat_tools():
     assert plan_response(request(tools=[WEATHER])).tool_plan.mode == "auto"
 
 
+def test_allowed_tools_keep_the_named_tools_in_their_mode():
+    other = {**WEATHER, "name": "get_time"}
+    plan = plan_response(request(tools=[WEATHER, other], tool_choice={
+        "type": "allowed_tools", "mode": "required",
+        "tools": [{"type": "function", "name": "get_time"}]}))
+    assert plan.tool_plan.mode == "required"
+    assert [t["function"]["name"] for t in plan.tool_plan.tools_for_prompt] == ["get_time"]
+    assert set(plan.tool_plan.parameters) == {"get_time"}
+
+
 def test_text_format_json_schema_constrains_the_output():
     schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
     plan = plan_response(request(text={"format": {"type": "json_schema", "name": "count",
@@ -135,6 +145,13 @@ def test_no_op_parameters_are_accepted(fields):
     ({"tools": [WEATHER, WEATHER]}, "tools[1].name"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto",
+                                          "tools": [{"type": "function", "name": "nope"}]}},
+     "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "none",
+                                          "tools": [{"type": "function", "name": "nope"}]}},
+     "tool_choice.mode"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "name": "bad name", "schema": {}}}},
      "text.format"),
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
