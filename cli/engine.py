@@ -14,7 +14,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
-from shared.messages import GenerateRequest, SamplingParams
+from shared.messages import GenerateRequest, SamplingParams, StepPlan, StepResult
 from shared.models import ModelFiles
 
 
@@ -32,7 +32,7 @@ class Completion:
 class EngineStats:
     num_preemptions: int
     elapsed_s: float
-    # (tokens computed, sequences, runner.execute seconds) of every step
+    # (tokens computed, sequences, seconds from queueing to reading back) of every step
     steps: list[tuple[int, int, float]] = field(default_factory=list)
 
     @property
@@ -71,24 +71,36 @@ class Engine:
         start = time.perf_counter()
         steps: list[tuple[int, int, float]] = []
         preemptions_before = self.scheduler.num_preemptions
-        while self.scheduler.has_work:
-            plan = self.scheduler.schedule()
-            if plan is None:
+        plans: dict[int, StepPlan] = {}
+        # Step N+1 is planned and queued before step N's tokens are read back (the runner
+        # feeds them in on the device); the scheduler counts them as pending meanwhile.
+        while self.scheduler.has_work or self.runner.has_in_flight:
+            plan = self.scheduler.schedule() if self.scheduler.has_work else None
+            if plan is not None:
+                plans[plan.step_id] = plan
+                results = self.runner.submit(plan)
+            elif self.runner.has_in_flight:  # every request waits for a token in flight
+                results = self.runner.flush()
+            else:
                 raise RuntimeError("the scheduler has work but planned no step")
-            result = self.runner.execute(plan)
-            steps.append((sum(s.num_new_tokens for s in plan.scheduled), len(plan.scheduled),
-                          result.step_time_s))
-            now = time.perf_counter()
-            for emitted in self.scheduler.update(plan, result):
-                output = emitted.output
-                completion = completions[output.request_id]
-                if output.error is not None:
-                    raise RuntimeError(f"{output.request_id}: {output.error.message}")
-                if not completion.output_token_ids:
-                    completion.first_token_time = now
-                completion.output_token_ids.extend(output.new_token_ids)
-                if output.finish_reason is not None:
-                    completion.finish_reason, completion.finish_time = output.finish_reason, now
+            for result in results:
+                self._apply(plans.pop(result.step_id), result, completions, steps)
         stats = EngineStats(self.scheduler.num_preemptions - preemptions_before,
                             time.perf_counter() - start, steps)
         return list(completions.values()), stats
+
+    def _apply(self, plan: StepPlan, result: StepResult, completions: dict[str, Completion],
+               steps: list[tuple[int, int, float]]) -> None:
+        steps.append((sum(s.num_new_tokens for s in plan.scheduled), len(plan.scheduled),
+                      result.step_time_s))
+        now = time.perf_counter()
+        for emitted in self.scheduler.update(plan, result):
+            output = emitted.output
+            completion = completions[output.request_id]
+            if output.error is not None:
+                raise RuntimeError(f"{output.request_id}: {output.error.message}")
+            if not completion.output_token_ids:
+                completion.first_token_time = now
+            completion.output_token_ids.extend(output.new_token_ids)
+            if output.finish_reason is not None:
+                completion.finish_reason, completion.finish_time = output.finish_reason, now

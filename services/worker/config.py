@@ -16,6 +16,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_num_batched_tokens: int = 2048  # the largest step it will be sent (memory profiling)
     max_num_seqs: int = 64  # the largest batch: CUDA graphs are captured up to it
     enforce_eager: bool = False  # no CUDA graphs
+    # queue step N+1 before reading step N back: "auto" (on CUDA), "on" or "off"
+    overlap_steps: str = "auto"
     seed: int = 0  # random weights of dummy models
     block_size: int = 16  # tokens per KV block
     max_model_len: int = 0  # 0: the model's max_position_embeddings
@@ -32,6 +34,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "max_num_batched_tokens": "most tokens in one step (sizes the memory profile)",
         "max_num_seqs": "most sequences in one step (CUDA graph batch sizes)",
         "enforce_eager": "run every step eagerly: no CUDA graphs",
+        "overlap_steps": "queue each step before the one before it is read back, so host work "
+                         "hides behind the GPU's: auto (on CUDA), on or off",
         "seed": "seed of dummy models' random weights",
         "block_size": "tokens per KV cache block",
         "max_model_len": "context length limit (0: the model's own)",
@@ -44,5 +48,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not "
                              f"{self.gpu_memory_utilization}")
+        if self.overlap_steps not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_steps must be auto, on or off, not {self.overlap_steps!r}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")

@@ -5,6 +5,10 @@ static buffer; a decode step then copies its inputs into those buffers and repla
 that fits, so a step costs one graph launch instead of a few hundred kernel launches. Rows past
 the real batch are padding: slot -1 (the cache write skips it), context length 1 over block 0,
 and their logits are dropped. Mixed steps (any prompt chunk) run eagerly.
+
+Every bucket writes its logits into one static buffer: an output kept alive per graph would stay
+in the shared pool, and at 1,024 sequences with a 128k vocabulary those outputs alone came to
+~17 GiB (the KV cache had been sized without them, so capture ran out of memory).
 """
 
 from __future__ import annotations
@@ -42,8 +46,10 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)  # [size]
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(size, dtype=torch.long, device=device)
+        # [size, vocab_size] fp32: every bucket's logits (rows past its batch are padding)
+        self.logits = torch.empty(size, model.config.vocab_size, dtype=torch.float32,
+                                  device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # bucket -> [bucket, vocab_size] output buffer
 
     def _metadata(self, batch_size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -55,19 +61,20 @@ class DecodeGraphs:
             max_query_len=1, max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, buckets: list[int] | None = None) -> None:
+        """Capture every bucket (or just ``buckets``), largest first: the others reuse its pool."""
         pool = torch.cuda.graph_pool_handle()
-        for batch_size in reversed(self.buckets):  # largest first: the others reuse its pool
+        for batch_size in sorted(buckets or self.buckets, reverse=True):
             args = (self.input_ids[:batch_size], self.positions[:batch_size],
                     self._metadata(batch_size))
             self.model(*args)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[batch_size] = self.model(*args)
+                self.logits[:batch_size].copy_(self.model(*args))
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
-        log.info("cuda_graphs_captured", buckets=self.buckets)
+        log.info("cuda_graphs_captured", buckets=sorted(self.graphs))
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
@@ -89,4 +96,4 @@ class DecodeGraphs:
             self.seq_lens[num_seqs:bucket].fill_(1)
             self.block_tables[num_seqs:bucket, 0].fill_(0)
         self.graphs[bucket].replay()
-        return self.logits[bucket][:num_seqs]
+        return self.logits[:num_seqs]

@@ -9,13 +9,19 @@ dev machine), and the event loop must stay free to answer pings during a step.
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
+
+IDLE_POLL_S = 0.0002  # how often on_idle runs while it says work is in flight
 
 
 class MainThreadExecutor(Executor):
     def __init__(self) -> None:
         self._jobs: queue.Queue = queue.Queue()
         self._stopped = False
+        # Run between jobs when none is queued; True: work is in flight, call again soon
+        # (the worker reads back a GPU step once it is done, unless the next plan came first).
+        self.on_idle: Callable[[], bool] | None = None
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
         if self._stopped:
@@ -32,9 +38,13 @@ class MainThreadExecutor(Executor):
         """Run jobs on the calling (main) thread until shutdown()."""
         while True:
             try:
-                job = self._jobs.get(timeout=0.5)  # wakes up for signal handlers
+                job = self._jobs.get_nowait()
             except queue.Empty:
-                continue
+                busy = self.on_idle is not None and self.on_idle()
+                try:  # wakes up for signal handlers
+                    job = self._jobs.get(timeout=IDLE_POLL_S if busy else 0.5)
+                except queue.Empty:
+                    continue
             if job is None:
                 break
             future, fn, args, kwargs = job

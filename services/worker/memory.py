@@ -1,10 +1,12 @@
 """How much GPU memory the KV cache may take.
 
 The worker loads the weights, runs one profiling forward at the largest step it will be sent
-(``max_num_batched_tokens`` prompt tokens, ``max_num_seqs`` sampled rows) against a scratch
-cache, and gives the cache what is left of ``gpu_memory_utilization`` of the card after the
-weights, that activation peak and a reserve for CUDA graphs. Everything the step loop needs
-afterwards fits in memory the caching allocator already holds.
+(``max_num_batched_tokens`` prompt tokens, ``max_num_seqs`` sampled rows) and the sampler's
+top-k/top-p sort over those rows against a scratch cache, captures the largest CUDA graph to
+measure what the graphs' pool and static buffers take, and gives the cache what is left of
+``gpu_memory_utilization`` of the card after the weights, that activation peak, the graphs and a
+small reserve. Everything the step loop needs afterwards fits in memory the caching allocator
+already holds.
 """
 
 from __future__ import annotations
@@ -15,18 +17,21 @@ import structlog
 import torch
 
 from kernels.paged_attention import allocate_kv_cache
+from kernels.sampling import sample_tokens
+from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.model import AttentionMetadata, Transformer
 
 log = structlog.get_logger()
 
-CUDA_GRAPH_RESERVE_BYTES = 512 * 2**20  # graph pools and cuBLAS workspaces
+RESERVE_BYTES = 512 * 2**20  # the smaller graphs, cuBLAS workspaces, fragmentation
 
 
 @dataclass(frozen=True)
 class MemoryProfile:
     total_bytes: int
     used_before_cache_bytes: int  # weights, CUDA context and anything else on the card
-    peak_activation_bytes: int
+    peak_activation_bytes: int  # a forward at the largest step, then sampling its rows
+    cuda_graph_bytes: int  # the largest decode graph's pool and the graphs' static buffers
     kv_cache_bytes: int
 
 
@@ -38,7 +43,9 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) 
 @torch.inference_mode()
 def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: int,
                            max_model_len: int, block_size: int, gpu_memory_utilization: float,
-                           device: torch.device, dtype: torch.dtype) -> MemoryProfile:
+                           device: torch.device, dtype: torch.dtype,
+                           graph_batch_size: int | None = None) -> MemoryProfile:
+    """graph_batch_size: the largest decode batch captured as a CUDA graph (None: no graphs)."""
     config = model.config
     seq_lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
     num_blocks = sum(-(-n // block_size) for n in seq_lens)
@@ -66,22 +73,53 @@ def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: 
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
-    model(input_ids, positions, metadata)
+    logits = model(input_ids, positions, metadata)  # [num_sampled, vocab_size]
+    _sample_with_filters(logits)
     torch.cuda.synchronize()
     peak_activation = torch.cuda.max_memory_allocated(device) - baseline
+    del logits, metadata, input_ids, positions
+    cuda_graph_bytes = _cuda_graph_bytes(model, graph_batch_size, max_model_len, block_size,
+                                         device) if graph_batch_size else 0
     model.bind_kv_cache(None)
-    del scratch, metadata, input_ids, positions
+    del scratch
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     kv_cache_bytes = int(total * gpu_memory_utilization) - used - peak_activation \
-        - CUDA_GRAPH_RESERVE_BYTES
-    profile = MemoryProfile(total, used, peak_activation, kv_cache_bytes)
+        - cuda_graph_bytes - RESERVE_BYTES
+    profile = MemoryProfile(total, used, peak_activation, cuda_graph_bytes, kv_cache_bytes)
     log.info("memory_profiled", **{k: getattr(profile, k) for k in profile.__dataclass_fields__})
     if kv_cache_bytes <= 0:
         raise ValueError(
             f"no memory left for the KV cache: {used / 2**30:.1f} GiB in use after loading, "
             f"{peak_activation / 2**30:.1f} GiB activation peak, of "
             f"{gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB; raise "
-            "--gpu-memory-utilization or lower --max-num-batched-tokens")
+            "--gpu-memory-utilization or lower --max-num-batched-tokens or --max-num-seqs")
     return profile
+
+
+def _sample_with_filters(logits: torch.Tensor) -> None:
+    """The sampler's largest workspace: every row drawn through the top-k/top-p sort."""
+    num_rows, device = logits.shape[0], logits.device
+    sample_tokens(logits, torch.ones(num_rows, device=device),
+                  torch.full((num_rows,), 50, dtype=torch.int64, device=device),
+                  torch.full((num_rows,), 0.9, device=device),
+                  torch.zeros(num_rows, dtype=torch.int64, device=device),
+                  torch.zeros(num_rows, dtype=torch.int64, device=device))
+
+
+def _cuda_graph_bytes(model: Transformer, batch_size: int, max_model_len: int, block_size: int,
+                      device: torch.device) -> int:
+    """GPU memory the decode graphs keep: capture the largest bucket (the smaller ones share
+    its pool) on the scratch cache, and count what stays allocated."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info(device)[0]
+    graphs = DecodeGraphs(model, batch_size, -(-max_model_len // block_size), max_model_len,
+                          device)
+    graphs.capture([graphs.buckets[-1]])
+    torch.cuda.empty_cache()
+    graph_bytes = free_before - torch.cuda.mem_get_info(device)[0]
+    del graphs
+    torch.cuda.empty_cache()
+    return max(0, graph_bytes)

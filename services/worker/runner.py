@@ -4,6 +4,13 @@ Synchronous and free of I/O so tests drive it step by step; ``service.py`` wraps
 Per request the runner keeps its token list, sampling parameters, block table and
 ``num_computed_tokens``; a step computes tokens ``[num_computed, num_computed + num_new_tokens)`` of
 each scheduled request and samples the ones that reach the end of their known tokens.
+
+On CUDA a step's host work overlaps the GPU: ``submit`` queues a step's kernels and returns
+without reading its sampled tokens; the next step takes those tokens straight from the device
+(no sync before launching it), and only then is the earlier step read back. A step whose
+sampling needs its requests' previous tokens on the host (logprobs, structured output,
+penalties, prompt logprobs) waits for the step before it instead. ``execute`` is one step,
+start to end.
 """
 
 from __future__ import annotations
@@ -46,13 +53,29 @@ class RequestState:
     num_prompt_tokens: int
     # prompt logprobs still to compute: the request asked and had no outputs when it arrived
     wants_prompt_logprobs: bool = False
+    # tokens sampled by the step in flight, not read back yet (they follow token_ids)
+    num_pending_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens and the one being sampled by the step in flight."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def num_outputs(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
 
     def seed_next_draw(self) -> None:
         """A seeded draw depends only on (seed, output index), so a request preempted and
         recomputed draws exactly what it would have drawn, whatever the batch."""
         if self.generator is not None:
-            num_outputs = len(self.token_ids) - self.num_prompt_tokens
-            self.generator.manual_seed((self.sampling.seed * 1_000_003 + num_outputs) % 2**63)
+            self.generator.manual_seed((self.sampling.seed * 1_000_003 + self.num_outputs) % 2**63)
+
+
+def needs_host_tokens(sampling: SamplingParams) -> bool:
+    """Sampling this request reads its earlier tokens on the host, or reports host values."""
+    return sampling.logprobs is not None or sampling.prompt_logprobs is not None \
+        or sampling.structured is not None or sampling.has_penalties
 
 
 @dataclass
@@ -65,6 +88,9 @@ class SequenceChunk:
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     # leading positions of the chunk whose logits are wanted too (prompt logprobs)
     num_logprob_rows: int = 0
+    # the chunk's last token is the one the step in flight samples: token_ids holds a
+    # placeholder there, filled on the device from that step's output row
+    pending_row: int | None = None
 
 
 @dataclass(frozen=True)
@@ -128,19 +154,69 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
     # [num_logit_rows]: the last token of each sampled chunk, and prompt-logprob positions
     layout = layout or logits_layout(chunks)
     longer = np.flatnonzero(q_lens > 1)
-
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
-
+    # Two host-to-device copies per step, one per dtype, from pinned memory: a copy from
+    # pageable memory waits for every kernel queued before it, which would stall the host
+    # behind the step in flight.
+    longs = _to_device([input_ids, positions, slot_mapping,
+                        np.asarray(layout.token_indices, np.int64)], np.int64, device)
+    ints = _to_device([block_tables.ravel(), seq_lens.astype(np.int32), query_start_loc],
+                      np.int32, device)
     metadata = AttentionMetadata(
-        slot_mapping=to_device(slot_mapping),
-        block_tables=to_device(block_tables),
-        seq_lens=to_device(seq_lens.astype(np.int32)),
-        query_start_loc=to_device(query_start_loc),
-        logits_indices=to_device(np.asarray(layout.token_indices, np.int64)),
+        slot_mapping=longs[2], block_tables=ints[0].view(num_seqs, max_blocks), seq_lens=ints[1],
+        query_start_loc=ints[2], logits_indices=longs[3],
         max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
         num_decodes=int(longer[0]) if len(longer) else num_seqs)
-    return to_device(input_ids), to_device(positions), metadata
+    return longs[0], longs[1], metadata
+
+
+def _to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
+    """``arrays`` as views of one tensor on ``device``, copied in one go (asynchronously to
+    CUDA, through pinned memory that the caching host allocator reuses once the copy is done)."""
+    flat = torch.from_numpy(np.concatenate([a.astype(dtype, copy=False) for a in arrays]))
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    return list(flat.split([len(a) for a in arrays]))
+
+
+@dataclass
+class StepInFlight:
+    """A step whose kernels are queued and whose sampled tokens are still on the device."""
+
+    plan: StepPlan
+    start_time: float
+    request_ids: list[str]  # per sampled row
+    states: list[RequestState]  # per sampled row: the state the token belongs to
+    token_ids: torch.Tensor  # [num_sampled] int64, on the device
+    host_token_ids: torch.Tensor  # [num_sampled] int64 on the host (CUDA: pinned, async copy)
+    copied: torch.cuda.Event | None  # CUDA: the copy to host_token_ids is done
+    rows: dict[str, int]  # request id -> its row
+
+    @classmethod
+    def start(cls, plan: StepPlan, start_time: float, request_ids: list[str],
+              states: list[RequestState], token_ids: torch.Tensor | None,
+              device: torch.device) -> StepInFlight:
+        if token_ids is None:  # nothing scheduled: an empty step
+            token_ids = torch.empty(0, dtype=torch.int64, device=device)
+        host_token_ids, copied = token_ids, None
+        if device.type == "cuda":
+            host_token_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
+            host_token_ids.copy_(token_ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return cls(plan, start_time, request_ids, states, token_ids, host_token_ids, copied,
+                   {request_id: row for row, request_id in enumerate(request_ids)})
+
+    def done(self) -> bool:
+        return self.copied is None or self.copied.query()
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def row_of(self, request_id: str, state: RequestState) -> int | None:
+        """The row holding ``state``'s pending token (None: this step samples none for it)."""
+        row = self.rows.get(request_id)
+        return row if row is not None and self.states[row] is state else None
 
 
 class ModelRunner:
@@ -169,6 +245,12 @@ class ModelRunner:
                                           self._dtype, self._device)
         self.model.bind_kv_cache(self.kv_cache)
         self._requests: dict[str, RequestState] = {}
+        self._in_flight: StepInFlight | None = None
+        # Leave steps in flight (submit): on CUDA, where it hides the host's work behind the
+        # GPU's; on CPU nothing runs asynchronously, but tests turn it on to check the path.
+        self.overlap_steps: bool = config.overlap_steps == "on" or (
+            config.overlap_steps == "auto" and self._device.type == "cuda")
+        self.num_overlapped_steps = 0  # steps queued while the one before was in flight
         self.sampler = Sampler(model_config.vocab_size, self.eos_token_ids, self._device,
                                make_grammars=lambda: _grammar_bank(
                                    model_files.path, model_config.vocab_size, self.eos_token_ids))
@@ -193,7 +275,8 @@ class ModelRunner:
             self.model, num_tokens=config.max_num_batched_tokens, num_sampled=config.max_num_seqs,
             max_model_len=self.max_model_len, block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization, device=self._device,
-            dtype=self._dtype).kv_cache_bytes
+            dtype=self._dtype,
+            graph_batch_size=None if config.enforce_eager else config.max_num_seqs).kv_cache_bytes
 
     @property
     def device(self) -> str:
@@ -208,7 +291,9 @@ class ModelRunner:
         return len(self._requests)
 
     def reset(self) -> None:
-        """Forget every request (a scheduler attached or a step failed); the cache memory stays."""
+        """Forget every request and the step in flight (a scheduler attached or a step
+        failed); the cache memory stays."""
+        self._in_flight = None
         for request_id in list(self._requests):
             self._forget(request_id)
 
@@ -216,7 +301,66 @@ class ModelRunner:
         if self._requests.pop(request_id, None) is not None:
             self.sampler.remove(request_id)
 
+    @property
+    def has_in_flight(self) -> bool:
+        """A step's kernels are queued and its sampled tokens not read back yet."""
+        return self._in_flight is not None
+
+    def in_flight_done(self) -> bool:
+        """The step in flight has finished on the device (reading it back will not wait)."""
+        return self._in_flight is None or self._in_flight.done()
+
     def execute(self, plan: StepPlan) -> StepResult:
+        """One step, start to end (nothing may be in flight)."""
+        if self._in_flight is not None:
+            raise RuntimeError("execute() with a step in flight: use submit() and flush()")
+        results = self.submit(plan) + self.flush()
+        return results[-1]
+
+    def submit(self, plan: StepPlan) -> list[StepResult]:
+        """Start ``plan``; return the results of the steps that completed meanwhile, in step
+        order: the step in flight before it, and ``plan`` itself unless it is left in flight
+        (CUDA, and its sampling needs no host tokens) for ``flush`` or the next ``submit``."""
+        results: list[StepResult] = []
+        overlap = self.overlap_steps and not self._needs_host_tokens(plan)
+        if self._in_flight is not None and not overlap:
+            results += self.flush()  # its tokens must be on the host before this step samples
+        if self._in_flight is not None:
+            self.num_overlapped_steps += 1
+        step = self._launch(plan, defer=overlap)
+        results += self.flush()  # the step before: read back while this one runs
+        if isinstance(step, StepResult):
+            results.append(step)
+        else:
+            self._in_flight = step
+        return results
+
+    def flush(self) -> list[StepResult]:
+        """Read back the step in flight, if any (waits for the device)."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return []
+        step.wait()
+        token_ids = step.host_token_ids.tolist()
+        for request_id, state, token_id in zip(step.request_ids, step.states, token_ids):
+            if self._requests.get(request_id) is state:  # not forgotten or re-sent since
+                state.token_ids.append(token_id)
+                state.num_pending_tokens -= 1
+        return [StepResult(step_id=step.plan.step_id, request_ids=step.request_ids,
+                           sampled_token_ids=token_ids,
+                           step_time_s=time.perf_counter() - step.start_time)]
+
+    def _needs_host_tokens(self, plan: StepPlan) -> bool:
+        if any(needs_host_tokens(new.sampling) for new in plan.new_requests):
+            return True
+        for scheduled in plan.scheduled:
+            state = self._requests.get(scheduled.request_id)
+            if state is not None and needs_host_tokens(state.sampling):
+                return True
+        return False
+
+    def _launch(self, plan: StepPlan, defer: bool) -> StepResult | StepInFlight:
+        """Queue the step's kernels; with ``defer``, leave its sampled tokens on the device."""
         start_time = time.perf_counter()
         for request_id in plan.finished_request_ids:
             self._forget(request_id)
@@ -226,14 +370,17 @@ class ModelRunner:
             raise ValueError(f"step {plan.step_id} schedules a request twice")
         chunks = [self._chunk(scheduled) for scheduled in plan.scheduled]
         sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
+        states = [self._requests[request_id] for request_id in sampled_ids]
         sampled_token_ids: list[int] = []
         sampled_logprobs: list[TokenLogprobs | None] = []
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        device_token_ids: torch.Tensor | None = None
         if chunks:
             with torch.inference_mode():
                 layout = logits_layout(chunks)
                 input_ids, positions, metadata = build_step_inputs(
                     chunks, self.block_size, self._device, layout)
+                self._fill_pending_inputs(chunks, input_ids)
                 if self._graphs is not None and metadata.max_query_len == 1 \
                         and len(sampled_ids) == len(chunks) \
                         and self._graphs.bucket_for(len(chunks)) is not None:
@@ -245,24 +392,50 @@ class ModelRunner:
                                                         logits)
                 if len(sample_rows) != logits.shape[0]:
                     logits = logits[sample_rows]  # [num_sampled, vocab_size]
-                states = [self._requests[request_id] for request_id in sampled_ids]
                 for state in states:
                     state.seed_next_draw()
-                sampled_token_ids, sampled_logprobs = self.sampler.sample(
-                    logits, sampled_ids, [s.sampling for s in states],
-                    [len(s.token_ids) - s.num_prompt_tokens for s in states],
-                    [s.generator for s in states])
+                params = [s.sampling for s in states]
+                output_indices = [s.num_outputs for s in states]
+                if defer:
+                    device_token_ids = self.sampler.sample_on_device(  # [num_sampled]
+                        logits, sampled_ids, params, output_indices,
+                        [s.generator for s in states])
+                else:
+                    sampled_token_ids, sampled_logprobs = self.sampler.sample(
+                        logits, sampled_ids, params, output_indices,
+                        [s.generator for s in states])
         for scheduled, chunk in zip(plan.scheduled, chunks):
             state = self._requests[scheduled.request_id]
             state.block_table = chunk.block_table
             state.num_computed_tokens += scheduled.num_new_tokens
-        for request_id, token_id in zip(sampled_ids, sampled_token_ids):
-            self._requests[request_id].token_ids.append(token_id)
+        if defer:
+            for state in states:
+                state.num_pending_tokens += 1
+            return StepInFlight.start(plan, start_time, sampled_ids, states, device_token_ids,
+                                      self._device)
+        for state, token_id in zip(states, sampled_token_ids):
+            state.token_ids.append(token_id)
         return StepResult(step_id=plan.step_id, request_ids=sampled_ids,
                           sampled_token_ids=sampled_token_ids,
                           step_time_s=time.perf_counter() - start_time,
                           logprobs=sampled_logprobs if any(sampled_logprobs) else [],
                           prompt_logprobs=prompt_logprobs)
+
+    def _fill_pending_inputs(self, chunks: list[SequenceChunk], input_ids: torch.Tensor) -> None:
+        """Put the tokens the step in flight samples into this step's inputs, on the device."""
+        positions, rows = [], []
+        end = 0
+        for chunk in chunks:
+            end += len(chunk.token_ids)
+            if chunk.pending_row is not None:
+                positions.append(end - 1)
+                rows.append(chunk.pending_row)
+        if not positions:
+            return
+        assert self._in_flight is not None and self._in_flight.token_ids is not None
+        index = _to_device([np.asarray(positions, np.int64), np.asarray(rows, np.int64)],
+                           np.int64, self._device)
+        input_ids.index_copy_(0, index[0], self._in_flight.token_ids[index[1]])
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], chunks: list[SequenceChunk],
                          first_rows: list[int], logits: torch.Tensor
@@ -302,9 +475,9 @@ class ModelRunner:
         if state is None:
             raise ValueError(f"unknown request id {request_id!r}")
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_new_tokens
-        if num_new_tokens < 1 or end > len(state.token_ids):
+        if num_new_tokens < 1 or end > state.num_tokens:
             raise ValueError(f"request {request_id}: {num_new_tokens} new tokens after {start} "
-                             f"computed, but it has {len(state.token_ids)} tokens")
+                             f"computed, but it has {state.num_tokens} tokens")
         if end > self.max_model_len:
             raise ValueError(f"request {request_id}: {end} tokens exceed max_model_len "
                              f"{self.max_model_len}")
@@ -316,9 +489,18 @@ class ModelRunner:
         # positions start.. predicting prompt tokens (the last prompt position predicts an output)
         num_logprob_rows = max(0, min(end, state.num_prompt_tokens - 1) - start) \
             if state.wants_prompt_logprobs else 0
-        return SequenceChunk(token_ids=state.token_ids[start:end], start=start,
-                             block_table=block_table, sample=end == len(state.token_ids),
-                             num_logprob_rows=num_logprob_rows)
+        token_ids = state.token_ids[start:end]
+        pending_row = None
+        if end > len(state.token_ids):  # its last token is being sampled by the step in flight
+            in_flight = self._in_flight
+            if in_flight is None or end - len(state.token_ids) != 1 \
+                    or in_flight.row_of(request_id, state) is None:
+                raise ValueError(f"request {request_id}: token {end - 1} is not known yet")
+            pending_row = in_flight.row_of(request_id, state)
+            token_ids.append(0)  # placeholder: _fill_pending_inputs writes it on the device
+        return SequenceChunk(token_ids=token_ids, start=start, block_table=block_table,
+                             sample=end == state.num_tokens, num_logprob_rows=num_logprob_rows,
+                             pending_row=pending_row)
 
     def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]

@@ -92,6 +92,19 @@ class Sampler:
                 results[i] = entry
         return token_ids, results
 
+    def sample_on_device(self, logits: torch.Tensor, request_ids: list[str],
+                         params: list[SamplingParams], output_indices: list[int],
+                         generators: list[torch.Generator | None]) -> torch.Tensor:
+        """``sample`` for rows whose requests need no host tokens (no logprobs, grammar or
+        penalties): the token ids [num_rows] stay on the device, nothing waits for them."""
+        if any(_adjusts(p) for p in params):
+            logits = self._adjusted(logits, request_ids, params, output_indices)
+        if all(p.is_greedy for p in params):
+            return logits.argmax(dim=-1)
+        if logits.is_cuda:
+            return sample_with_kernel(logits, params, output_indices)
+        return torch.tensor(sample(logits, params, generators, output_indices))
+
     def _adjusted(self, logits: torch.Tensor, request_ids: list[str],
                   params: list[SamplingParams], output_indices: list[int]) -> torch.Tensor:
         device = logits.device
@@ -169,7 +182,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if all(p.is_greedy for p in params):  # the common batch: one argmax, no row gathers
         return logits.argmax(dim=-1).tolist()
     if logits.is_cuda:
-        return sample_with_kernel(logits, params, output_indices or [0] * len(params))
+        return sample_with_kernel(logits, params, output_indices or [0] * len(params)).tolist()
     token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # [num_rows]
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -185,9 +198,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def sample_with_kernel(logits: torch.Tensor, params: list[SamplingParams],
-                       output_indices: list[int]) -> list[int]:
-    """Every row in one launch (kernels/sampling.py): no per-row loop, one sync to read the
-    tokens. A row without a seed gets a fresh random one."""
+                       output_indices: list[int]) -> torch.Tensor:
+    """Every row in one launch (kernels/sampling.py): no per-row loop, no sync; returns the
+    token ids [num_rows] on the device. A row without a seed gets a fresh random one."""
     device = logits.device
     # two host-to-device copies for every row's parameters
     floats = to_device(torch.tensor([[0.0 if p.is_greedy else p.temperature for p in params],
@@ -196,9 +209,8 @@ def sample_with_kernel(logits: torch.Tensor, params: list[SamplingParams],
         [p.top_k for p in params],
         [p.seed if p.seed is not None else random.getrandbits(62) for p in params],
         output_indices], dtype=torch.int64), device)
-    token_ids = sample_tokens(logits, floats[0], ints[0], floats[1], ints[1], ints[2],
-                              apply_filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
-    return token_ids.tolist()
+    return sample_tokens(logits, floats[0], ints[0], floats[1], ints[1], ints[2],
+                         apply_filters=any(p.top_k > 0 or p.top_p < 1.0 for p in params))
 
 
 

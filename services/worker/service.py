@@ -1,5 +1,9 @@
 """The worker's NATS edge: answers its scheduler's step plans with sampled tokens.
 
+Plans run on the main thread (``runner.submit``); on CUDA a step is left in flight while the
+next plan is prepared, so a step's reply comes when the next plan has been queued behind it,
+or when the GPU has finished it and no plan came (the executor's idle hook).
+
 On SIGTERM (or SIGINT) it keeps serving steps until none came for DRAIN_IDLE_S (its
 scheduler drained, or is gone), at most ``shutdown_timeout`` seconds, then exits; a
 second signal stops it at once. Its pings report how often its link to NATS dropped,
@@ -43,7 +47,10 @@ class WorkerService:
         self.runner = runner
         self.subjects = Subjects(config.namespace)
         self.num_steps = 0
-        self.forward = forward  # where runner.execute runs (the main thread)
+        self.forward = forward  # where runner.submit runs (the main thread)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # step id -> the reply it waits for; touched only on the event loop
+        self._results: dict[int, asyncio.Future[StepResult]] = {}
         self.num_running = 0  # steps being computed
         self.last_step_at = time.monotonic()  # when a step last came or ended
         self.draining = False
@@ -52,6 +59,9 @@ class WorkerService:
         self._next_step_id: int | None = None  # None: no scheduler attached yet
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if isinstance(self.forward, MainThreadExecutor):
+            self.forward.on_idle = self._read_back_when_done
         replica_id = self.config.replica_id
         # No queue group on step/attach: exactly one worker per replica id.
         await self.bus.serve(self.subjects.worker_step(replica_id), StepPlan, self._on_step)
@@ -73,18 +83,65 @@ class WorkerService:
         self._next_step_id = plan.step_id + 1
         self.num_running += 1
         self.last_step_at = time.monotonic()
+        loop = asyncio.get_running_loop()
+        reply = self._results[plan.step_id] = loop.create_future()
         try:
             # Off the event loop, so pings still answer during long steps.
-            result = await asyncio.get_running_loop().run_in_executor(
-                self.forward, self.runner.execute, plan)
-        except Exception:
-            self.runner.reset()  # the scheduler fails these requests; start clean
-            raise
+            await loop.run_in_executor(self.forward, self._submit, plan)
+            result = await reply
         finally:
+            if reply.done() and not reply.cancelled():
+                reply.exception()  # failed along with the step that raised: seen there
+            self._results.pop(plan.step_id, None)
             self.num_running -= 1
             self.last_step_at = time.monotonic()
         self.num_steps += 1
         return result
+
+    # ---- on the main thread
+    def _submit(self, plan: StepPlan) -> None:
+        try:
+            results = self.runner.submit(plan)
+        except Exception as exc:
+            self._fail_in_flight(exc)
+            raise
+        self._deliver(results)
+
+    def _read_back_when_done(self) -> bool:
+        """The executor's idle hook: reply for the step in flight once the GPU is done with
+        it (no next plan came to queue behind it); True while it is still running."""
+        if not self.runner.has_in_flight:
+            return False
+        if not self.runner.in_flight_done():
+            return True
+        try:
+            results = self.runner.flush()
+        except Exception as exc:  # noqa: BLE001 - the waiting handlers reply with it
+            self._fail_in_flight(exc)
+            return False
+        self._deliver(results)
+        return False
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        """A step failed: forget every request (the scheduler fails them) and fail every
+        step still waiting for its reply."""
+        self.runner.reset()
+        self._loop.call_soon_threadsafe(self._fail_waiting, exc)
+
+    def _deliver(self, results: list[StepResult]) -> None:
+        for result in results:
+            self._loop.call_soon_threadsafe(self._resolve, result)
+
+    # ---- on the event loop
+    def _resolve(self, result: StepResult) -> None:
+        reply = self._results.get(result.step_id)
+        if reply is not None and not reply.done():
+            reply.set_result(result)
+
+    def _fail_waiting(self, exc: Exception) -> None:
+        for reply in self._results.values():
+            if not reply.done():
+                reply.set_exception(exc)
 
     async def _on_attach(self, _: Empty) -> WorkerInfo:
         self._next_step_id = 0  # at once: a stale step coming during the reset is refused
@@ -92,6 +149,8 @@ class WorkerService:
         # scheduler lost it, e.g. over a NATS outage): never a reset under a running step.
         started = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(self.forward, self.runner.reset)
+        self._fail_waiting(ServiceUnavailable("a scheduler attached: steps of the one before "
+                                              "are dropped"))
         runner = self.runner
         log.info("scheduler_attached", num_blocks=runner.num_blocks,
                  waited_s=round(time.monotonic() - started, 3))
@@ -106,6 +165,7 @@ class WorkerService:
         return HealthReply(service="worker", instance_id=self.config.instance_id, detail={
             "replica_id": self.config.replica_id, "num_blocks": self.runner.num_blocks,
             "num_steps": self.num_steps, "device": str(self.runner.device),
+            "num_overlapped_steps": self.runner.num_overlapped_steps,
             "draining": self.draining, "nats_disconnects": self.bus.num_disconnects})
 
     async def drain(self, timeout_s: float) -> None:

@@ -39,9 +39,11 @@ def model_files():
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory, model_files):
-    """One shared stack for tests that do not break anything."""
+    """One shared stack for tests that do not break anything. Its worker overlaps steps as
+    on a GPU (step N+1 queued before step N is read back), so the tests here check that path."""
     stack = start_stack(tmp_path_factory.mktemp("stack-logs"),
-                        service_args={"worker": ["--kv-cache-memory", "512MiB"]})
+                        service_args={"worker": ["--kv-cache-memory", "512MiB",
+                                                 "--overlap-steps", "on"]})
     yield stack
     stack.stop()
 

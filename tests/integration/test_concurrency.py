@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import openai
 import pytest
 
@@ -44,6 +45,9 @@ def test_concurrent_streams_equal_their_solo_runs(stack, model_name):
         assert finish in ("stop", "length")
         assert text, i
         assert (text, finish) == solo[i], i
+    # the shared stack's worker overlaps steps (conftest): these streams went through that path
+    worker = httpx.get(stack.base_url + "/health", timeout=30).json()["services"]["worker"]
+    assert worker["num_overlapped_steps"] > 0
 
 
 NUM_STREAMS = 1024

@@ -33,13 +33,14 @@ def dummy_model(tmp_path_factory) -> ModelFiles:
     return ModelFiles(name="tiny-llama", path=path)
 
 
-def engine(model_files: ModelFiles, enforce_eager: bool) -> Engine:
+def engine(model_files: ModelFiles, enforce_eager: bool, overlap_steps: str = "auto") -> Engine:
     """fp32: graph and eager steps (and batches of other sizes) may split attention into
     different segments; in fp32 that reorders sums by ~1e-6, never enough to flip a token
     of this near-flat random model, which a bf16 rounding step could."""
     return Engine(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
                   WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="64MiB",
-                               max_model_len=512, max_num_seqs=16, enforce_eager=enforce_eager),
+                               max_model_len=512, max_num_seqs=16, enforce_eager=enforce_eager,
+                               overlap_steps=overlap_steps),
                   model_files)
 
 
@@ -56,6 +57,22 @@ def test_graph_decode_equals_eager(dummy_model):
         completions, _ = engine(dummy_model, eager).generate(prompts(12), greedy)
         outputs[eager] = [c.output_token_ids for c in completions]
     assert outputs[False] == outputs[True]
+
+
+def test_overlapped_steps_equal_one_at_a_time(dummy_model):
+    """Step N+1 queued before step N is read back (the default on CUDA) gives the tokens of
+    one step at a time, greedy and seeded, with requests leaving at different steps."""
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True)
+              for i in range(6)]
+    params += [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
+               for i in range(6)]
+    outputs = {}
+    for overlap in ("on", "off"):
+        llm = engine(dummy_model, enforce_eager=False, overlap_steps=overlap)
+        completions, _ = llm.generate(prompts(12), params)
+        outputs[overlap] = [c.output_token_ids for c in completions]
+        assert (llm.runner.num_overlapped_steps > 0) == (overlap == "on")
+    assert outputs["on"] == outputs["off"]
 
 
 def test_seeded_sampling_same_alone_and_in_batch(dummy_model):

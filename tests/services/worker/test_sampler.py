@@ -83,13 +83,13 @@ def test_kernel_path_seeded_row_same_alone_and_in_batch():
     alone, in_batch = [], []
     for step in range(4):
         logits = random_logits(4, seed=step)
-        alone.append(sample_with_kernel(logits[1:2], [seeded], [step])[0])
+        alone.append(sample_with_kernel(logits[1:2], [seeded], [step]).tolist()[0])
         tokens = sample_with_kernel(logits, [others[0], seeded, others[1], others[2]],
-                                    [9, step, 3, 5])
+                                    [9, step, 3, 5]).tolist()
         in_batch.append(tokens[1])
         assert tokens[0] == int(logits[0].argmax()) and tokens[3] == int(logits[3].argmax())
     assert alone == in_batch
     other_seed = [sample_with_kernel(random_logits(4, seed=step)[1:2],
-                                     [SamplingParams(temperature=1.0, seed=99)], [step])[0]
+                                     [SamplingParams(temperature=1.0, seed=99)], [step]).tolist()[0]
                   for step in range(4)]
     assert other_seed != alone
