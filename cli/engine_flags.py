@@ -7,12 +7,21 @@ import argparse
 
 from cli.stack import flags
 
+# On a GPU the batch limits default to vLLM's (the worker sizes its KV cache after the CUDA
+# graphs and these steps' activations, so they fit); on CPU, the services' own (64, 2048).
+GPU_MAX_NUM_SEQS = 1024
+GPU_MAX_NUM_BATCHED_TOKENS = 16384
+
 
 def add_engine_flags(parser) -> None:
     """Add the flags to a parser or an argument group (defaults: the services' own)."""
     parser.add_argument("--kv-cache-memory", default=None, help="worker KV cache size, e.g. 2GiB")
-    parser.add_argument("--max-num-seqs", default=None, help="most requests running at once")
-    parser.add_argument("--max-num-batched-tokens", default=None, help="most tokens per step")
+    parser.add_argument("--max-num-seqs", default=None,
+                        help=f"most requests running at once (default {GPU_MAX_NUM_SEQS} on a "
+                             "GPU, 64 on CPU)")
+    parser.add_argument("--max-num-batched-tokens", default=None,
+                        help=f"most tokens per step (default {GPU_MAX_NUM_BATCHED_TOKENS} on a "
+                             "GPU, 2048 on CPU)")
     parser.add_argument("--max-queued-requests", default=None,
                         help="most requests waiting per replica; more get 429 (default 4096)")
     parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
@@ -26,10 +35,22 @@ def add_engine_flags(parser) -> None:
 def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
     """{"worker": [...], "scheduler": [...]}. The worker gets the batch limits too: it sizes
     its memory profile and CUDA graphs by them."""
-    batch_limits = flags(max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_num_batched_tokens)
+    on_gpu = worker_uses_gpu(args.device)
+    batch_limits = flags(
+        max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else None),
+        max_num_batched_tokens=args.max_num_batched_tokens
+        or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else None))
     worker = batch_limits + flags(
         kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
     return {"worker": worker + (["--enforce-eager"] if args.enforce_eager else []),
             "scheduler": batch_limits + flags(max_queued_requests=args.max_queued_requests)}
+
+
+def worker_uses_gpu(device: str | None) -> bool:
+    """Whether a worker started with ``--device device`` (None: its default, auto) runs on CUDA."""
+    if device is not None and device != "auto":
+        return device.startswith("cuda")
+    import torch  # only here: most CLI commands need no torch
+
+    return torch.cuda.is_available()

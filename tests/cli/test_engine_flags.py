@@ -22,5 +22,14 @@ def test_serve_and_bench_pass_the_same_engine_flags():
 
 
 def test_unset_flags_are_left_to_the_services_defaults():
-    args = build_parser().parse_args(["serve"])
-    assert engine_service_args(args) == {"worker": [], "scheduler": []}
+    args = build_parser().parse_args(["serve", "--device", "cpu"])
+    assert engine_service_args(args) == {"worker": ["--device", "cpu"], "scheduler": []}
+
+
+def test_batch_limits_default_to_vllms_on_a_gpu():
+    args = build_parser().parse_args(["serve", "--device", "cuda:0"])
+    gpu_limits = ["--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
+    assert engine_service_args(args) == {"worker": gpu_limits + ["--device", "cuda:0"],
+                                         "scheduler": gpu_limits}
+    cpu = build_parser().parse_args(["serve", "--device", "cpu"])
+    assert engine_service_args(cpu) == {"worker": ["--device", "cpu"], "scheduler": []}
