@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chunk-step-ratio", default=None,
                        help="cap prompt chunks so a step that also decodes takes at most this "
                        "many decode-only steps' time (default 0: off)")
+    serve.add_argument("--max-steps-in-flight", default=None,
+                       help="steps each scheduler sends ahead to its worker (default 2)")
     serve.add_argument("--cache-dir", default="~/.cache/flotilla", help="converted-model cache")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--log-dir", type=Path, default=None,
@@ -56,7 +58,8 @@ def serve(args: argparse.Namespace) -> int:
     crashing), and stop it in order on the first Ctrl-C/SIGTERM; the second kills it."""
     service_args = engine_service_args(args)
     service_args["scheduler"] += flags(scheduling_policy=args.scheduling_policy,
-                                       chunk_step_ratio=args.chunk_step_ratio)
+                                       chunk_step_ratio=args.chunk_step_ratio,
+                                       max_steps_in_flight=args.max_steps_in_flight)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
     service_args["gateway"] = flags(api_key=args.api_key)
     options = StackOptions(

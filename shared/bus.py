@@ -60,6 +60,7 @@ class Bus:
         self._nc: Client | None = None
         self._on_lost = on_lost or _exit_process
         self._subscriptions: dict[tuple[str, str], list[Subscription]] = {}
+        self._handler_tasks: set[asyncio.Task] = set()  # concurrent serve handlers running
         self._listeners: list[Callable[[bool], None]] = []
         self._link_up = False
         self._lost_link: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -237,11 +238,22 @@ class Bus:
 
     # ------------------------------------------------------------ server side
     async def serve(self, subject: str, request_type: type[Req],
-                    handler: Callable[[Req], Awaitable[Any]], *, queue: str | None = None) -> None:
+                    handler: Callable[[Req], Awaitable[Any]], *, queue: str | None = None,
+                    concurrent: bool = False) -> None:
         """Answer requests on ``subject`` with ``handler``'s reply. Errors become an
-        ErrorInfo header on an empty reply, so the caller raises them."""
+        ErrorInfo header on an empty reply, so the caller raises them. Requests are handled
+        one at a time, in order; with ``concurrent`` each starts in order as soon as it
+        comes, in its own task (up to its first await), without waiting for the one before."""
 
         async def on_message(msg: Msg) -> None:
+            if concurrent:
+                task = asyncio.create_task(answer(msg))
+                self._handler_tasks.add(task)
+                task.add_done_callback(self._handler_tasks.discard)
+            else:
+                await answer(msg)
+
+        async def answer(msg: Msg) -> None:
             with tracer.start_as_current_span(subject, context=extract_context(msg.headers),
                                               kind=SpanKind.SERVER):
                 headers: dict[str, str] | None = None

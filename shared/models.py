@@ -181,6 +181,25 @@ def _convert_gguf(gguf_path: Path, staging: Path) -> None:
     (staging / _COMPLETE_MARKER).write_text(str(gguf_path))
 
 
+def read_eos_token_ids(model_dir: str | Path, tokenizer_eos_id: int | None = None) -> list[int]:
+    """Every id that ends generation, in first-seen order: generation_config.json first (what
+    HF generate uses), then config.json (each an int or a list), then the tokenizer's own
+    (given by a caller that has the tokenizer loaded)."""
+    eos_ids: list[int] = []
+    for filename in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / filename
+        try:
+            config = json.loads(path.read_text()) if path.is_file() else {}
+        except ValueError:
+            config = {}
+        value = config.get("eos_token_id") if isinstance(config, dict) else None
+        eos_ids += [t for t in (value if isinstance(value, list) else [value])
+                    if isinstance(t, int) and t not in eos_ids]
+    if isinstance(tokenizer_eos_id, int) and tokenizer_eos_id not in eos_ids:
+        eos_ids.append(tokenizer_eos_id)
+    return eos_ids
+
+
 # generation_config.json keys a request's parameter defaults to, with the values accepted
 # (a value outside them is ignored with a warning, as if the model set none).
 _GENERATION_DEFAULT_RANGES: dict[str, tuple[type, float, float]] = {

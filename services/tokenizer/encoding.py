@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage, DecodeRequest, EncodeRequest, TokenizerInfo
-from shared.models import read_generation_defaults
+from shared.models import read_eos_token_ids, read_generation_defaults
 
 # config.json keys that hold the context length, most common first.
 _DOCUMENT_SEPARATOR = "<|endoftext|>"
@@ -34,9 +34,7 @@ class TextCodec:
         model_config = _read_json(self.model_dir / "config.json")
         self.max_model_len = max_model_len or _context_length(model_config)
         self.vocab_size = len(self.tokenizer)  # includes added (special) tokens
-        self.eos_token_ids = _eos_token_ids(
-            model_config, _read_json(self.model_dir / "generation_config.json"),
-            self.tokenizer.eos_token_id)
+        self.eos_token_ids = read_eos_token_ids(self.model_dir, self.tokenizer.eos_token_id)
         self.generation_defaults = read_generation_defaults(self.model_dir)
 
     @property
@@ -145,19 +143,6 @@ def _context_length(model_config: dict[str, Any]) -> int:
                 return config[key]
     raise ValueError("config.json gives no context length (max_position_embeddings): "
                      "set max_model_len")
-
-
-def _eos_token_ids(model_config: dict[str, Any], generation_config: dict[str, Any],
-                   tokenizer_eos_id: int | None) -> list[int]:
-    """Every id that ends generation, in first-seen order: generation_config.json
-    first (what HF generate uses), then config.json, then the tokenizer's."""
-    eos_ids: list[int] = []
-    for value in (generation_config.get("eos_token_id"), model_config.get("eos_token_id"),
-                  tokenizer_eos_id):
-        for token_id in value if isinstance(value, list) else [value]:
-            if isinstance(token_id, int) and token_id not in eos_ids:
-                eos_ids.append(token_id)
-    return eos_ids
 
 
 # ----------------------------------------------------------------- tool calling

@@ -16,7 +16,6 @@ start to end.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from shared.config import parse_size
 from shared.messages import (
     NewRequestData, SamplingParams, ScheduledRequest, StepPlan, StepResult, TokenLogprobs,
 )
-from shared.models import ModelFiles
+from shared.models import ModelFiles, read_eos_token_ids
 
 log = structlog.get_logger()
 
@@ -526,15 +525,3 @@ def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in _DTYPES:
         raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
     return _DTYPES[name]
-
-
-def read_eos_token_ids(path: Path) -> list[int]:
-    """EOS ids from config.json then generation_config.json (each an int or a list), deduplicated."""
-    eos_token_ids: list[int] = []
-    for filename in ("config.json", "generation_config.json"):
-        file = path / filename
-        value = json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
-        for token_id in value if isinstance(value, list) else [value]:
-            if token_id is not None and token_id not in eos_token_ids:
-                eos_token_ids.append(token_id)
-    return eos_token_ids

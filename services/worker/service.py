@@ -64,7 +64,10 @@ class WorkerService:
             self.forward.on_idle = self._read_back_when_done
         replica_id = self.config.replica_id
         # No queue group on step/attach: exactly one worker per replica id.
-        await self.bus.serve(self.subjects.worker_step(replica_id), StepPlan, self._on_step)
+        # Concurrent: step N's reply waits until step N+1 is queued behind it (overlap), so
+        # step N+1's plan must not wait for step N's handler; each still starts in order.
+        await self.bus.serve(self.subjects.worker_step(replica_id), StepPlan, self._on_step,
+                             concurrent=True)
         await self.bus.serve(self.subjects.worker_attach(replica_id), Empty, self._on_attach)
         await self.bus.serve(self.subjects.worker_ping(replica_id), Empty, self._on_health)
         await self.bus.serve(self.subjects.health("worker"), Empty, self._on_health,

@@ -59,3 +59,13 @@ def test_a_dummy_preset_resolves_to_its_config_and_the_default_tokenizer():
 def test_every_preset_is_listed_in_an_unknown_model_error():
     with pytest.raises(ValueError, match="dummy:<preset>.*qwen3-0.6b"):
         resolve_model("no-such-model-anywhere")
+
+
+def test_eos_token_ids_generation_config_first_then_config_then_tokenizer(tmp_path):
+    from shared.models import read_eos_token_ids
+
+    (tmp_path / "config.json").write_text('{"eos_token_id": [7, 2]}')
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": 2}')
+    assert read_eos_token_ids(tmp_path) == [2, 7]
+    assert read_eos_token_ids(tmp_path, tokenizer_eos_id=9) == [2, 7, 9]
+    assert read_eos_token_ids(tmp_path / "missing") == []
