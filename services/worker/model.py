@@ -33,6 +33,7 @@ from torch import nn
 
 from kernels.rotary import build_cos_sin_cache
 from services.worker import ops
+from services.worker.cpu_attention import DecodeContext
 from shared.models import DUMMY_MARKER
 
 log = structlog.get_logger()
@@ -216,6 +217,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.value_cache: torch.Tensor | None = None
+        self.decode_context: DecodeContext | None = None  # CPU: the decode rows' context, kept
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -229,7 +231,8 @@ class Attention(nn.Module):
         ops.apply_rotary(q, k, positions, cos_sin_cache)  # in place
         ops.write_kv_cache(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
         # [num_tokens, num_heads, head_dim]
-        out = ops.attention(q, self.key_cache, self.value_cache, metadata, self.scale)
+        out = ops.attention(q, self.key_cache, self.value_cache, metadata, self.scale,
+                            self.decode_context)
         return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden_size]
 
 
@@ -289,9 +292,16 @@ class Transformer(nn.Module):
         if kv_cache is None:  # unbind (after the memory profile's scratch cache)
             for layer in self.layers:
                 layer.self_attn.key_cache = layer.self_attn.value_cache = None
+                layer.self_attn.decode_context = None
             return
+        # CPU: decode contexts kept from step to step. They hold what the cache holds for the
+        # decoding sequences, plus padding and shared prefixes copied per sequence: cap them at
+        # twice the cache (a larger batch falls back to gathering each step)
+        context_bytes = 2 * kv_cache.nbytes // len(self.layers)
         for layer, layer_cache in zip(self.layers, kv_cache, strict=True):
             layer.self_attn.key_cache, layer.self_attn.value_cache = layer_cache[0], layer_cache[1]
+            layer.self_attn.decode_context = (None if kv_cache.is_cuda
+                                              else DecodeContext(context_bytes))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels import activation, kv_cache, paged_attention, rms_norm as rms_norm_kernels, rotary
+from services.worker import cpu_attention
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -39,12 +40,15 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 
 def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-              metadata, scale: float) -> torch.Tensor:
-    """Causal paged attention of the step's queries [num_tokens, num_heads, head_dim]."""
+              metadata, scale: float,
+              decode_context: cpu_attention.DecodeContext | None = None) -> torch.Tensor:
+    """Causal paged attention of the step's queries [num_tokens, num_heads, head_dim].
+
+    On CPU, ``decode_context`` (the layer's copy of its decode rows' context) spares the
+    decodes a gather of their whole context each step; without it, the reference."""
     if not query.is_cuda:
-        return paged_attention.paged_attention_ref(
-            query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-            metadata.query_start_loc, scale)
+        return cpu_attention.attention(query, key_cache, value_cache, metadata, scale,
+                                       decode_context)
     return paged_attention.paged_attention(
         query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, scale, max_query_len=metadata.max_query_len,
