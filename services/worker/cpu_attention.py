@@ -3,13 +3,15 @@
 The torch reference (``kernels/paged_attention.paged_attention_ref``) gathers the whole
 context of every decoding sequence from the paged cache in every layer of every step: at 16
 sequences x 300 tokens that copy was the largest op of a SmolLM2 decode step on two cores
-(more than all the linear layers). Here each layer keeps a contiguous copy of its decode rows'
-context (``DecodeContext``, ``[rows, num_kv_heads, capacity, head_dim]`` for K and for V) from
-step to step: a sequence that decodes again in the next step only appends its new token, and
-attention runs on the copy with one SDPA call. Rows are rebuilt (copied from the old buffer,
-or gathered from the cache for sequences new to it) only when the batch changes.
+(more than all the linear layers). Here each layer keeps a contiguous copy of its decoding
+sequences' context (``DecodeContext``: one *slot* per sequence in ``[num_slots,
+num_kv_heads, capacity, head_dim]`` buffers for K and V) from step to step. A sequence that
+decodes again appends its one new token to its slot; a sequence new to the decodes is
+gathered from the cache once, into a free slot; a slot whose sequence left is reused. Slots
+never move, so a batch that changes costs only the newcomers' gathers. Attention is one SDPA
+call over the slots in use (the step's queries placed in their sequences' slots).
 
-Why a copy can be trusted: a row is reused for a sequence only when its block ids for every
+Why a copy can be trusted: a slot is reused for a sequence only when its block ids for every
 position already held are the same and it grew by exactly one token. While a sequence runs,
 its blocks hold positions no other sequence writes (its own blocks, or full prefix-cache
 blocks that are never rewritten while shared), so the cache's content at those positions is
@@ -29,28 +31,30 @@ import torch.nn.functional as F
 
 from kernels.paged_attention import paged_attention_ref
 
-CAPACITY_STEP = 256  # tokens: a row's capacity grows in these steps (rounded to whole blocks)
+CAPACITY_STEP = 256  # tokens: slots' capacity grows in these steps (rounded to whole blocks)
 
 
 class DecodeContext:
-    """One layer's contiguous copy of the context of the decode rows of the last step."""
+    """One layer's contiguous copies of its decoding sequences' context, one slot each."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes  # larger batches fall back to the reference
-        self.keys: torch.Tensor | None = None  # [rows, num_kv_heads, capacity, head_dim]
+        self.keys: torch.Tensor | None = None  # [num_slots, num_kv_heads, capacity, head_dim]
         self.values: torch.Tensor | None = None
-        self.lens = np.zeros(0, np.int64)  # [rows] tokens held per row
-        self.tables = np.zeros((0, 0), np.int64)  # [rows, blocks] block ids behind those tokens
-        self.num_rebuilds = 0  # steps whose rows did not all continue the step before
+        self.slot_lens = np.zeros(0, np.int64)  # [num_slots] tokens held; 0: free
+        self.slot_tables = np.zeros((0, 0), np.int64)  # [num_slots, blocks] their block ids
+        self.row_slots = np.zeros(0, np.int64)  # [num_rows] the last step's slot per row
+        self.num_gathered = 0  # sequences copied from the cache (first decode, or not trusted)
 
     def clear(self) -> None:
         self.keys = self.values = None
-        self.lens, self.tables = np.zeros(0, np.int64), np.zeros((0, 0), np.int64)
+        self.slot_lens, self.slot_tables = np.zeros(0, np.int64), np.zeros((0, 0), np.int64)
+        self.row_slots = np.zeros(0, np.int64)
 
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
                scale: float) -> torch.Tensor | None:
-        """Attention of one query per sequence, or None when the rows would not fit.
+        """Attention of one query per sequence, or None when the slots would not fit.
 
         query: [num_seqs, num_heads, head_dim]; block_tables: [num_seqs, max_blocks] int;
         seq_lens: [num_seqs] int, including this step's token, already written at
@@ -61,111 +65,141 @@ class DecodeContext:
         lens = seq_lens.numpy().astype(np.int64)  # [num_seqs]
         tables = block_tables.numpy()  # [num_seqs, max_blocks]
         padded_len = -(-int(lens.max()) // block_size) * block_size
-        if not self._fits(num_seqs, num_kv_heads, padded_len, head_dim, key_cache.element_size()):
+        row_slots = self._continuing_slots(lens, tables, block_size)  # [num_seqs], -1: new
+        num_new = int((row_slots < 0).sum())
+        num_slots = max(len(self.slot_lens), int(row_slots.max(initial=-1)) + 1) \
+            if num_new == 0 else self._slots_needed(row_slots)
+        capacity = _capacity(max(padded_len, 0 if self.keys is None else self.keys.shape[2]),
+                             block_size)
+        if 2 * num_slots * num_kv_heads * capacity * head_dim * key_cache.element_size() \
+                > self.max_bytes:
             self.clear()
             return None
-        if not self._continues(lens, tables, block_size):
-            self._rebuild(lens, tables, key_cache, value_cache, padded_len)
-        elif self.keys.shape[2] < padded_len:
-            self._grow(padded_len, block_size)
-        # [num_seqs, num_kv_heads, head_dim]: this step's token, from the cache slots
-        rows = torch.arange(num_seqs)
-        positions = torch.from_numpy(lens - 1)
-        fresh = self.lens < lens  # rows still missing their newest token
-        if fresh.any():
-            pick = torch.from_numpy(np.flatnonzero(fresh))
-            slots = slot_mapping[pick]
-            self.keys[rows[pick], :, positions[pick]] = key_cache.flatten(0, 1)[slots]
-            self.values[rows[pick], :, positions[pick]] = value_cache.flatten(0, 1)[slots]
-        self.lens, self.tables = lens, tables[:, :-(-padded_len // block_size)].copy()
-        # [num_seqs, 1, 1, padded_len]: True where the key position exists
-        valid = (torch.arange(padded_len)[None, :] < seq_lens[:, None])[:, None, None, :]
-        group = num_heads // num_kv_heads
-        # the query heads sharing a KV head are rows of one problem (as in the reference)
-        grouped = query.view(num_seqs, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(
-            grouped, self.keys[:, :, :padded_len], self.values[:, :, :padded_len],
-            attn_mask=valid, scale=scale)
-        return out.reshape(num_seqs, num_heads, head_dim)
+        self._reserve(num_slots, capacity, key_cache)
+        continuing = row_slots >= 0
+        if continuing.any():  # append this step's token, from its cache slot
+            rows = torch.from_numpy(np.flatnonzero(continuing))
+            slots = torch.from_numpy(row_slots[continuing])
+            positions = torch.from_numpy(lens[continuing] - 1)
+            cache_slots = slot_mapping[rows]
+            self.keys[slots, :, positions] = key_cache.flatten(0, 1)[cache_slots]
+            self.values[slots, :, positions] = value_cache.flatten(0, 1)[cache_slots]
+        if num_new:
+            row_slots = self._gather_new(row_slots, lens, tables, key_cache, value_cache)
+        num_blocks = -(-padded_len // block_size)
+        self.slot_lens[:] = 0  # slots not in this step are free again
+        self.slot_lens[row_slots] = lens
+        if self.slot_tables.shape[1] < num_blocks:
+            self.slot_tables = np.pad(self.slot_tables,
+                                      ((0, 0), (0, num_blocks - self.slot_tables.shape[1])))
+        self.slot_tables[row_slots, :num_blocks] = tables[:, :num_blocks]
+        self.row_slots = row_slots
+        return self._sdpa(query, row_slots, seq_lens, padded_len, num_kv_heads, scale)
 
-    def _fits(self, num_seqs: int, num_kv_heads: int, padded_len: int, head_dim: int,
-              element_size: int) -> bool:
-        capacity = max(padded_len, 0 if self.keys is None else self.keys.shape[2])
-        capacity = _capacity(capacity, 1)
-        return 2 * num_seqs * num_kv_heads * capacity * head_dim * element_size <= self.max_bytes
-
-    def _continues(self, lens: np.ndarray, tables: np.ndarray, block_size: int) -> bool:
-        """Every row is the same sequence as the step before's row, one token longer."""
-        if self.keys is None or len(lens) != len(self.lens) \
-                or not np.array_equal(lens, self.lens + 1):
-            return False
-        held_blocks = self.tables.shape[1]
-        if tables.shape[1] < held_blocks:
-            return False
-        return _same_blocks(tables[:, :held_blocks], self.tables, self.lens, block_size).all()
-
-    def _rebuild(self, lens: np.ndarray, tables: np.ndarray, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, padded_len: int) -> None:
-        """New rows in this step's order: a continuing sequence's copy moves over, any other
-        row is gathered from the cache (its whole context, this step's token included)."""
-        self.num_rebuilds += 1
-        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        num_seqs = len(lens)
-        capacity = _capacity(padded_len, block_size)
-        if self.keys is not None:
-            capacity = max(capacity, self.keys.shape[2])
-        shape = (num_seqs, num_kv_heads, capacity, head_dim)
-        # zeroed: masked positions must not hold NaN (0 x NaN would poison the weighted sum)
-        keys = torch.zeros(shape, dtype=key_cache.dtype)
-        values = torch.zeros(shape, dtype=value_cache.dtype)
-        held = self._previous_rows(lens, tables, block_size)  # [num_seqs] old row or -1
-        new_lens = np.where(held >= 0, lens - 1, lens)
-        # positions past a row's length hold finite values from the cache or zeros: the mask
-        # gives them weight 0, and a row's next token overwrites its position
-        moved = np.flatnonzero(held >= 0)
-        if len(moved):
-            old_held = int(self.lens.max())
-            index = torch.from_numpy(held[moved])
-            rows = torch.from_numpy(moved)
-            keys[rows, :, :old_held] = self.keys[:, :, :old_held].index_select(0, index)
-            values[rows, :, :old_held] = self.values[:, :, :old_held].index_select(0, index)
-        gathered = np.flatnonzero(held < 0)
-        if len(gathered):
-            num_blocks = -(-int(lens[gathered].max()) // block_size)
-            # [len(gathered) * num_blocks] block ids; padding rows of tables hold valid ids
-            block_ids = torch.from_numpy(tables[gathered, :num_blocks].astype(np.int64)).flatten()
-            context = (len(gathered), num_blocks * block_size, num_kv_heads, head_dim)
-            span = num_blocks * block_size
-            rows = torch.from_numpy(gathered)
-            keys[rows, :, :span] = key_cache.index_select(0, block_ids).view(context) \
-                .transpose(1, 2)
-            values[rows, :, :span] = value_cache.index_select(0, block_ids).view(context) \
-                .transpose(1, 2)
-        self.keys, self.values, self.lens = keys, values, new_lens
-
-    def _previous_rows(self, lens: np.ndarray, tables: np.ndarray, block_size: int) -> np.ndarray:
-        """Per row of this step, the old row holding its sequence one token shorter, or -1."""
-        held = np.full(len(lens), -1, np.int64)
+    def _continuing_slots(self, lens: np.ndarray, tables: np.ndarray,
+                          block_size: int) -> np.ndarray:
+        """Per row, the slot holding its sequence one token shorter, or -1."""
         if self.keys is None:
-            return held
+            return np.full(len(lens), -1, np.int64)
+        held_blocks = self.slot_tables.shape[1]
+        if len(lens) == len(self.row_slots) and tables.shape[1] >= held_blocks:
+            slots = self.row_slots  # the common step: the same sequences in the same order
+            held = self.slot_lens[slots]
+            if np.array_equal(lens, held + 1) and _same_blocks(
+                    tables[:, :held_blocks], self.slot_tables[slots], held, block_size).all():
+                return slots.copy()
         by_key = {}
-        for row, (length, table) in enumerate(zip(self.lens.tolist(), self.tables)):
-            by_key[(length, tuple(table[:-(-length // block_size)].tolist()))] = row
+        for slot, length in enumerate(self.slot_lens.tolist()):
+            if length:
+                blocks = tuple(self.slot_tables[slot, :-(-length // block_size)].tolist())
+                by_key[(length, blocks)] = slot
+        row_slots = np.full(len(lens), -1, np.int64)
+        taken = set()
         for row, (length, table) in enumerate(zip(lens.tolist(), tables)):
             previous = length - 1
             if previous > 0:
-                key = (previous, tuple(table[:-(-previous // block_size)].tolist()))
-                held[row] = by_key.get(key, -1)
-        return held
+                slot = by_key.get((previous, tuple(table[:-(-previous // block_size)].tolist())))
+                if slot is not None and slot not in taken:
+                    row_slots[row] = slot
+                    taken.add(slot)
+        return row_slots
 
-    def _grow(self, padded_len: int, block_size: int) -> None:
-        capacity = _capacity(padded_len, block_size)
-        old_capacity = self.keys.shape[2]
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = old.new_zeros(old.shape[:2] + (capacity,) + old.shape[3:])
-            new[:, :, :old_capacity] = old
-            setattr(self, name, new)
+    def _slots_needed(self, row_slots: np.ndarray) -> int:
+        """Slots in use once the new rows take the lowest free ones."""
+        num_free_needed = int((row_slots < 0).sum())
+        used = set(row_slots[row_slots >= 0].tolist())
+        slot = 0
+        for _ in range(num_free_needed):
+            while slot in used:
+                slot += 1
+            used.add(slot)
+        return max(used) + 1
+
+    def _reserve(self, num_slots: int, capacity: int, key_cache: torch.Tensor) -> None:
+        """Buffers of at least num_slots x capacity, the held tokens kept."""
+        old = self.keys
+        if old is not None and old.shape[0] >= num_slots and old.shape[2] >= capacity:
+            return
+        num_kv_heads, head_dim = key_cache.shape[2:]
+        if old is not None:
+            num_slots = max(num_slots, old.shape[0])
+            capacity = max(capacity, old.shape[2])
+        shape = (num_slots, num_kv_heads, capacity, head_dim)
+        # zeroed once: a position past a slot's length is read (with weight 0 after the mask)
+        # and 0 x NaN would poison the sum; later it holds only finite values from the cache
+        keys = torch.zeros(shape, dtype=key_cache.dtype)
+        values = torch.zeros(shape, dtype=key_cache.dtype)
+        if old is not None:
+            keys[:old.shape[0], :, :old.shape[2]] = old
+            values[:old.shape[0], :, :old.shape[2]] = self.values
+        self.keys, self.values = keys, values
+        self.slot_lens = np.pad(self.slot_lens, (0, num_slots - len(self.slot_lens)))
+        self.slot_tables = np.pad(self.slot_tables,
+                                  ((0, num_slots - len(self.slot_tables)), (0, 0)))
+
+    def _gather_new(self, row_slots: np.ndarray, lens: np.ndarray, tables: np.ndarray,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor) -> np.ndarray:
+        """Give each new row the lowest free slot and copy its context (this step's token
+        included) from the cache."""
+        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+        row_slots = row_slots.copy()
+        used = set(row_slots[row_slots >= 0].tolist())
+        free = (slot for slot in range(len(self.slot_lens)) if slot not in used)
+        for row in np.flatnonzero(row_slots < 0).tolist():
+            slot = next(free)
+            row_slots[row] = slot
+            num_blocks = -(-int(lens[row]) // block_size)
+            span = num_blocks * block_size
+            block_ids = torch.from_numpy(tables[row, :num_blocks].astype(np.int64))
+            for cache, buffer in ((key_cache, self.keys), (value_cache, self.values)):
+                # [num_kv_heads, span, head_dim]; positions past the length are finite
+                context = cache.index_select(0, block_ids).view(span, num_kv_heads, head_dim)
+                buffer[slot, :, :span].copy_(context.transpose(0, 1))
+            self.num_gathered += 1
+        return row_slots
+
+    def _sdpa(self, query: torch.Tensor, row_slots: np.ndarray, seq_lens: torch.Tensor,
+              padded_len: int, num_kv_heads: int, scale: float) -> torch.Tensor:
+        num_seqs, num_heads, head_dim = query.shape
+        group = num_heads // num_kv_heads
+        # the query heads sharing a KV head are rows of one problem (as in the reference)
+        grouped = query.view(num_seqs, num_kv_heads, group, head_dim)
+        num_slots = int(row_slots.max()) + 1
+        in_order = num_slots == num_seqs and np.array_equal(row_slots, np.arange(num_seqs))
+        slot_lens = seq_lens
+        if not in_order:  # queries into their slots; a free slot attends to position 0 only
+            slots = torch.from_numpy(row_slots)
+            grouped = grouped.new_zeros((num_slots,) + grouped.shape[1:]) \
+                .index_copy_(0, slots, grouped)
+            slot_lens = torch.ones(num_slots, dtype=seq_lens.dtype).index_copy_(0, slots, seq_lens)
+        # [num_slots, 1, 1, padded_len]: True where the key position exists
+        valid = (torch.arange(padded_len)[None, :] < slot_lens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            grouped, self.keys[:num_slots, :, :padded_len],
+            self.values[:num_slots, :, :padded_len], attn_mask=valid, scale=scale)
+        if not in_order:
+            out = out.index_select(0, torch.from_numpy(row_slots))
+        return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _same_blocks(tables: np.ndarray, held_tables: np.ndarray, held_lens: np.ndarray,
