@@ -108,21 +108,22 @@ class DecodeContext:
             if np.array_equal(lens, held + 1) and _same_blocks(
                     tables[:, :held_blocks], self.slot_tables[slots], held, block_size).all():
                 return slots.copy()
-        by_key = {}
-        for slot, length in enumerate(self.slot_lens.tolist()):
-            if length:
-                blocks = tuple(self.slot_tables[slot, :-(-length // block_size)].tolist())
-                by_key[(length, blocks)] = slot
-        row_slots = np.full(len(lens), -1, np.int64)
-        taken = set()
-        for row, (length, table) in enumerate(zip(lens.tolist(), tables)):
-            previous = length - 1
-            if previous > 0:
-                slot = by_key.get((previous, tuple(table[:-(-previous // block_size)].tolist())))
-                if slot is not None and slot not in taken:
-                    row_slots[row] = slot
-                    taken.add(slot)
-        return row_slots
+        # candidates by (first block, length), then checked block by block; two slots with
+        # the same key (siblings on a shared prefix, same length) leave one to be gathered
+        # again, which costs a copy, never a wrong answer
+        by_key = {(first, length): slot for slot, (first, length) in enumerate(
+            zip(self.slot_tables[:, 0].tolist(), self.slot_lens.tolist())) if length}
+        candidates = np.array([by_key.get((first, length - 1), -1) for first, length in
+                               zip(tables[:, 0].tolist(), lens.tolist())], np.int64)
+        if tables.shape[1] < held_blocks:
+            tables = np.pad(tables, ((0, 0), (0, held_blocks - tables.shape[1])))
+        held = self.slot_lens[candidates]
+        ok = (candidates >= 0) & (lens == held + 1) & _same_blocks(
+            tables[:, :held_blocks], self.slot_tables[candidates], held, block_size)
+        _, first_rows = np.unique(candidates, return_index=True)
+        once = np.zeros(len(lens), bool)
+        once[first_rows] = True
+        return np.where(ok & once, candidates, -1)
 
     def _slots_needed(self, row_slots: np.ndarray) -> int:
         """Slots in use once the new rows take the lowest free ones."""
