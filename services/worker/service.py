@@ -64,10 +64,11 @@ class WorkerService:
             self.forward.on_idle = self._read_back_when_done
         replica_id = self.config.replica_id
         # No queue group on step/attach: exactly one worker per replica id.
-        # Concurrent: step N's reply waits until step N+1 is queued behind it (overlap), so
-        # step N+1's plan must not wait for step N's handler; each still starts in order.
+        # Overlapping, step N's reply waits until step N+1 is queued behind it, so step N+1's
+        # plan must not wait for step N's handler: handlers run concurrently (each still
+        # starts in order). One step at a time, they run one after the other as before.
         await self.bus.serve(self.subjects.worker_step(replica_id), StepPlan, self._on_step,
-                             concurrent=True)
+                             concurrent=self.runner.overlap_steps)
         await self.bus.serve(self.subjects.worker_attach(replica_id), Empty, self._on_attach)
         await self.bus.serve(self.subjects.worker_ping(replica_id), Empty, self._on_health)
         await self.bus.serve(self.subjects.health("worker"), Empty, self._on_health,
