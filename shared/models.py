@@ -233,3 +233,28 @@ def read_generation_defaults(model_dir: str | Path) -> GenerationDefaults:
             continue
         values[key] = kind(value)
     return GenerationDefaults(**values)
+
+
+_WEIGHT_SAMPLES = 16  # evenly spaced reads per weight file
+_WEIGHT_SAMPLE_NBYTES = 64 * 1024
+
+
+def weights_version(model_dir: str | Path, seed: int = 0) -> str:
+    """A short name for the weights a worker serves, part of every kvstore key, so blocks
+    computed by other weights are never reused. SHA-256 over config.json and, per weight
+    file (sorted), its name, size and 16 evenly spaced 64 KiB samples (1 MiB read per
+    file, not the whole checkpoint): a fine-tune changes the samples. Random weights
+    (``dummy:``) are named by their seed."""
+    model_dir = Path(model_dir)
+    digest = hashlib.sha256(b"flotilla-weights-v1")
+    digest.update((model_dir / "config.json").read_bytes())
+    if (model_dir / DUMMY_MARKER).exists():
+        digest.update(f"dummy seed {seed}".encode())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name} {size}".encode())
+        with open(path, "rb") as f:
+            for index in range(_WEIGHT_SAMPLES):
+                f.seek(size * index // _WEIGHT_SAMPLES)
+                digest.update(f.read(_WEIGHT_SAMPLE_NBYTES))
+    return digest.hexdigest()[:16]

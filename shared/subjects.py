@@ -68,11 +68,22 @@ class Subjects:
     def gateway_outputs(self, gateway_id: str) -> str:
         return self._addressed("gateway", gateway_id, "outputs")
 
+    # kvstore: one per node, addressed by node id; the worker and scheduler of a replica use
+    # the worker's node's
+    def kvstore(self, node_id: str, verb: str) -> str:
+        """verbs: attach, reserve, commit, lookup, pin, release, stats, keepalive"""
+        return self._addressed("kvstore", node_id, verb)
+
     # health of any service (one replica answers)
     def health(self, service: str) -> str:
         return self._svc(service, "health")
 
     # events
+    @property
+    def kvstore_blocks(self) -> str:
+        """KvBlockEvent: blocks that entered or left a kvstore tier."""
+        return f"{self.namespace}.{VERSION}.evt.kvstore.blocks"
+
     @property
     def scheduler_stats(self) -> str:
         return f"{self.namespace}.{VERSION}.evt.scheduler.stats"
