@@ -16,6 +16,12 @@ LOGPROBS = m.TokenLogprobs(5, -0.25, [5, 6], [-0.25, -1.5])
 TOOL_CALL = m.ToolCall(id="call_1", function=m.FunctionCall(name="f", arguments='{"a": 1}'))
 ERROR = m.ErrorInfo(status=503, message="worker gone", type="service_unavailable", code="x", param="p")
 
+LAYOUT = m.KvLayout(weights_version="abc", dtype="bfloat16", num_layers=2, block_size=16,
+                    num_kv_heads=2, head_dim=64)
+STORED = m.KvStoredBlock(b"\x01" * 32, 5, list(range(16)))
+TIER_STATS = m.KvTierStats(tier="host", num_blocks=1, num_bytes=128, capacity_bytes=512)
+STORE_RUN = m.KvStoreRun("r1", 2, [4, 5], [b"\x01" * 32, b"\x02" * 32])
+
 SAMPLES: dict[type, object] = {
     m.ErrorInfo: ERROR,
     m.HealthReply: m.HealthReply(service="worker", instance_id="abc", detail={"num_blocks": 3, "ok": True}),
@@ -52,11 +58,36 @@ SAMPLES: dict[type, object] = {
     m.NewRequestData: m.NewRequestData("r1", [1, 2, 3], SAMPLING, [0, 1], 0),
     m.ScheduledRequest: m.ScheduledRequest("r1", 1, [7]),
     m.StepPlan: m.StepPlan(3, [m.NewRequestData("r1", [1], SAMPLING, [0])],
-                           [m.ScheduledRequest("r1", 1)], ["r0"]),
+                           [m.ScheduledRequest("r1", 1)], ["r0"], "w",
+                           [m.KvLoad([1], [7])], [STORE_RUN]),
     m.StepResult: m.StepResult(3, ["r1", "r2"], [99, 5], 0.01, [None, LOGPROBS], {"r1": [LOGPROBS]}),
     m.WorkerInfo: m.WorkerInfo(worker_id="w", replica_id="0", model_name="x", num_blocks=10,
                                block_size=16, max_model_len=8192, eos_token_ids=[2],
-                               kv_cache_bytes=1 << 20, device="cpu", dtype="float32"),
+                               kv_cache_bytes=1 << 20, device="cpu", dtype="float32",
+                               kv_namespace="ns", kv_node_id="local"),
+    m.KvLayout: LAYOUT,
+    m.KvAttachRequest: m.KvAttachRequest(owner_id="w", layout=LAYOUT, itemsize=2),
+    m.KvAttachReply: m.KvAttachReply(store_id="s", node_id="local", namespace="ns",
+                                     arena_path="/dev/shm/a", num_slots=4, slot_nbytes=128),
+    m.KvReserveRequest: m.KvReserveRequest(namespace="ns", owner_id="w", num_slots=3),
+    m.KvReserveReply: m.KvReserveReply(store_id="s", slot_ids=[0, 2]),
+    m.KvStoredBlock: STORED,
+    m.KvCommitRequest: m.KvCommitRequest(namespace="ns", owner_id="w", store_id="s",
+                                         blocks=[STORED], returned_slot_ids=[3]),
+    m.KvLookupRequest: m.KvLookupRequest(namespace="ns", block_hashes=[b"\x01" * 32]),
+    m.KvLookupReply: m.KvLookupReply(store_id="s", tiers=["host", "disk"],
+                                     disk_read_bytes_per_s=1e9),
+    m.KvPinRequest: m.KvPinRequest(namespace="ns", owner_id="sch", pin_id="p1",
+                                   block_hashes=[b"\x01" * 32]),
+    m.KvPinReply: m.KvPinReply(store_id="s", slot_ids=[1], token_ids=[[1, 2]], tiers=["disk"]),
+    m.KvReleaseRequest: m.KvReleaseRequest(namespace="ns", owner_id="sch", pin_ids=["p1"]),
+    m.KvKeepAlive: m.KvKeepAlive(owner_id="w"),
+    m.KvBlockEvent: m.KvBlockEvent(store_id="s", node_id="local", namespace="ns", seq=4,
+                                   tier="host", stored_hashes=[b"\x02" * 32], timestamp=1.0),
+    m.KvTierStats: TIER_STATS,
+    m.KvStatsReply: m.KvStatsReply(store_id="s", node_id="local", tiers=[TIER_STATS]),
+    m.KvLoad: m.KvLoad([1, 2], [7, 9]),
+    m.KvStoreRun: STORE_RUN,
 }
 
 
