@@ -284,6 +284,9 @@ class StepResult(Struct, frozen=True, array_like=True, gc=False):
     logprobs: list[TokenLogprobs | None] = []
     # request id -> logprobs of the prompt tokens computed this step (positions 1.., in order)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+    # the plan's kv_loads: bytes copied from host slots, and how fast (0: none this step)
+    kv_load_bytes: int = 0
+    kv_load_bytes_per_s: float = 0.0
 
 
 class WorkerInfo(Struct, frozen=True, kw_only=True):

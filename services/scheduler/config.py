@@ -19,9 +19,11 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     # many decode-only steps' time (prompt chunks shrink to fit); 0: off
     step_timeout_s: float = 120.0  # a step taking longer means the worker is gone
     stats_interval_s: float = 0.5  # stats events at most this often (and as a heartbeat)
+    kv_node_id: str = ""  # the node's kvstore (docs/kvstore.md); "": none
     shutdown_timeout: float = 30.0  # s; on SIGTERM: finish held requests this long, fail the rest
 
     __help__ = {
+        "kv_node_id": "node id of the kvstore to use (empty: no kvstore)",
         "replica_id": "replica this scheduler drives (its worker uses the same id)",
         "max_num_seqs": "most requests running at once",
         "max_num_batched_tokens": "most tokens computed in one step",

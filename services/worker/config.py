@@ -22,9 +22,11 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     block_size: int = 16  # tokens per KV block
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
+    kv_node_id: str = ""  # the node's kvstore (docs/kvstore.md); "": none
     shutdown_timeout: float = 30.0  # s; on SIGTERM: serve steps until none came for 1 s, at most this
 
     __help__ = {
+        "kv_node_id": "node id of the kvstore to use (empty: no kvstore)",
         "replica_id": "replica this worker serves (its scheduler uses the same id)",
         "device": "auto, cpu, cuda or cuda:N",
         "dtype": "auto, float32, bfloat16 or float16",
