@@ -15,19 +15,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
 from common import device_name, save
+from online_serve import Profiler
 from cli.stack import Stack, StackOptions, flags, free_port
 from shared.models import resolve_model
 
 
-async def send_all(base_url: str, model: str, prompts: list[list[int]], output_len: int) -> dict:
+async def send_all(base_url: str, model: str, prompts: list[list[int]], output_len: int,
+                   on_start: Callable[[], None] = lambda: None) -> dict:
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits) as client:
         async def one(prompt: list[int]) -> dict:
@@ -42,6 +47,7 @@ async def send_all(base_url: str, model: str, prompts: list[list[int]], output_l
         await asyncio.gather(*(one([rng.randrange(100, 40_000) for _ in range(rng.randint(1, 2048))])
                                for _ in range(96)))
         before = await scrape(client)
+        on_start()
         started = time.perf_counter()
         usages = await asyncio.gather(*(one(p) for p in prompts))
         elapsed = time.perf_counter() - started
@@ -80,6 +86,9 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-steps-in-flight", type=int, default=2)
+    parser.add_argument("--profile-seconds", type=float, default=0.0,
+                        help="py-spy the services for this long from the start of the timed run")
+    parser.add_argument("--profile-dir", default=os.environ.get("OUT", "/tmp/out"))
     args = parser.parse_args()
     rng = random.Random(args.seed)  # the prompts offline_throughput.py's fixed workload draws
     prompts = [[rng.randrange(100, 40_000) for _ in range(args.input_len)]
@@ -94,9 +103,16 @@ def main() -> None:
         "scheduler": engine_flags + flags(max_steps_in_flight=args.max_steps_in_flight)
         + ["--no-prefix-caching"]}))
     stack.start(timeout_s=600)
+    profiler = None
+    if args.profile_seconds > 0 and shutil.which("py-spy"):
+        profiler = Profiler(shutil.which("py-spy"), os.getpid(), Path(args.profile_dir),
+                            args.profile_seconds, 100, ("gateway", "scheduler", "worker"))
     try:
-        result = asyncio.run(send_all(stack.base_url, model_name, prompts, args.output_len))
+        result = asyncio.run(send_all(stack.base_url, model_name, prompts, args.output_len,
+                                      profiler.start if profiler else lambda: None))
     finally:
+        if profiler is not None:
+            print("profile:", profiler.finish())
         stack.stop()
     result = {"benchmark": "stack_throughput", "model": args.model, "device": device_name(),
               "num_prompts": args.num_prompts, "max_steps_in_flight": args.max_steps_in_flight,
