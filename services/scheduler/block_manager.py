@@ -23,6 +23,7 @@ class Block:
     ref_count: int = 0
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()  # confirms a hash hit token by token
+    from_kvstore: bool = False  # cached by a load from the kvstore: never stored back
 
 
 class BlockManager:
@@ -80,15 +81,23 @@ class BlockManager:
             self._evictable.pop(block_id, None)
             self.blocks[block_id].ref_count += 1
 
-    def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """Make a full, computed block findable by its hash. If another block already
-        holds the same content, keep that one: this block is freed normally later."""
+    def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int], *,
+                    from_kvstore: bool = False) -> bool:
+        """Make a full, computed (or loaded) block findable by its hash; True if it was
+        not cached before. If another block already holds the same content, keep that
+        one: this block is freed normally later."""
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
+        block.from_kvstore = from_kvstore
         self._cached[block_hash] = block_id
+        return True
+
+    def holds(self, block_id: int, block_hash: bytes) -> bool:
+        """Whether the block still holds this content (not evicted and reused since)."""
+        return self.blocks[block_id].block_hash == block_hash
 
     # ------------------------------------------------------------ allocate / free
     def allocate(self, num_blocks: int) -> list[int]:
@@ -102,7 +111,7 @@ class BlockManager:
                 block_id, _ = self._evictable.popitem(last=False)
                 block = self.blocks[block_id]
                 del self._cached[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
+                block.block_hash, block.token_ids, block.from_kvstore = None, (), False
             self.blocks[block_id].ref_count = 1
             block_ids.append(block_id)
         return block_ids

@@ -7,6 +7,19 @@ from dataclasses import dataclass, field
 from shared.messages import SamplingParams, TokenLogprobs
 
 
+@dataclass(frozen=True)
+class TierHit:
+    """A kvstore hit pinned for a request (docs/kvstore.md): its blocks
+    ``first_block_index``.. are in these host slots (their tokens confirmed against the
+    request's), held under ``pin_id`` until the scheduler releases it."""
+
+    pin_id: str
+    store_id: str  # the kvstore process that pinned them
+    first_block_index: int
+    slot_ids: tuple[int, ...]
+    tiers: tuple[str, ...]  # where each block was found: "host" or "disk"
+
+
 @dataclass(eq=False)  # identity: requests are looked up in lists
 class Request:
     request_id: str
@@ -35,6 +48,7 @@ class Request:
     # that (re)sent the request to the worker: results of earlier steps are stale
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     sent_at_step: int = 0
+    tier_hit: TierHit | None = None  # a pinned kvstore hit, until admission uses it
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,10 @@ latest running request is preempted (blocks freed, recomputed later, mostly from
 prefix cache), so nothing is lost and nothing is sent twice. A request for n sequences
 runs as n sibling requests that compute the prompt once (siblings.py).
 
+With a kvstore (docs/kvstore.md, kv_tier.py), a request may come with a pinned tier
+hit: admission loads the part beyond its GPU prefix into fresh blocks, and every block
+computed here is stored to the kvstore once (write-through).
+
 Steps may overlap: a step can be planned while earlier ones are still running on the
 worker, which feeds each sampled token into the next step itself. The scheduler counts
 those tokens as pending until a step's result brings them.
@@ -25,14 +29,24 @@ from dataclasses import dataclass
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_tier import KvTierLedger
 from services.scheduler.prefix_hash import extend_block_hashes
-from services.scheduler.request import Request
+from services.scheduler.request import Request, TierHit
 from services.scheduler.siblings import num_blocks_needed, shares_prompt, sibling_requests
 from shared.errors import InvalidRequest
 from shared.messages import (
     ErrorInfo, GenerateRequest, NewRequestData, RequestOutput, ScheduledRequest, StepPlan,
     StepResult, TokenLogprobs, choice_request_ids,
 )
+
+
+@dataclass(frozen=True)
+class PrefixQuery:
+    """What to ask the kvstore about a request: its usable full blocks' hashes (all but
+    the block of its last token), of which the first ``num_gpu_blocks`` are cached here."""
+
+    block_hashes: list[bytes]
+    num_gpu_blocks: int
 
 
 @dataclass(frozen=True)
@@ -45,12 +59,14 @@ class Emitted:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int,
-                 max_model_len: int, eos_token_ids: list[int], model_name: str = "") -> None:
+                 max_model_len: int, eos_token_ids: list[int], model_name: str = "",
+                 kvstore: bool = False) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_key = f"model:{model_name}"
         self.block_manager = BlockManager(num_blocks, block_size)
+        self.kv_tier = KvTierLedger(self.block_manager, stores_enabled=kvstore)
         self.chunk_pacer = ChunkPacer(config.chunk_step_ratio, config.max_num_batched_tokens,
                                       min_tokens=block_size)
         self.requests: dict[str, Request] = {}
@@ -66,23 +82,65 @@ class Scheduler:
         self._in_plan: set[str] = set()  # ids in the plan being built: never preempted
 
     # ------------------------------------------------------------ intake
-    def add_request(self, request: GenerateRequest) -> None:
-        """Queue a request; n > 1 queues n siblings (siblings.py), the leader first."""
+    def add_request(self, request: GenerateRequest, *, tier_hit: TierHit | None = None,
+                    arrival_seq: int | None = None,
+                    block_hashes: list[bytes] | None = None) -> None:
+        """Queue a request; n > 1 queues n siblings (siblings.py), the leader first.
+        ``arrival_seq`` (from ``next_arrival_seq``) keeps its place in line when it was
+        taken before a kvstore lookup; ``block_hashes`` are the query's; the leader keeps
+        ``tier_hit`` (its siblings then find those blocks in the GPU prefix cache)."""
         self._validate(request)
         priority = request.priority if self.config.scheduling_policy == "priority" else 0
-        extra_keys = (self.model_key,) + ((f"salt:{request.cache_salt}",) if request.cache_salt else ())
         arrival_time = request.arrival_time or time.time()
         shares = shares_prompt(request, self.config.prefix_caching)
         leader = None
         for sibling in sibling_requests(request):
+            seq = arrival_seq if arrival_seq is not None and leader is None else next(self._arrivals)
             req = Request(sibling.request_id, list(request.prompt_token_ids), sibling.sampling,
-                          request.output_subject, (priority, next(self._arrivals)), extra_keys,
+                          request.output_subject, (priority, seq), self._extra_keys(request),
                           arrival_time, leader=leader if shares else None,
                           output_token_ids=list(request.output_token_ids),
-                          num_outputs_sent=1 if request.output_token_ids else 0)
+                          num_outputs_sent=1 if request.output_token_ids else 0,
+                          block_hashes=list(block_hashes or ()),
+                          tier_hit=tier_hit if leader is None else None)
             leader = leader or req
             self.requests[req.request_id] = req
             self._enqueue(req)
+
+    def next_arrival_seq(self) -> int:
+        return next(self._arrivals)
+
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise InvalidRequest if ``add_request`` would refuse it."""
+        self._validate(request)
+
+    def _extra_keys(self, request: GenerateRequest) -> tuple[str, ...]:
+        return (self.model_key,) + ((f"salt:{request.cache_salt}",) if request.cache_salt else ())
+
+    def prefix_query(self, request: GenerateRequest) -> PrefixQuery | None:
+        """The blocks of a request to look up in the kvstore, or None when it cannot use
+        cached blocks (no prefix caching, or every prompt token's logprobs wanted)."""
+        if not self.config.prefix_caching or request.sampling.prompt_logprobs is not None:
+            return None
+        token_ids = list(request.prompt_token_ids) + list(request.output_token_ids)
+        block_size = self.block_manager.block_size
+        block_hashes: list[bytes] = []
+        # At least one token must be computed: its block is never a hit.
+        extend_block_hashes(block_hashes, token_ids, len(token_ids) - 1, block_size,
+                            self._extra_keys(request))
+        num_gpu = len(self.block_manager.cached_prefix(block_hashes, token_ids))
+        return PrefixQuery(block_hashes, num_gpu)
+
+    def drop_tier_hits(self, keep_store_id: str) -> None:
+        """Forget the pinned hits of another kvstore process (it restarted: its pins and
+        slots are gone)."""
+        for req in self.waiting:
+            if req.tier_hit is not None and req.tier_hit.store_id != keep_store_id:
+                req.tier_hit = None
+
+    def take_pins_to_release(self) -> list[str]:
+        """Pins the service should release at the kvstore now."""
+        return self.kv_tier.take_pins_to_release()
 
     def _validate(self, request: GenerateRequest) -> None:
         if request.n < 1:
@@ -164,7 +222,9 @@ class Scheduler:
             num_chunk_tokens += num_new
         if not scheduled:
             return None
-        plan = StepPlan(self._next_step_id, new_requests, scheduled, self._forget_ids)
+        plan = StepPlan(self._next_step_id, new_requests, scheduled, self._forget_ids,
+                        kv_loads=self.kv_tier.take_plan_loads(),
+                        kv_stores=self.kv_tier.take_plan_stores(self._known_to_worker))
         self._next_step_id += 1
         self._forget_ids = []
         return plan
@@ -172,6 +232,7 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
         """Apply the tokens a step sampled; return the outputs to publish."""
         self.num_steps += 1
+        self.kv_tier.step_done(plan.step_id)
         self.chunk_pacer.observe(plan, result.step_time_s)
         self._add_prompt_logprobs(plan, result)
         emitted: list[Emitted] = []
@@ -207,33 +268,63 @@ class Scheduler:
         for req in list(self.requests.values()):
             self._finish(req)
         self._forget_ids = []
+        self.kv_tier.release_all_steps()
         return emitted
 
     # ------------------------------------------------------------ helpers
     def _admit(self, req: Request, budget: int, new_requests: list[NewRequestData],
                scheduled: list[ScheduledRequest]) -> int:
-        """Start the head of the queue after its longest cached prefix; return the
+        """Start the head of the queue after its longest cached prefix (GPU hits, then
+        the part of its tier hit beyond them, loaded into fresh blocks); return the
         tokens scheduled (0 if it does not fit or is still receiving tokens)."""
         if req.num_pending_tokens:
             return 0  # preempted mid-step: its last token is still on the way
+        block_size = self.block_manager.block_size
         hit_ids = self._prefix_hits(req)
-        num_cached = len(hit_ids) * self.block_manager.block_size
+        loaded = self.kv_tier.usable_slots(req.tier_hit, len(hit_ids), self._num_usable_blocks(req))
+        num_cached = (len(hit_ids) + len(loaded)) * block_size
         num_new = min(req.num_tokens - num_cached, budget)
-        num_missing = num_blocks_for(num_cached + num_new, self.block_manager.block_size) - len(hit_ids)
+        num_missing = num_blocks_for(num_cached + num_new, block_size) - len(hit_ids)
         if not self.block_manager.can_allocate(num_missing, self.block_manager.num_evictable(hit_ids)):
             return 0
         self.waiting.remove(req)
         self.running.append(req)
         self.block_manager.reuse(hit_ids)
-        req.block_table = hit_ids + self.block_manager.allocate(num_missing)
+        new_ids = self.block_manager.allocate(num_missing)
+        req.block_table = hit_ids + new_ids
+        self._load_tier_hit(req, loaded, new_ids[:len(loaded)])
         req.num_computed_tokens = num_cached
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()
             req.num_cached_tokens = num_cached
         self.num_prefix_queries += req.num_tokens
-        self.num_prefix_hits += num_cached
+        self.num_prefix_hits += len(hit_ids) * block_size
         self._schedule(req, num_new, [], new_requests, scheduled)
         return num_new
+
+    def _num_usable_blocks(self, req: Request) -> int:
+        """Leading blocks a request may take from a cache: none when it wants every
+        prompt token's logits, else all but its last token's block."""
+        if not self.config.prefix_caching or req.wants_prompt_logprobs:
+            return 0
+        return (req.num_tokens - 1) // self.block_manager.block_size
+
+    def _load_tier_hit(self, req: Request, used: range, block_ids: list[int]) -> None:
+        """Plan loading the used part of the request's tier hit (releasing the pin at
+        once if none is used); the hit is spent either way."""
+        hit, req.tier_hit = req.tier_hit, None
+        if hit is None:
+            return
+        block_size = self.block_manager.block_size
+
+        def block_content(index: int) -> tuple[bytes, list[int]]:
+            return req.block_hashes[index], req.all_token_ids[index * block_size:(index + 1) * block_size]
+
+        self.kv_tier.load(hit, used, block_ids, self._next_step_id, block_content)
+
+    def _known_to_worker(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        return req is not None and req.known_to_worker
 
     def _waiting_head(self) -> Request | None:
         """The first waiting request, skipping siblings whose leader is still scheduling
@@ -248,14 +339,12 @@ class Scheduler:
         return None
 
     def _prefix_hits(self, req: Request) -> list[int]:
-        if not self.config.prefix_caching or req.wants_prompt_logprobs:
-            return []  # prompt logprobs need every prompt token's logits
-        block_size = self.block_manager.block_size
-        extend_block_hashes(req.block_hashes, req.all_token_ids, req.num_tokens, block_size,
-                            req.extra_keys)
-        hit_ids = self.block_manager.cached_prefix(req.block_hashes, req.all_token_ids)
-        # At least one token must be computed, to sample from its logits.
-        return hit_ids[:(req.num_tokens - 1) // block_size]
+        num_usable = self._num_usable_blocks(req)  # one token is computed, to sample from
+        if num_usable == 0:
+            return []
+        extend_block_hashes(req.block_hashes, req.all_token_ids, req.num_tokens,
+                            self.block_manager.block_size, req.extra_keys)
+        return self.block_manager.cached_prefix(req.block_hashes, req.all_token_ids)[:num_usable]
 
     def _schedule(self, req: Request, num_new: int, new_block_ids: list[int],
                   new_requests: list[NewRequestData], scheduled: list[ScheduledRequest]) -> None:
@@ -289,8 +378,10 @@ class Scheduler:
         num_full = min(num_ready // block_size, len(req.block_table))
         for index in range(req.num_registered_blocks, num_full):
             start = index * block_size
-            self.block_manager.cache_block(req.block_table[index], req.block_hashes[index],
-                                           req.all_token_ids[start:start + block_size])
+            block_id, block_hash = req.block_table[index], req.block_hashes[index]
+            if self.block_manager.cache_block(block_id, block_hash,
+                                              req.all_token_ids[start:start + block_size]):
+                self.kv_tier.block_cached(req.request_id, index, block_id, block_hash)
         req.num_registered_blocks = max(req.num_registered_blocks, num_full)
 
     def _grow_or_preempt(self, req: Request, num_tokens: int) -> list[int] | None:
@@ -354,6 +445,8 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.free(req.block_table)
         req.block_table = []
+        self.kv_tier.release(req.tier_hit)  # finished before admission used it
+        req.tier_hit = None
         if req.known_to_worker:
             self._forget_ids.append(req.request_id)
             req.known_to_worker = False

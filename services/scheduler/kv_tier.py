@@ -1,0 +1,124 @@
+"""The scheduler's side of the kvstore (docs/kvstore.md): loads and stores that go into
+the next step plan, and the pins to release. Pure bookkeeping; the service sends the
+kvstore messages.
+
+- A load: a request admitted with a pinned tier hit gets fresh blocks for the part of
+  the hit beyond its GPU prefix; the plan's ``KvLoad`` copies the slots into them before
+  the step runs. The blocks enter the prefix index marked as loaded, so they are never
+  stored back. The pin is released once that step's result is back (the copy is done),
+  or at once if no block of it is used.
+- A store (write-through): each block that enters the prefix index computed here (not
+  loaded) goes into the next plan's ``KvStoreRun``s, once: the worker copies it out after
+  that step's forward, so the step that computes it has run by then. A block evicted
+  before the plan goes out, or of a request the worker no longer holds, is skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import TierHit
+from shared.messages import KvLoad, KvStoreRun
+
+
+@dataclass(frozen=True)
+class _PendingStore:
+    request_id: str
+    block_index: int
+    block_id: int
+    block_hash: bytes
+
+
+class KvTierLedger:
+    def __init__(self, block_manager: BlockManager, stores_enabled: bool) -> None:
+        self.block_manager = block_manager
+        self.stores_enabled = stores_enabled  # the replica has a kvstore
+        self._loads: list[KvLoad] = []  # for the plan being built
+        self._stores: list[_PendingStore] = []
+        self._pins_after_step: dict[int, list[str]] = {}  # step id -> pins its loads read
+        self._pins_to_release: list[str] = []
+        self.num_tokens_loaded: dict[str, int] = {"host": 0, "disk": 0}  # by tier found in
+
+    # ------------------------------------------------------------ loads
+    @staticmethod
+    def usable_slots(hit: TierHit | None, num_gpu_blocks: int, num_usable_blocks: int) -> range:
+        """Indices into ``hit.slot_ids`` of the blocks to load: those after the GPU prefix
+        (``num_gpu_blocks`` blocks) and within the first ``num_usable_blocks`` (the last
+        token is always computed). Empty when the GPU prefix ends before the hit starts
+        (its blocks were evicted meanwhile: a gap cannot be loaded across)."""
+        if hit is None or num_gpu_blocks < hit.first_block_index:
+            return range(0)
+        end = min(len(hit.slot_ids), num_usable_blocks - hit.first_block_index)
+        return range(num_gpu_blocks - hit.first_block_index, max(end, 0))
+
+    def load(self, hit: TierHit, used: range, block_ids: list[int], step_id: int,
+             block_content: Callable[[int], tuple[bytes, list[int]]]) -> None:
+        """Plan loading the ``used`` slots of ``hit`` into ``block_ids`` in step
+        ``step_id``; ``block_content(block index)`` gives each block's hash and tokens."""
+        if not used:
+            self.release(hit)
+            return
+        self._loads.append(KvLoad([hit.slot_ids[i] for i in used], block_ids))
+        self._pins_after_step.setdefault(step_id, []).append(hit.pin_id)
+        block_size = self.block_manager.block_size
+        for slot_index, block_id in zip(used, block_ids):
+            block_hash, token_ids = block_content(hit.first_block_index + slot_index)
+            self.block_manager.cache_block(block_id, block_hash, token_ids, from_kvstore=True)
+            tier = hit.tiers[slot_index] if slot_index < len(hit.tiers) else "host"
+            self.num_tokens_loaded[tier] = self.num_tokens_loaded.get(tier, 0) + block_size
+
+    def release(self, hit: TierHit | None) -> None:
+        if hit is not None:
+            self._pins_to_release.append(hit.pin_id)
+
+    def step_done(self, step_id: int) -> None:
+        """A step's result is back: the slots it loaded from are free to release."""
+        self._pins_to_release.extend(self._pins_after_step.pop(step_id, ()))
+
+    def release_all_steps(self) -> None:
+        """The steps in flight will never report (the worker is gone or reset)."""
+        for pin_ids in self._pins_after_step.values():
+            self._pins_to_release.extend(pin_ids)
+        self._pins_after_step.clear()
+
+    def take_pins_to_release(self) -> list[str]:
+        pin_ids, self._pins_to_release = self._pins_to_release, []
+        return pin_ids
+
+    @property
+    def num_pins_held(self) -> int:
+        """Pins waiting for a step's result (tests; a request's own hit is not counted)."""
+        return sum(len(pin_ids) for pin_ids in self._pins_after_step.values())
+
+    # ------------------------------------------------------------ stores
+    def block_cached(self, request_id: str, block_index: int, block_id: int,
+                     block_hash: bytes) -> None:
+        """A block computed here entered the prefix index: store it with the next plan."""
+        if self.stores_enabled:
+            self._stores.append(_PendingStore(request_id, block_index, block_id, block_hash))
+
+    # ------------------------------------------------------------ the plan's share
+    def take_plan_loads(self) -> list[KvLoad]:
+        loads, self._loads = self._loads, []
+        return loads
+
+    def take_plan_stores(self, known_to_worker: Callable[[str], bool]) -> list[KvStoreRun]:
+        """The pending stores as runs of consecutive blocks per request, less those whose
+        block was evicted or whose request the worker no longer holds."""
+        runs: list[KvStoreRun] = []
+        for store in self._stores:
+            if not known_to_worker(store.request_id) or \
+                    not self.block_manager.holds(store.block_id, store.block_hash):
+                continue
+            last = runs[-1] if runs else None
+            if last is not None and last.request_id == store.request_id and \
+                    last.first_block_index + len(last.block_ids) == store.block_index:
+                last.block_ids.append(store.block_id)
+                last.block_hashes.append(store.block_hash)
+            else:
+                runs.append(KvStoreRun(store.request_id, store.block_index, [store.block_id],
+                                       [store.block_hash]))
+        self._stores = []
+        return runs

@@ -1,0 +1,89 @@
+"""Load or recompute: whether a kvstore hit is worth loading (docs/kvstore.md), pure.
+
+Three speeds are measured as running means: the host tier's load speed (host slots ->
+KV blocks, reported by the worker with each step that loaded), the disk tier's read
+speed (disk -> host slots, reported by the kvstore with each lookup) and the prefill
+speed (prompt tokens per second of the steps that mostly computed prompts). A block hit
+saves ``block_size / prefill`` seconds of compute and costs ``block_bytes / host`` to load
+(a disk hit also ``block_bytes / disk`` to read in first). The leading run of hit blocks
+that saves the most is used, if it saves anything at all: a hit is never used when
+recomputing it is measured faster.
+
+Until a speed is measured, it is assumed to favour loading (the hit is used, and using it
+measures it): an unknown prefill speed makes every hit worth it, an unknown load or read
+speed costs nothing. So the first hits are loaded, and the policy learns from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+EWMA_WEIGHT = 0.3  # of the newest sample in each running mean
+# A step counts as a prefill sample when it computed at least this many prompt tokens
+# and they were most of its tokens (decodes cost more per token and would bias it).
+MIN_PREFILL_SAMPLE_TOKENS = 32
+MIN_PREFILL_SHARE = 0.8
+HOST, DISK = "host", "disk"
+
+
+def _ewma(mean: float | None, sample: float) -> float:
+    return sample if mean is None else (1 - EWMA_WEIGHT) * mean + EWMA_WEIGHT * sample
+
+
+@dataclass
+class TierSpeeds:
+    """Measured speeds; None until the first sample."""
+
+    host_load_bytes_per_s: float | None = None
+    disk_read_bytes_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
+
+    def observe_load(self, bytes_per_s: float) -> None:
+        if bytes_per_s > 0:
+            self.host_load_bytes_per_s = _ewma(self.host_load_bytes_per_s, bytes_per_s)
+
+    def observe_disk_read(self, bytes_per_s: float) -> None:
+        if bytes_per_s > 0:  # 0: the kvstore has not measured it yet
+            self.disk_read_bytes_per_s = _ewma(self.disk_read_bytes_per_s, bytes_per_s)
+
+    def observe_step(self, num_tokens: int, num_prompt_tokens: int, step_time_s: float,
+                     load_bytes: int = 0, load_bytes_per_s: float = 0.0) -> None:
+        """One step's result: its prompt tokens feed the prefill speed (the time the step
+        spent loading blocks is taken out), its loads the host load speed."""
+        load_time_s = 0.0
+        if load_bytes > 0 and load_bytes_per_s > 0:
+            self.observe_load(load_bytes_per_s)
+            load_time_s = load_bytes / load_bytes_per_s
+        compute_s = step_time_s - load_time_s
+        if (num_prompt_tokens >= MIN_PREFILL_SAMPLE_TOKENS and compute_s > 0
+                and num_prompt_tokens >= MIN_PREFILL_SHARE * num_tokens):
+            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, num_tokens / compute_s)
+
+    # ------------------------------------------------------------ the decision
+    def block_saving_s(self, tier: str, block_bytes: int, block_size: int) -> float:
+        """Seconds saved by loading one block of ``tier`` instead of recomputing it
+        (negative: recomputing is faster)."""
+        if self.prefill_tokens_per_s is None:
+            return float("inf")
+        cost_s = _seconds(block_bytes, self.host_load_bytes_per_s)
+        if tier == DISK:
+            cost_s += _seconds(block_bytes, self.disk_read_bytes_per_s)
+        return block_size / self.prefill_tokens_per_s - cost_s
+
+    def num_blocks_worth_loading(self, tiers: Sequence[str], block_bytes: int,
+                                 block_size: int) -> int:
+        """How many of the leading hit blocks (one tier each, in order) to load: the
+        run that saves the most time, 0 when none saves any."""
+        if self.prefill_tokens_per_s is None:
+            return len(tiers)  # not measured: load, and learn
+        best_count, best_saving, saving = 0, 0.0, 0.0
+        for count, tier in enumerate(tiers, start=1):
+            saving += self.block_saving_s(tier, block_bytes, block_size)
+            if saving > best_saving:
+                best_count, best_saving = count, saving
+        return best_count
+
+
+def _seconds(num_bytes: int, bytes_per_s: float | None) -> float:
+    return num_bytes / bytes_per_s if bytes_per_s else 0.0
