@@ -1,0 +1,267 @@
+"""The host tier's bookkeeping for one namespace: which arena slot holds which block,
+which slots are free, reserved by a writer, pinned by a reader, or busy being copied.
+Pure: no I/O, no clock; the kvstore drives it from its event loop.
+
+A slot is in exactly one state:
+- free: in ``_free``;
+- reserved: an owner (a worker) writes a block into it, then commits or returns it;
+- indexed: it holds a committed block (``_blocks``, in LRU order, oldest first);
+- loading: a pin took it to read a disk block into; indexed or freed when the read ends.
+Indexed slots may also be pinned (counted per pin) or held (a disk write reads them);
+those are never evicted. Pins never take more than ``max_pinned`` slots and reservations
+more than ``max_reserved``, so neither starves the other.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class HostBlock:
+    slot_id: int
+    token_ids: list[int]
+
+
+@dataclass
+class Pin:
+    owner_id: str
+    slot_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class TierChanges:
+    """Blocks that entered and left the tier since the last ``take()`` (for events)."""
+
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+
+    def take(self) -> tuple[list[bytes], list[bytes]]:
+        stored, removed = self.stored, self.removed
+        self.stored, self.removed = [], []
+        return stored, removed
+
+
+class HostTier:
+    def __init__(self, num_slots: int, *, max_pinned: int, max_reserved: int) -> None:
+        if num_slots < 1:
+            raise ValueError("a host tier needs at least one slot")
+        self.num_slots = num_slots
+        self.max_pinned = max(1, min(max_pinned, num_slots))
+        self.max_reserved = max(1, min(max_reserved, num_slots))
+        self.changes = TierChanges()
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self._blocks: OrderedDict[bytes, HostBlock] = OrderedDict()
+        self._slot_hash: dict[int, bytes] = {}
+        self._reserved: dict[str, set[int]] = {}
+        self._num_reserved = 0
+        self._pins: dict[str, Pin] = {}
+        self._pin_counts: Counter[int] = Counter()  # slot -> pins holding it
+        self._holds: Counter[int] = Counter()  # slot -> disk writes reading it
+
+    # ------------------------------------------------------------ queries
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._pin_counts)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_reserved(self) -> int:
+        return self._num_reserved
+
+    def get(self, block_hash: bytes) -> HostBlock | None:
+        return self._blocks.get(block_hash)
+
+    def reserved_by(self, owner_id: str) -> set[int]:
+        return set(self._reserved.get(owner_id, ()))
+
+    def pin_ids_of(self, owner_id: str) -> list[str]:
+        return [pin_id for pin_id, pin in self._pins.items() if pin.owner_id == owner_id]
+
+    def pinned_slots(self, pin_id: str) -> list[int]:
+        pin = self._pins.get(pin_id)
+        return list(pin.slot_ids) if pin else []
+
+    def pin_room(self) -> int:
+        """Slots that pins may still take."""
+        return max(0, self.max_pinned - self.num_pinned)
+
+    # ------------------------------------------------------------ slots
+    def take_slot(self) -> int | None:
+        """A free slot, evicting the least recently used block that is neither pinned nor
+        held when none is free; None when every slot is taken."""
+        if self._free:
+            return self._free.pop()
+        for block_hash, block in self._blocks.items():
+            slot = block.slot_id
+            if slot not in self._pin_counts and slot not in self._holds:
+                self._remove(block_hash)
+                return self._free.pop()
+        return None
+
+    def free_slot(self, slot_id: int) -> None:
+        """Give back a slot that is neither indexed nor reserved (a failed load's)."""
+        if slot_id in self._slot_hash:
+            raise ValueError(f"slot {slot_id} holds a block")
+        self._free.append(slot_id)
+
+    def _remove(self, block_hash: bytes) -> None:
+        block = self._blocks.pop(block_hash)
+        del self._slot_hash[block.slot_id]
+        self._free.append(block.slot_id)
+        self.changes.removed.append(block_hash)
+
+    def index(self, block_hash: bytes, slot_id: int, token_ids: list[int]) -> int:
+        """Record that ``slot_id`` (taken, not reserved) now holds this block. If the hash
+        is already held, ``slot_id`` is freed and the held block's slot returned."""
+        held = self._blocks.get(block_hash)
+        if held is not None:
+            self._blocks.move_to_end(block_hash)
+            self._free.append(slot_id)
+            return held.slot_id
+        self._blocks[block_hash] = HostBlock(slot_id, list(token_ids))
+        self._slot_hash[slot_id] = block_hash
+        self.changes.stored.append(block_hash)
+        return slot_id
+
+    def touch(self, block_hash: bytes) -> None:
+        if block_hash in self._blocks:
+            self._blocks.move_to_end(block_hash)
+
+    def hold(self, slot_id: int) -> None:
+        """Keep an indexed slot from eviction while something reads it (a disk write)."""
+        self._holds[slot_id] += 1
+
+    def unhold(self, slot_id: int) -> None:
+        self._holds[slot_id] -= 1
+        if self._holds[slot_id] <= 0:
+            del self._holds[slot_id]
+
+    # ------------------------------------------------------------ writers
+    def reserve(self, owner_id: str, num_slots: int) -> list[int]:
+        """Up to ``num_slots`` slots for the owner to write into (fewer near the cap)."""
+        allowed = min(num_slots, self.max_reserved - self._num_reserved)
+        slots: list[int] = []
+        while len(slots) < allowed:
+            slot = self.take_slot()
+            if slot is None:
+                break
+            slots.append(slot)
+        if slots:
+            self._reserved.setdefault(owner_id, set()).update(slots)
+            self._num_reserved += len(slots)
+        return slots
+
+    def commit(self, owner_id: str, blocks: Iterable[tuple[bytes, int, list[int]]],
+               returned_slot_ids: Iterable[int] = ()) -> list[tuple[bytes, int]]:
+        """Index the owner's reserved slots that now hold blocks ((hash, slot, token ids)),
+        free the returned ones. Slots the owner does not hold are ignored. Returns the
+        (hash, slot) of each block newly indexed (not those already held)."""
+        reserved = self._reserved.get(owner_id, set())
+        stored: list[tuple[bytes, int]] = []
+        for block_hash, slot_id, token_ids in blocks:
+            if slot_id not in reserved:
+                continue
+            self._unreserve(reserved, slot_id)
+            if self.index(block_hash, slot_id, token_ids) == slot_id:
+                stored.append((block_hash, slot_id))
+        for slot_id in returned_slot_ids:
+            if slot_id in reserved:
+                self._unreserve(reserved, slot_id)
+                self._free.append(slot_id)
+        if not reserved:
+            self._reserved.pop(owner_id, None)
+        return stored
+
+    def _unreserve(self, reserved: set[int], slot_id: int) -> None:
+        reserved.discard(slot_id)
+        self._num_reserved -= 1
+
+    # ------------------------------------------------------------ readers
+    def pin(self, pin_id: str, owner_id: str, slot_id: int) -> None:
+        """Add a slot (indexed, or loading) to a pin, creating it on first use. The caller
+        checks ``pin_room()`` for slots not pinned yet."""
+        pin = self._pins.get(pin_id)
+        if pin is None:
+            pin = self._pins[pin_id] = Pin(owner_id)
+        pin.slot_ids.append(slot_id)
+        self._pin_counts[slot_id] += 1
+        block_hash = self._slot_hash.get(slot_id)
+        if block_hash is not None:
+            self._blocks.move_to_end(block_hash)
+
+    def finish_load(self, pin_id: str, block_hash: bytes, slot_id: int,
+                    token_ids: list[int]) -> int:
+        """A disk block was read into ``slot_id`` (loading, pinned by ``pin_id`` unless that
+        pin was released meanwhile): index it. When the hash got indexed meanwhile, the pin
+        moves to that slot and ``slot_id`` is freed. Returns the block's slot."""
+        held = self._blocks.get(block_hash)
+        if held is None:
+            return self.index(block_hash, slot_id, token_ids)
+        self._move_pin(pin_id, slot_id, held.slot_id)
+        self._blocks.move_to_end(block_hash)
+        self._free.append(slot_id)
+        return held.slot_id
+
+    def fail_load(self, pin_id: str, slot_id: int) -> None:
+        """A disk read into a loading slot failed: unpin and free it."""
+        self._move_pin(pin_id, slot_id, None)
+        self._free.append(slot_id)
+
+    def unpin_slot(self, pin_id: str, slot_id: int) -> None:
+        """Take one slot out of a pin (a run cut short)."""
+        self._move_pin(pin_id, slot_id, None)
+
+    def _move_pin(self, pin_id: str, old: int, new: int | None) -> None:
+        pin = self._pins.get(pin_id)
+        if pin is None or old not in pin.slot_ids:
+            return
+        index = pin.slot_ids.index(old)
+        if new is None:
+            del pin.slot_ids[index]
+        else:
+            pin.slot_ids[index] = new
+            self._pin_counts[new] += 1
+        self._pin_counts[old] -= 1
+        if self._pin_counts[old] <= 0:
+            del self._pin_counts[old]
+        if not pin.slot_ids:
+            del self._pins[pin_id]
+
+    def is_pinned(self, slot_id: int) -> bool:
+        return slot_id in self._pin_counts
+
+    def has_pin(self, pin_id: str) -> bool:
+        return pin_id in self._pins
+
+    def release(self, pin_ids: Iterable[str], owner_id: str | None = None) -> int:
+        """Drop pins (only the owner's when ``owner_id`` is given). Returns how many."""
+        released = 0
+        for pin_id in pin_ids:
+            pin = self._pins.get(pin_id)
+            if pin is None or (owner_id is not None and pin.owner_id != owner_id):
+                continue
+            del self._pins[pin_id]
+            for slot_id in pin.slot_ids:
+                self._pin_counts[slot_id] -= 1
+                if self._pin_counts[slot_id] <= 0:
+                    del self._pin_counts[slot_id]
+            released += 1
+        return released
+
+    def drop_owner(self, owner_id: str) -> tuple[int, int]:
+        """An owner went silent: free its reservations, drop its pins.
+        Returns (slots freed, pins dropped)."""
+        reserved = self._reserved.pop(owner_id, set())
+        self._num_reserved -= len(reserved)
+        self._free.extend(sorted(reserved, reverse=True))
+        return len(reserved), self.release(self.pin_ids_of(owner_id))
