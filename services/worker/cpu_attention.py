@@ -51,6 +51,14 @@ class DecodeContext:
         self.slot_lens, self.slot_tables = np.zeros(0, np.int64), np.zeros((0, 0), np.int64)
         self.row_slots = np.zeros(0, np.int64)
 
+    def forget_blocks(self, block_ids: list[int]) -> None:
+        """These blocks were rewritten from outside the model (loaded from the kvstore): a
+        slot whose table names any of them is gathered from the cache again when next used
+        (a table's padding may name block 0 too: that costs a copy, never a wrong answer)."""
+        if len(self.slot_lens) and block_ids:
+            stale = np.isin(self.slot_tables, block_ids).any(axis=1)  # [num_slots]
+            self.slot_lens[stale] = 0
+
     def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                block_tables: torch.Tensor, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
                scale: float) -> torch.Tensor | None:

@@ -11,6 +11,9 @@ without reading its sampled tokens; the next step takes those tokens straight fr
 sampling needs its requests' previous tokens on the host (logprobs, structured output,
 penalties, prompt logprobs) waits for the step before it instead. ``execute`` is one step,
 start to end.
+
+With a kvstore attached (``attach_kv``), a plan's ``kv_loads`` are copied into their blocks
+before its forward and its ``kv_stores`` copied out around it (``kv_offload.py``).
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ import torch
 from kernels.paged_attention import allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.kv_offload import BlockToStore, KvOffload
+from services.worker.kv_tiers import LoadTiming
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata, load_model
 from services.worker.sampler import Sampler, make_generator, token_logprobs
 from services.worker.warmup import warm_up_attention
 from shared.config import parse_size
 from shared.messages import (
-    NewRequestData, SamplingParams, ScheduledRequest, StepPlan, StepResult, TokenLogprobs,
+    KvLayout, KvLoad, NewRequestData, SamplingParams, ScheduledRequest, StepPlan, StepResult,
+    TokenLogprobs,
 )
 from shared.models import ModelFiles, read_eos_token_ids
 
@@ -189,6 +195,7 @@ class StepInFlight:
     host_token_ids: torch.Tensor  # [num_sampled] int64 on the host (CUDA: pinned, async copy)
     copied: torch.cuda.Event | None  # CUDA: the copy to host_token_ids is done
     rows: dict[str, int]  # request id -> its row
+    kv_load: LoadTiming | None = None  # the plan's loads from the kvstore
 
     @classmethod
     def start(cls, plan: StepPlan, start_time: float, request_ids: list[str],
@@ -227,6 +234,8 @@ class ModelRunner:
         self._device = _resolve_device(config.device)
         self._dtype = _resolve_dtype(config.dtype, self._device)
         self.model_name: str = model_files.name
+        self.model_path: Path = model_files.path
+        self.seed: int = config.seed
         self.model = load_model(model_files.path, self._device, self._dtype, seed=config.seed)
         model_config = self.model.config
         self.block_size: int = config.block_size
@@ -250,6 +259,7 @@ class ModelRunner:
         self.overlap_steps: bool = config.overlap_steps == "on" or (
             config.overlap_steps == "auto" and self._device.type == "cuda")
         self.num_overlapped_steps = 0  # steps queued while the one before was in flight
+        self.kv_offload: KvOffload | None = None  # the kvstore's host tier, once attached
         self.sampler = Sampler(model_config.vocab_size, self.eos_token_ids, self._device,
                                make_grammars=lambda: _grammar_bank(
                                    model_files.path, model_config.vocab_size, self.eos_token_ids))
@@ -288,6 +298,20 @@ class ModelRunner:
     @property
     def num_requests(self) -> int:
         return len(self._requests)
+
+    def kv_layout(self, weights_version: str) -> KvLayout:
+        """What this worker's KV blocks are, for the kvstore."""
+        config = self.model.config
+        return KvLayout(weights_version=weights_version, dtype=self.dtype,
+                        num_layers=config.num_layers, block_size=self.block_size,
+                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+
+    def attach_kv(self, offload: KvOffload | None) -> None:
+        """Use ``offload`` from the next step on (None: no kvstore); between steps only. The
+        one before finishes its copies and is unmapped; its commits are dropped."""
+        old, self.kv_offload = self.kv_offload, offload
+        if old is not None and old is not offload:
+            old.close()
 
     def reset(self) -> None:
         """Forget every request and the step in flight (a scheduler attached or a step
@@ -332,6 +356,8 @@ class ModelRunner:
             results.append(step)
         else:
             self._in_flight = step
+        if self.kv_offload is not None:
+            self.kv_offload.end_submit()  # every token its stores hold is on the host now
         return results
 
     def flush(self) -> list[StepResult]:
@@ -345,9 +371,12 @@ class ModelRunner:
             if self._requests.get(request_id) is state:  # not forgotten or re-sent since
                 state.token_ids.append(token_id)
                 state.num_pending_tokens -= 1
+        kv_load = step.kv_load
         return [StepResult(step_id=step.plan.step_id, request_ids=step.request_ids,
                            sampled_token_ids=token_ids,
-                           step_time_s=time.perf_counter() - step.start_time)]
+                           step_time_s=time.perf_counter() - step.start_time,
+                           kv_load_bytes=kv_load.num_bytes if kv_load else 0,
+                           kv_load_bytes_per_s=kv_load.bytes_per_s() if kv_load else 0.0)]
 
     def _needs_host_tokens(self, plan: StepPlan) -> bool:
         if any(needs_host_tokens(new.sampling) for new in plan.new_requests):
@@ -361,13 +390,23 @@ class ModelRunner:
     def _launch(self, plan: StepPlan, defer: bool) -> StepResult | StepInFlight:
         """Queue the step's kernels; with ``defer``, leave its sampled tokens on the device."""
         start_time = time.perf_counter()
+        kv = self.kv_offload
+        if plan.kv_loads and kv is None:
+            raise ValueError(f"step {plan.step_id} loads KV blocks from a kvstore, but this "
+                             f"worker has none attached")
+        finished = {}  # their stores may still be in this plan
         for request_id in plan.finished_request_ids:
+            if request_id in self._requests:
+                finished[request_id] = self._requests[request_id]
             self._forget(request_id)
         for new_request in plan.new_requests:
             self._add_request(new_request)
         if len({s.request_id for s in plan.scheduled}) != len(plan.scheduled):
             raise ValueError(f"step {plan.step_id} schedules a request twice")
         chunks = [self._chunk(scheduled) for scheduled in plan.scheduled]
+        kv_load, late_stores = None, []
+        if kv is not None:
+            kv_load, late_stores = self._kv_before_forward(kv, plan, chunks, finished)
         sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
         states = [self._requests[request_id] for request_id in sampled_ids]
         sampled_token_ids: list[int] = []
@@ -386,6 +425,8 @@ class ModelRunner:
                     logits = self._graphs.run(input_ids, positions, metadata)  # [num_seqs, vocab]
                 else:
                     logits = self.model(input_ids, positions, metadata)  # [num_logit_rows, vocab]
+                if late_stores:  # the blocks this step completes, copied out behind it
+                    kv.store(late_stores)
                 sample_rows = layout.sample_rows
                 prompt_logprobs = self._prompt_logprobs(plan.scheduled, chunks, layout.first_rows,
                                                         logits)
@@ -407,18 +448,71 @@ class ModelRunner:
             state = self._requests[scheduled.request_id]
             state.block_table = chunk.block_table
             state.num_computed_tokens += scheduled.num_new_tokens
+        if late_stores and not chunks:  # nothing ran: nothing to wait for
+            kv.store(late_stores)
         if defer:
             for state in states:
                 state.num_pending_tokens += 1
-            return StepInFlight.start(plan, start_time, sampled_ids, states, device_token_ids,
+            step = StepInFlight.start(plan, start_time, sampled_ids, states, device_token_ids,
                                       self._device)
+            step.kv_load = kv_load
+            return step
         for state, token_id in zip(states, sampled_token_ids):
             state.token_ids.append(token_id)
         return StepResult(step_id=plan.step_id, request_ids=sampled_ids,
                           sampled_token_ids=sampled_token_ids,
                           step_time_s=time.perf_counter() - start_time,
                           logprobs=sampled_logprobs if any(sampled_logprobs) else [],
-                          prompt_logprobs=prompt_logprobs)
+                          prompt_logprobs=prompt_logprobs,
+                          kv_load_bytes=kv_load.num_bytes if kv_load else 0,
+                          kv_load_bytes_per_s=kv_load.bytes_per_s() if kv_load else 0.0)
+
+    def _kv_before_forward(self, kv: KvOffload, plan: StepPlan, chunks: list[SequenceChunk],
+                           finished: dict[str, RequestState]
+                           ) -> tuple[LoadTiming | None, list[BlockToStore]]:
+        """Load the plan's blocks, copy out its stores of blocks complete already (before
+        this step may write their ids again), and order the forward after the copies still
+        reading blocks it writes. Returns the loads' timing and the stores of blocks this
+        step completes (copied out after its forward)."""
+        kv_load = None
+        if plan.kv_loads:
+            kv_load = kv.load(plan.kv_loads)
+            self._forget_decode_contexts(plan.kv_loads)
+        stores: list[BlockToStore] = []
+        if plan.kv_stores:
+            scheduled = {s.request_id: (s, chunk) for s, chunk in zip(plan.scheduled, chunks)}
+
+            def lookup(request_id: str):
+                state = self._requests.get(request_id) or finished.get(request_id)
+                if state is None:
+                    return None
+                entry = scheduled.get(request_id) if self._requests.get(request_id) is state \
+                    else None
+                if entry is None:
+                    return (state.token_ids, state.block_table, state.num_computed_tokens,
+                            state.num_computed_tokens)
+                return (state.token_ids, entry[1].block_table, state.num_computed_tokens,
+                        state.num_computed_tokens + entry[0].num_new_tokens)
+
+            stores = kv.resolve_stores(plan.kv_stores, lookup)
+            kv.store([block for block in stores if block.computed_before])
+        if kv.tiers.has_pending:
+            kv.tiers.wait_for_stores(
+                block_id for chunk in chunks for block_id in chunk.block_table[
+                    chunk.start // self.block_size:
+                    (chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1])
+        return kv_load, [block for block in stores if not block.computed_before]
+
+    def _forget_decode_contexts(self, loads: list[KvLoad]) -> None:
+        """CPU: blocks written from outside the model must be gathered again by the decode
+        contexts that may hold their old contents (a block freed and loaded into)."""
+        if self._device.type == "cuda":
+            return
+        block_ids = [block_id for load in loads for block_id in load.block_ids]
+        for layer in self.model.layers:
+            context = layer.self_attn.decode_context
+            if context is not None:
+                context.forget_blocks(block_ids)
 
     def _fill_pending_inputs(self, chunks: list[SequenceChunk], input_ids: torch.Tensor) -> None:
         """Put the tokens the step in flight samples into this step's inputs, on the device."""

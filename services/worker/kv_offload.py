@@ -1,0 +1,203 @@
+"""The runner's side of the kvstore: a plan's loads and stores, the slots reserved for
+stores, and the commits of finished copies (docs/kvstore.md). No I/O: the worker service
+fills the reservation and publishes the commits.
+
+A store's token ids are read from the request's token list at the end of ``submit`` (after
+the step before it is read back): with overlapped steps, the last token a stored block
+holds may have been sampled by the step still in flight when the store was planned. Every
+position a step has computed is on the host by then; a request finished meanwhile keeps its
+list (only ever appended to), so its blocks commit all the same.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from services.worker.kv_tiers import KvTiers, LoadTiming, StoreCopy
+from shared.messages import KvLoad, KvStoredBlock, KvStoreRun
+
+log = structlog.get_logger()
+
+
+class SlotPool:
+    """Free slots reserved from the kvstore: added on the bus thread, taken on the forward one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slot_ids: list[int] = []
+
+    def add(self, slot_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._slot_ids.extend(slot_ids)
+
+    def take(self, num_slots: int) -> list[int]:
+        with self._lock:
+            taken = self._slot_ids[:num_slots]
+            del self._slot_ids[:num_slots]
+            return taken
+
+    @property
+    def num_free(self) -> int:
+        return len(self._slot_ids)
+
+
+@dataclass
+class BlockToStore:
+    """One block of a KvStoreRun, checked against the request it names."""
+
+    token_list: list[int]  # the request's token list (its tokens are read at the end of submit)
+    block_index: int
+    block_id: int
+    block_hash: bytes
+    computed_before: bool  # full before this step (else this step completes it)
+
+
+@dataclass
+class Commit:
+    """What the service publishes as a KvCommitRequest."""
+
+    store_id: str
+    blocks: list[KvStoredBlock]
+    returned_slot_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _StoreBatch:
+    blocks: list[BlockToStore]
+    slot_ids: list[int]
+    token_ids: list[list[int]] | None = None  # set at the end of submit
+    returned_slot_ids: list[int] = field(default_factory=list)
+
+
+class KvOffload:
+    def __init__(self, tiers: KvTiers, store_id: str, block_size: int,
+                 target_free_slots: int = 0) -> None:
+        self.tiers = tiers
+        self.store_id = store_id
+        self.block_size = block_size
+        self.slot_pool = SlotPool()
+        # reserve up to this many free slots, asking again below half of it
+        self.target_free_slots = target_free_slots or min(1024, max(16, tiers.num_slots // 8))
+        self.num_loaded = 0  # blocks loaded
+        self.num_stored = 0  # blocks committed
+        self.num_skipped = 0  # blocks not stored (no reserved slot, or refused)
+        self._awaiting_tokens: list[StoreCopy] = []
+        self._commits: deque[Commit] = deque()  # appended on the forward thread, taken on the bus's
+
+    # ------------------------------------------------------------ reservation
+    def slots_wanted(self) -> int:
+        """Slots to reserve now (0: enough free)."""
+        num_free = self.slot_pool.num_free
+        return self.target_free_slots - num_free if num_free < self.target_free_slots // 2 else 0
+
+    # ------------------------------------------------------------ a step (forward thread)
+    def load(self, loads: Sequence[KvLoad]) -> LoadTiming:
+        slot_ids = [slot_id for load in loads for slot_id in load.slot_ids]
+        block_ids = [block_id for load in loads for block_id in load.block_ids]
+        timing = self.tiers.load(slot_ids, block_ids)
+        self.num_loaded += len(block_ids)
+        return timing
+
+    def resolve_stores(self, runs: Sequence[KvStoreRun],
+                       lookup: Callable[[str], tuple[list[int], list[int], int, int] | None]
+                       ) -> list[BlockToStore]:
+        """The blocks of ``runs`` that are full and computed once this step has run.
+
+        ``lookup(request_id)`` gives the request's (token list, block table after this step,
+        computed tokens before this step, after it), or None when the request is unknown."""
+        blocks: list[BlockToStore] = []
+        for run in runs:
+            found = lookup(run.request_id)
+            reason = None
+            if found is None:
+                reason = "unknown request"
+            elif len(run.block_ids) != len(run.block_hashes):
+                reason = "block ids and hashes differ in number"
+            else:
+                token_list, block_table, computed_before, computed_after = found
+                end = run.first_block_index + len(run.block_ids)
+                if run.first_block_index < 0 or list(block_table[run.first_block_index:end]) \
+                        != list(run.block_ids):
+                    reason = "blocks are not the request's"
+                elif end * self.block_size > computed_after:
+                    reason = "blocks not computed"
+            if reason is not None:
+                log.warning("kv_store_refused", request_id=run.request_id, reason=reason,
+                            num_blocks=len(run.block_ids))
+                self.num_skipped += len(run.block_ids)
+                continue
+            for offset, (block_id, block_hash) in enumerate(zip(run.block_ids,
+                                                                run.block_hashes)):
+                index = run.first_block_index + offset
+                blocks.append(BlockToStore(
+                    token_list, index, block_id, block_hash,
+                    computed_before=(index + 1) * self.block_size <= computed_before))
+        return blocks
+
+    def store(self, blocks: Sequence[BlockToStore]) -> None:
+        """Copy ``blocks`` out after the work queued so far, into reserved slots (a block
+        with no slot left is skipped: storing is best effort)."""
+        if not blocks:
+            return
+        slot_ids = self.slot_pool.take(len(blocks))
+        if len(slot_ids) < len(blocks):
+            self.num_skipped += len(blocks) - len(slot_ids)
+            log.debug("kv_store_skipped", num_blocks=len(blocks) - len(slot_ids),
+                      reason="no reserved slot")
+            blocks = blocks[:len(slot_ids)]
+        if not blocks:
+            return
+        copy = self.tiers.store([block.block_id for block in blocks], slot_ids,
+                                payload=_StoreBatch(list(blocks), slot_ids))
+        self._awaiting_tokens.append(copy)
+
+    def end_submit(self) -> None:
+        """Read the token ids of this submit's stores (every computed token is on the host
+        now), and commit what has finished copying."""
+        for copy in self._awaiting_tokens:
+            self._read_tokens(copy.payload)
+        self._awaiting_tokens.clear()
+        self.poll()
+
+    def poll(self) -> bool:
+        """Commit the stores whose copies are complete; True while copies are in flight."""
+        for copy in self.tiers.completed():
+            batch: _StoreBatch = copy.payload
+            if batch.token_ids is None:  # the submit that queued it raised before its end
+                self._awaiting_tokens.remove(copy)
+                self._read_tokens(batch)
+            returned = set(batch.returned_slot_ids)
+            stored = [KvStoredBlock(block.block_hash, slot_id, token_ids)
+                      for block, slot_id, token_ids in zip(batch.blocks, batch.slot_ids,
+                                                           batch.token_ids)
+                      if slot_id not in returned]
+            self.num_stored += len(stored)
+            self._commits.append(Commit(self.store_id, stored, batch.returned_slot_ids))
+        return self.tiers.has_pending
+
+    def _read_tokens(self, batch: _StoreBatch) -> None:
+        batch.token_ids = []
+        for block, slot_id in zip(batch.blocks, batch.slot_ids):
+            start = block.block_index * self.block_size
+            token_ids = block.token_list[start:start + self.block_size]
+            if len(token_ids) < self.block_size:  # not on the host: never guess, give it back
+                batch.returned_slot_ids.append(slot_id)
+                self.num_skipped += 1
+            batch.token_ids.append(token_ids)
+
+    def take_commits(self) -> list[Commit]:
+        """Commits ready to publish (any thread)."""
+        commits = []
+        while self._commits:
+            commits.append(self._commits.popleft())
+        return commits
+
+    def close(self) -> None:
+        """Wait for the copies, then unmap the arena (their commits are dropped: the
+        kvstore they were for is gone or replaced)."""
+        self.tiers.close()

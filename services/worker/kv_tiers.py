@@ -1,0 +1,255 @@
+"""KV blocks between the worker's cache and the kvstore's host arena (docs/kvstore.md).
+
+The arena (``shared/kv_arena.py``) is mapped as a tensor of slots ``[num_slots, num_layers,
+2, block_size, num_kv_heads, head_dim]`` in the cache's dtype; the cache is ``[num_layers, 2,
+num_blocks, block_size, num_kv_heads, head_dim]``, so a block is strided in the cache and
+contiguous in a slot.
+
+On CPU a copy is a plain copy, one per run of consecutive slots and blocks. On CUDA the arena
+is registered as pinned memory (copies are DMA and never block the host) and every copy goes
+through a device staging buffer laid out like the slots, so each host<->device transfer is
+one memcpy per run of consecutive slots and the scatter/gather of blocks stays on the device:
+
+- ``load`` runs on the compute stream, so the step's forward queued after it sees the blocks;
+- ``store`` runs on a copy stream that waits on an event recorded after the work queued so
+  far (the forward that computed the blocks), and records a done event. Until that event
+  has passed, any later write into those blocks (a forward, a load) first makes the compute
+  stream wait on it (``wait_for_stores``), so a copy never reads a block being rewritten.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from shared.kv_arena import KvArena
+
+log = structlog.get_logger()
+
+MAX_STAGING_BYTES = 32 << 20  # per direction, on the device: copies are cut into chunks of this
+
+
+def runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs of consecutive ids: (index in ``ids``, first id, length)."""
+    found: list[tuple[int, int, int]] = []
+    for index, value in enumerate(ids):
+        if found and found[-1][1] + found[-1][2] == value and found[-1][0] + found[-1][2] == index:
+            first_index, first, length = found[-1]
+            found[-1] = (first_index, first, length + 1)
+        else:
+            found.append((index, value, 1))
+    return found
+
+
+def paired_runs(slot_ids: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs where slots and blocks are both consecutive: (first slot, first block, length)."""
+    found: list[tuple[int, int, int]] = []
+    for slot_id, block_id in zip(slot_ids, block_ids, strict=True):
+        if found and found[-1][0] + found[-1][2] == slot_id \
+                and found[-1][1] + found[-1][2] == block_id:
+            found[-1] = (found[-1][0], found[-1][1], found[-1][2] + 1)
+        else:
+            found.append((slot_id, block_id, 1))
+    return found
+
+
+@dataclass
+class LoadTiming:
+    """Bytes a step's loads copied, and how long they took (CUDA: read once the step is)."""
+
+    num_bytes: int
+    seconds: float = 0.0  # CPU: measured at once
+    start: torch.cuda.Event | None = None
+    end: torch.cuda.Event | None = None
+
+    def bytes_per_s(self) -> float:
+        """0 when unknown (CUDA events not complete yet: never waits for them)."""
+        seconds = self.seconds
+        if self.start is not None and self.end is not None:
+            if not self.end.query():
+                return 0.0
+            seconds = self.start.elapsed_time(self.end) / 1e3
+        return self.num_bytes / seconds if seconds > 0 else 0.0
+
+
+@dataclass
+class StoreCopy:
+    """Blocks being copied into slots; ``payload`` is the caller's (what to commit)."""
+
+    block_ids: frozenset[int]
+    slot_ids: list[int]
+    done: torch.cuda.Event | None  # None: complete (CPU)
+    payload: object = None
+    waited: bool = field(default=False)  # the compute stream already waits on it
+
+    def is_done(self) -> bool:
+        return self.done is None or self.done.query()
+
+
+class KvTiers:
+    """The copies between one KV cache and one mapped arena."""
+
+    def __init__(self, kv_cache: torch.Tensor, arena: KvArena,
+                 max_staging_bytes: int = MAX_STAGING_BYTES) -> None:
+        self.kv_cache = kv_cache
+        # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], a view of the cache
+        self.blocks = kv_cache.permute(2, 0, 1, 3, 4, 5)
+        self.slot_shape = tuple(self.blocks.shape[1:])
+        self.slot_nbytes = math.prod(self.slot_shape) * kv_cache.element_size()
+        if arena.slot_nbytes != self.slot_nbytes:
+            raise ValueError(f"arena slots hold {arena.slot_nbytes} bytes, a block is "
+                             f"{self.slot_nbytes}: another layout")
+        self.arena = arena
+        self.num_slots = arena.num_slots
+        # [num_slots, num_layers, 2, block_size, num_kv_heads, head_dim] on the mapped file
+        self.slots = torch.from_numpy(arena.slots()).view(kv_cache.dtype) \
+            .view(arena.num_slots, *self.slot_shape)
+        self.device = kv_cache.device
+        self.pinned = False
+        self.pending: deque[StoreCopy] = deque()  # in copy order (the copy stream is FIFO)
+        self._copy_stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self.pinned = _register(self.slots)
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self.staging_blocks = max(1, max_staging_bytes // self.slot_nbytes)
+            shape = (self.staging_blocks, *self.slot_shape)
+            self._load_staging = torch.empty(shape, dtype=kv_cache.dtype, device=self.device)
+            with torch.cuda.stream(self._copy_stream):  # used on the copy stream only
+                self._store_staging = torch.empty(shape, dtype=kv_cache.dtype,
+                                                  device=self.device)
+
+    # ------------------------------------------------------------ loads
+    def load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> LoadTiming:
+        """Copy slots into blocks, ordered before whatever the compute stream runs next."""
+        if len(slot_ids) != len(block_ids):
+            raise ValueError(f"a load of {len(slot_ids)} slots into {len(block_ids)} blocks")
+        self._check_ids(slot_ids, block_ids)
+        timing = LoadTiming(num_bytes=len(slot_ids) * self.slot_nbytes)
+        if not slot_ids:
+            return timing
+        self.wait_for_stores(block_ids)
+        if self.device.type != "cuda":
+            started = time.perf_counter()
+            for slot_id, block_id, length in paired_runs(slot_ids, block_ids):
+                self.blocks[block_id:block_id + length].copy_(self.slots[slot_id:slot_id + length])
+            timing.seconds = time.perf_counter() - started
+            return timing
+        timing.start, timing.end = (torch.cuda.Event(enable_timing=True),
+                                    torch.cuda.Event(enable_timing=True))
+        timing.start.record()
+        for first in range(0, len(slot_ids), self.staging_blocks):
+            chunk_slots = slot_ids[first:first + self.staging_blocks]
+            chunk_blocks = block_ids[first:first + self.staging_blocks]
+            staging = self._load_staging[:len(chunk_slots)]  # [n, *slot_shape]
+            for index, slot_id, length in runs(chunk_slots):
+                staging[index:index + length].copy_(self.slots[slot_id:slot_id + length],
+                                                    non_blocking=True)
+            self._scatter(chunk_blocks, staging)
+        timing.end.record()
+        return timing
+
+    def _scatter(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
+        if len(runs(block_ids)) == 1:  # one slice, no index tensor
+            self.blocks[block_ids[0]:block_ids[0] + len(block_ids)].copy_(staging)
+        else:
+            self.blocks.index_copy_(0, _device_ids(block_ids, self.device), staging)
+
+    # ------------------------------------------------------------ stores
+    def store(self, block_ids: Sequence[int], slot_ids: Sequence[int],
+              payload: object = None) -> StoreCopy:
+        """Copy blocks into slots after the work queued so far (CPU: now)."""
+        if len(slot_ids) != len(block_ids):
+            raise ValueError(f"a store of {len(block_ids)} blocks into {len(slot_ids)} slots")
+        self._check_ids(slot_ids, block_ids)
+        copy = StoreCopy(frozenset(block_ids), list(slot_ids), None, payload)
+        if self.device.type != "cuda":
+            for slot_id, block_id, length in paired_runs(slot_ids, block_ids):
+                self.slots[slot_id:slot_id + length].copy_(self.blocks[block_id:block_id + length])
+            self.pending.append(copy)
+            return copy
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # after the forward
+        with torch.cuda.stream(stream):
+            for first in range(0, len(slot_ids), self.staging_blocks):
+                chunk_slots = slot_ids[first:first + self.staging_blocks]
+                chunk_blocks = block_ids[first:first + self.staging_blocks]
+                staging = self._store_staging[:len(chunk_slots)]  # [n, *slot_shape]
+                torch.index_select(self.blocks, 0, _device_ids(chunk_blocks, self.device),
+                                   out=staging)
+                for index, slot_id, length in runs(chunk_slots):
+                    self.slots[slot_id:slot_id + length].copy_(staging[index:index + length],
+                                                               non_blocking=True)
+            copy.done = torch.cuda.Event()
+            copy.done.record(stream)
+        self.pending.append(copy)
+        return copy
+
+    def wait_for_stores(self, block_ids: Iterable[int]) -> None:
+        """Before writing ``block_ids``: the compute stream waits for the copies still reading
+        any of them (a cheap device-side wait; nothing waits on the host)."""
+        if self.device.type != "cuda" or not self.pending:
+            return
+        block_ids = set(block_ids)
+        compute = torch.cuda.current_stream(self.device)
+        for copy in self.pending:
+            if not copy.waited and not block_ids.isdisjoint(copy.block_ids) \
+                    and not copy.done.query():
+                compute.wait_event(copy.done)
+                copy.waited = True
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def completed(self) -> list[StoreCopy]:
+        """Stores whose copies are complete, in order (removed from the pending ones)."""
+        done = []
+        while self.pending and self.pending[0].is_done():
+            done.append(self.pending.popleft())
+        return done
+
+    def synchronize(self) -> None:
+        """Wait on the host for every copy (before unmapping the arena)."""
+        for copy in self.pending:
+            if copy.done is not None:
+                copy.done.synchronize()
+
+    def close(self) -> None:
+        """Wait for the copies, unpin and unmap the arena."""
+        self.synchronize()
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.slots.data_ptr())
+            self.pinned = False
+        self.slots = None
+        self.arena.close()
+
+    def _check_ids(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+        bad_slots = [s for s in slot_ids if not 0 <= s < self.num_slots]
+        bad_blocks = [b for b in block_ids if not 0 <= b < self.blocks.shape[0]]
+        if bad_slots or bad_blocks:
+            raise ValueError(f"kv copy: slots {bad_slots} outside [0, {self.num_slots}) or "
+                             f"blocks {bad_blocks} outside [0, {self.blocks.shape[0]})")
+
+
+def _device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[len(ids)] int64 on ``device``, through pinned memory (a pageable copy would wait
+    for every kernel queued before it)."""
+    return torch.tensor(ids, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+
+
+def _register(slots: torch.Tensor) -> bool:
+    """Pin the mapped arena for DMA; False (and pageable copies) when the driver refuses."""
+    error = torch.cuda.cudart().cudaHostRegister(slots.data_ptr(),
+                                                 slots.numel() * slots.element_size(), 0)
+    if int(error) != 0:
+        log.warning("kv_arena_not_pinned", error=int(error),
+                    detail="copies with the host tier are synchronous")
+        torch.cuda.cudart().cudaGetLastError()  # clear it
+        return False
+    return True
