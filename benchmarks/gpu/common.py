@@ -98,3 +98,12 @@ def save(name: str, result: dict) -> None:
     if out:
         safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("._")
         Path(out, f"{safe_name}.json").write_text(text)
+
+
+def done_percentiles(done_s: list[float]) -> dict[str, float]:
+    """When requests finished, seconds from the start: first, 10/50/90th percentile, last
+    (the same for the in-process engine and the stack, to see where a run loses time)."""
+    ordered = sorted(done_s)
+    at = {"first": 0.0, "p10": 0.1, "p50": 0.5, "p90": 0.9, "last": 1.0}
+    return {name: round(ordered[min(int(q * len(ordered)), len(ordered) - 1)], 2)
+            for name, q in at.items()}

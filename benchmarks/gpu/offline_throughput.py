@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from common import build_engine, device_name, hf_random_model, hf_static_batches, save
+from common import (build_engine, device_name, done_percentiles, hf_random_model,
+                    hf_static_batches, save)
 from shared.messages import SamplingParams
 from shared.models import resolve_model
 
@@ -111,6 +112,7 @@ def main() -> None:
     completions, stats = engine.generate(prompts, sampling)
     assert [len(c.output_token_ids) for c in completions] == output_lens
     num_in, num_out = sum(map(len, prompts)), sum(output_lens)
+    last_finish = max(c.finish_time for c in completions)
     result = {
         "benchmark": "offline_throughput", "workload": args.workload, "model": args.model,
         "device": device_name(), "num_prompts": len(prompts), "input_tokens": num_in,
@@ -128,7 +130,10 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager, "overlap_steps": args.overlap_steps,
         "num_overlapped_steps": engine.runner.num_overlapped_steps,
-        "wall_ms_per_step": 1e3 * stats.elapsed_s / max(stats.num_steps, 1)}
+        "wall_ms_per_step": 1e3 * stats.elapsed_s / max(stats.num_steps, 1),
+        # the last request finishes when the run ends: finish times from the run's start
+        "done_s_percentiles": done_percentiles([
+            c.finish_time - last_finish + stats.elapsed_s for c in completions])}
     if args.hf_batch_sizes:
         model_files = resolve_model(args.model)
         del engine, completions

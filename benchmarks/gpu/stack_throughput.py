@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from common import device_name, save
+from common import device_name, done_percentiles, save
 from online_serve import Profiler
 from cli.stack import Stack, StackOptions, flags, free_port
 from shared.models import resolve_model
@@ -49,8 +49,18 @@ async def send_all(base_url: str, model: str, prompts: list[list[int]], output_l
         before = await scrape(client)
         on_start()
         started = time.perf_counter()
-        usages = await asyncio.gather(*(one(p) for p in prompts))
+        sampler = asyncio.create_task(sample_timeline(client, started))
+        done_at: list[float] = []
+
+        async def timed(prompt: list[int]) -> dict:
+            usage = await one(prompt)
+            done_at.append(time.perf_counter() - started)
+            return usage
+
+        usages = await asyncio.gather(*(timed(p) for p in prompts))
         elapsed = time.perf_counter() - started
+        sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
         after = await scrape(client)
     num_in = sum(u["prompt_tokens"] for u in usages)
     num_out = sum(u["completion_tokens"] for u in usages)
@@ -58,7 +68,33 @@ async def send_all(base_url: str, model: str, prompts: list[list[int]], output_l
             "request_s": len(prompts) / elapsed, "output_tok_s": num_out / elapsed,
             "total_tok_s": (num_in + num_out) / elapsed,
             "num_steps": after.get(STEPS, 0) - before.get(STEPS, 0),
-            "worker_busy_share": (after.get(BUSY, 0) - before.get(BUSY, 0)) / elapsed}
+            "worker_busy_share": (after.get(BUSY, 0) - before.get(BUSY, 0)) / elapsed,
+            "done_s_percentiles": done_percentiles(done_at),
+            "timeline": TIMELINE}
+
+
+# (s since start, running, waiting, steps, scheduled tokens): where the run spends its time
+TIMELINE: list[tuple[float, ...]] = []
+RUNNING, WAITING = "flotilla_num_requests_running", "flotilla_num_requests_waiting"
+STEP_TOKENS = "flotilla_scheduled_tokens_per_step_sum"
+
+
+async def sample_timeline(client: httpx.AsyncClient, started: float) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        totals = parse_metrics((await client.get("/metrics")).text,
+                               (RUNNING, WAITING, STEPS, STEP_TOKENS))
+        TIMELINE.append((round(time.perf_counter() - started, 2), *(
+            int(totals.get(name, 0)) for name in (RUNNING, WAITING, STEPS, STEP_TOKENS))))
+
+
+def parse_metrics(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in names:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 STEPS, BUSY = "flotilla_scheduled_tokens_per_step_count", "flotilla_worker_busy_seconds_total"
@@ -67,12 +103,7 @@ STEPS, BUSY = "flotilla_scheduled_tokens_per_step_count", "flotilla_worker_busy_
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
     """The gateway's counters summed over labels (replicas): steps and worker busy seconds."""
     await asyncio.sleep(1.0)  # the schedulers' stats events come every 0.5 s
-    totals: dict[str, float] = {}
-    for line in (await client.get("/metrics")).text.splitlines():
-        name = line.split("{")[0].split(" ")[0]
-        if name in (STEPS, BUSY):
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return totals
+    return parse_metrics((await client.get("/metrics")).text, (STEPS, BUSY))
 
 
 def main() -> None:
