@@ -237,6 +237,11 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     # steps since the previous stats event (bounded sample)
     recent_step_tokens: list[int] = []
     recent_step_times_s: list[float] = []
+    # cumulative: prompt tokens loaded from the kvstore instead of computed (also counted
+    # in each request's num_cached_tokens, not in num_prefix_hits), in all and by the tier
+    # each block was found in ("host", "disk")
+    num_kv_tier_hits: int = 0
+    num_kv_tier_hits_by_tier: dict[str, int] = {}
 
 
 # ----------------------------------------------------------------- worker

@@ -9,6 +9,13 @@ outputs, plus an error for each request finished just before the drop (its last 
 may have died with the link; a gateway that had it ignores the error), are sent again
 a few times after the link returns, when the gateways have subscribed again.
 
+With a kvstore (``--kv-node-id`` set and the worker attached to one, docs/kvstore.md):
+each submitted request's blocks beyond its GPU prefix are looked up before it is queued
+(kv_client.py: a short deadline, a miss on any trouble); a hit worth loading is pinned
+and rides with the request. Submits are then handled concurrently, each keeping the
+place in line it arrived at. Pins are released when the scheduler says (after the step
+that loaded them, or unused), and kept alive every couple of seconds.
+
 Draining (SIGTERM): no new requests (the queue-group submit is unsubscribed, an
 addressed submit gets 503 "draining", stats and health say so); running and waiting
 requests finish for up to ``shutdown_timeout``; what is left then fails with a 503.
@@ -25,12 +32,15 @@ import msgspec
 import structlog
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_client import KEEPALIVE_INTERVAL_S, KvClient
+from services.scheduler.request import TierHit
 from services.scheduler.scheduler import Emitted, Scheduler
+from services.scheduler.tiering import TierSpeeds
 from shared.bus import PING_INTERVAL_S, Bus
 from shared.errors import FlotillaError, ServiceUnavailable, TooManyRequests
 from shared.messages import (
     AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch, RequestOutput,
-    SchedulerStats, StepPlan, StepResult, SubmitReply, WorkerInfo,
+    SchedulerStats, StepPlan, StepResult, SubmitReply, WorkerInfo, choice_request_ids,
 )
 from shared.subjects import Subjects
 
@@ -79,13 +89,21 @@ class SchedulerService:
         self._held: list[_Held] = []
         self._recent_finals: deque[tuple[float, Emitted]] = deque()
         self.draining = False
+        self.kv: KvClient | None = None  # the kvstore of the attached worker, if any
+        self.tier_speeds = TierSpeeds()  # measured across worker re-attaches
+        self._looking_up: set[str] = set()  # request ids whose kvstore lookup runs
+        self._aborted_while_looking_up: set[str] = set()
+        self._kv_store_id = ""  # the kvstore process the queued hits were pinned by
         bus.add_listener(self._on_link)
 
     async def start(self) -> None:
         queue = self.subjects.queue_group("scheduler")
-        await self.bus.serve(self.subjects.scheduler_submit, GenerateRequest, self._on_submit, queue=queue)
+        # with a kvstore a submit may wait for a lookup: others go on meanwhile
+        concurrent = bool(self.config.kv_node_id)
+        await self.bus.serve(self.subjects.scheduler_submit, GenerateRequest, self._on_submit,
+                             queue=queue, concurrent=concurrent)
         await self.bus.serve(self.subjects.scheduler_submit_to(self.config.instance_id),
-                             GenerateRequest, self._on_submit)
+                             GenerateRequest, self._on_submit, concurrent=concurrent)
         await self.bus.serve(self.subjects.scheduler_abort(self.config.instance_id), AbortRequest,
                              self._on_abort)
         await self.bus.serve(self.subjects.health("scheduler"), Empty, self._on_health, queue=queue)
@@ -95,7 +113,8 @@ class SchedulerService:
         (raised here) rather than leaving a scheduler that answers but never steps."""
         step_loop = asyncio.create_task(self._step_loop())
         helpers = [asyncio.create_task(self._stats_loop()),
-                   asyncio.create_task(self._redelivery_loop())]
+                   asyncio.create_task(self._redelivery_loop()),
+                   asyncio.create_task(self._keepalive_loop())]
         stopped = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({step_loop, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -154,14 +173,65 @@ class SchedulerService:
         if num_queued >= self.config.max_queued_requests:
             raise TooManyRequests(f"the server is busy: {num_queued} requests are queued to "
                                   "run; try again later")
-        self.core.add_request(request)
+        if self.kv is None:
+            core.add_request(request)
+        else:
+            await self._submit_with_lookup(core, request)
         self._wakeup.set()
         return SubmitReply(scheduler_id=self.config.instance_id)
 
+    async def _submit_with_lookup(self, core: Scheduler, request: GenerateRequest) -> None:
+        """Queue a request with its kvstore hit, if any, in the place in line it arrived
+        at. A request aborted, or a core replaced, during the lookup lets go of the hit."""
+        core.validate(request)  # a bad request fails before any lookup
+        kv, seq, query = self.kv, core.next_arrival_seq(), core.prefix_query(request)
+        request_ids = choice_request_ids(request.request_id, request.n)
+        hit: TierHit | None = None
+        if query is not None and not self._looking_up.intersection(request_ids):
+            self._looking_up.update(request_ids)
+            try:
+                hit = await kv.find_hit(query, [*request.prompt_token_ids, *request.output_token_ids])
+            finally:
+                self._looking_up.difference_update(request_ids)
+        aborted = not self._aborted_while_looking_up.isdisjoint(request_ids)
+        self._aborted_while_looking_up.difference_update(request_ids)
+        if hit is not None and (hit.store_id != kv.store_id or self.core is not core or aborted):
+            await kv.release([hit.pin_id])
+            hit = None
+        if aborted:
+            return
+        if self.core is not core:
+            raise ServiceUnavailable("the worker was re-attached while the request arrived")
+        self._drop_stale_hits(core)
+        try:
+            core.add_request(request, tier_hit=hit, arrival_seq=seq,
+                             block_hashes=query.block_hashes if query is not None else None)
+        except FlotillaError:
+            if hit is not None:
+                await kv.release([hit.pin_id])
+            raise
+
+    def _drop_stale_hits(self, core: Scheduler) -> None:
+        """Hits pinned by a kvstore that has restarted since are gone with it."""
+        store_id = self.kv.store_id if self.kv is not None else ""
+        if store_id != self._kv_store_id:
+            if self._kv_store_id:
+                log.warning("kvstore_restarted", old_store_id=self._kv_store_id, store_id=store_id)
+                core.drop_tier_hits(store_id)
+            self._kv_store_id = store_id
+
     async def _on_abort(self, request: AbortRequest) -> Empty:
+        self._aborted_while_looking_up.update(self._looking_up.intersection(request.request_ids))
         if self.core is not None:
             self.core.abort(request.request_ids)
+            await self._release_pins(self.core)
         return Empty()
+
+    async def _release_pins(self, core: Scheduler) -> None:
+        if self.kv is not None:
+            pin_ids = core.take_pins_to_release()
+            if pin_ids:
+                await self.kv.release(pin_ids)
 
     async def _on_health(self, _: Empty) -> HealthReply:
         core = self.core
@@ -194,16 +264,29 @@ class SchedulerService:
             except ServiceUnavailable:
                 await asyncio.sleep(ATTACH_RETRY_S)
                 continue
+            self.kv = self._kv_client(info)
             self.core = Scheduler(self.config, num_blocks=info.num_blocks,
                                   block_size=info.block_size, max_model_len=info.max_model_len,
-                                  eos_token_ids=info.eos_token_ids, model_name=info.model_name)
+                                  eos_token_ids=info.eos_token_ids, model_name=info.model_name,
+                                  kvstore=self.kv is not None)
             self._worker_id = info.worker_id
             self._bus_epoch = self.bus.num_disconnects  # attached over the link as it is now
             self._worker_link = None
             await self._ping_worker()  # learn its link count, to tell when it drops
             log.info("worker_connected", worker_id=info.worker_id, num_blocks=info.num_blocks,
-                     block_size=info.block_size, max_model_len=info.max_model_len)
+                     block_size=info.block_size, max_model_len=info.max_model_len,
+                     kv_namespace=info.kv_namespace, kv_node_id=info.kv_node_id)
             return
+
+    def _kv_client(self, info: WorkerInfo) -> KvClient | None:
+        """The kvstore to use: only with --kv-node-id and a worker attached to one."""
+        if not self.config.kv_node_id or not info.kv_namespace or info.num_blocks <= 0:
+            return None
+        return KvClient(self.bus, self.subjects, owner_id=self.config.instance_id,
+                        node_id=info.kv_node_id or self.config.kv_node_id,
+                        namespace=info.kv_namespace,
+                        block_bytes=info.kv_cache_bytes // info.num_blocks,
+                        block_size=info.block_size, speeds=self.tier_speeds)
 
     async def _step_loop(self) -> None:
         """Keep up to ``max_steps_in_flight`` steps at the worker: step N+1 is planned
@@ -232,6 +315,7 @@ class SchedulerService:
                     if plan is None:
                         break
                     in_flight.append((plan, asyncio.create_task(self._run_step(plan))))
+                await self._release_pins(core)  # unused hits of the requests just admitted
                 if not in_flight:
                     try:
                         await asyncio.wait_for(self._wakeup.wait(), timeout=IDLE_CHECK_S)
@@ -256,6 +340,7 @@ class SchedulerService:
                     continue
                 self._record_step(plan, result)
                 await self._publish(core.update(plan, result))
+                await self._release_pins(core)  # the step's loads are done
         finally:
             _cancel(in_flight)
 
@@ -275,6 +360,7 @@ class SchedulerService:
         not lost. After a lost link the errors wait for the link and the gateways."""
         old_core, self.core = self.core, None
         emitted = old_core.fail_all(error.to_info())
+        await self._release_pins(old_core)
         log.warning("requests_failed", num_requests=len(emitted), reason=error.message)
         if bus_lost:
             self._hold(emitted, error)
@@ -332,6 +418,10 @@ class SchedulerService:
     def _record_step(self, plan: StepPlan, result: StepResult) -> None:
         num_tokens = sum(s.num_new_tokens for s in plan.scheduled)
         self._worker_busy_s += result.step_time_s
+        if self.kv is not None:
+            num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+            self.tier_speeds.observe_step(num_tokens, num_prompt, result.step_time_s,
+                                          result.kv_load_bytes, result.kv_load_bytes_per_s)
         if len(self._step_samples) < MAX_STEP_SAMPLES:
             self._step_samples.append((num_tokens, result.step_time_s))
         log.debug("step_done", step_id=plan.step_id, num_scheduled=len(plan.scheduled),
@@ -399,6 +489,13 @@ class SchedulerService:
         if due:
             log.info("error_outputs_sent", num_outputs=len(due), final=final)
 
+    async def _keepalive_loop(self) -> None:
+        """Keep this scheduler's pins at the kvstore (and send releases NATS held up)."""
+        while True:
+            await asyncio.sleep(KEEPALIVE_INTERVAL_S)
+            if self.kv is not None:
+                await self.kv.keep_alive()
+
     # ------------------------------------------------------------ stats
     async def _stats_loop(self) -> None:
         last_wall, last_busy, was_busy = time.monotonic(), 0.0, False
@@ -437,6 +534,8 @@ class SchedulerService:
             worker_ready=core is not None and not self.draining,
             num_prefix_queries=core.num_prefix_queries if core else 0,
             num_prefix_hits=core.num_prefix_hits if core else 0,
+            num_kv_tier_hits=sum(core.kv_tier.num_tokens_loaded.values()) if core else 0,
+            num_kv_tier_hits_by_tier=dict(core.kv_tier.num_tokens_loaded) if core else {},
             worker_busy_s=self._worker_busy_s, worker_idle_ratio=idle_ratio,
             recent_step_tokens=[tokens for tokens, _ in samples],
             recent_step_times_s=[seconds for _, seconds in samples])

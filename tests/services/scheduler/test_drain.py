@@ -59,7 +59,7 @@ class FakeBus:
         for listener in self.listeners:
             listener(True)
 
-    async def serve(self, subject, request_type, handler, *, queue=None) -> None:
+    async def serve(self, subject, request_type, handler, *, queue=None, concurrent=False) -> None:
         self.handlers[(subject, queue or "")] = handler
 
     async def unsubscribe(self, subject, *, queue=None) -> None:

@@ -1,0 +1,138 @@
+"""The scheduler's requests to its node's kvstore (docs/kvstore.md): look a request's
+blocks up, pin the hit worth loading, release pins, keep its pins alive. Part of the
+scheduler's bus edge with service.py (kept apart so that file stays about the step
+loop); the choice itself is tiering.py's.
+
+The kvstore is never waited on for long: a lookup has LOOKUP_TIMEOUT_S, after which (or
+on an error, or with NATS down) the request is a miss and runs as it would without a
+kvstore. A pin, asked only after a lookup found a hit worth loading, may read blocks
+from disk and has PIN_TIMEOUT_S. After a few failed calls in a row the kvstore is left
+alone for SILENT_BACKOFF_S, so a hung kvstore does not add its timeout to every request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TypeVar
+
+import msgspec
+import structlog
+
+from services.scheduler.request import TierHit
+from services.scheduler.scheduler import PrefixQuery
+from services.scheduler.tiering import DISK, TierSpeeds
+from shared.bus import Bus
+from shared.errors import FlotillaError, ServiceUnavailable
+from shared.messages import (
+    KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest,
+)
+from shared.subjects import Subjects
+
+log = structlog.get_logger()
+
+LOOKUP_TIMEOUT_S = 0.05
+HOST_PIN_TIMEOUT_S = 0.2  # a pin of host hits only moves no bytes
+PIN_TIMEOUT_S = 1.0  # disk hits are read into host slots during the pin
+KEEPALIVE_INTERVAL_S = 2.0
+MAX_FAILURES_IN_A_ROW = 3
+SILENT_BACKOFF_S = 2.0
+
+Rep = TypeVar("Rep")
+
+
+class KvClient:
+    def __init__(self, bus: Bus, subjects: Subjects, *, owner_id: str, node_id: str,
+                 namespace: str, block_bytes: int, block_size: int, speeds: TierSpeeds) -> None:
+        self.bus = bus
+        self.subjects = subjects
+        self.owner_id = owner_id  # the scheduler instance: pins are its own
+        self.node_id = node_id
+        self.namespace = namespace
+        self.block_bytes = block_bytes
+        self.block_size = block_size
+        self.speeds = speeds
+        self.store_id = ""  # the kvstore process last heard from
+        self._unsent_releases: list[str] = []
+        self._failures_in_a_row = 0
+        self._silent_until = 0.0
+
+    async def find_hit(self, query: PrefixQuery, token_ids: Sequence[int]) -> TierHit | None:
+        """A pinned hit of the blocks beyond the query's GPU prefix, if one is worth
+        loading; None on a miss (or any trouble with the kvstore)."""
+        block_hashes = query.block_hashes[query.num_gpu_blocks:]
+        if not block_hashes or time.monotonic() < self._silent_until:
+            return None
+        lookup = await self._ask("lookup", KvLookupRequest(
+            namespace=self.namespace, block_hashes=block_hashes), KvLookupReply, LOOKUP_TIMEOUT_S)
+        if lookup is None or not lookup.tiers:
+            return None
+        self.store_id = lookup.store_id
+        self.speeds.observe_disk_read(lookup.disk_read_bytes_per_s)
+        num_blocks = self.speeds.num_blocks_worth_loading(lookup.tiers, self.block_bytes,
+                                                          self.block_size)
+        if num_blocks == 0:
+            return None
+        pin_id = uuid.uuid4().hex
+        timeout = PIN_TIMEOUT_S if DISK in lookup.tiers[:num_blocks] else HOST_PIN_TIMEOUT_S
+        pin = await self._ask("pin", KvPinRequest(
+            namespace=self.namespace, owner_id=self.owner_id, pin_id=pin_id,
+            block_hashes=block_hashes[:num_blocks]), KvPinReply, timeout)
+        if pin is None:  # it may still have pinned them: let go of them anyway
+            await self.release([pin_id])
+            return None
+        self.store_id = pin.store_id
+        num_confirmed = self._num_confirmed(pin, query.num_gpu_blocks, token_ids)
+        if num_confirmed == 0:
+            await self.release([pin_id])
+            return None
+        return TierHit(pin_id, pin.store_id, query.num_gpu_blocks,
+                       tuple(pin.slot_ids[:num_confirmed]), tuple(pin.tiers[:num_confirmed]))
+
+    def _num_confirmed(self, pin: KvPinReply, first_block: int, token_ids: Sequence[int]) -> int:
+        """Leading pinned blocks whose tokens are the request's (a hash alone is no proof)."""
+        count = 0
+        for index, block_tokens in enumerate(pin.token_ids[:len(pin.slot_ids)]):
+            start = (first_block + index) * self.block_size
+            if list(block_tokens) != list(token_ids[start:start + self.block_size]):
+                break
+            count += 1
+        return count
+
+    async def _ask(self, verb: str, message: msgspec.Struct, reply_type: type[Rep],
+                   timeout: float) -> Rep | None:
+        try:
+            reply = await self.bus.request(self.subjects.kvstore(self.node_id, verb), message,
+                                           reply_type, timeout=timeout)
+        except (FlotillaError, msgspec.DecodeError) as exc:
+            self._failures_in_a_row += 1
+            if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
+                self._silent_until = time.monotonic() + SILENT_BACKOFF_S
+                self._failures_in_a_row = 0
+            log.debug("kvstore_call_failed", verb=verb, error=str(exc))
+            return None
+        self._failures_in_a_row = 0
+        return reply
+
+    # ------------------------------------------------------------ pins
+    async def release(self, pin_ids: list[str]) -> None:
+        """Release pins (fire and forget); with NATS down they are sent with the next
+        keepalive, since a pin of an owner that keeps alive is never dropped."""
+        self._unsent_releases.extend(pin_ids)
+        if not self._unsent_releases:
+            return
+        pending, self._unsent_releases = self._unsent_releases, []
+        try:
+            await self.bus.publish(self.subjects.kvstore(self.node_id, "release"), KvReleaseRequest(
+                namespace=self.namespace, owner_id=self.owner_id, pin_ids=pending))
+        except ServiceUnavailable:
+            self._unsent_releases = pending + self._unsent_releases
+
+    async def keep_alive(self) -> None:
+        try:
+            await self.bus.publish(self.subjects.kvstore(self.node_id, "keepalive"),
+                                   KvKeepAlive(owner_id=self.owner_id))
+        except ServiceUnavailable:
+            return
+        await self.release([])
