@@ -9,8 +9,10 @@ kvstore messages.
   or at once if no block of it is used.
 - A store (write-through): each block that enters the prefix index computed here (not
   loaded) goes into the next plan's ``KvStoreRun``s, once: the worker copies it out after
-  that step's forward, so the step that computes it has run by then. A block evicted
-  before the plan goes out, or of a request the worker no longer holds, is skipped.
+  that step's forward, so the step that computes it has run by then. The worker finds
+  each block's tokens through its request, which it still holds for the plan that
+  forgets it. A block evicted before the plan goes out is skipped, and so is one that is
+  no longer its request's at the worker (preempted and readmitted with other blocks).
 """
 
 from __future__ import annotations
@@ -104,13 +106,15 @@ class KvTierLedger:
         loads, self._loads = self._loads, []
         return loads
 
-    def take_plan_stores(self, known_to_worker: Callable[[str], bool]) -> list[KvStoreRun]:
+    def take_plan_stores(self, is_requests_block: Callable[[str, int, int], bool]
+                         ) -> list[KvStoreRun]:
         """The pending stores as runs of consecutive blocks per request, less those whose
-        block was evicted or whose request the worker no longer holds."""
+        block was evicted, or that ``is_requests_block(request id, block index, block id)``
+        says the worker will not find there."""
         runs: list[KvStoreRun] = []
         for store in self._stores:
-            if not known_to_worker(store.request_id) or \
-                    not self.block_manager.holds(store.block_id, store.block_hash):
+            if not self.block_manager.holds(store.block_id, store.block_hash) or \
+                    not is_requests_block(store.request_id, store.block_index, store.block_id):
                 continue
             last = runs[-1] if runs else None
             if last is not None and last.request_id == store.request_id and \

@@ -224,7 +224,7 @@ class Scheduler:
             return None
         plan = StepPlan(self._next_step_id, new_requests, scheduled, self._forget_ids,
                         kv_loads=self.kv_tier.take_plan_loads(),
-                        kv_stores=self.kv_tier.take_plan_stores(self._known_to_worker))
+                        kv_stores=self.kv_tier.take_plan_stores(self._store_target(self._forget_ids)))
         self._next_step_id += 1
         self._forget_ids = []
         return plan
@@ -322,9 +322,19 @@ class Scheduler:
 
         self.kv_tier.load(hit, used, block_ids, self._next_step_id, block_content)
 
-    def _known_to_worker(self, request_id: str) -> bool:
-        req = self.requests.get(request_id)
-        return req is not None and req.known_to_worker
+    def _store_target(self, forget_ids: list[str]):
+        """Whether the worker, running the plan that forgets ``forget_ids``, finds block
+        ``block_id`` at ``index`` of a request: it holds the running ones, and the ones it
+        forgets until that plan's stores are made."""
+        forgotten = set(forget_ids)
+
+        def is_requests_block(request_id: str, index: int, block_id: int) -> bool:
+            req = self.requests.get(request_id)
+            if req is not None and req.known_to_worker:
+                return index < len(req.block_table) and req.block_table[index] == block_id
+            return request_id in forgotten
+
+        return is_requests_block
 
     def _waiting_head(self) -> Request | None:
         """The first waiting request, skipping siblings whose leader is still scheduling

@@ -42,9 +42,12 @@ class TierWorker(FakeWorker):
             for slot_id, block_id in zip(load.slot_ids, load.block_ids):
                 for offset, token in enumerate(self.host_slots[slot_id]):
                     self.slots[block_id * BLOCK_SIZE + offset] = token
+        # like the real worker, it keeps the requests it forgets for this plan's stores
+        forgotten = {rid: self.state[rid] for rid in plan.finished_request_ids}
         result = super().execute(plan)
         for run in plan.kv_stores:
-            st = self.state[run.request_id]  # the worker must still hold the request
+            st = self.state.get(run.request_id) or forgotten[run.request_id]
+            assert st["blocks"][run.first_block_index:][:len(run.block_ids)] == run.block_ids
             for index, (block_id, block_hash) in enumerate(zip(run.block_ids, run.block_hashes)):
                 position = (run.first_block_index + index) * BLOCK_SIZE
                 tokens = [self.slots[block_id * BLOCK_SIZE + i] for i in range(BLOCK_SIZE)]
@@ -275,6 +278,17 @@ def test_stores_once_per_block_and_never_loaded_ones():
     assert len(worker.stored) == 4 + 1 + 1
 
 
+def test_blocks_completed_by_a_requests_last_overlapped_step_go_with_the_next_plan():
+    scheduler, worker = make_scheduler(kvstore=True), TierWorker(64)
+    scheduler.add_request(request("a", 6, 3, ignore_eos=True))  # block 1: tokens 4-7
+    _, _, plans = run_to_completion(scheduler, worker, depth=2)
+    assert [run.first_block_index for p in plans for run in p.kv_stores] == [0]
+    scheduler.add_request(request("c", 3, 1))
+    _, _, plans = run_to_completion(scheduler, worker, depth=2)
+    assert [(run.request_id, run.first_block_index) for run in plans[0].kv_stores] == [("a", 1)]
+    assert "a" in plans[0].finished_request_ids
+
+
 def test_stores_go_with_the_step_that_computes_them():
     scheduler, worker = make_scheduler(kvstore=True, max_num_batched_tokens=8), TierWorker(64)
     prompt = prompt_tokens(20)
@@ -284,6 +298,19 @@ def test_stores_go_with_the_step_that_computes_them():
     assert (run.request_id, run.first_block_index) == ("a", 0)
     assert run.block_hashes == hashes_of(prompt)[:2]
     assert run.block_ids == plan.new_requests[0].block_ids[:2]
+
+
+def test_block_of_a_preempted_request_readmitted_elsewhere_is_not_stored():
+    scheduler, worker = make_scheduler(kvstore=True), TierWorker(64)
+    scheduler.add_request(request("a", 8, 1, ignore_eos=True))
+    plan, result = first_plan(scheduler, worker)
+    stores = scheduler.kv_tier
+    block_ids = plan.new_requests[0].block_ids
+    block_hash = hashes_of(scheduler.requests["a"].prompt_token_ids)[0]
+    stores.block_cached("a", 0, block_ids[0], block_hash)
+    assert len(stores.take_plan_stores(scheduler._store_target([]))) == 1
+    stores.block_cached("a", 0, block_ids[1], block_hash)  # not a's block 0 at the worker
+    assert stores.take_plan_stores(scheduler._store_target([])) == []
 
 
 def test_evicted_block_is_not_stored():

@@ -1,0 +1,289 @@
+"""The scheduler service with a kvstore, over a real nats-server: the scheduler runs in
+this process; the worker (the policy tests' fake, with a host tier) and the kvstore are
+stand-ins served on the bus, so each test sets what the kvstore answers, or that it
+never answers."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import pytest
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_client import LOOKUP_TIMEOUT_S
+from services.scheduler.prefix_hash import extend_block_hashes
+from services.scheduler.service import SchedulerService
+from shared.bus import Bus
+from shared.messages import (
+    Empty, GenerateRequest, HealthReply, KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply,
+    KvPinRequest, KvReleaseRequest, OutputBatch, SamplingParams, SchedulerStats, StepPlan,
+    StepResult, SubmitReply, WorkerInfo,
+)
+from shared.subjects import Subjects
+from tests.services.scheduler.test_drain_process import start_nats, stop
+from tests.services.scheduler.test_kv_tier import TierWorker
+from tests.services.scheduler.test_scheduler import BLOCK_SIZE, EOS, expected_tokens
+
+pytestmark = pytest.mark.integration
+
+SUBJECTS = Subjects()
+NODE = "n1"
+NAMESPACE = "ns1"
+NUM_BLOCKS = 64
+BLOCK_BYTES = 1000
+MODEL = "m"
+
+
+@pytest.fixture(scope="module")
+def nats_url(tmp_path_factory):
+    process, url = start_nats(tmp_path_factory.mktemp("nats"))
+    yield url
+    stop(process)
+
+
+class Peers:
+    """The worker and the kvstore, served on the bus. ``kvstore``: "answers", "silent"
+    (subscribed, never replies) or "absent" (nobody on its subjects)."""
+
+    def __init__(self, bus: Bus, kvstore: str) -> None:
+        self.bus = bus
+        self.kvstore = kvstore
+        self.worker = TierWorker(NUM_BLOCKS)
+        self.plans: list[StepPlan] = []
+        self.lookups: list[KvLookupRequest] = []
+        self.pins: list[KvPinRequest] = []
+        self.released: list[str] = []
+        self.keepalives: list[str] = []
+        self.outputs: dict[str, list] = {}
+        self.stats: list[SchedulerStats] = []
+        self.held: dict[bytes, list[int]] = {}  # what the kvstore's host tier holds
+        self.store_id = "store-1"
+
+    async def start(self) -> None:
+        bus = self.bus
+        await bus.serve(SUBJECTS.worker_attach("0"), Empty, self.on_attach)
+        await bus.serve(SUBJECTS.worker_step("0"), StepPlan, self.on_step)
+        await bus.serve(SUBJECTS.worker_ping("0"), Empty, self.on_ping)
+        await bus.subscribe("out", OutputBatch, self.on_outputs)
+        await bus.subscribe(SUBJECTS.scheduler_stats, SchedulerStats, self.on_stats)
+        if self.kvstore == "answers":
+            await bus.serve(SUBJECTS.kvstore(NODE, "lookup"), KvLookupRequest, self.on_lookup)
+            await bus.serve(SUBJECTS.kvstore(NODE, "pin"), KvPinRequest, self.on_pin)
+            await bus.serve(SUBJECTS.kvstore(NODE, "release"), KvReleaseRequest, self.on_release)
+            await bus.subscribe(SUBJECTS.kvstore(NODE, "keepalive"), KvKeepAlive, self.on_keepalive)
+        elif self.kvstore == "silent":
+            await bus.subscribe(SUBJECTS.kvstore(NODE, "lookup"), KvLookupRequest, self.on_silent)
+            await bus.subscribe(SUBJECTS.kvstore(NODE, "pin"), KvPinRequest, self.on_silent)
+
+    async def on_attach(self, _: Empty) -> WorkerInfo:
+        return WorkerInfo(worker_id="w1", replica_id="0", model_name=MODEL, num_blocks=NUM_BLOCKS,
+                          block_size=BLOCK_SIZE, max_model_len=512, eos_token_ids=[EOS],
+                          kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES, device="cpu", dtype="float32",
+                          kv_namespace=NAMESPACE, kv_node_id=NODE)
+
+    async def on_step(self, plan: StepPlan) -> StepResult:
+        self.plans.append(plan)
+        result = self.worker.execute(plan)
+        num_loaded = sum(len(load.slot_ids) for load in plan.kv_loads)
+        return StepResult(result.step_id, result.request_ids, result.sampled_token_ids, 0.001,
+                          kv_load_bytes=num_loaded * BLOCK_BYTES,
+                          kv_load_bytes_per_s=1e9 if num_loaded else 0.0)
+
+    async def on_ping(self, _: Empty) -> HealthReply:
+        return HealthReply(service="worker", instance_id="w1", detail={"nats_disconnects": 0})
+
+    async def on_outputs(self, batch: OutputBatch) -> None:
+        for output in batch.outputs:
+            self.outputs.setdefault(output.request_id, []).append(output)
+
+    async def on_stats(self, stats: SchedulerStats) -> None:
+        self.stats.append(stats)
+
+    async def on_lookup(self, request: KvLookupRequest) -> KvLookupReply:
+        self.lookups.append(request)
+        tiers = []
+        for block_hash in request.block_hashes:
+            if block_hash not in self.held:
+                break
+            tiers.append("host")
+        return KvLookupReply(store_id=self.store_id, tiers=tiers)
+
+    async def on_pin(self, request: KvPinRequest) -> KvPinReply:
+        self.pins.append(request)
+        slot_ids, token_ids = [], []
+        for block_hash in request.block_hashes:
+            slot_id = 1000 + len(self.worker.host_slots)
+            self.worker.host_slots[slot_id] = self.held[block_hash]
+            slot_ids.append(slot_id)
+            token_ids.append(self.held[block_hash])
+        return KvPinReply(store_id=self.store_id, slot_ids=slot_ids, token_ids=token_ids,
+                          tiers=["host"] * len(slot_ids))
+
+    async def on_release(self, request: KvReleaseRequest) -> Empty:
+        self.released += request.pin_ids
+        return Empty()
+
+    async def on_keepalive(self, message: KvKeepAlive) -> None:
+        self.keepalives.append(message.owner_id)
+
+    async def on_silent(self, _) -> None:
+        pass
+
+    def hold(self, prompt: list[int]) -> None:
+        """Put the prompt's full blocks in the kvstore's host tier."""
+        block_hashes: list[bytes] = []
+        extend_block_hashes(block_hashes, prompt, len(prompt), BLOCK_SIZE, (f"model:{MODEL}",))
+        for index, block_hash in enumerate(block_hashes):
+            self.held[block_hash] = prompt[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]
+
+
+async def eventually(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+async def running(nats_url: str, kvstore: str, **config):
+    """A scheduler attached to the stand-in worker, and the peers."""
+    peer_bus = await Bus.connect(nats_url, "peers")
+    peers = Peers(peer_bus, kvstore)
+    await peers.start()
+    bus = await Bus.connect(nats_url, "scheduler")
+    service = SchedulerService(SchedulerConfig(instance_id="s1", kv_node_id=NODE,
+                                               stats_interval_s=0.05, **config), bus)
+    await service.start()
+    stop_event = asyncio.Event()
+    task = asyncio.create_task(service.run(stop_event))
+    await eventually(lambda: service.core is not None)
+
+    async def shutdown() -> None:
+        stop_event.set()
+        await task
+        await bus.close()
+        await peer_bus.close()
+
+    return service, peers, shutdown
+
+
+async def submit(bus: Bus, request_id: str, prompt: list[int], max_tokens: int = 3) -> float:
+    """Submit; return the seconds until the scheduler took it."""
+    started = time.monotonic()
+    await bus.request(SUBJECTS.scheduler_submit_to("s1"), GenerateRequest(
+        request_id=request_id, prompt_token_ids=prompt, output_subject="out",
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)), SubmitReply, timeout=5)
+    return time.monotonic() - started
+
+
+def prompt_of(base: int, num: int = 26) -> list[int]:
+    return list(range(base, base + num))
+
+
+def tokens_of(peers: Peers, request_id: str) -> list[int]:
+    return [t for o in peers.outputs.get(request_id, []) for t in o.new_token_ids]
+
+
+@pytest.mark.parametrize("kvstore", ["silent", "absent"])
+async def test_a_kvstore_that_does_not_answer_delays_no_request_past_the_deadline(nats_url, kvstore):
+    service, peers, shutdown = await running(nats_url, kvstore)
+    try:
+        prompts = {f"r{i}": prompt_of(10_000 * (i + 1)) for i in range(6)}
+        waits = await asyncio.gather(*(submit(peers.bus, rid, p) for rid, p in prompts.items()))
+        # concurrent lookups: six requests wait one deadline, not six (and a little more
+        # for a loaded two-core machine)
+        assert max(waits) < LOOKUP_TIMEOUT_S + 0.25, waits
+        for request_id, prompt in prompts.items():
+            await eventually(lambda rid=request_id: len(tokens_of(peers, rid)) == 3)
+            assert tokens_of(peers, request_id) == expected_tokens(request_id, len(prompt), 3)
+        assert all(not plan.kv_loads for plan in peers.plans)
+    finally:
+        await shutdown()
+
+
+async def test_a_host_hit_is_pinned_loaded_and_released(nats_url):
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        prompt = prompt_of(50_000)  # 6 full blocks and 2 tokens
+        peers.hold(prompt)
+        await submit(peers.bus, "a", prompt)
+        await eventually(lambda: len(tokens_of(peers, "a")) == 3)
+        assert tokens_of(peers, "a") == expected_tokens("a", len(prompt), 3)
+        (lookup,) = peers.lookups
+        assert len(lookup.block_hashes) == 6  # the last token's block is never a hit
+        (pin,) = peers.pins
+        loads = [load for plan in peers.plans for load in plan.kv_loads]
+        assert len(loads) == 1 and len(loads[0].slot_ids) == 6
+        assert peers.outputs["a"][0].num_cached_tokens == 24
+        await eventually(lambda: peers.released == [pin.pin_id])
+        await eventually(lambda: peers.stats and peers.stats[-1].num_kv_tier_hits == 24)
+        assert peers.stats[-1].num_kv_tier_hits_by_tier == {"host": 24, "disk": 0}
+        # the tokens computed here went to the kvstore: the 7th block (2 prompt tokens
+        # and 2 outputs), with the next plan (the last step of "a" completed it); the
+        # loaded ones never go back
+        await submit(peers.bus, "next", [1, 2, 3])
+        await eventually(lambda: len(tokens_of(peers, "next")) == 3)
+        stored = [run for plan in peers.plans for run in plan.kv_stores]
+        assert [run.first_block_index for run in stored if run.request_id == "a"] == [6]
+    finally:
+        await shutdown()
+
+
+async def test_a_miss_is_queued_without_a_pin(nats_url):
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        await submit(peers.bus, "b", prompt_of(60_000))
+        await eventually(lambda: len(tokens_of(peers, "b")) == 3)
+        assert len(peers.lookups) == 1 and not peers.pins
+        # a short prompt has no block to look up
+        await submit(peers.bus, "c", [1, 2, 3])
+        await eventually(lambda: len(tokens_of(peers, "c")) == 3)
+        assert len(peers.lookups) == 1
+    finally:
+        await shutdown()
+
+
+async def test_recompute_measured_faster_is_not_pinned(nats_url):
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        speeds = service.tier_speeds
+        speeds.prefill_tokens_per_s, speeds.host_load_bytes_per_s = 1e9, 1e3
+        prompt = prompt_of(70_000)
+        peers.hold(prompt)
+        await submit(peers.bus, "d", prompt)
+        await eventually(lambda: len(tokens_of(peers, "d")) == 3)
+        assert len(peers.lookups) == 1 and not peers.pins
+        assert all(not plan.kv_loads for plan in peers.plans)
+    finally:
+        await shutdown()
+
+
+async def test_keepalives_are_published(nats_url, monkeypatch):
+    from services.scheduler import service as service_module
+    monkeypatch.setattr(service_module, "KEEPALIVE_INTERVAL_S", 0.05)
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        await eventually(lambda: len(peers.keepalives) >= 2)
+        assert set(peers.keepalives) == {"s1"}
+    finally:
+        await shutdown()
+
+
+async def test_a_restarted_kvstore_drops_the_old_pins(nats_url):
+    service, peers, shutdown = await running(nats_url, "answers", max_num_seqs=1)
+    try:
+        first, second = prompt_of(80_000), prompt_of(90_000)
+        peers.hold(first)
+        peers.hold(second)
+        await submit(peers.bus, "long", prompt_of(95_000, 5), max_tokens=40)
+        await submit(peers.bus, "e", first)  # waits behind "long", with a pin of store-1
+        assert service.core.requests["e"].tier_hit.store_id == "store-1"
+        peers.store_id = "store-2"  # the kvstore restarted
+        await submit(peers.bus, "f", second)
+        assert service.core.requests["e"].tier_hit is None
+        assert service.core.requests["f"].tier_hit.store_id == "store-2"
+        await eventually(lambda: len(tokens_of(peers, "f")) == 3, timeout_s=10)
+        assert tokens_of(peers, "e") == expected_tokens("e", len(first), 3)
+    finally:
+        await shutdown()
