@@ -17,7 +17,7 @@ from services.scheduler.prefix_hash import extend_block_hashes
 from services.scheduler.service import SchedulerService
 from shared.bus import Bus
 from shared.messages import (
-    Empty, GenerateRequest, HealthReply, KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply,
+    AbortRequest, Empty, GenerateRequest, HealthReply, KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply,
     KvPinRequest, KvReleaseRequest, OutputBatch, SamplingParams, SchedulerStats, StepPlan,
     StepResult, SubmitReply, WorkerInfo,
 )
@@ -60,6 +60,7 @@ class Peers:
         self.stats: list[SchedulerStats] = []
         self.held: dict[bytes, list[int]] = {}  # what the kvstore's host tier holds
         self.store_id = "store-1"
+        self.pin_delay_s = 0.0
 
     async def start(self) -> None:
         bus = self.bus
@@ -70,7 +71,8 @@ class Peers:
         await bus.subscribe(SUBJECTS.scheduler_stats, SchedulerStats, self.on_stats)
         if self.kvstore == "answers":
             await bus.serve(SUBJECTS.kvstore(NODE, "lookup"), KvLookupRequest, self.on_lookup)
-            await bus.serve(SUBJECTS.kvstore(NODE, "pin"), KvPinRequest, self.on_pin)
+            await bus.serve(SUBJECTS.kvstore(NODE, "pin"), KvPinRequest, self.on_pin,
+                            concurrent=True)
             await bus.serve(SUBJECTS.kvstore(NODE, "release"), KvReleaseRequest, self.on_release)
             await bus.subscribe(SUBJECTS.kvstore(NODE, "keepalive"), KvKeepAlive, self.on_keepalive)
         elif self.kvstore == "silent":
@@ -112,6 +114,7 @@ class Peers:
 
     async def on_pin(self, request: KvPinRequest) -> KvPinReply:
         self.pins.append(request)
+        await asyncio.sleep(self.pin_delay_s)
         slot_ids, token_ids = [], []
         for block_hash in request.block_hashes:
             slot_id = 1000 + len(self.worker.host_slots)
@@ -285,5 +288,38 @@ async def test_a_restarted_kvstore_drops_the_old_pins(nats_url):
         assert service.core.requests["f"].tier_hit.store_id == "store-2"
         await eventually(lambda: len(tokens_of(peers, "f")) == 3, timeout_s=10)
         assert tokens_of(peers, "e") == expected_tokens("e", len(first), 3)
+    finally:
+        await shutdown()
+
+
+async def test_an_abort_during_the_lookup_releases_the_pin_and_runs_nothing(nats_url):
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        prompt = prompt_of(100_000)
+        peers.hold(prompt)
+        peers.pin_delay_s = 0.1
+        submitted = asyncio.create_task(submit(peers.bus, "g", prompt))
+        await eventually(lambda: peers.pins)
+        await peers.bus.request(SUBJECTS.scheduler_abort("s1"), AbortRequest(request_ids=["g"]),
+                                Empty)
+        await submitted
+        await eventually(lambda: peers.released == [peers.pins[0].pin_id])
+        assert "g" not in service.core.requests and not peers.plans
+    finally:
+        await shutdown()
+
+
+async def test_a_pin_past_its_deadline_is_a_miss_and_let_go(nats_url):
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        prompt = prompt_of(110_000)
+        peers.hold(prompt)
+        peers.pin_delay_s = 2.0  # past PIN_TIMEOUT_S
+        took = await submit(peers.bus, "h", prompt)
+        assert took < 1.5
+        await eventually(lambda: len(tokens_of(peers, "h")) == 3)
+        assert tokens_of(peers, "h") == expected_tokens("h", len(prompt), 3)
+        assert all(not plan.kv_loads for plan in peers.plans)
+        await eventually(lambda: peers.released == [peers.pins[0].pin_id])
     finally:
         await shutdown()
