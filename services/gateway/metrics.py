@@ -54,6 +54,9 @@ class GatewayMetrics:
                                       "Prompt tokens looked up in the prefix cache", labels, registry=r)
         self.prefix_hits = Counter("flotilla_prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache", labels, registry=r)
+        self.kv_tier_hits = Counter("flotilla_prefix_cache_tier_hits",
+                                    "Prompt tokens loaded from the kvstore's tiers instead of "
+                                    "computed", labels, registry=r)
         self.worker_busy = Counter("flotilla_worker_busy_seconds",
                                    "Time the worker spent computing steps", labels, registry=r)
         self.worker_idle_ratio = Gauge(
@@ -80,6 +83,7 @@ class GatewayMetrics:
         for counter, field in ((self.preemptions, "num_preemptions"),
                                (self.prefix_queries, "num_prefix_queries"),
                                (self.prefix_hits, "num_prefix_hits"),
+                               (self.kv_tier_hits, "num_kv_tier_hits"),
                                (self.worker_busy, "worker_busy_s")):
             value = getattr(stats, field)
             before = getattr(last, field) if last is not None else 0
