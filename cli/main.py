@@ -40,6 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "many decode-only steps' time (default 0: off)")
     serve.add_argument("--max-steps-in-flight", default=None,
                        help="steps each scheduler sends ahead to its worker (default 2)")
+    kv = serve.add_argument_group("kvstore", "the node's KV tiers below the worker's cache "
+                                  "(docs/kvstore.md)")
+    kv.add_argument("--no-kvstore", action="store_true",
+                    help="run without the kvstore (no host-RAM or disk tier)")
+    kv.add_argument("--kv-host-memory", default=None,
+                    help="host-RAM tier size, e.g. 8GiB (default 4GiB; shared memory, taken "
+                    "as it fills)")
+    kv.add_argument("--kv-disk-dir", default=None,
+                    help="directory of the disk tier (default: no disk tier)")
+    kv.add_argument("--kv-disk-size", default=None, help="disk tier size (default 16GiB)")
+    kv.add_argument("--kv-node-id", default="local",
+                    help="this node's kvstore id (workers and schedulers use it)")
     serve.add_argument("--cache-dir", default="~/.cache/flotilla", help="converted-model cache")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--log-dir", type=Path, default=None,
@@ -53,20 +65,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Start the stack, restart any child that exits (give up, exit 1, when one keeps
-    crashing), and stop it in order on the first Ctrl-C/SIGTERM; the second kills it."""
+def serve_options(args: argparse.Namespace) -> StackOptions:
+    """The stack ``flotilla serve`` runs, from its flags."""
     service_args = engine_service_args(args)
     service_args["scheduler"] += flags(scheduling_policy=args.scheduling_policy,
                                        chunk_step_ratio=args.chunk_step_ratio,
                                        max_steps_in_flight=args.max_steps_in_flight)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
     service_args["gateway"] = flags(api_key=args.api_key)
-    options = StackOptions(
+    service_args["kvstore"] = flags(kv_host_memory=args.kv_host_memory,
+                                    kv_disk_dir=args.kv_disk_dir, kv_disk_size=args.kv_disk_size)
+    return StackOptions(
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         namespace=args.namespace, cache_dir=args.cache_dir, log_level=args.log_level,
         replicas=args.replicas, log_dir=args.log_dir, service_args=service_args, supervise=True,
-        shutdown_timeout_s=args.shutdown_timeout)
+        shutdown_timeout_s=args.shutdown_timeout, kvstore=not args.no_kvstore,
+        kv_node_id=args.kv_node_id)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Start the stack, restart any child that exits (give up, exit 1, when one keeps
+    crashing), and stop it in order on the first Ctrl-C/SIGTERM; the second kills it."""
+    options = serve_options(args)
     stack = Stack(options)
     stopping = threading.Event()
     started = False

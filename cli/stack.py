@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import IO
 
 REPLICATED = ("worker", "scheduler")  # one pair per model replica
-STOP_ORDER = ("gateway", "scheduler", "worker")  # then the rest (tokenizer), then nats
+STOP_ORDER = ("gateway", "scheduler", "worker")  # then the rest (tokenizer), then LAST, then nats
+LAST_TO_STOP = "kvstore"  # after the workers that map its arenas; it finishes its disk writes
 SHUTDOWN_FLAGS = ("--shutdown-timeout", "--shutdown-timeout-s")  # the first one a service takes
 TAIL_LINES = 20  # of a child's output, shown when it is given up on
 _PR_SET_PDEATHSIG = 1
@@ -97,6 +98,10 @@ class StackOptions:
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     # Given to each service whose flags include --shutdown-timeout (its drain on SIGTERM).
     shutdown_timeout_s: float | None = None
+    # The node's kvstore (docs/kvstore.md): started before the workers; every worker and
+    # scheduler gets --kv-node-id. Its own flags go in service_args["kvstore"].
+    kvstore: bool = True
+    kv_node_id: str = "local"
 
 
 def _die_with_parent() -> None:
@@ -256,7 +261,7 @@ class Stack:
 
     def service_names(self) -> list[str]:
         """'worker' and 'scheduler' for replica 0, 'worker-1', 'scheduler-1', ... after."""
-        names = ["tokenizer"]
+        names = ["tokenizer"] + (["kvstore"] if self.options.kvstore else [])
         for replica_id in range(self.options.replicas):
             names += [f"{kind}-{replica_id}" if replica_id else kind for kind in REPLICATED]
         return names + ["gateway"]
@@ -273,6 +278,10 @@ class Stack:
             command += ["--num-threads", str(max(1, (os.cpu_count() or 1) // o.replicas))]
         if kind == "gateway":
             command += ["--host", o.host, "--port", str(o.port)]
+        if kind == "kvstore":
+            command += ["--node-id", o.kv_node_id]
+        if kind in REPLICATED and o.kvstore and "--kv-node-id" in service_flags(kind):
+            command += ["--kv-node-id", o.kv_node_id]
         drain = next((flag for flag in SHUTDOWN_FLAGS if flag in service_flags(kind)), None)
         if o.shutdown_timeout_s is not None and drain:  # services that drain on SIGTERM
             command += [drain, f"{o.shutdown_timeout_s:g}"]
@@ -448,7 +457,8 @@ class Stack:
         tiers = [[p for n, p in self.processes.items() if n.partition("-")[0] == kind]
                  for kind in STOP_ORDER]
         tiers.append([p for n, p in self.processes.items()
-                      if n.partition("-")[0] not in STOP_ORDER])
+                      if n.partition("-")[0] not in (*STOP_ORDER, LAST_TO_STOP)])
+        tiers.append([p for n, p in self.processes.items() if n == LAST_TO_STOP])
         return tiers + [[self._nats] if self._nats is not None else []]
 
     def kill(self) -> None:

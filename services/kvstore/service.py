@@ -15,6 +15,7 @@ on meanwhile); each other verb in order. Block events are batched every
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import tempfile
 import time
@@ -56,12 +57,32 @@ def shm_dir(config: KvStoreConfig) -> Path:
     return fallback
 
 
+def lock_arena(path: Path) -> int:
+    """Hold a shared lock on our arena file for as long as we live (the kernel drops it
+    when we die, kill -9 included): how a later kvstore tells a dead one's file."""
+    fd = os.open(path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
 def remove_stale_arenas(directory: Path, node_id: str) -> int:
-    """Arena files of earlier kvstores of this node (a kill -9 leaves them behind)."""
-    stale = list(directory.glob(f"{ARENA_PREFIX}{node_id}-*"))
-    for path in stale:
+    """Remove the arena files of dead kvstores of this node (a kill -9 leaves them behind);
+    a live one's (another stack on this machine, a test) is locked and kept."""
+    removed = 0
+    for path in directory.glob(f"{ARENA_PREFIX}{node_id}-*"):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its kvstore lives
+        finally:
+            os.close(fd)
         path.unlink(missing_ok=True)
-    return len(stale)
+        removed += 1
+    return removed
 
 
 class KvStoreService:
@@ -80,6 +101,7 @@ class KvStoreService:
         self.writer = DiskWriter(disk, config.kv_disk_queue) if disk is not None else None
         self.disk_read_speed = RateMeter()
         self._loop = asyncio.get_running_loop()
+        self._arena_locks: list[int] = []  # file descriptors, locked until we exit
         self.log = log.bind(node_id=config.node_id, store_id=self.store_id)
 
     def _subject(self, verb: str) -> str:
@@ -151,6 +173,7 @@ class KvStoreService:
         path = self.arena_dir / f"{ARENA_PREFIX}{self.config.node_id}-{name}-{self.store_id}"
         arena = await asyncio.to_thread(KvArena.create, path, num_slots, slot_nbytes,
                                         self.store_id)
+        self._arena_locks.append(lock_arena(path))
         ns = Namespace(name, slot_nbytes, arena, self.store.new_host_tier(num_slots))
         self.store.add_namespace(ns)
         disk_blocks = self.store.disk.count_namespace(name) if self.store.disk else 0

@@ -161,9 +161,10 @@ def wait_ready(stack: FakeStack, names: list[str]) -> None:
     raise TimeoutError("stand-in services did not start")
 
 
-def test_stop_goes_gateway_first_then_schedulers_workers_tokenizer(tmp_path):
+def test_stop_goes_gateway_first_then_schedulers_workers_tokenizer_kvstore(tmp_path):
     stack = FakeStack(tmp_path, {}, log_dir=tmp_path, replicas=2)
     names = stack.service_names()
+    assert names.index("kvstore") < names.index("worker")  # started before the workers
     for name in names:
         stack.start_service(name)
     wait_ready(stack, names)
@@ -171,7 +172,7 @@ def test_stop_goes_gateway_first_then_schedulers_workers_tokenizer(tmp_path):
     order = stack.marks.read_text().split()  # one group at a time, any order inside one
     assert sorted(order) == sorted(names)
     assert [name.partition("-")[0] for name in order] == [
-        "gateway", "scheduler", "scheduler", "worker", "worker", "tokenizer"]
+        "gateway", "scheduler", "scheduler", "worker", "worker", "tokenizer", "kvstore"]
 
 
 def test_kill_ends_a_stop_at_once(tmp_path):
