@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, num_blocks_for
@@ -322,7 +323,7 @@ class Scheduler:
 
         self.kv_tier.load(hit, used, block_ids, self._next_step_id, block_content)
 
-    def _store_target(self, forget_ids: list[str]):
+    def _store_target(self, forget_ids: list[str]) -> Callable[[str, int, int], bool]:
         """Whether the worker, running the plan that forgets ``forget_ids``, finds block
         ``block_id`` at ``index`` of a request: it holds the running ones, and the ones it
         forgets until that plan's stores are made."""

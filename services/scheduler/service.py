@@ -195,13 +195,16 @@ class SchedulerService:
                 self._looking_up.difference_update(request_ids)
         aborted = not self._aborted_while_looking_up.isdisjoint(request_ids)
         self._aborted_while_looking_up.difference_update(request_ids)
-        if hit is not None and (hit.store_id != kv.store_id or self.core is not core or aborted):
+        if hit is not None and (hit.store_id != kv.store_id or self.core is not core or aborted
+                                or self.draining):
             await kv.release([hit.pin_id])
             hit = None
         if aborted:
             return
-        if self.core is not core:
-            raise ServiceUnavailable("the worker was re-attached while the request arrived")
+        if self.core is not core or self.draining:
+            raise ServiceUnavailable("the scheduler re-attached its worker or began draining "
+                                     "while the request arrived", code="draining"
+                                     if self.draining else None)
         self._drop_stale_hits(core)
         try:
             core.add_request(request, tier_hit=hit, arrival_seq=seq,

@@ -6,7 +6,6 @@ never answers."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 
 import pytest
