@@ -97,6 +97,9 @@ class KvOffload:
 
     # ------------------------------------------------------------ a step (forward thread)
     def load(self, loads: Sequence[KvLoad]) -> LoadTiming:
+        if not self.tiers.arena_is_current():
+            raise ValueError("the kvstore's arena was replaced (the kvstore restarted): loads "
+                             "are refused until the worker re-attaches to it")
         slot_ids = [slot_id for load in loads for slot_id in load.slot_ids]
         block_ids = [block_id for load in loads for block_id in load.block_ids]
         timing = self.tiers.load(slot_ids, block_ids)
@@ -189,6 +192,10 @@ class KvOffload:
                 batch.returned_slot_ids.append(slot_id)
                 self.num_skipped += 1
             batch.token_ids.append(token_ids)
+
+    @property
+    def has_commits(self) -> bool:
+        return bool(self._commits)
 
     def take_commits(self) -> list[Commit]:
         """Commits ready to publish (any thread)."""

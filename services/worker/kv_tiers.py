@@ -20,6 +20,7 @@ one memcpy per run of consecutive slots and the scatter/gather of blocks stays o
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -95,7 +96,7 @@ class StoreCopy:
 class KvTiers:
     """The copies between one KV cache and one mapped arena."""
 
-    def __init__(self, kv_cache: torch.Tensor, arena: KvArena,
+    def __init__(self, kv_cache: torch.Tensor, arena: KvArena, arena_inode: int | None = None,
                  max_staging_bytes: int = MAX_STAGING_BYTES) -> None:
         self.kv_cache = kv_cache
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], a view of the cache
@@ -107,6 +108,9 @@ class KvTiers:
                              f"{self.slot_nbytes}: another layout")
         self.arena = arena
         self.num_slots = arena.num_slots
+        # the file mapped (a kvstore that restarts replaces it: another inode, other slots;
+        # the old inode lives on while mapped, so a new file never has its number)
+        self.arena_inode = arena_inode if arena_inode is not None else os.stat(arena.path).st_ino
         # [num_slots, num_layers, 2, block_size, num_kv_heads, head_dim] on the mapped file
         self.slots = torch.from_numpy(arena.slots()).view(kv_cache.dtype) \
             .view(arena.num_slots, *self.slot_shape)
@@ -115,14 +119,24 @@ class KvTiers:
         self.pending: deque[StoreCopy] = deque()  # in copy order (the copy stream is FIFO)
         self._copy_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
-            self.pinned = _register(self.slots)
-            self._copy_stream = torch.cuda.Stream(self.device)
-            self.staging_blocks = max(1, max_staging_bytes // self.slot_nbytes)
-            shape = (self.staging_blocks, *self.slot_shape)
-            self._load_staging = torch.empty(shape, dtype=kv_cache.dtype, device=self.device)
-            with torch.cuda.stream(self._copy_stream):  # used on the copy stream only
-                self._store_staging = torch.empty(shape, dtype=kv_cache.dtype,
-                                                  device=self.device)
+            with torch.cuda.device(self.device):  # maybe built on another thread
+                self.pinned = _register(self.slots)
+                self._copy_stream = torch.cuda.Stream(self.device)
+                self.staging_blocks = max(1, max_staging_bytes // self.slot_nbytes)
+                shape = (self.staging_blocks, *self.slot_shape)
+                self._load_staging = torch.empty(shape, dtype=kv_cache.dtype,
+                                                 device=self.device)
+                with torch.cuda.stream(self._copy_stream):  # used on the copy stream only
+                    self._store_staging = torch.empty(shape, dtype=kv_cache.dtype,
+                                                      device=self.device)
+
+    def arena_is_current(self) -> bool:
+        """The mapped file is still the kvstore's arena (not replaced by a restarted one,
+        whose slot ids would name other bytes here)."""
+        try:
+            return os.stat(self.arena.path).st_ino == self.arena_inode
+        except OSError:
+            return False
 
     # ------------------------------------------------------------ loads
     def load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> LoadTiming:
@@ -227,7 +241,10 @@ class KvTiers:
             torch.cuda.cudart().cudaHostUnregister(self.slots.data_ptr())
             self.pinned = False
         self.slots = None
-        self.arena.close()
+        try:
+            self.arena.close()
+        except BufferError:  # a view of the slots is still alive: the mapping goes with it
+            log.warning("kv_arena_still_referenced", path=str(self.arena.path))
 
     def _check_ids(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> None:
         bad_slots = [s for s in slot_ids if not 0 <= s < self.num_slots]
@@ -235,6 +252,18 @@ class KvTiers:
         if bad_slots or bad_blocks:
             raise ValueError(f"kv copy: slots {bad_slots} outside [0, {self.num_slots}) or "
                              f"blocks {bad_blocks} outside [0, {self.blocks.shape[0]})")
+
+
+def attach_arena(path: str | os.PathLike) -> tuple[KvArena, int]:
+    """Map the arena file at ``path``: (arena, the inode mapped), checked unchanged around
+    the mapping."""
+    for _ in range(3):
+        inode = os.stat(path).st_ino
+        arena = KvArena.attach(path)
+        if os.stat(path).st_ino == inode:
+            return arena, inode
+        arena.close()
+    raise ValueError(f"the arena {path} keeps being replaced")
 
 
 def _device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
