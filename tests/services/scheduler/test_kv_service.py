@@ -60,6 +60,7 @@ class Peers:
         self.held: dict[bytes, list[int]] = {}  # what the kvstore's host tier holds
         self.store_id = "store-1"
         self.pin_delay_s = 0.0
+        self.lookup_delay_s = 0.0
 
     async def start(self) -> None:
         bus = self.bus
@@ -104,6 +105,7 @@ class Peers:
 
     async def on_lookup(self, request: KvLookupRequest) -> KvLookupReply:
         self.lookups.append(request)
+        await asyncio.sleep(self.lookup_delay_s)
         tiers = []
         for block_hash in request.block_hashes:
             if block_hash not in self.held:
@@ -320,5 +322,19 @@ async def test_a_pin_past_its_deadline_is_a_miss_and_let_go(nats_url):
         assert tokens_of(peers, "h") == expected_tokens("h", len(prompt), 3)
         assert all(not plan.kv_loads for plan in peers.plans)
         await eventually(lambda: peers.released == [peers.pins[0].pin_id])
+    finally:
+        await shutdown()
+
+
+async def test_a_request_keeps_its_place_in_line_through_its_lookup(nats_url):
+    service, peers, shutdown = await running(nats_url, "answers", max_num_seqs=1)
+    try:
+        await submit(peers.bus, "long", prompt_of(120_000, 5), max_tokens=60)
+        peers.lookup_delay_s = 0.03
+        first = asyncio.create_task(submit(peers.bus, "first", prompt_of(130_000)))
+        await eventually(lambda: len(peers.lookups) == 2)  # "long"'s, then "first"'s
+        await submit(peers.bus, "second", [1, 2, 3])  # nothing to look up: queued at once
+        await first
+        assert [r.request_id for r in service.core.waiting] == ["first", "second"]
     finally:
         await shutdown()
