@@ -316,10 +316,10 @@ class Scheduler:
         hit, req.tier_hit = req.tier_hit, None
         if hit is None:
             return
-        block_size = self.block_manager.block_size
+        block_size, token_ids = self.block_manager.block_size, req.all_token_ids
 
         def block_content(index: int) -> tuple[bytes, list[int]]:
-            return req.block_hashes[index], req.all_token_ids[index * block_size:(index + 1) * block_size]
+            return req.block_hashes[index], token_ids[index * block_size:(index + 1) * block_size]
 
         self.kv_tier.load(hit, used, block_ids, self._next_step_id, block_content)
 
@@ -384,14 +384,16 @@ class Scheduler:
             return
         block_size = self.block_manager.block_size
         num_ready = min(req.num_computed_tokens, req.num_tokens)
-        extend_block_hashes(req.block_hashes, req.all_token_ids, num_ready, block_size,
-                            req.extra_keys)
         num_full = min(num_ready // block_size, len(req.block_table))
+        if num_full <= req.num_registered_blocks:
+            return  # most decode steps: no block filled
+        token_ids = req.all_token_ids
+        extend_block_hashes(req.block_hashes, token_ids, num_ready, block_size, req.extra_keys)
         for index in range(req.num_registered_blocks, num_full):
             start = index * block_size
             block_id, block_hash = req.block_table[index], req.block_hashes[index]
             if self.block_manager.cache_block(block_id, block_hash,
-                                              req.all_token_ids[start:start + block_size]):
+                                              token_ids[start:start + block_size]):
                 self.kv_tier.block_cached(req.request_id, index, block_id, block_hash)
         req.num_registered_blocks = max(req.num_registered_blocks, num_full)
 
