@@ -74,3 +74,15 @@ class ServiceUnavailable(FlotillaError):
 
     status = 503
     type = "service_unavailable"
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> list[int]:
+    """A client's token ids, each inside the vocabulary; else a 400 naming the first that
+    is not. An empty list is refused: nothing to run."""
+    if not token_ids:
+        raise InvalidRequest("the prompt is empty: it encodes to no tokens", param=param)
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise InvalidRequest(f"token id {bad} is out of range: the vocabulary has "
+                             f"{vocab_size} tokens", param=param)
+    return list(token_ids)

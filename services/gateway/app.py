@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -35,7 +34,7 @@ from services.gateway.streams import Delta
 from services.gateway.structured import response_format_spec
 from services.gateway.tool_calls import plan_tools
 from shared.bus import Bus
-from shared.errors import FlotillaError, InvalidRequest, NotFound
+from shared.errors import FlotillaError, InvalidRequest, NotFound, check_token_ids
 from shared.messages import EncodeRequest, SamplingParams
 from shared.models import resolve_model
 
@@ -121,7 +120,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         submissions, choices = [], []
         # choice index: prompt index x sequences per prompt + i
         for prompt in req.prompts_or_document_start(info.document_start_token_id):
-            prompt_ids = await service().encode(EncodeRequest(prompt=prompt))
+            # token ids are checked here: a round trip to the tokenizer would only copy them
+            prompt_ids = check_token_ids(prompt, info.vocab_size, "prompt") \
+                if isinstance(prompt, list) else await service().encode(EncodeRequest(prompt=prompt))
             max_tokens = resolve_max_tokens(req.max_tokens, len(prompt_ids), info.max_model_len)
             submissions.append((prompt_ids, req.sampling_params(
                 max_tokens, info.vocab_size, defaults=info.generation_defaults,

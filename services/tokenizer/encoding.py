@@ -14,7 +14,7 @@ import jinja2
 import msgspec
 from transformers import AutoTokenizer
 
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, check_token_ids
 from shared.messages import ChatMessage, DecodeRequest, EncodeRequest, TokenizerInfo
 from shared.models import read_eos_token_ids, read_generation_defaults
 
@@ -124,12 +124,9 @@ class TextCodec:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _checked_ids(self, token_ids: list[int], param: str) -> list[int]:
-        for token_id in token_ids:
-            if not 0 <= token_id < self.vocab_size:
-                raise InvalidRequest(
-                    f"token id {token_id} is out of range: the vocabulary has "
-                    f"{self.vocab_size} tokens", param=param)
-        return list(token_ids)
+        if not token_ids:
+            return []  # the caller says what an empty list means
+        return check_token_ids(token_ids, self.vocab_size, param)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -82,3 +82,14 @@ def test_the_stack_still_serves_after_bad_input(http, model_name):
                                                   "max_tokens": 3, "temperature": 0})
     assert response.status_code == 200
     assert response.json()["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("prompt,bad_id", [([1, 2, 49152], 49152), ([[5, 6], [7, 70000]], 70000)])
+def test_token_ids_outside_the_vocabulary_are_400(http, model_name, prompt, bad_id):
+    response = http.post("/v1/completions", json={"model": model_name, "prompt": prompt,
+                                                  "max_tokens": 2})
+    error = assert_error(response, 400, "prompt")
+    assert f"token id {bad_id} is out of range" in error["message"]
+    ok = http.post("/v1/completions", json={"model": model_name, "prompt": [1, 2, 49151],
+                                            "max_tokens": 2, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] == 3
