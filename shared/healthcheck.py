@@ -15,6 +15,8 @@ What each check asks:
   while a step runs, once its model is loaded.
 - scheduler: waits for this replica's stats heartbeat (``{ns}.v1.evt.scheduler.stats``,
   every 0.5 s); ready once it reports its worker attached; ``--live``: any heartbeat.
+- kvstore: ``{ns}.v1.kvstore.{node}.health``, answered by this node's kvstore
+  (``--node-id`` / ``FLOTILLA_NODE_ID``, as the kvstore itself reads it).
 - tokenizer: ``{ns}.v1.tokenizer.health``. The tokenizer has no per-instance subject,
   so any replica may answer: this checks the tier, not necessarily this container.
 """
@@ -35,7 +37,7 @@ from shared.config import ServiceConfig, load_config
 from shared.messages import Empty, HealthReply, SchedulerStats, decode, encode
 from shared.subjects import Subjects
 
-SERVICES = ("gateway", "tokenizer", "scheduler", "worker")
+SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "kvstore")
 ERROR_HEADER = "Flotilla-Error"  # shared.bus.ERROR_HEADER (not imported: keep the probe light)
 
 
@@ -43,6 +45,7 @@ class HealthcheckConfig(ServiceConfig, frozen=True, kw_only=True):
     """flotilla health probe: exits 0 when the service answers, 1 when it does not."""
 
     replica_id: str = "0"  # scheduler and worker: the replica to check
+    node_id: str = "local"  # kvstore: the node whose kvstore to check (FLOTILLA_NODE_ID, as its own)
     host: str = "0.0.0.0"  # gateway: where it listens (0.0.0.0 is checked on loopback)
     port: int = 8000  # gateway: its HTTP port
     live: bool = False  # liveness only: the process serves, whether or not it is ready
@@ -50,6 +53,7 @@ class HealthcheckConfig(ServiceConfig, frozen=True, kw_only=True):
 
     __help__ = {
         "replica_id": "replica to check (scheduler, worker)",
+        "node_id": "node whose kvstore to check (kvstore)",
         "host": "gateway listen address",
         "port": "gateway HTTP port",
         "live": "check liveness only, not readiness",
@@ -130,8 +134,12 @@ async def _check_over_nats(service: str, config: HealthcheckConfig) -> str:
         subjects = Subjects(config.namespace)
         if service == "scheduler":
             return await _check_scheduler(nc, subjects, config)
-        subject = (subjects.worker_ping(config.replica_id) if service == "worker"
-                   else subjects.health(service))
+        if service == "worker":
+            subject = subjects.worker_ping(config.replica_id)
+        elif service == "kvstore":
+            subject = subjects.kvstore(config.node_id, "health")
+        else:
+            subject = subjects.health(service)
         return await _request_health(nc, subject, config.timeout_s)
     finally:
         await nc.close()

@@ -71,8 +71,10 @@ class Subjects:
     # kvstore: one per node, addressed by node id; the worker and scheduler of a replica use
     # the worker's node's
     def kvstore(self, node_id: str, verb: str) -> str:
-        """verbs: attach, reserve, commit, lookup, pin, release, stats, keepalive"""
-        return self._addressed("kvstore", node_id, verb)
+        """verbs: attach, reserve, commit, lookup, pin, release, stats, keepalive, health.
+        A node id may be a Kubernetes node name: its dots (subject token separators)
+        become underscores, on every side alike."""
+        return self._addressed("kvstore", node_id.replace(".", "_"), verb)
 
     # health of any service (one replica answers)
     def health(self, service: str) -> str:

@@ -6,8 +6,9 @@ import re
 
 from shared.config import ServiceConfig, parse_size
 
-# A node id is one NATS subject token and part of the arena's file name.
-_NODE_ID = re.compile(r"^[A-Za-z0-9_-]+$")
+# A node id names the arena files and (dots made underscores) a NATS subject token; a
+# Kubernetes node name is one.
+_NODE_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 class KvStoreConfig(ServiceConfig, frozen=True, kw_only=True):
@@ -46,7 +47,7 @@ class KvStoreConfig(ServiceConfig, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if not _NODE_ID.match(self.node_id):
-            raise ValueError(f"node_id must be letters, digits, '-' or '_', not {self.node_id!r}")
+            raise ValueError(f"node_id must be letters, digits, '-', '_' or '.', not {self.node_id!r}")
         for name in ("kv_host_memory", "kv_disk_size"):
             parse_size(getattr(self, name))  # raises ValueError on a bad size
         for name in ("max_pinned_fraction", "max_reserved_fraction"):

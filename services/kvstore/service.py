@@ -117,6 +117,7 @@ class KvStoreService:
         await serve(s("release"), KvReleaseRequest, self._on_release)
         await serve(s("stats"), Empty, self._on_stats)
         await self.bus.subscribe(s("keepalive"), KvKeepAlive, self._on_keepalive)
+        await serve(s("health"), Empty, self._on_health)  # this node's (its probe)
         await serve(self.subjects.health("kvstore"), Empty, self._on_health,
                     queue=self.subjects.queue_group("kvstore"))
 

@@ -87,7 +87,7 @@ def test_defaults_run_every_service_with_real_probes(rendered):
     assert set(workloads) == set(SERVICES)
     kinds = {name: w["kind"] for name, w in workloads.items()}
     assert kinds == {"gateway": "Deployment", "tokenizer": "Deployment",
-                     "scheduler": "StatefulSet", "worker": "StatefulSet"}
+                     "scheduler": "StatefulSet", "worker": "StatefulSet", "kvstore": "DaemonSet"}
     for name, workload in workloads.items():
         c = container(workload)
         assert c["name"] == name
@@ -243,7 +243,7 @@ def test_model_volume_cache_autoscaling_monitoring_and_overrides(rendered):
 
 def test_disabled_services_are_not_rendered():
     workloads = flotilla_workloads(helm_template({"gateway": {"enabled": False}}))
-    assert set(workloads) == {"tokenizer", "scheduler", "worker"}
+    assert set(workloads) == {"tokenizer", "scheduler", "worker", "kvstore"}
 
 
 # ------------------------------------------------------------------ failures
@@ -275,3 +275,41 @@ def test_render_command_for_developers_without_the_helm_cli(capsys, tmp_path):
     assert main(["--set", "model.name="]) == 1
     assert "flotilla: set model.name" in capsys.readouterr().err
     assert main(["--lint"]) == 0
+
+
+# ------------------------------------------------------------------ kvstore
+def test_kvstore_runs_on_every_node_and_shares_its_shm_with_the_workers(rendered):
+    workloads = flotilla_workloads(rendered["defaults"])
+    kvstore, worker = workloads["kvstore"], workloads["worker"]
+    assert kvstore["kind"] == "DaemonSet" and "replicas" not in kvstore["spec"]
+    node_name = {"valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
+    assert env(kvstore)["FLOTILLA_NODE_ID"] == node_name
+    assert env(worker)["FLOTILLA_KV_NODE_ID"] == env(workloads["scheduler"])["FLOTILLA_KV_NODE_ID"] == node_name
+    assert env(kvstore)["FLOTILLA_KV_SHM_DIR"] == {"value": "/kv-shm"}
+    assert env(kvstore)["FLOTILLA_KV_HOST_MEMORY"] == {"value": "4GiB"}
+    assert env(kvstore)["FLOTILLA_KV_DISK_DIR"] == {"value": ""}  # no disk tier by default
+    for workload in (kvstore, worker):
+        mounts = {m["name"]: m["mountPath"] for m in container(workload)["volumeMounts"]}
+        volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
+        assert mounts["kv-shm"] == "/kv-shm"
+        assert volumes["kv-shm"]["hostPath"] == {"path": "/dev/shm", "type": "Directory"}
+    for name in ("gateway", "tokenizer", "scheduler"):
+        assert "kv-shm" not in str(workloads[name]["spec"]["template"]["spec"]["volumes"])
+    assert probe_command(container(kvstore)["readinessProbe"]) == HEALTHCHECK + ["kvstore"]
+    assert container(kvstore)["ports"] == [{"name": "metrics", "containerPort": 9464,
+                                            "protocol": "TCP"}]
+
+
+def test_kvstore_disk_tier_and_off():
+    on = flotilla_workloads(helm_template({"kvstore": {"hostMemory": "32GiB", "disk": {
+        "enabled": True, "size": "500GiB",
+        "volume": {"hostPath": {"path": "/mnt/nvme/kv", "type": "Directory"}}}}}))["kvstore"]
+    assert env(on)["FLOTILLA_KV_DISK_DIR"] == {"value": "/kv-disk"}
+    assert env(on)["FLOTILLA_KV_DISK_SIZE"] == {"value": "500GiB"}
+    assert env(on)["FLOTILLA_KV_HOST_MEMORY"] == {"value": "32GiB"}
+    volumes = {v["name"]: v for v in on["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["kv-disk"]["hostPath"]["path"] == "/mnt/nvme/kv"
+    off = flotilla_workloads(helm_template({"kvstore": {"enabled": False}}))
+    assert "kvstore" not in off
+    assert "FLOTILLA_KV_NODE_ID" not in env(off["worker"])
+    assert "kv-shm" not in str(off["worker"])

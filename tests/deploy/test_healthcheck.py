@@ -164,6 +164,28 @@ def test_service_comes_from_pid1_when_not_given(tmp_path):
 
 
 def test_wrong_usage_exits_2(tmp_path, capsys):
-    assert main(["kvstore"], proc_root=tmp_path) == 2
+    assert main(["router"], proc_root=tmp_path) == 2
     assert main([], proc_root=Path(tmp_path)) == 2  # no service given and none as PID 1
-    assert "give one of gateway, tokenizer, scheduler, worker" in capsys.readouterr().err
+    assert "give one of gateway, tokenizer, scheduler, worker, kvstore" in capsys.readouterr().err
+
+
+def test_kvstore_probe_asks_this_nodes_kvstore(nats_url, tmp_path):
+    """The probe reads the node id as the kvstore does (FLOTILLA_NODE_ID); a Kubernetes
+    node name (dots) works on both sides."""
+    node = "ip-10-0-0-7.ec2.internal"
+    assert probe("kvstore", "--timeout-s", "1", nats_url=nats_url,
+                 FLOTILLA_NODE_ID=node).returncode == 1
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FLOTILLA_")}
+    environ |= {"FLOTILLA_NATS_URL": nats_url, "FLOTILLA_NAMESPACE": NAMESPACE,
+                "FLOTILLA_NODE_ID": node, "FLOTILLA_KV_SHM_DIR": str(tmp_path)}
+    kvstore = subprocess.Popen([sys.executable, "-m", "services.kvstore"], env=environ, cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ok = eventually_ok("kvstore", nats_url=nats_url, FLOTILLA_NODE_ID=node, timeout_s=30)
+        assert ok.returncode == 0, ok.stderr
+        assert "kvstore.ip-10-0-0-7_ec2_internal.health" in ok.stdout
+        other = probe("kvstore", "--timeout-s", "1", nats_url=nats_url, FLOTILLA_NODE_ID="other")
+        assert other.returncode == 1 and "nothing answers" in other.stderr
+    finally:
+        kvstore.kill()
+        kvstore.wait()

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from services.gateway.config import GatewayConfig
+from services.kvstore.config import KvStoreConfig
 from services.scheduler.config import SchedulerConfig
 from services.tokenizer.config import TokenizerConfig
 from services.worker.config import WorkerConfig
@@ -16,7 +17,7 @@ from shared.healthcheck import HealthcheckConfig
 from tests.deploy.tools import compose_config, env, flotilla_workloads, helm_template
 
 CONFIGS = {"gateway": GatewayConfig, "tokenizer": TokenizerConfig,
-           "scheduler": SchedulerConfig, "worker": WorkerConfig}
+           "scheduler": SchedulerConfig, "worker": WorkerConfig, "kvstore": KvStoreConfig}
 # What the downward API gives a pod (pod index 0, a CPU request rounded up).
 DOWNWARD = {"fieldRef": "0", "resourceFieldRef": "2", "secretKeyRef": "secret-value"}
 

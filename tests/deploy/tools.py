@@ -140,9 +140,9 @@ def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict:
 
 # ------------------------------------------------------------------ manifests
 def flotilla_workloads(docs: list[dict]) -> dict[str, dict]:
-    """The Deployments/StatefulSets of flotilla's services, by service name."""
+    """The Deployments/StatefulSets/DaemonSets of flotilla's services, by service name."""
     return {doc["metadata"]["labels"]["app.kubernetes.io/component"]: doc for doc in docs
-            if doc["kind"] in ("Deployment", "StatefulSet")
+            if doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
             and doc["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "flotilla"}
 
 

@@ -1,6 +1,6 @@
 {{/* The services, in start order. Each has the same value keys (values.yaml). */}}
 {{- define "flotilla.services" -}}
-tokenizer scheduler worker gateway
+tokenizer kvstore scheduler worker gateway
 {{- end }}
 
 {{/* Scheduler and worker pair up by replica id: StatefulSets, id = pod index. */}}
