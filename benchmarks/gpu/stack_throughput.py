@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import random
 import shutil
@@ -27,16 +28,23 @@ import httpx
 
 from common import device_name, done_percentiles, save
 from online_serve import Profiler
+from cli.bench.load import NUM_CLIENTS
 from cli.stack import Stack, StackOptions, flags, free_port
 from shared.models import resolve_model
 
 
 async def send_all(base_url: str, model: str, prompts: list[list[int]], output_len: int,
                    on_start: Callable[[], None] = lambda: None) -> dict:
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits) as client:
+    # Several clients, taken in turn: one httpx client with 1,000 connections is itself
+    # the bottleneck (cli.bench.client.ClientPool).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    clients = [httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits)
+               for _ in range(NUM_CLIENTS)]
+    turn = itertools.cycle(clients)
+    client = clients[0]
+    try:
         async def one(prompt: list[int]) -> dict:
-            response = await client.post("/v1/completions", json={
+            response = await next(turn).post("/v1/completions", json={
                 "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
                 "ignore_eos": True})
             response.raise_for_status()
@@ -62,6 +70,8 @@ async def send_all(base_url: str, model: str, prompts: list[list[int]], output_l
         sampler.cancel()
         await asyncio.gather(sampler, return_exceptions=True)
         after = await scrape(client)
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
     num_in = sum(u["prompt_tokens"] for u in usages)
     num_out = sum(u["completion_tokens"] for u in usages)
     return {"elapsed_s": elapsed, "input_tokens": num_in, "output_tokens": num_out,

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from cli.bench.client import RequestSettings, is_connection_error, new_record, send
+from cli.bench.client import (
+    ClientPool, HttpClient, RequestSettings, is_connection_error, new_record, send,
+)
 from cli.bench.datasets import BenchRequest
 from cli.bench.metrics import RequestRecord, summarize
 
@@ -56,15 +58,19 @@ def arrival_gaps(num_requests: int, request_rate: float, burstiness: float = 1.0
     return [0.0] + [rng.gammavariate(burstiness, scale) for _ in range(num_requests - 1)]
 
 
-def http_client(base_url: str, api_key: str | None, timeout_s: float) -> httpx.AsyncClient:
+NUM_CLIENTS = 32  # see ClientPool
+
+
+def http_client(base_url: str, api_key: str | None, timeout_s: float) -> ClientPool:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # No pool limit: the benchmark, not the client, decides how many requests are in flight.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    return httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
-                             timeout=httpx.Timeout(timeout_s, connect=30.0))
+    return ClientPool([httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits,
+                                         timeout=httpx.Timeout(timeout_s, connect=30.0))
+                       for _ in range(NUM_CLIENTS)])
 
 
-async def run_load(client: httpx.AsyncClient, requests: list[BenchRequest],
+async def run_load(client: HttpClient, requests: list[BenchRequest],
                    settings: RequestSettings, load: LoadSettings,
                    on_done: Callable[[RequestRecord], None] = lambda record: None,
                    max_duration_s: float | None = None) -> RunResult:
@@ -115,7 +121,7 @@ async def run_load(client: httpx.AsyncClient, requests: list[BenchRequest],
                      num_not_sent=sent.count(False), deadline_reached=True)
 
 
-async def warm_up(client: httpx.AsyncClient, requests: list[BenchRequest],
+async def warm_up(client: HttpClient, requests: list[BenchRequest],
                   settings: RequestSettings, num_warmups: int,
                   max_duration_s: float | None = None,
                   warn: Callable[[str], None] = lambda message: None) -> list[RequestRecord]:

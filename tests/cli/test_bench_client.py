@@ -238,3 +238,27 @@ def test_poisson_gaps_have_the_requested_mean():
     assert variance(bursty[1:]) > 2 * variance(gaps[1:])  # same mean, burstier
     assert arrival_gaps(3, math.inf) == [0.0, 0.0, 0.0]
     assert arrival_gaps(50, 5.0, seed=4) == arrival_gaps(50, 5.0, seed=4)
+
+
+def test_a_client_pool_spreads_requests_over_its_clients_and_closes_them_all():
+    from cli.bench.client import ClientPool
+
+    served_by = []
+
+    def handler_for(index):
+        def handler(request):
+            served_by.append(index)
+            return httpx.Response(200, content=sse(text_chunk("hi"), "[DONE]"))
+        return handler
+
+    async def go():
+        clients = [httpx.AsyncClient(transport=httpx.MockTransport(handler_for(i)),
+                                     base_url="http://bench") for i in range(3)]
+        async with ClientPool(clients) as pool:
+            records = [await send(pool, REQUEST, SETTINGS, run_started=0.0) for _ in range(6)]
+        return clients, records
+
+    clients, records = asyncio.run(go())
+    assert served_by == [0, 1, 2, 0, 1, 2]
+    assert all(record.success for record in records)
+    assert all(client.is_closed for client in clients)
