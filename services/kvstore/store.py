@@ -12,6 +12,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+import structlog
 
 from services.kvstore.disk_tier import DiskTier
 from services.kvstore.events import EventBatcher
@@ -22,6 +23,8 @@ from shared.messages import (
     KvBlockEvent, KvCommitRequest, KvLayout, KvLookupRequest, KvPinReply, KvPinRequest,
     KvTierStats,
 )
+
+log = structlog.get_logger()
 
 HOST, DISK = "host", "disk"
 
@@ -189,8 +192,12 @@ class KvStore:
         stopping at the first that fails. Returns the token ids of those read."""
         read: list[list[int]] = []
         for item in plan.disk_items:
-            token_ids = self.disk.read_into(plan.namespace.name, item.block_hash,
-                                            plan.namespace.slot_view(item.slot_id))
+            try:
+                token_ids = self.disk.read_into(plan.namespace.name, item.block_hash,
+                                                plan.namespace.slot_view(item.slot_id))
+            except Exception:  # noqa: BLE001 - whatever it was, the run ends here, slots freed
+                log.exception("kv_disk_read_failed")
+                break
             if token_ids is None:
                 break
             read.append(token_ids)
