@@ -30,7 +30,7 @@ from services.gateway.responses_output import responses_shape
 from services.gateway.responses_schema import ResponsesRequest, openapi_responses
 from services.gateway.responses_schema import parse_request as parse_responses_request
 from services.gateway.service import GatewayService
-from services.gateway.streams import Delta
+from services.gateway.streams import Delta, RequestStream
 from services.gateway.structured import response_format_spec
 from services.gateway.tool_calls import plan_tools
 from shared.bus import Bus
@@ -203,7 +203,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
         generation = Generation(kind, _ID_PREFIXES[kind] + request_ids[0],
                                 model, choices, streams, num_prompt_tokens, num_returned,
                                 req.include_usage, num_per_prompt=num_per_prompt)
-        deltas = merge_deltas([_timed(service().deltas(stream), metrics, started)
+        for stream in streams:
+            stream.wake_at_end = not req.stream
+        deltas = merge_deltas([_timed(service().deltas(stream), stream, metrics, started)
                                for stream in streams])
         if req.stream:
             return StreamingResponse(output.events(generation, deltas),
@@ -318,16 +320,17 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
     return requested
 
 
-async def _timed(deltas: AsyncIterator[Delta], metrics: GatewayMetrics,
+async def _timed(deltas: AsyncIterator[Delta], stream: RequestStream, metrics: GatewayMetrics,
                  started: float) -> AsyncIterator[Delta]:
-    """Pass deltas through, recording TTFT, inter-token latency and token counts."""
+    """Pass deltas through, recording TTFT, inter-token latency (streams read delta by
+    delta only) and token counts."""
     last = None
     async for delta in deltas:
         now = time.perf_counter()
         if delta.num_new_tokens:
             if last is None:
-                metrics.time_to_first_token.observe(now - started)
-            else:
+                metrics.time_to_first_token.observe((stream.first_token_at or now) - started)
+            elif not stream.wake_at_end:
                 metrics.inter_token_latency.observe(now - last)
             last = now
             metrics.generation_tokens.inc(delta.num_new_tokens)

@@ -10,6 +10,7 @@ fewer, larger chunks instead of falling behind.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from shared.detokenizer import IncrementalDetokenizer, TokenBytes
@@ -63,14 +64,22 @@ class RequestStream:
     output_token_ids: list[int] = field(default_factory=list)
     num_migrations: int = 0
     migrating: bool = False
+    # a non-streaming client reads only the whole answer: its reader is woken once, at the
+    # end, not once per step (at 1,000 requests the wake-ups kept the gateway from keeping up)
+    wake_at_end: bool = False
+    first_token_at: float = 0.0  # perf_counter when the first token's delta was pushed
     _pending: Delta | None = None
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def push(self, delta: Delta) -> None:
         """Queue ``delta`` for the client, merged with any it has not taken yet."""
         self._pending = delta if self._pending is None else self._pending.then(delta)
+        if delta.num_new_tokens and not self.first_token_at:
+            self.first_token_at = time.perf_counter()
         if delta.finish_reason is not None:
             self.finished = True
+        elif self.wake_at_end:
+            return
         self._ready.set()
 
     def fail(self, error: ErrorInfo) -> None:
