@@ -35,6 +35,7 @@ from services.worker.kv_tiers import LoadTiming
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata, load_model
 from services.worker.sampler import Sampler, make_generator, token_logprobs
+from services.worker.staging import HostStaging
 from services.worker.warmup import warm_up_attention
 from shared.config import parse_size
 from shared.messages import (
@@ -129,7 +130,7 @@ def logits_layout(chunks: list[SequenceChunk]) -> LogitsLayout:
 
 
 def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torch.device,
-                      layout: LogitsLayout | None = None
+                      layout: LogitsLayout | None = None, staging: HostStaging | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Flatten a step's chunks into (input_ids [num_tokens], positions [num_tokens], metadata);
     ``layout`` is ``logits_layout(chunks)`` when the caller has it already.
@@ -163,9 +164,9 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
     # pageable memory waits for every kernel queued before it, which would stall the host
     # behind the step in flight.
     longs = _to_device([input_ids, positions, slot_mapping,
-                        np.asarray(layout.token_indices, np.int64)], np.int64, device)
+                        np.asarray(layout.token_indices, np.int64)], np.int64, device, staging)
     ints = _to_device([block_tables.ravel(), seq_lens.astype(np.int32), query_start_loc],
-                      np.int32, device)
+                      np.int32, device, staging)
     metadata = AttentionMetadata(
         slot_mapping=longs[2], block_tables=ints[0].view(num_seqs, max_blocks), seq_lens=ints[1],
         query_start_loc=ints[2], logits_indices=longs[3],
@@ -174,9 +175,12 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
     return longs[0], longs[1], metadata
 
 
-def _to_device(arrays: list[np.ndarray], dtype: type, device: torch.device) -> list[torch.Tensor]:
-    """``arrays`` as views of one tensor on ``device``, copied in one go (asynchronously to
-    CUDA, through pinned memory that the caching host allocator reuses once the copy is done)."""
+def _to_device(arrays: list[np.ndarray], dtype: type, device: torch.device,
+               staging: HostStaging | None = None) -> list[torch.Tensor]:
+    """``arrays`` as views of one tensor on ``device``, copied in one go (to CUDA:
+    asynchronously, through ``staging``'s pinned buffers, or a freshly pinned one)."""
+    if staging is not None and device.type == "cuda":
+        return staging.to_device(arrays, dtype)
     flat = torch.from_numpy(np.concatenate([a.astype(dtype, copy=False) for a in arrays]))
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
@@ -260,6 +264,7 @@ class ModelRunner:
             config.overlap_steps == "auto" and self._device.type == "cuda")
         self.num_overlapped_steps = 0  # steps queued while the one before was in flight
         self.kv_offload: KvOffload | None = None  # the kvstore's host tier, once attached
+        self._staging = HostStaging(self._device) if self._device.type == "cuda" else None
         self.sampler = Sampler(model_config.vocab_size, self.eos_token_ids, self._device,
                                make_grammars=lambda: _grammar_bank(
                                    model_files.path, model_config.vocab_size, self.eos_token_ids))
@@ -417,7 +422,7 @@ class ModelRunner:
             with torch.inference_mode():
                 layout = logits_layout(chunks)
                 input_ids, positions, metadata = build_step_inputs(
-                    chunks, self.block_size, self._device, layout)
+                    chunks, self.block_size, self._device, layout, self._staging)
                 self._fill_pending_inputs(chunks, input_ids)
                 if self._graphs is not None and metadata.max_query_len == 1 \
                         and len(sampled_ids) == len(chunks) \
@@ -527,7 +532,7 @@ class ModelRunner:
             return
         assert self._in_flight is not None and self._in_flight.token_ids is not None
         index = _to_device([np.asarray(positions, np.int64), np.asarray(rows, np.int64)],
-                           np.int64, self._device)
+                           np.int64, self._device, self._staging)
         input_ids.index_copy_(0, index[0], self._in_flight.token_ids[index[1]])
 
     def _prompt_logprobs(self, scheduled: list[ScheduledRequest], chunks: list[SequenceChunk],
