@@ -47,7 +47,6 @@ import asyncio
 import datetime
 import itertools
 import json
-import math
 import os
 import random
 import shlex
@@ -194,16 +193,21 @@ class Clients:
     """Several httpx clients taken in turn (one client's pool bottlenecks at 1,000
     connections: cli.bench.client.ClientPool)."""
 
-    def __init__(self, base_url: str, num: int = 32) -> None:
+    def __init__(self, base_url: str, num: int = 32, max_in_flight: int = 0) -> None:
+        self.limit = asyncio.Semaphore(max_in_flight) if max_in_flight else None
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self.clients = [httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits)
                         for _ in range(num)]
         self.turn = itertools.cycle(self.clients)
 
     async def complete(self, model: str, prompt: list[int], max_tokens: int) -> dict:
-        response = await next(self.turn).post("/v1/completions", json={
-            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True})
+        body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True}
+        if self.limit is None:
+            response = await next(self.turn).post("/v1/completions", json=body)
+        else:
+            async with self.limit:
+                response = await next(self.turn).post("/v1/completions", json=body)
         response.raise_for_status()
         return response.json()["usage"]
 
@@ -336,6 +340,10 @@ class CpuRun:
         ttft = {phase: median([runs[phase][i]["ttft_s"] for i in measured]) for phase in runs}
         same = {phase: sum(runs[phase][i]["text"] == runs["recompute"][i]["text"]
                            for i in prefixes) for phase in ("host", "disk", "restart")}
+        # the cached runs' hits all came from the tiers, none from the worker's cache
+        from_tiers = {phase: sum(sum(runs[phase][i]["tier_hits"].values())
+                                 == runs[phase][i]["cached_tokens"] for i in prefixes)
+                      for phase in ("host", "disk", "restart")}
         restart_share = median([runs["restart"][i]["hit_share"] for i in measured])
         tiers = {phase: {i: runs[phase][i]["tier_hits"] for i in prefixes} for phase in runs}
         recompute = ttft["recompute"]
@@ -348,6 +356,7 @@ class CpuRun:
             "disk_over_recompute": ttft["disk"] / recompute, "target_disk": 0.50,
             "restart_hit_share": restart_share, "target_restart": 0.90,
             "median_of_pair_ratios": pairs,
+            "cached_all_from_tiers": {p: f"{n}/{len(prefixes)}" for p, n in from_tiers.items()},
             "outputs_identical": {phase: f"{n}/{len(prefixes)}" for phase, n in same.items()},
             "all_outputs_identical": all(n == len(prefixes) for n in same.values()),
             "tier_hits_tokens": tiers,
@@ -415,7 +424,7 @@ async def part_prefix16k(args, model_name: str, log_dir: Path) -> dict:
         await probe.start()
         await probe.wait_worker_attached()
         num_blocks = (await probe.fresh_stats()).num_blocks_total
-        num_fillers = max(2, -(-num_blocks // -(-(length + 1) // BLOCK_SIZE)))
+        num_fillers = -(-num_blocks // -(-(length + 1) // BLOCK_SIZE)) + 1
         runs = {"recompute": [], "host": []}
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=900) as client:
             for seed in range(2):  # warm-up: compiles the long-context variants
@@ -452,11 +461,14 @@ async def part_prefix16k(args, model_name: str, log_dir: Path) -> dict:
 
 async def part_offload(args, model_name: str, log_dir: Path) -> dict:
     """Benchmark c with prefix caching on and unique prompts: kvstore on (stores every
-    full block, hits nothing) vs --no-kvstore, one stack after the other, the same prompts
-    (offline_throughput.py's fixed workload), all at once, non-streaming, EOS ignored."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(100, 40_000) for _ in range(args.offload_input_len)]
-               for _ in range(args.num_prompts)]
+    full block, hits nothing) vs --no-kvstore, one stack after the other; in each,
+    ``--offload-reps`` timed batches of new prompts (rep 0: offline_throughput.py's fixed
+    workload), all at once, non-streaming, EOS ignored."""
+    def workload(rep: int) -> list[list[int]]:
+        rng = random.Random(rep)
+        return [[rng.randrange(100, 40_000) for _ in range(args.offload_input_len)]
+                for _ in range(args.num_prompts)]
+
     results = {}
     for kvstore in args.offload_order.split(","):
         on = kvstore == "on"
@@ -464,28 +476,33 @@ async def part_offload(args, model_name: str, log_dir: Path) -> dict:
                             gpu_worker_flags(args, None, 4096), gpu_scheduler_flags(args),
                             flags(kv_host_memory=args.gpu_kv_host_memory))
         clients = Clients(stack.base_url)
+        runs = []
         try:
             # warm-up over varied shapes (as benchmark f): Triton compiles before the clock
-            warm_rng = random.Random(1)
+            warm_rng = random.Random(10_000)
             await asyncio.gather(*(clients.complete(model_name, [
                 warm_rng.randrange(100, 40_000) for _ in range(warm_rng.randint(1, 2048))],
                 args.offload_output_len) for _ in range(args.offload_warmup)))
-            run = await clients.all_at_once(model_name, prompts, args.offload_output_len)
+            for rep in range(args.offload_reps):
+                runs.append(await clients.all_at_once(model_name, workload(rep),
+                                                      args.offload_output_len))
+                print(f"[offload] kvstore {kvstore}, rep {rep}: {runs[-1]['total_tok_s']:,.0f} "
+                      f"total tok/s, {runs[-1]['cached_tokens']} cached tokens", flush=True)
+            extra = {}
             if on:
                 probe = Probe(stack.nats_url)
                 await probe.start()
-                run["kvstore"] = await probe.kv_stats()
-                run["worker"] = await probe.worker_health()
+                extra = {"kvstore": await probe.kv_stats(), "worker": await probe.worker_health()}
                 await probe.close()
         finally:
             await clients.aclose()
             stack.stop()
-        results[kvstore] = run
-        print(f"[offload] kvstore {kvstore}: {run['total_tok_s']:,.0f} total tok/s, "
-              f"{run['cached_tokens']} cached tokens", flush=True)
+        results[kvstore] = {"total_tok_s": median([r["total_tok_s"] for r in runs]),
+                            "runs": runs, **extra}
     cost = 1 - results["on"]["total_tok_s"] / results["off"]["total_tok_s"]
     return {"num_prompts": args.num_prompts, "input_len": args.offload_input_len,
-            "output_len": args.offload_output_len, "cost": cost, "target": 0.02, **results}
+            "output_len": args.offload_output_len, "reps": args.offload_reps, "cost": cost,
+            "target": 0.02, **results}
 
 
 async def part_prefill512(args, model_name: str, log_dir: Path) -> dict:
@@ -494,13 +511,14 @@ async def part_prefill512(args, model_name: str, log_dir: Path) -> dict:
     token_bytes = kv_token_bytes(args.model, 2 if args.device == "cuda" else 4)
     shm = shutil.disk_usage("/dev/shm").free
     host_bytes = min(parse_bytes(args.gpu_kv_host_memory), int(shm * 0.85))
-    chunk = min(args.chunk, int(host_bytes * 0.8 // (token_bytes * length)))
+    # a chunk's lookups may pin all of it at once: pins take at most half of the slots
+    chunk = min(args.chunk, int(host_bytes * 0.4 // (token_bytes * length)))
     print(f"[prefill512] KV {token_bytes} B/token; host tier {host_bytes / 2**30:.1f} GiB "
           f"(/dev/shm free {shm / 2**30:.1f} GiB): chunks of {chunk} prompts", flush=True)
     stack = start_stack(args.model, log_dir / "prefill512", True,
                         gpu_worker_flags(args, args.prefill_kv_cache_memory, 4096),
                         gpu_scheduler_flags(args), flags(kv_host_memory=f"{host_bytes}"))
-    clients = Clients(stack.base_url)
+    clients = Clients(stack.base_url, max_in_flight=args.prefill_in_flight)
     probe = Probe(stack.nats_url)
     passes = {"miss": [], "hit": []}
     try:
@@ -597,9 +615,13 @@ def main() -> None:
     gpu.add_argument("--num-prompts", type=int, default=1000, help="offload: benchmark c's")
     gpu.add_argument("--offload-input-len", type=int, default=1024)
     gpu.add_argument("--offload-output-len", type=int, default=128)
+    gpu.add_argument("--offload-reps", type=int, default=2,
+                     help="offload: timed batches per stack (new prompts each; the median counts)")
     gpu.add_argument("--offload-warmup", type=int, default=96,
                      help="offload: warm-up requests of random lengths up to 2,048 (as benchmark f)")
     gpu.add_argument("--prefill-len", type=int, default=512)
+    gpu.add_argument("--prefill-in-flight", type=int, default=128,
+                     help="prefill512: requests in flight at once (both passes; 0: all)")
     gpu.add_argument("--offload-order", default="off,on")
     gpu.add_argument("--num-prefills", type=int, default=10_000)
     gpu.add_argument("--chunk", type=int, default=500, help="prefill512: prompts per chunk "

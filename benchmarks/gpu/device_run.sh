@@ -60,6 +60,11 @@ for stage in "$@"; do
     online-vllm) python3 benchmarks/gpu/online_serve.py --model $M/dummy-llama-3.1-8b --out "$OUT/online" \
         --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192" --vllm-args "${VLLM_ARGS:-}" \
         ${ON_ARGS:-} 2>&1 | tail -80;;
+    # issue 14 (docs/kvstore.md): the tiered KV store through the stack; one part per call
+    # (each ~3-8 minutes): KV_PARTS=prefix16k, offload or prefill512; KV_ARGS: more flags.
+    # The result JSON goes to $OUT.
+    kvstore) python3 benchmarks/kvstore_tiers.py --device cuda --model $M/dummy-llama-3.1-8b \
+        --parts "${KV_PARTS:-prefix16k}" ${KV_ARGS:-} 2>&1 | tail -60;;
     *) echo "unknown stage $stage";;
   esac
 done
