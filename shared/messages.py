@@ -458,10 +458,13 @@ class KvStatsReply(Struct, frozen=True, kw_only=True):
 
 class KvLoad(Struct, frozen=True, array_like=True, gc=False):
     """In a step plan: copy pinned host slots into the worker's KV blocks before the step
-    runs (the blocks' tokens then count as computed)."""
+    runs (the blocks' tokens then count as computed). A worker attached to another
+    kvstore (``store_id``: the one that pinned the slots; "" skips the check), or to none,
+    computes those blocks' tokens in this step instead."""
 
     slot_ids: list[int]
     block_ids: list[int]
+    store_id: str = ""
 
 
 class KvStoreRun(Struct, frozen=True, array_like=True, gc=False):

@@ -16,12 +16,54 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import structlog
 
 from services.worker.kv_tiers import KvTiers, LoadTiming, StoreCopy
-from shared.messages import KvLoad, KvStoredBlock, KvStoreRun
+from shared.messages import KvLoad, KvStoredBlock, KvStoreRun, StepPlan
 
 log = structlog.get_logger()
+
+
+def recompute_unusable_loads(plan: StepPlan, offload: KvOffload | None,
+                             block_size: int) -> tuple[StepPlan, int]:
+    """The plan with the loads this worker cannot make turned into recomputes, and how
+    many blocks that was. A load is unusable with no kvstore attached, with the arena
+    replaced (the kvstore restarted, the worker has not re-attached yet), or when its
+    slots were pinned by another kvstore process than the one attached (``store_id``):
+    its slot ids would name other bytes here. Loads come only with a request's admission
+    (it is in ``new_requests``), into blocks right after its GPU prefix, so that request
+    starts computing at the first unusable block instead: a longer step, the same tokens
+    and the same ``num_computed_tokens`` after it, so the scheduler never knows."""
+    if not plan.kv_loads:
+        return plan, 0
+    attached = offload is not None and offload.tiers.arena_is_current()
+    usable, unusable_blocks = [], set()
+    for load in plan.kv_loads:
+        if attached and (not load.store_id or load.store_id == offload.store_id):
+            usable.append(load)
+        else:
+            unusable_blocks.update(load.block_ids)
+    if not unusable_blocks:
+        return plan, 0
+    extra_tokens: dict[str, int] = {}  # request id -> tokens computed instead of loaded
+    new_requests = []
+    for new in plan.new_requests:
+        first = next((index for index, block_id in enumerate(new.block_ids)
+                      if block_id in unusable_blocks), None)
+        if first is not None and first * block_size < new.num_computed_tokens:
+            extra_tokens[new.request_id] = new.num_computed_tokens - first * block_size
+            new = msgspec.structs.replace(new, num_computed_tokens=first * block_size)
+        new_requests.append(new)
+    scheduled = [msgspec.structs.replace(s, num_new_tokens=s.num_new_tokens
+                                         + extra_tokens[s.request_id])
+                 if s.request_id in extra_tokens else s for s in plan.scheduled]
+    log.warning("kv_loads_recomputed", step_id=plan.step_id, num_blocks=len(unusable_blocks),
+                num_requests=len(extra_tokens),
+                reason="no kvstore attached" if offload is None else
+                "the arena was replaced" if not attached else "slots of another kvstore")
+    return msgspec.structs.replace(plan, new_requests=new_requests, scheduled=scheduled,
+                                   kv_loads=usable), len(unusable_blocks)
 
 
 class SlotPool:
@@ -76,24 +118,33 @@ class _StoreBatch:
 
 class KvOffload:
     def __init__(self, tiers: KvTiers, store_id: str, block_size: int,
-                 target_free_slots: int = 0) -> None:
+                 target_free_slots: int = 0, max_blocks_per_step: int = 0) -> None:
         self.tiers = tiers
         self.store_id = store_id
         self.block_size = block_size
         self.slot_pool = SlotPool()
-        # reserve up to this many free slots, asking again below half of it
-        self.target_free_slots = target_free_slots or min(1024, max(16, tiers.num_slots // 8))
+        # The most blocks one step can complete (a whole token budget of prompt): the pool
+        # is topped up whenever it holds fewer, and the target is two steps' worth, so a
+        # long prompt's blocks are not skipped for want of slots (a 1,000-token prompt,
+        # 62 blocks, was cut to 45 with a fixed target of an eighth of a 364-slot arena).
+        # The kvstore caps all reservations at half its slots anyway.
+        self.max_blocks_per_step = max_blocks_per_step
+        self.target_free_slots = target_free_slots or min(tiers.num_slots // 2, max(
+            16, min(1024, tiers.num_slots // 8), 2 * max_blocks_per_step))
         self.num_loaded = 0  # blocks loaded
         self.num_stored = 0  # blocks committed
         self.num_skipped = 0  # blocks not stored (no reserved slot, or refused)
+        self.num_recomputed = 0  # blocks of unusable loads, computed instead
         self._awaiting_tokens: list[StoreCopy] = []
         self._commits: deque[Commit] = deque()  # appended on the forward thread, taken on the bus's
 
     # ------------------------------------------------------------ reservation
     def slots_wanted(self) -> int:
-        """Slots to reserve now (0: enough free)."""
+        """Slots to reserve now (0: enough free for the next step)."""
         num_free = self.slot_pool.num_free
-        return self.target_free_slots - num_free if num_free < self.target_free_slots // 2 else 0
+        low_water = max(self.target_free_slots // 2,
+                        min(self.max_blocks_per_step, self.target_free_slots))
+        return self.target_free_slots - num_free if num_free < low_water else 0
 
     # ------------------------------------------------------------ a step (forward thread)
     def load(self, loads: Sequence[KvLoad]) -> LoadTiming:

@@ -30,7 +30,7 @@ import torch
 from kernels.paged_attention import allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs
-from services.worker.kv_offload import BlockToStore, KvOffload
+from services.worker.kv_offload import BlockToStore, KvOffload, recompute_unusable_loads
 from services.worker.kv_tiers import LoadTiming
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata, load_model
@@ -396,9 +396,9 @@ class ModelRunner:
         """Queue the step's kernels; with ``defer``, leave its sampled tokens on the device."""
         start_time = time.perf_counter()
         kv = self.kv_offload
-        if plan.kv_loads and kv is None:
-            raise ValueError(f"step {plan.step_id} loads KV blocks from a kvstore, but this "
-                             f"worker has none attached")
+        plan, num_recomputed = recompute_unusable_loads(plan, kv, self.block_size)
+        if num_recomputed and kv is not None:
+            kv.num_recomputed += num_recomputed
         finished = {}  # their stores may still be in this plan
         for request_id in plan.finished_request_ids:
             if request_id in self._requests:

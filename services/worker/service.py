@@ -222,6 +222,7 @@ class WorkerService:
                 "kv_num_loaded": offload.num_loaded if offload else 0,
                 "kv_num_stored": offload.num_stored if offload else 0,
                 "kv_num_skipped": offload.num_skipped if offload else 0,
+                "kv_num_recomputed": offload.num_recomputed if offload else 0,
                 "kv_num_free_slots": offload.slot_pool.num_free if offload else 0,
                 "kv_num_commits_dropped": self.num_kv_commits_dropped}
         return HealthReply(service="worker", instance_id=self.config.instance_id, detail=detail)
@@ -269,7 +270,9 @@ class WorkerService:
         except Exception:
             arena.close()
             raise
-        return KvOffload(tiers, reply.store_id, self.runner.block_size)
+        config = self.config
+        return KvOffload(tiers, reply.store_id, self.runner.block_size, max_blocks_per_step=(
+            -(-config.max_num_batched_tokens // self.runner.block_size) + config.max_num_seqs))
 
     async def _kv_detach(self, why: str) -> None:
         log.warning("kvstore_detached", node_id=self.config.kv_node_id, reason=why)

@@ -59,7 +59,7 @@ SAMPLES: dict[type, object] = {
     m.ScheduledRequest: m.ScheduledRequest("r1", 1, [7]),
     m.StepPlan: m.StepPlan(3, [m.NewRequestData("r1", [1], SAMPLING, [0])],
                            [m.ScheduledRequest("r1", 1)], ["r0"], "w",
-                           [m.KvLoad([1], [7])], [STORE_RUN]),
+                           [m.KvLoad([1], [7], "store-1")], [STORE_RUN]),
     m.StepResult: m.StepResult(3, ["r1", "r2"], [99, 5], 0.01, [None, LOGPROBS], {"r1": [LOGPROBS]},
                                1 << 20, 2e9),
     m.WorkerInfo: m.WorkerInfo(worker_id="w", replica_id="0", model_name="x", num_blocks=10,
@@ -87,7 +87,7 @@ SAMPLES: dict[type, object] = {
                                    tier="host", stored_hashes=[b"\x02" * 32], timestamp=1.0),
     m.KvTierStats: TIER_STATS,
     m.KvStatsReply: m.KvStatsReply(store_id="s", node_id="local", tiers=[TIER_STATS]),
-    m.KvLoad: m.KvLoad([1, 2], [7, 9]),
+    m.KvLoad: m.KvLoad([1, 2], [7, 9], "store-1"),
     m.KvStoreRun: STORE_RUN,
 }
 

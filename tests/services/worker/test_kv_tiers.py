@@ -96,6 +96,25 @@ def block(token_list, index, block_id, computed_before=True) -> BlockToStore:
     return BlockToStore(token_list, index, block_id, f"hash-{block_id}".encode(), computed_before)
 
 
+def test_the_reservation_holds_a_whole_step_of_blocks(tmp_path):
+    """A step may complete a whole token budget of prompt blocks at once: the pool aims at
+    two steps' worth (within half the arena) and is topped up whenever one step's worth
+    is not free, so a long prompt's blocks are not skipped (a fixed eighth of the arena
+    stored 45 of a 1,000-token prompt's 62 blocks)."""
+    arena = make_arena(tmp_path, torch.float32, num_slots=400)
+    offload = KvOffload(KvTiers(make_cache(torch.float32), arena), "store-1", BLOCK_SIZE,
+                        max_blocks_per_step=70)
+    assert offload.target_free_slots == 140
+    offload.slot_pool.add(range(140))
+    assert offload.slots_wanted() == 0
+    offload.slot_pool.take(71)  # fewer than a step's worth left (69): top up
+    assert offload.slots_wanted() == 71
+    small = KvOffload(KvTiers(make_cache(torch.float32), make_arena(tmp_path / "b", torch.float32,
+                                                                    num_slots=100)),
+                      "store-1", BLOCK_SIZE, max_blocks_per_step=70)
+    assert small.target_free_slots == 50  # the kvstore gives no owner more than half
+
+
 def test_stores_without_a_reserved_slot_are_skipped_and_counted(tmp_path):
     offload = KvOffload(KvTiers(make_cache(torch.float32), make_arena(tmp_path, torch.float32)),
                         "store-1", BLOCK_SIZE, target_free_slots=4)

@@ -177,11 +177,11 @@ def test_commits_carry_each_blocks_tokens_with_overlapped_steps(tiny_model, aren
 
 
 def generate(runner: ModelRunner, token_ids: list[int], num_new_tokens: int,
-             num_loaded: int = 0, slot_ids: list[int] = (), block_ids: list[int] = ()
-             ) -> list[int]:
+             num_loaded: int = 0, slot_ids: list[int] = (), block_ids: list[int] = (),
+             store_id: str = "") -> list[int]:
     driver = Driver(runner, store=False)
     driver.add("r", token_ids, num_loaded, list(block_ids))
-    kv_loads = [KvLoad(list(slot_ids), list(block_ids))] if slot_ids else []
+    kv_loads = [KvLoad(list(slot_ids), list(block_ids), store_id)] if slot_ids else []
     driver.step(kv_loads=kv_loads)
     while len(driver.tokens["r"]) < len(token_ids) + num_new_tokens:
         driver.step()
@@ -224,13 +224,22 @@ def test_blocks_loaded_into_a_fresh_runner_continue_with_the_same_greedy_tokens(
     assert loaded == expected
 
 
-def test_a_load_without_an_arena_is_refused(tiny_model):
+@pytest.mark.parametrize("case", ["no arena", "another kvstore's slots"])
+def test_a_load_the_worker_cannot_make_is_computed_instead(tiny_model, arena_path, case):
+    """Without an arena, or with slots pinned by another kvstore process than the one
+    attached (it restarted; the worker has not re-attached yet), the request computes the
+    blocks it was to load in this step: the uncached greedy tokens, no failed step."""
+    tokens = prompt(40, 5)
+    expected = generate(make_runner(tiny_model), tokens, 6)
     runner = make_runner(tiny_model)
-    plan = StepPlan(0, [NewRequestData("r", prompt(20, 5), GREEDY, [0, 1], 16)],
-                    [ScheduledRequest("r", 4)], kv_loads=[KvLoad([0], [0])])
-    with pytest.raises(ValueError, match="no.*attached|none attached"):
-        runner.submit(plan)
-    assert runner.num_requests == 0  # refused before anything changed
+    offload = attach(runner, arena_path) if case != "no arena" else None
+    # garbage in the blocks (and zeros in the slots): using either changes the tokens
+    runner.kv_cache[:, :, 4:6] = 10 * torch.randn_like(runner.kv_cache[:, :, 4:6])
+    loaded = generate(runner, tokens, 6, num_loaded=32, slot_ids=[3, 2], block_ids=[4, 5],
+                      store_id="store-0")
+    assert loaded == expected
+    if offload is not None:
+        assert offload.num_recomputed == 2 and offload.num_loaded == 0
 
 
 def test_a_load_reports_its_bytes_and_speed(tiny_model, arena_path):
