@@ -62,7 +62,7 @@ class KvTierLedger:
         if not used:
             self.release(hit)
             return
-        self._loads.append(KvLoad([hit.slot_ids[i] for i in used], block_ids))
+        self._loads.append(KvLoad([hit.slot_ids[i] for i in used], block_ids, hit.store_id))
         self._pins_after_step.setdefault(step_id, []).append(hit.pin_id)
         block_size = self.block_manager.block_size
         for slot_index, block_id in zip(used, block_ids):

@@ -94,6 +94,10 @@ class SchedulerService:
         self._looking_up: set[str] = set()  # request ids whose kvstore lookup runs
         self._aborted_while_looking_up: set[str] = set()
         self._kv_store_id = ""  # the kvstore process the queued hits were pinned by
+        # the kvstore process the worker's arena belongs to, from its pings ("": none): only
+        # its slots can be loaded (the worker computes any other load instead)
+        self._worker_kv_store_id = ""
+        self._worker_info: WorkerInfo | None = None
         bus.add_listener(self._on_link)
 
     async def start(self) -> None:
@@ -196,7 +200,7 @@ class SchedulerService:
         aborted = not self._aborted_while_looking_up.isdisjoint(request_ids)
         self._aborted_while_looking_up.difference_update(request_ids)
         if hit is not None and (hit.store_id != kv.store_id or self.core is not core or aborted
-                                or self.draining):
+                                or self.draining or hit.store_id != self._worker_kv_store_id):
             await kv.release([hit.pin_id])
             hit = None
         if aborted:
@@ -267,7 +271,9 @@ class SchedulerService:
             except ServiceUnavailable:
                 await asyncio.sleep(ATTACH_RETRY_S)
                 continue
-            self.kv = self._kv_client(info)
+            self._worker_info = info
+            self.kv = self._kv_client(info.kv_namespace, info.kv_node_id)
+            self._worker_kv_store_id = ""
             self.core = Scheduler(self.config, num_blocks=info.num_blocks,
                                   block_size=info.block_size, max_model_len=info.max_model_len,
                                   eos_token_ids=info.eos_token_ids, model_name=info.model_name,
@@ -281,15 +287,30 @@ class SchedulerService:
                      kv_namespace=info.kv_namespace, kv_node_id=info.kv_node_id)
             return
 
-    def _kv_client(self, info: WorkerInfo) -> KvClient | None:
+    def _kv_client(self, namespace: str, node_id: str) -> KvClient | None:
         """The kvstore to use: only with --kv-node-id and a worker attached to one."""
-        if not self.config.kv_node_id or not info.kv_namespace or info.num_blocks <= 0:
+        info = self._worker_info
+        if not self.config.kv_node_id or not namespace or info is None or info.num_blocks <= 0:
             return None
         return KvClient(self.bus, self.subjects, owner_id=self.config.instance_id,
-                        node_id=info.kv_node_id or self.config.kv_node_id,
-                        namespace=info.kv_namespace,
+                        node_id=node_id or self.config.kv_node_id, namespace=namespace,
                         block_bytes=info.kv_cache_bytes // info.num_blocks,
                         block_size=info.block_size, speeds=self.tier_speeds)
+
+    def _learn_worker_kv(self, detail: dict) -> None:
+        """The worker's kvstore as its ping reports it. A worker attaches to its kvstore
+        after it starts (or again after the kvstore restarts), maybe after we attached to
+        it: its WorkerInfo then named no kvstore, and only its pings tell us."""
+        self._worker_kv_store_id = str(detail.get("kv_store_id", ""))
+        namespace = str(detail.get("kv_namespace", ""))
+        core = self.core
+        if core is None or not namespace or (self.kv is not None and self.kv.namespace == namespace):
+            return
+        self.kv = self._kv_client(namespace, str(detail.get("kv_node_id", "")))
+        if self.kv is not None:
+            core.kv_tier.stores_enabled = True
+            log.info("worker_kvstore_learned", kv_namespace=namespace,
+                     kv_store_id=self._worker_kv_store_id)
 
     async def _step_loop(self) -> None:
         """Keep up to ``max_steps_in_flight`` steps at the worker: step N+1 is planned
@@ -380,6 +401,8 @@ class SchedulerService:
         count = reply.detail.get(WORKER_LINK_KEY)
         if reply.instance_id == self._worker_id and isinstance(count, int):
             self._worker_link = max(count, self._worker_link or 0)
+        if reply.instance_id == self._worker_id and self.config.kv_node_id:
+            self._learn_worker_kv(reply.detail)
         return reply
 
     async def _check_worker_identity(self) -> None:
@@ -493,11 +516,14 @@ class SchedulerService:
             log.info("error_outputs_sent", num_outputs=len(due), final=final)
 
     async def _keepalive_loop(self) -> None:
-        """Keep this scheduler's pins at the kvstore (and send releases NATS held up)."""
+        """Keep this scheduler's pins at the kvstore (and send releases NATS held up); ask
+        the worker which kvstore it is attached to now (a busy step loop rarely pings)."""
         while True:
             await asyncio.sleep(KEEPALIVE_INTERVAL_S)
             if self.kv is not None:
                 await self.kv.keep_alive()
+            if self.config.kv_node_id and self.core is not None:
+                await self._ping_worker()
 
     # ------------------------------------------------------------ stats
     async def _stats_loop(self) -> None:

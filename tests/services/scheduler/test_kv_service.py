@@ -59,6 +59,9 @@ class Peers:
         self.stats: list[SchedulerStats] = []
         self.held: dict[bytes, list[int]] = {}  # what the kvstore's host tier holds
         self.store_id = "store-1"
+        # the worker's kvstore as its attach reply and pings say ("": none)
+        self.worker_info_has_kv = True
+        self.worker_store_id = "store-1"
         self.pin_delay_s = 0.0
         self.lookup_delay_s = 0.0
 
@@ -83,7 +86,8 @@ class Peers:
         return WorkerInfo(worker_id="w1", replica_id="0", model_name=MODEL, num_blocks=NUM_BLOCKS,
                           block_size=BLOCK_SIZE, max_model_len=512, eos_token_ids=[EOS],
                           kv_cache_bytes=NUM_BLOCKS * BLOCK_BYTES, device="cpu", dtype="float32",
-                          kv_namespace=NAMESPACE, kv_node_id=NODE)
+                          kv_namespace=NAMESPACE if self.worker_info_has_kv else "",
+                          kv_node_id=NODE if self.worker_info_has_kv else "")
 
     async def on_step(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -94,7 +98,10 @@ class Peers:
                           kv_load_bytes_per_s=1e9 if num_loaded else 0.0)
 
     async def on_ping(self, _: Empty) -> HealthReply:
-        return HealthReply(service="worker", instance_id="w1", detail={"nats_disconnects": 0})
+        attached = bool(self.worker_store_id)
+        return HealthReply(service="worker", instance_id="w1", detail={
+            "nats_disconnects": 0, "kv_node_id": NODE, "kv_attached": attached,
+            "kv_namespace": NAMESPACE if attached else "", "kv_store_id": self.worker_store_id})
 
     async def on_outputs(self, batch: OutputBatch) -> None:
         for output in batch.outputs:
@@ -150,10 +157,13 @@ async def eventually(condition, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.005)
 
 
-async def running(nats_url: str, kvstore: str, **config):
-    """A scheduler attached to the stand-in worker, and the peers."""
+async def running(nats_url: str, kvstore: str, _peers: dict | None = None, **config):
+    """A scheduler attached to the stand-in worker, and the peers (``_peers``: their
+    attributes to set before the scheduler attaches)."""
     peer_bus = await Bus.connect(nats_url, "peers")
     peers = Peers(peer_bus, kvstore)
+    for name, value in (_peers or {}).items():
+        setattr(peers, name, value)
     await peers.start()
     bus = await Bus.connect(nats_url, "scheduler")
     service = SchedulerService(SchedulerConfig(instance_id="s1", kv_node_id=NODE,
@@ -219,6 +229,7 @@ async def test_a_host_hit_is_pinned_loaded_and_released(nats_url):
         (pin,) = peers.pins
         loads = [load for plan in peers.plans for load in plan.kv_loads]
         assert len(loads) == 1 and len(loads[0].slot_ids) == 6
+        assert loads[0].store_id == "store-1"  # the worker loads only that kvstore's slots
         assert peers.outputs["a"][0].num_cached_tokens == 24
         await eventually(lambda: peers.released == [pin.pin_id])
         await eventually(lambda: peers.stats and peers.stats[-1].num_kv_tier_hits == 24)
@@ -283,12 +294,52 @@ async def test_a_restarted_kvstore_drops_the_old_pins(nats_url):
         await submit(peers.bus, "long", prompt_of(95_000, 5), max_tokens=40)
         await submit(peers.bus, "e", first)  # waits behind "long", with a pin of store-1
         assert service.core.requests["e"].tier_hit.store_id == "store-1"
-        peers.store_id = "store-2"  # the kvstore restarted
+        peers.store_id = peers.worker_store_id = "store-2"  # the kvstore restarted
+        await service._ping_worker()  # the worker re-attached to it, and says so
         await submit(peers.bus, "f", second)
         assert service.core.requests["e"].tier_hit is None
         assert service.core.requests["f"].tier_hit.store_id == "store-2"
         await eventually(lambda: len(tokens_of(peers, "f")) == 3, timeout_s=10)
         assert tokens_of(peers, "e") == expected_tokens("e", len(first), 3)
+    finally:
+        await shutdown()
+
+
+async def test_a_hit_of_another_kvstore_than_the_workers_is_recomputed(nats_url):
+    """The kvstore restarted and the worker has not re-attached yet: the new kvstore's
+    slots mean nothing to it, so the hit is let go and the request computes its prompt."""
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        prompt = prompt_of(85_000)
+        peers.hold(prompt)
+        peers.store_id = "store-2"
+        await submit(peers.bus, "k", prompt)
+        await eventually(lambda: len(tokens_of(peers, "k")) == 3)
+        assert tokens_of(peers, "k") == expected_tokens("k", len(prompt), 3)
+        assert all(not plan.kv_loads for plan in peers.plans)
+        await eventually(lambda: peers.released == [peers.pins[0].pin_id])
+        assert peers.outputs["k"][0].num_cached_tokens == 0
+    finally:
+        await shutdown()
+
+
+async def test_a_worker_that_attaches_to_its_kvstore_later_is_learned_from_its_pings(nats_url):
+    """A worker attached by the scheduler before it reached its kvstore (started first,
+    or restarted): its WorkerInfo names none; its pings do once it has, and from then on
+    the scheduler looks prompts up and stores blocks."""
+    peers_first = {"worker_info_has_kv": False, "worker_store_id": ""}
+    service, peers, shutdown = await running(nats_url, "answers", _peers=peers_first)
+    try:
+        assert service.kv is None
+        peers.worker_store_id = "store-1"
+        await eventually(lambda: service.kv is not None, timeout_s=5)
+        prompt = prompt_of(87_000)
+        peers.hold(prompt)
+        await submit(peers.bus, "m", prompt)
+        await eventually(lambda: len(tokens_of(peers, "m")) == 3)
+        assert peers.outputs["m"][0].num_cached_tokens == 24
+        assert tokens_of(peers, "m") == expected_tokens("m", len(prompt), 3)
+        assert service.core.kv_tier.stores_enabled
     finally:
         await shutdown()
 
