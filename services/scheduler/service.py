@@ -98,6 +98,10 @@ class SchedulerService:
         # its slots can be loaded (the worker computes any other load instead)
         self._worker_kv_store_id = ""
         self._worker_info: WorkerInfo | None = None
+        # tier hits of the cores before the current one: the stats stay cumulative across
+        # worker re-attaches (a gateway that saw no stats between a reset and a larger
+        # count would add only the difference)
+        self._kv_tier_hits_before: dict[str, int] = {}
         bus.add_listener(self._on_link)
 
     async def start(self) -> None:
@@ -244,8 +248,10 @@ class SchedulerService:
         core = self.core
         detail = {"replica_id": self.config.replica_id, "worker_ready": core is not None,
                   "draining": self.draining}
-        if core is not None:
-            detail |= {"num_running": len(core.running), "num_waiting": len(core.waiting)}
+        if core is not None:  # worker_id: the worker instance attached (tests wait on it)
+            detail |= {"num_running": len(core.running), "num_waiting": len(core.waiting),
+                       "worker_id": self._worker_id,
+                       "worker_kv_store_id": self._worker_kv_store_id}
         status = "draining" if self.draining else "ok" if core is not None else "starting"
         return HealthReply(service="scheduler", instance_id=self.config.instance_id,
                            status=status, detail=detail)
@@ -383,6 +389,8 @@ class SchedulerService:
         (a fresh cache). The core goes first, so a submit arriving meanwhile is refused,
         not lost. After a lost link the errors wait for the link and the gateways."""
         old_core, self.core = self.core, None
+        for tier, num_tokens in old_core.kv_tier.num_tokens_loaded.items():
+            self._kv_tier_hits_before[tier] = self._kv_tier_hits_before.get(tier, 0) + num_tokens
         emitted = old_core.fail_all(error.to_info())
         await self._release_pins(old_core)
         log.warning("requests_failed", num_requests=len(emitted), reason=error.message)
@@ -551,6 +559,9 @@ class SchedulerService:
     def _stats(self, core: Scheduler | None, idle_ratio: float,
                samples: list[tuple[int, float]]) -> SchedulerStats:
         manager = core.block_manager if core else None
+        tier_hits = dict(self._kv_tier_hits_before)
+        for tier, num_tokens in (core.kv_tier.num_tokens_loaded.items() if core else ()):
+            tier_hits[tier] = tier_hits.get(tier, 0) + num_tokens
         return SchedulerStats(
             scheduler_id=self.config.instance_id, replica_id=self.config.replica_id,
             timestamp=time.time(), num_running=len(core.running) if core else 0,
@@ -563,8 +574,7 @@ class SchedulerService:
             worker_ready=core is not None and not self.draining,
             num_prefix_queries=core.num_prefix_queries if core else 0,
             num_prefix_hits=core.num_prefix_hits if core else 0,
-            num_kv_tier_hits=sum(core.kv_tier.num_tokens_loaded.values()) if core else 0,
-            num_kv_tier_hits_by_tier=dict(core.kv_tier.num_tokens_loaded) if core else {},
+            num_kv_tier_hits=sum(tier_hits.values()), num_kv_tier_hits_by_tier=tier_hits,
             worker_busy_s=self._worker_busy_s, worker_idle_ratio=idle_ratio,
             recent_step_tokens=[tokens for tokens, _ in samples],
             recent_step_times_s=[seconds for _, seconds in samples])

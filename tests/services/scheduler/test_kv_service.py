@@ -15,6 +15,7 @@ from services.scheduler.kv_client import LOOKUP_TIMEOUT_S
 from services.scheduler.prefix_hash import extend_block_hashes
 from services.scheduler.service import SchedulerService
 from shared.bus import Bus
+from shared.errors import ServiceUnavailable
 from shared.messages import (
     AbortRequest, Empty, GenerateRequest, HealthReply, KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply,
     KvPinRequest, KvReleaseRequest, OutputBatch, SamplingParams, SchedulerStats, StepPlan,
@@ -241,6 +242,24 @@ async def test_a_host_hit_is_pinned_loaded_and_released(nats_url):
         await eventually(lambda: len(tokens_of(peers, "next")) == 3)
         stored = [run for plan in peers.plans for run in plan.kv_stores]
         assert [run.first_block_index for run in stored if run.request_id == "a"] == [6]
+    finally:
+        await shutdown()
+
+
+async def test_tier_hits_stay_counted_across_a_worker_re_attach(nats_url):
+    """The stats are cumulative: a gateway that sees no stats between a re-attach and the
+    next hit must not count only the difference from the old core's total."""
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        prompt = prompt_of(52_000)
+        peers.hold(prompt)
+        await submit(peers.bus, "a", prompt)
+        await eventually(lambda: peers.stats and peers.stats[-1].num_kv_tier_hits == 24)
+        await service._reattach(ServiceUnavailable("the worker restarted"))
+        await eventually(lambda: service.core is not None)
+        await submit(peers.bus, "b", prompt)
+        await eventually(lambda: peers.stats and peers.stats[-1].num_kv_tier_hits == 48)
+        assert peers.stats[-1].num_kv_tier_hits_by_tier == {"host": 48, "disk": 0}
     finally:
         await shutdown()
 
