@@ -328,6 +328,9 @@ class CpuRun:
         self.stack.wait_ready(300)
         await self.probe.wait_worker_attached()
         ready_s = time.monotonic() - killed_at
+        # the scheduler may learn of the new worker only from a step it fails (the request
+        # then migrates): let that happen to a short request, not to a measured one
+        await stream_one(self.client, self.model, prompt_ids(998, 16), 2)
         for i, prefix in prefixes.items():
             controls["restart"][i] = await self.control()
             runs["restart"][i] = await self.send(prefix)
