@@ -13,7 +13,8 @@ penalties, prompt logprobs) waits for the step before it instead. ``execute`` is
 start to end.
 
 With a kvstore attached (``attach_kv``), a plan's ``kv_loads`` are copied into their blocks
-before its forward and its ``kv_stores`` copied out around it (``kv_offload.py``).
+before its forward (a load it cannot make, e.g. from a restarted kvstore, is computed
+instead) and its ``kv_stores`` copied out around it (``kv_offload.py``).
 """
 
 from __future__ import annotations
