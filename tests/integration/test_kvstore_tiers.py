@@ -196,7 +196,7 @@ def test_a_restarted_worker_keeps_the_hits(tiers, references):
     tiers.stack.start_service("worker")
     tiers.stack.wait_ready(120)
     assert wait_for(tiers.scheduler_attached_to_the_worker, 10)
-    assert wait_for(tiers.worker_attached_to_the_kvstore, 10)
+    assert wait_for(tiers.worker_attached_to_the_kvstore, 30)
     tier_hits_before = tiers.tier_hits()
 
     text, cached = tiers.complete(prompt(SECOND))  # an empty cache: all from the kvstore
@@ -236,7 +236,7 @@ def test_the_kvstore_killed_mid_load_leaves_requests_correct(tiers, references):
     text, _ = tiers.complete(prompt(FIRST))
     assert text == references[FIRST]
 
-    assert wait_for(tiers.worker_attached_to_the_kvstore, 10), "the worker did not re-attach"
+    assert wait_for(tiers.worker_attached_to_the_kvstore, 30), "the worker did not re-attach"
     text, cached = tiers.complete(prompt(SECOND))  # evicted by FIRST just now
     assert text == references[SECOND]
     assert cached >= 0.9 * NUM_FULL_BLOCKS * BLOCK_SIZE, "no tier hits after the restart"
