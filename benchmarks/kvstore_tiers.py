@@ -440,7 +440,7 @@ async def part_prefix16k(args, model_name: str, log_dir: Path) -> dict:
     length = args.long_prefix_len
     stack = start_stack(args.model, log_dir / "prefix16k", True,
                         gpu_worker_flags(args, args.gpu_kv_cache_memory, length + 1024),
-                        gpu_scheduler_flags(args), flags(kv_host_memory=args.gpu_kv_host_memory))
+                        gpu_scheduler_flags(args), flags(kv_host_memory=args.gpu_kv_host_memory, kv_shm_dir=args.kv_shm_dir))
     probe = Probe(stack.nats_url)
     try:
         await probe.start()
@@ -496,7 +496,7 @@ async def part_offload(args, model_name: str, log_dir: Path) -> dict:
         on = kvstore == "on"
         stack = start_stack(args.model, log_dir / f"offload-{kvstore}", on,
                             gpu_worker_flags(args, None, 4096), gpu_scheduler_flags(args),
-                            flags(kv_host_memory=args.gpu_kv_host_memory))
+                            flags(kv_host_memory=args.gpu_kv_host_memory, kv_shm_dir=args.kv_shm_dir))
         clients = Clients(stack.base_url)
         runs = []
         try:
@@ -531,7 +531,7 @@ async def part_prefill512(args, model_name: str, log_dir: Path) -> dict:
     """N unique 512-token prefills: each chunk once (0% hits), then again (100% host)."""
     length = args.prefill_len
     token_bytes = kv_token_bytes(args.model, 2 if args.device == "cuda" else 4)
-    shm = shutil.disk_usage("/dev/shm").free
+    shm = shutil.disk_usage(args.kv_shm_dir or "/dev/shm").free
     host_bytes = min(parse_bytes(args.gpu_kv_host_memory), int(shm * 0.85))
     # a chunk's lookups may pin all of it at once: pins take at most half of the slots
     chunk = min(args.chunk, int(host_bytes * 0.4 // (token_bytes * length)))
@@ -539,7 +539,7 @@ async def part_prefill512(args, model_name: str, log_dir: Path) -> dict:
           f"(/dev/shm free {shm / 2**30:.1f} GiB): chunks of {chunk} prompts", flush=True)
     stack = start_stack(args.model, log_dir / "prefill512", True,
                         gpu_worker_flags(args, args.prefill_kv_cache_memory, 4096),
-                        gpu_scheduler_flags(args), flags(kv_host_memory=f"{host_bytes}"))
+                        gpu_scheduler_flags(args), flags(kv_host_memory=f"{host_bytes}", kv_shm_dir=args.kv_shm_dir))
     clients = Clients(stack.base_url, max_in_flight=args.prefill_in_flight)
     probe = Probe(stack.nats_url)
     passes = {"miss": [], "hit": []}
@@ -590,7 +590,7 @@ async def gpu_main(args, model_name: str) -> dict:
     parts = {"prefix16k": part_prefix16k, "offload": part_offload, "prefill512": part_prefill512}
     result = {"benchmark": "kvstore_tiers", "mode": "parts", "device": args.device,
               "model": args.model, "logs": str(log_dir),
-              "dev_shm_free_bytes": shutil.disk_usage("/dev/shm").free}
+              "shm_free_bytes": shutil.disk_usage(args.kv_shm_dir or "/dev/shm").free}
     for name in args.parts.split(","):
         started = time.monotonic()
         try:
@@ -634,6 +634,8 @@ def main() -> None:
     gpu.add_argument("--gpu-kv-cache-memory", default="4GiB",
                      help="prefix16k: the GPU cache (~32k tokens of the 8B model)")
     gpu.add_argument("--gpu-kv-host-memory", default="48GiB")
+    gpu.add_argument("--kv-shm-dir", default=None, help="the kvstore's arena directory "
+                     "(default /dev/shm; the kvstore caps the host tier at 90%% of its free space)")
     gpu.add_argument("--num-prompts", type=int, default=1000, help="offload: benchmark c's")
     gpu.add_argument("--offload-input-len", type=int, default=1024)
     gpu.add_argument("--offload-output-len", type=int, default=128)
