@@ -19,6 +19,7 @@ import itertools
 import os
 import random
 import shutil
+import ssl
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,7 +39,8 @@ async def send_all(base_url: str, model: str, prompts: list[list[int]], output_l
     # Several clients, taken in turn: one httpx client with 1,000 connections is itself
     # the bottleneck (cli.bench.client.ClientPool).
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    clients = [httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits)
+    tls = ssl.create_default_context()  # one for all: each client making its own is slow
+    clients = [httpx.AsyncClient(base_url=base_url, timeout=1800, limits=limits, verify=tls)
                for _ in range(NUM_CLIENTS)]
     turn = itertools.cycle(clients)
     client = clients[0]

@@ -68,11 +68,11 @@ def test_serve_prints_the_api_and_stops_cleanly(stop_signal, model_name):
             "model": model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
         assert response.status_code == 200
         children = descendants(process.pid)
-        assert len(children) >= 5  # nats-server and four services
+        assert len(children) >= 6  # nats-server and five services (the kvstore included)
         # Each child in its own process group: a Ctrl-C typed in the terminal reaches only
         # the launcher, which stops the services in order (gateway first, nats last).
         direct = [pid for pid in children if parent(pid) == process.pid]
-        assert len(direct) == 5 and all(os.getpgid(pid) == pid for pid in direct)
+        assert len(direct) == 6 and all(os.getpgid(pid) == pid for pid in direct)
         process.send_signal(stop_signal)
         assert process.wait(timeout=30) == 0
         assert not [pid for pid in children if alive(pid)], "orphaned processes"
