@@ -9,63 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import structlog
 
-from cli.stack import free_port, nats_server_binary
+from cli.stack import free_port
 from shared.bus import EXIT_NATS_LOST, Bus
 from shared.errors import ServiceUnavailable
+from tests.nats_server import NatsServer
 from shared.messages import Empty, HealthReply
 
 pytestmark = [pytest.mark.integration, pytest.mark.chaos]
-
-
-class NatsServer:
-    """A nats-server on one port, which can be killed and started again on that port."""
-
-    def __init__(self, port: int, log_path: Path) -> None:
-        self.port = port
-        self.log_path = log_path
-        self.process: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        with open(self.log_path, "a") as log:
-            self.process = subprocess.Popen(
-                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log_path.read_text()
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"nats-server did not listen on {self.port}: {self.log_path.read_text()}")
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from cli.stack import free_port
-from tests.chaos.test_nats_bus import NatsServer
+from tests.nats_server import NatsServer
 from tests.chaos.streams import StreamReader
 from tests.integration.conftest import start_stack
 

@@ -8,7 +8,6 @@ import asyncio
 import inspect
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.stack import free_port, nats_server_binary
+from cli.stack import free_port
 from shared.bus import Bus
 from shared.errors import FlotillaError
 from shared.kv_arena import KvArena
@@ -28,6 +27,7 @@ from shared.messages import (
     KvReserveRequest, KvStatsReply, KvStoredBlock,
 )
 from shared.subjects import Subjects
+from tests.nats_server import started_nats_server
 
 pytestmark = pytest.mark.integration
 
@@ -49,20 +49,9 @@ def block_bytes(i: int) -> np.ndarray:
 
 @pytest.fixture
 def nats_url(tmp_path):
-    port = free_port()
-    process = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                               stdout=open(tmp_path / "nats.log", "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline and process.poll() is None, "no nats-server"
-            time.sleep(0.05)
-    yield f"nats://127.0.0.1:{port}"
-    process.kill()
-    process.wait()
+    server = started_nats_server(tmp_path / "nats.log")
+    yield server.url
+    server.stop()
 
 
 class KvStoreProcess:

@@ -9,8 +9,6 @@ arena file; tests with the real process live with the kvstore."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,7 +17,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import services.worker.service as worker_service
-from cli.stack import free_port, nats_server_binary
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
 from services.worker.service import WorkerService
@@ -32,6 +29,7 @@ from shared.messages import (
 )
 from shared.models import ModelFiles, weights_version
 from shared.subjects import Subjects
+from tests.nats_server import started_nats_server
 
 pytestmark = pytest.mark.integration
 
@@ -44,22 +42,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def nats_url(tmp_path_factory):
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("nats") / "nats.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
-                                   stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.05)
-    yield f"nats://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(timeout=5)
+    server = started_nats_server(tmp_path_factory.mktemp("nats") / "nats.log")
+    yield server.url
+    server.stop()
 
 
 @pytest.fixture(scope="module")
