@@ -62,7 +62,8 @@ class KvClient:
         """A pinned hit of the blocks beyond the query's GPU prefix, if one is worth
         loading; None on a miss (or any trouble with the kvstore)."""
         block_hashes = query.block_hashes[query.num_gpu_blocks:]
-        if not block_hashes or time.monotonic() < self._silent_until:
+        started = time.monotonic()
+        if not block_hashes or started < self._silent_until:
             return None
         lookup = await self._ask("lookup", KvLookupRequest(
             namespace=self.namespace, block_hashes=block_hashes), KvLookupReply, LOOKUP_TIMEOUT_S)
@@ -74,6 +75,7 @@ class KvClient:
                                                           self.block_size)
         if num_blocks == 0:
             return None
+        looked_up = time.monotonic()
         pin_id = uuid.uuid4().hex
         timeout = PIN_TIMEOUT_S if DISK in lookup.tiers[:num_blocks] else HOST_PIN_TIMEOUT_S
         pin = await self._ask("pin", KvPinRequest(
@@ -84,6 +86,9 @@ class KvClient:
             return None
         self.store_id = pin.store_id
         num_confirmed = self._num_confirmed(pin, query.num_gpu_blocks, token_ids)
+        log.debug("kv_hit_pinned", num_blocks=num_confirmed, num_asked=num_blocks,
+                  lookup_ms=round((looked_up - started) * 1e3, 2),
+                  pin_ms=round((time.monotonic() - looked_up) * 1e3, 2))
         if num_confirmed == 0:
             await self.release([pin_id])
             return None
