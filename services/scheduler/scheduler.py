@@ -4,7 +4,7 @@ There is no prefill or decode mode: each request has ``num_computed_tokens`` and
 token count, and every step catches requests up under one token budget: running
 requests first (decodes, then the rest of chunked prompts), then waiting requests in
 (priority, arrival) order. Full blocks are offered to the prefix cache under a chained
-hash (prefix_hash.py), so a new request starts after its longest cached prefix.
+hash (shared/prefix_hash.py), so a new request starts after its longest cached prefix.
 Blocks are allocated as tokens need them; when they run out, the lowest-priority,
 latest running request is preempted (blocks freed, recomputed later, mostly from the
 prefix cache), so nothing is lost and nothing is sent twice. A request for n sequences
@@ -31,7 +31,7 @@ from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_tier import KvTierLedger
-from services.scheduler.prefix_hash import extend_block_hashes
+from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
 from services.scheduler.request import Request, TierHit
 from services.scheduler.siblings import num_blocks_needed, shares_prompt, sibling_requests
 from shared.errors import InvalidRequest
@@ -65,7 +65,7 @@ class Scheduler:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.model_key = f"model:{model_name}"
+        self.model_name = model_name  # the served name, part of every block key
         self.block_manager = BlockManager(num_blocks, block_size)
         self.kv_tier = KvTierLedger(self.block_manager, stores_enabled=kvstore)
         self.chunk_pacer = ChunkPacer(config.chunk_step_ratio, config.max_num_batched_tokens,
@@ -98,7 +98,8 @@ class Scheduler:
         for sibling in sibling_requests(request):
             seq = arrival_seq if arrival_seq is not None and leader is None else next(self._arrivals)
             req = Request(sibling.request_id, list(request.prompt_token_ids), sibling.sampling,
-                          request.output_subject, (priority, seq), self._extra_keys(request),
+                          request.output_subject, (priority, seq),
+                          extra_keys(self.model_name, request.cache_salt),
                           arrival_time, leader=leader if shares else None,
                           output_token_ids=list(request.output_token_ids),
                           num_outputs_sent=1 if request.output_token_ids else 0,
@@ -115,20 +116,14 @@ class Scheduler:
         """Raise InvalidRequest if ``add_request`` would refuse it."""
         self._validate(request)
 
-    def _extra_keys(self, request: GenerateRequest) -> tuple[str, ...]:
-        return (self.model_key,) + ((f"salt:{request.cache_salt}",) if request.cache_salt else ())
-
     def prefix_query(self, request: GenerateRequest) -> PrefixQuery | None:
         """The blocks of a request to look up in the kvstore, or None when it cannot use
         cached blocks (no prefix caching, or every prompt token's logprobs wanted)."""
         if not self.config.prefix_caching or request.sampling.prompt_logprobs is not None:
             return None
         token_ids = list(request.prompt_token_ids) + list(request.output_token_ids)
-        block_size = self.block_manager.block_size
-        block_hashes: list[bytes] = []
-        # At least one token must be computed: its block is never a hit.
-        extend_block_hashes(block_hashes, token_ids, len(token_ids) - 1, block_size,
-                            self._extra_keys(request))
+        block_hashes = usable_block_hashes(token_ids, self.block_manager.block_size,
+                                           extra_keys(self.model_name, request.cache_salt))
         num_gpu = len(self.block_manager.cached_prefix(block_hashes, token_ids))
         return PrefixQuery(block_hashes, num_gpu)
 

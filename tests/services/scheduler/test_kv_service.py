@@ -12,7 +12,7 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_client import LOOKUP_TIMEOUT_S
-from services.scheduler.prefix_hash import extend_block_hashes
+from shared.prefix_hash import extend_block_hashes
 from services.scheduler.service import SchedulerService
 from shared.bus import Bus
 from shared.errors import ServiceUnavailable

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.prefix_hash import extend_block_hashes
+from shared.prefix_hash import extend_block_hashes
 from services.scheduler.request import TierHit
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler

@@ -3,7 +3,9 @@
 A full block's key is SHA-256 over a canonical byte string chaining the parent block's
 key, the block's token ids and the request's extra keys (model identity, cache salt).
 No per-process seed: the same tokens give the same key in every process, on every
-machine, after every restart, in any language that follows the spec.
+machine, after every restart, in any language that follows the spec. The scheduler keys
+its prefix cache with it; the gateway computes the same keys of a prompt to route it to
+the replica that holds its blocks (docs/routing.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from collections.abc import Sequence
 
 SPEC_VERSION = b"flotilla-prefix-v1"
 ROOT_PARENT = bytes(32)  # the parent of a sequence's first block
+
+
+def extra_keys(model_name: str, cache_salt: str | None = None) -> tuple[str, ...]:
+    """The extra keys of a request's blocks, in spec order: the served model name, then
+    the cache salt when the request has one (different salts never share blocks)."""
+    return (f"model:{model_name}",) + ((f"salt:{cache_salt}",) if cache_salt else ())
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> bytes:
@@ -38,3 +46,12 @@ def extend_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], num
         parent = block_hashes[-1] if block_hashes else ROOT_PARENT
         block_tokens = token_ids[index * block_size:(index + 1) * block_size]
         block_hashes.append(block_hash(parent, block_tokens, extra_keys))
+
+
+def usable_block_hashes(token_ids: Sequence[int], block_size: int,
+                        keys: Sequence[str]) -> list[bytes]:
+    """The keys of the full blocks a cache can serve for these tokens: all but the block
+    of the last token, which is always computed (its logits sample the next token)."""
+    block_hashes: list[bytes] = []
+    extend_block_hashes(block_hashes, token_ids, len(token_ids) - 1, block_size, keys)
+    return block_hashes

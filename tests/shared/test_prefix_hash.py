@@ -7,7 +7,9 @@ import struct
 
 import pytest
 
-from services.scheduler.prefix_hash import ROOT_PARENT, block_hash, extend_block_hashes
+from shared.prefix_hash import (
+    ROOT_PARENT, block_hash, extend_block_hashes, extra_keys, usable_block_hashes,
+)
 
 MODEL = "model:SmolLM2-135M-Instruct"
 FIRST = "6cfc9e9f39640b05668c7e39d8bef8c16c466064900748a8d73df2ffb080ae83"
@@ -48,3 +50,21 @@ def test_a_different_earlier_block_changes_every_later_key():
     extend_block_hashes(a, [1, 2, 3, 4, 5, 6, 7, 8], 8, 4, [MODEL])
     extend_block_hashes(b, [9, 2, 3, 4, 5, 6, 7, 8], 8, 4, [MODEL])
     assert a[0] != b[0] and a[1] != b[1]
+
+
+def test_extra_keys_name_the_model_then_the_salt():
+    assert extra_keys("SmolLM2-135M-Instruct") == (MODEL,)
+    assert extra_keys("SmolLM2-135M-Instruct", "tenant-a") == (MODEL, "salt:tenant-a")
+    assert extra_keys("m", "") == ("model:m",)  # an empty salt is no salt
+
+
+def test_usable_blocks_leave_out_the_last_tokens_block():
+    """The block holding the last token is always computed, so it is never a hit: the
+    scheduler's lookups and the gateway's routing both key only the blocks before it."""
+    keys = extra_keys("m")
+    assert len(usable_block_hashes(list(range(8)), 4, keys)) == 1
+    assert len(usable_block_hashes(list(range(9)), 4, keys)) == 2
+    expected: list[bytes] = []
+    extend_block_hashes(expected, list(range(9)), 8, 4, keys)
+    assert usable_block_hashes(list(range(9)), 4, keys) == expected
+    assert usable_block_hashes([], 4, keys) == []
