@@ -242,6 +242,59 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     # each block was found in ("host", "disk")
     num_kv_tier_hits: int = 0
     num_kv_tier_hits_by_tier: dict[str, int] = {}
+    # What the gateway's KV-aware routing needs (docs/routing.md): how this replica keys
+    # its blocks (block_size, the served model name of the "model:" key), where its tiers
+    # below the GPU are (its worker's kvstore; "" for none), the prefill it has queued and
+    # its measured speeds (0: not measured yet)
+    block_size: int = 0
+    model_name: str = ""
+    kv_node_id: str = ""
+    kv_namespace: str = ""
+    num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and still-prefilling requests
+    prefill_tokens_per_s: float = 0.0
+    host_load_bytes_per_s: float = 0.0
+    disk_read_bytes_per_s: float = 0.0
+    block_bytes: int = 0  # KV bytes of one block
+    block_event_seq: int = 0  # the last SchedulerBlockEvent seq published (0: none yet)
+
+
+class SchedulerBlockEvent(Struct, frozen=True, kw_only=True):
+    """scheduler -> gateways (routing): block hashes that became findable in its GPU
+    prefix cache, or left it, since the last event (the last change of a hash wins).
+    ``seq`` counts up from 1 per ``scheduler_id``; a restarted scheduler has a new id (its
+    epoch), and a gap means missed events (ask for a snapshot)."""
+
+    scheduler_id: str
+    replica_id: str
+    seq: int
+    stored_hashes: list[bytes] = []
+    removed_hashes: list[bytes] = []
+    timestamp: float = 0.0
+
+
+class BlockSnapshotRequest(Struct, frozen=True, kw_only=True):
+    """gateway -> one scheduler (or kvstore): every block hash it holds now, a page at a
+    time. ``offset`` 0 takes a new snapshot; later pages name it by its ``snapshot_seq``."""
+
+    offset: int = 0
+    snapshot_seq: int = 0
+
+
+class BlockSnapshotPart(Struct, frozen=True, kw_only=True):
+    namespace: str = ""  # a kvstore namespace; "" for a scheduler's GPU cache
+    tier: str = "gpu"  # "gpu", "host" or "disk"
+    block_hashes: list[bytes] = []
+
+
+class BlockSnapshotReply(Struct, frozen=True, kw_only=True):
+    """One page of a snapshot: the holder's state after its event ``seq`` (later events
+    apply on top); ``num_hashes`` in the whole snapshot, this page's from ``offset``."""
+
+    source_id: str  # the scheduler_id, or the kvstore's store_id
+    seq: int
+    num_hashes: int
+    offset: int = 0
+    parts: list[BlockSnapshotPart] = []
 
 
 # ----------------------------------------------------------------- worker
@@ -483,7 +536,8 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
     ToolCall, ChatMessage, EncodeRequest,
     EncodeReply, DecodeRequest, DecodeReply, GenerationDefaults, TokenizerInfo, GenerateRequest,
     SubmitReply,
-    AbortRequest, RequestOutput, OutputBatch, SchedulerStats, NewRequestData,
+    AbortRequest, RequestOutput, OutputBatch, SchedulerStats, SchedulerBlockEvent,
+    BlockSnapshotRequest, BlockSnapshotPart, BlockSnapshotReply, NewRequestData,
     ScheduledRequest, StepPlan, StepResult, WorkerInfo, KvLayout, KvAttachRequest,
     KvAttachReply, KvReserveRequest, KvReserveReply, KvStoredBlock, KvCommitRequest,
     KvLookupRequest, KvLookupReply, KvPinRequest, KvPinReply, KvReleaseRequest, KvKeepAlive,

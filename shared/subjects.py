@@ -52,6 +52,10 @@ class Subjects:
     def scheduler_abort(self, scheduler_id: str) -> str:
         return self._addressed("scheduler", scheduler_id, "abort")
 
+    def scheduler_blocks_snapshot(self, scheduler_id: str) -> str:
+        """Every block hash in one scheduler's GPU prefix cache (BlockSnapshotRequest)."""
+        return self._addressed("scheduler", scheduler_id, "blocks_snapshot")
+
     # worker: addressed by replica, paired with one scheduler
     def worker_step(self, replica_id: str) -> str:
         return self._addressed("worker", replica_id, "step")
@@ -89,3 +93,8 @@ class Subjects:
     @property
     def scheduler_stats(self) -> str:
         return f"{self.namespace}.{VERSION}.evt.scheduler.stats"
+
+    @property
+    def scheduler_blocks(self) -> str:
+        """SchedulerBlockEvent: blocks that entered or left a scheduler's GPU prefix cache."""
+        return f"{self.namespace}.{VERSION}.evt.scheduler.blocks"

@@ -4,6 +4,11 @@
 A block is in exactly one place: in use (ref_count > 0), cached and evictable
 (ref_count 0 with a hash: its KV is kept for a later prefix hit, least recently freed
 evicted first), or free (ref_count 0, no hash).
+
+Once ``keep_journal()`` is called, the hashes that become findable (``cache_block``) and
+that stop being findable (an allocation evicting a cached block) are journaled until
+``take_journal()`` drains them: the scheduler publishes them for the gateways' routing
+(block_events.py). The in-process engine never asks, and keeps no journal.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ class BlockManager:
         self._free_block_ids: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._cached: dict[bytes, int] = {}  # block hash -> block id
+        # block hash -> findable now? (the last change wins); None: no journal kept
+        self._journal: dict[bytes, bool] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,6 +54,22 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every findable block's hash."""
+        return list(self._cached)
+
+    def keep_journal(self) -> None:
+        if self._journal is None:
+            self._journal = {}
+
+    def take_journal(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes now findable, hashes no longer findable) since the last call."""
+        if not self._journal:
+            return [], []
+        journal, self._journal = self._journal, {}
+        return ([block_hash for block_hash, held in journal.items() if held],
+                [block_hash for block_hash, held in journal.items() if not held])
 
     def num_missing_blocks(self, block_table: list[int], num_tokens: int) -> int:
         """Blocks to add to ``block_table`` so it holds ``num_tokens`` tokens."""
@@ -93,6 +116,8 @@ class BlockManager:
         block.token_ids = tuple(token_ids)
         block.from_kvstore = from_kvstore
         self._cached[block_hash] = block_id
+        if self._journal is not None:
+            self._journal[block_hash] = True
         return True
 
     def holds(self, block_id: int, block_hash: bytes) -> bool:
@@ -111,6 +136,8 @@ class BlockManager:
                 block_id, _ = self._evictable.popitem(last=False)
                 block = self.blocks[block_id]
                 del self._cached[block.block_hash]
+                if self._journal is not None:
+                    self._journal[block.block_hash] = False
                 block.block_hash, block.token_ids, block.from_kvstore = None, (), False
             self.blocks[block_id].ref_count = 1
             block_ids.append(block_id)

@@ -176,6 +176,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute before every request decodes: all of each
+        waiting request's (its cache hits are known only at admission), the rest of each
+        running prompt."""
+        return sum(req.num_tokens_at_worker - req.num_computed_tokens for req in self.waiting) + \
+            sum(req.num_tokens_at_worker - req.num_computed_tokens for req in self.running
+                if req.is_prefilling)
+
     # ------------------------------------------------------------ one step
     def schedule(self) -> StepPlan | None:
         """Plan the next step, or None when there is nothing to compute now."""

@@ -16,6 +16,9 @@ and rides with the request. Submits are then handled concurrently, each keeping 
 place in line it arrived at. Pins are released when the scheduler says (after the step
 that loaded them, or unused), and kept alive every couple of seconds.
 
+For the gateways' KV-aware routing, the prefix cache's blocks are published as they come
+and go, with a snapshot on request (block_events.py), and the stats name the prices.
+
 Draining (SIGTERM): no new requests (the queue-group submit is unsubscribed, an
 addressed submit gets 503 "draining", stats and health say so); running and waiting
 requests finish for up to ``shutdown_timeout``; what is left then fails with a 503.
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import msgspec
 import structlog
 
+from services.scheduler.block_events import BlockEventPublisher, routing_stats
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_client import KEEPALIVE_INTERVAL_S, KvClient
 from services.scheduler.request import TierHit
@@ -102,6 +106,9 @@ class SchedulerService:
         # worker re-attaches (a gateway that saw no stats between a reset and a larger
         # count would add only the difference)
         self._kv_tier_hits_before: dict[str, int] = {}
+        self.block_events = BlockEventPublisher(  # the GPU tier, for the gateways' routing
+            bus, self.subjects, config.instance_id, config.replica_id,
+            lambda: self.core.block_manager if self.core is not None else None)
         bus.add_listener(self._on_link)
 
     async def start(self) -> None:
@@ -115,6 +122,7 @@ class SchedulerService:
         await self.bus.serve(self.subjects.scheduler_abort(self.config.instance_id), AbortRequest,
                              self._on_abort)
         await self.bus.serve(self.subjects.health("scheduler"), Empty, self._on_health, queue=queue)
+        await self.block_events.start()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve until ``stop``, then drain. A step loop that crashes ends the process
@@ -122,7 +130,8 @@ class SchedulerService:
         step_loop = asyncio.create_task(self._step_loop())
         helpers = [asyncio.create_task(self._stats_loop()),
                    asyncio.create_task(self._redelivery_loop()),
-                   asyncio.create_task(self._keepalive_loop())]
+                   asyncio.create_task(self._keepalive_loop()),
+                   asyncio.create_task(self.block_events.run())]
         stopped = asyncio.create_task(stop.wait())
         try:
             await asyncio.wait({step_loop, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -452,10 +461,9 @@ class SchedulerService:
     def _record_step(self, plan: StepPlan, result: StepResult) -> None:
         num_tokens = sum(s.num_new_tokens for s in plan.scheduled)
         self._worker_busy_s += result.step_time_s
-        if self.kv is not None:
-            num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
-            self.tier_speeds.observe_step(num_tokens, num_prompt, result.step_time_s,
-                                          result.kv_load_bytes, result.kv_load_bytes_per_s)
+        num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
+        self.tier_speeds.observe_step(num_tokens, num_prompt, result.step_time_s,  # routing too
+                                      result.kv_load_bytes, result.kv_load_bytes_per_s)
         if len(self._step_samples) < MAX_STEP_SAMPLES:
             self._step_samples.append((num_tokens, result.step_time_s))
         log.debug("step_done", step_id=plan.step_id, num_scheduled=len(plan.scheduled),
@@ -579,7 +587,9 @@ class SchedulerService:
             num_kv_tier_hits=sum(tier_hits.values()), num_kv_tier_hits_by_tier=tier_hits,
             worker_busy_s=self._worker_busy_s, worker_idle_ratio=idle_ratio,
             recent_step_tokens=[tokens for tokens, _ in samples],
-            recent_step_times_s=[seconds for _, seconds in samples])
+            recent_step_times_s=[seconds for _, seconds in samples],
+            **routing_stats(core, self.tier_speeds, self.kv, self._worker_info,
+                            self.block_events.seq))
 
 
 def _cancel(in_flight: deque[tuple[StepPlan, asyncio.Task]]) -> None:

@@ -20,6 +20,7 @@ LAYOUT = m.KvLayout(weights_version="abc", dtype="bfloat16", num_layers=2, block
                     num_kv_heads=2, head_dim=64)
 STORED = m.KvStoredBlock(b"\x01" * 32, 5, list(range(16)))
 TIER_STATS = m.KvTierStats(tier="host", num_blocks=1, num_bytes=128, capacity_bytes=512)
+SNAPSHOT_PART = m.BlockSnapshotPart(namespace="ns", tier="host", block_hashes=[b"\x05" * 32])
 STORE_RUN = m.KvStoreRun("r1", 2, [4, 5], [b"\x01" * 32, b"\x02" * 32])
 
 SAMPLES: dict[type, object] = {
@@ -54,7 +55,12 @@ SAMPLES: dict[type, object] = {
                                      [None, LOGPROBS]),
     m.OutputBatch: m.OutputBatch([m.RequestOutput("r1", [42]), m.RequestOutput("r2", [], "abort")]),
     m.SchedulerStats: m.SchedulerStats(scheduler_id="s", replica_id="0", timestamp=1.0, num_running=2,
-                                       num_waiting=1, num_blocks_used=3, num_blocks_total=9),
+                                       num_waiting=1, num_blocks_used=3, num_blocks_total=9,
+                                       block_size=16, model_name="x", kv_node_id="local",
+                                       kv_namespace="ns", num_queued_prefill_tokens=900,
+                                       prefill_tokens_per_s=5e3, host_load_bytes_per_s=1e9,
+                                       disk_read_bytes_per_s=2e8, block_bytes=1 << 16,
+                                       block_event_seq=12),
     m.NewRequestData: m.NewRequestData("r1", [1, 2, 3], SAMPLING, [0, 1], 0),
     m.ScheduledRequest: m.ScheduledRequest("r1", 1, [7]),
     m.StepPlan: m.StepPlan(3, [m.NewRequestData("r1", [1], SAMPLING, [0])],
@@ -85,6 +91,13 @@ SAMPLES: dict[type, object] = {
     m.KvKeepAlive: m.KvKeepAlive(owner_id="w"),
     m.KvBlockEvent: m.KvBlockEvent(store_id="s", node_id="local", namespace="ns", seq=4,
                                    tier="host", stored_hashes=[b"\x02" * 32], timestamp=1.0),
+    m.SchedulerBlockEvent: m.SchedulerBlockEvent(scheduler_id="s1", replica_id="0", seq=2,
+                                                 stored_hashes=[b"\x03" * 32],
+                                                 removed_hashes=[b"\x04" * 32], timestamp=1.0),
+    m.BlockSnapshotRequest: m.BlockSnapshotRequest(offset=16000, snapshot_seq=7),
+    m.BlockSnapshotPart: SNAPSHOT_PART,
+    m.BlockSnapshotReply: m.BlockSnapshotReply(source_id="s1", seq=7, num_hashes=1,
+                                               parts=[SNAPSHOT_PART]),
     m.KvTierStats: TIER_STATS,
     m.KvStatsReply: m.KvStatsReply(store_id="s", node_id="local", tiers=[TIER_STATS]),
     m.KvLoad: m.KvLoad([1, 2], [7, 9], "store-1"),
