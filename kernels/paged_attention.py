@@ -234,6 +234,7 @@ PREFILL_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stage
 TARGET_PROGRAMS_PER_SM = 2  # TUNE: split contexts until a decode launch has this many per SM
 MIN_SEGMENT_LEN = 256  # TUNE: never split a context into pieces shorter than this (tokens)
 MAX_SEGMENTS = 64  # TUNE: and never into more pieces than this (a power of 2)
+SPLIT_CHUNK_MIN_CONTEXT_RATIO = 4  # a chunk launch splits only with this much more context than queries
 SEQ_CHUNK = 256  # sequences scanned per vector load when a program looks for its sequence
 COMBINE_NUM_WARPS = 4
 LOG2E = 1.4426950408889634
@@ -280,10 +281,13 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                 query_start_loc[:num_decodes + 1], min(num_decodes, num_tokens), 1, segments,
                 decode_config or default_config(1, num_heads // key_cache.shape[2], query.dtype))
     if num_decodes < num_seqs:
+        config = chunk_config or default_config(max_query_len, num_heads // key_cache.shape[2],
+                                                 query.dtype)
+        segments = num_segments or choose_chunk_segments(
+            num_seqs - num_decodes, num_tokens - num_decodes, max_query_len, max_seq_len,
+            num_heads // key_cache.shape[2], key_cache.shape[2], config, _sm_count(query.device))
         _launch(*args, block_tables[num_decodes:], seq_lens[num_decodes:],
-                query_start_loc[num_decodes:], num_tokens, max_query_len,
-                num_segments or 1, chunk_config or default_config(
-                    max_query_len, num_heads // key_cache.shape[2], query.dtype))
+                query_start_loc[num_decodes:], num_tokens, max_query_len, segments, config)
     return out
 
 
@@ -309,6 +313,22 @@ def choose_num_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_c
     while segments > cap:
         segments //= 2
     return segments
+
+
+def choose_chunk_segments(num_seqs: int, num_tokens: int, max_query_len: int,
+                          max_seq_len: int, group: int, num_kv_heads: int,
+                          config: AttentionConfig, sm_count: int) -> int:
+    """Split-KV segments for a launch of prompt chunks: 1 unless its query tiles are too few
+    to fill the GPU. A short chunk after a long cached prefix (a prefix-cache or kvstore hit:
+    16 queries against 16k keys) is one tile per KV head, 8 programs on 132 SMs each reading
+    the whole context, unless its context is split like a decode's. Only launches whose
+    context is much longer than their queries split: their partials are small (tokens x
+    heads x segments), and a prompt's first chunk keeps the order of its sums."""
+    if max_seq_len < SPLIT_CHUNK_MIN_CONTEXT_RATIO * max_query_len:
+        return 1
+    block_q = max(1, config.block_m // group)
+    num_tiles = num_seqs if max_query_len <= block_q else -(-num_tokens // block_q) + num_seqs
+    return choose_num_segments(num_tiles, num_kv_heads, max_seq_len, sm_count)
 
 
 def workspace_numel(num_tokens: int, num_heads: int, head_dim: int, num_segments: int) -> int:

@@ -100,6 +100,20 @@ def test_split_kv_mixed_and_more_segments_than_blocks():
     assert rel_error(out, ref) < 1e-4
 
 
+def test_a_short_chunk_after_a_long_context_splits_it():
+    """A prefix-cache hit's last chunk (few queries, long context) runs split-KV unforced."""
+    from kernels.paged_attention import CHUNK_CONFIG, PREFILL_CONFIG, choose_chunk_segments
+
+    assert choose_chunk_segments(1, 16, 16, 16384, 4, 8, CHUNK_CONFIG, 132) == 64
+    assert choose_chunk_segments(1, 8192, 8192, 8192, 4, 8, PREFILL_CONFIG, 132) == 1
+    assert choose_chunk_segments(1, 512, 512, 1024, 4, 8, PREFILL_CONFIG, 132) == 1  # ratio 2
+    assert choose_chunk_segments(16, 8192, 512, 16384, 4, 8, PREFILL_CONFIG, 132) == 1  # full GPU
+    seqs = [(1200, 1), (1500, 7), (900, 3)]  # a decode first, then two short chunks
+    assert choose_chunk_segments(2, 10, 7, 1500, 2, 2, CHUNK_CONFIG, 16) > 1
+    out, ref, _ = run(seqs, 4, 2, num_decodes=1)
+    assert rel_error(out, ref) < 1e-4
+
+
 def test_small_tiles_search_sequences():
     # 16-row tiles hold 2 queries of a group of 8: programs must find their sequence on device
     seqs = SEQ_SETS["mixed"] + [(100, 17)]
@@ -239,6 +253,8 @@ GPU_CASES = {
     "decode_b64_mixed_lengths": [(17 + 255 * i, 1) for i in range(64)],
     "prompts": [(2048, 2048)] * 2 + [(777, 777)],
     "chunk_after_8k": [(8192 + 512, 512)],
+    "hit_chunk_after_16k": [(16384, 16)],  # a prefix hit's last chunk: split unforced
+    "decodes_and_hit_chunks": [(2000 + i, 1) for i in range(4)] + [(16000, 16), (5000, 9)],
     "mixed": [(3000 + i, 1) for i in range(30)] + [(1500, 1500), (9000, 512), (100, 33)],
 }
 
