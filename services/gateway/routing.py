@@ -1,0 +1,279 @@
+"""Which replica gets a request (docs/routing.md): pure, synchronous policy code.
+
+- ``least-loaded``: the replica with the fewest requests (running + waiting, or this
+  gateway's own count of requests sent to it, whichever is larger).
+- ``round-robin``: the ready replicas in turn.
+- ``kv`` (the default): the replica expected to finish the prompt's prefill first. For
+  each ready replica, from the block index (block_index.py):
+
+      seconds = tokens to compute / prefill speed
+              + host hits x block bytes / host load speed
+              + disk hits x block bytes x (1 / disk read speed + 1 / host load speed)
+              + queued prefill tokens / prefill speed
+              + running requests x DECODE_COST_TOKENS / prefill speed
+
+  Hits count only as a leading run of the prompt's blocks: the GPU cache's run, then the
+  replica's node kvstore's run after it (every replica of a node shares its kvstore), each
+  tier block only while loading it beats recomputing it. A speed not measured yet is the
+  mean of the replicas that measured it, else a default. Ties go to the less loaded.
+
+  Saturation valve: a replica whose load exceeds the least loaded one's by more than
+  max(saturation_margin, saturation_ratio x that load) is not chosen, whatever it holds,
+  so one hot prefix cannot pile onto one replica.
+
+  Sessions: a request naming a session (``prompt_cache_key``, else ``user``; within its
+  cache salt) goes to the replica its session last went to while that one is ready and
+  not saturated (a bounded LRU map, entries expire after session_ttl_s).
+
+The prompt is hashed (shared/prefix_hash.py, the scheduler's own keys) only under ``kv``
+with more than one ready replica.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.gateway.block_index import DISK, HOST, BlockIndex, block_key
+from shared.messages import SchedulerStats
+from shared.prefix_hash import extra_keys, usable_block_hashes
+
+POLICIES = ("kv", "least-loaded", "round-robin")
+GPU = "gpu"
+# decision reasons: a cache hit decided it, a session, load alone (no hit made a
+# difference), the valve turned a request away from the replica its cache or session
+# favoured, or round-robin's turn
+CACHE, SESSION, LOAD, SATURATED, TURN = "cache", "session", "load", "saturated", "turn"
+DECODE_COST_TOKENS = 16.0  # a running request's decode, in prompt tokens' compute, per prefill
+DEFAULT_PREFILL_TOKENS_PER_S = 2000.0  # until some replica measures it
+DEFAULT_HOST_LOAD_BYTES_PER_S = 10e9  # host RAM -> KV cache (about PCIe)
+DEFAULT_DISK_READ_BYTES_PER_S = 2e9  # disk -> host RAM (about NVMe)
+
+
+@dataclass(frozen=True)
+class RoutingParams:
+    policy: str = "kv"
+    saturation_margin: int = 8  # requests over the least loaded replica's, at least
+    saturation_ratio: float = 0.5  # ... or this share of its load, if more
+    session_ttl_s: float = 600.0
+    max_sessions: int = 100_000
+
+
+@dataclass(frozen=True)
+class Replica:
+    """What the router knows of one ready replica: its last stats, and this gateway's
+    own counts since (requests sent, prompt tokens not prefilled yet)."""
+
+    stats: SchedulerStats
+    num_sent: int = 0
+    num_sent_prefill_tokens: int = 0
+
+    @property
+    def scheduler_id(self) -> str:
+        return self.stats.scheduler_id
+
+    @property
+    def load(self) -> int:
+        return max(self.stats.num_running + self.stats.num_waiting, self.num_sent)
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return max(self.stats.num_queued_prefill_tokens, self.num_sent_prefill_tokens)
+
+
+@dataclass(frozen=True)
+class Decision:
+    scheduler_id: str
+    policy: str
+    reason: str
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # expected, by tier
+    num_compute_tokens: int = 0  # prompt tokens it is expected to compute
+    estimated_s: float = 0.0  # kv: the chosen replica's estimate
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return sum(self.hit_tokens.values())
+
+
+@dataclass(frozen=True)
+class _Estimate:
+    seconds: float
+    hit_tokens: dict[str, int]
+    num_compute_tokens: int
+
+    @property
+    def num_hit_tokens(self) -> int:
+        return sum(self.hit_tokens.values())
+
+
+class PendingPrefill:
+    """Prompt tokens this gateway sent to each replica and has no first output of yet
+    (its stats tell the queue only every half second; a burst must see its own)."""
+
+    def __init__(self) -> None:
+        self._by_request: dict[str, tuple[str, int]] = {}
+        self._by_scheduler: dict[str, int] = {}
+
+    def add(self, request_id: str, scheduler_id: str, num_tokens: int) -> None:
+        self.done(request_id)
+        self._by_request[request_id] = (scheduler_id, num_tokens)
+        self._by_scheduler[scheduler_id] = self._by_scheduler.get(scheduler_id, 0) + num_tokens
+
+    def done(self, request_id: str) -> None:
+        """Its first output came, or it ended or moved (any number of times)."""
+        entry = self._by_request.pop(request_id, None)
+        if entry is not None:
+            scheduler_id, num_tokens = entry
+            left = self._by_scheduler[scheduler_id] - num_tokens
+            if left:
+                self._by_scheduler[scheduler_id] = left
+            else:
+                del self._by_scheduler[scheduler_id]
+
+    def of(self, scheduler_id: str) -> int:
+        return self._by_scheduler.get(scheduler_id, 0)
+
+
+class Sessions:
+    """Session key -> the scheduler it last went to: LRU-bounded, entries expire."""
+
+    def __init__(self, max_sessions: int, ttl_s: float) -> None:
+        self.max_sessions = max_sessions
+        self.ttl_s = ttl_s
+        self._map: OrderedDict[tuple[str, str], tuple[str, float]] = OrderedDict()
+
+    def get(self, key: tuple[str, str], now: float) -> str | None:
+        entry = self._map.get(key)
+        if entry is None:
+            return None
+        if now >= entry[1]:
+            del self._map[key]
+            return None
+        self._map.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: tuple[str, str], scheduler_id: str, now: float) -> None:
+        self._map[key] = (scheduler_id, now + self.ttl_s)
+        self._map.move_to_end(key)
+        while len(self._map) > self.max_sessions:
+            self._map.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+
+class Router:
+    def __init__(self, params: RoutingParams, index: BlockIndex) -> None:
+        if params.policy not in POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, not {params.policy!r}")
+        self.params = params
+        self.index = index
+        self.sessions = Sessions(params.max_sessions, params.session_ttl_s)
+        self._turns = itertools.count()
+
+    def choose(self, replicas: Sequence[Replica], token_ids: Sequence[int], *,
+               cache_salt: str | None = None, session: str | None = None,
+               now: float = 0.0) -> Decision | None:
+        """The replica for a prompt of ``token_ids`` among the ready ``replicas`` (None
+        when there is none)."""
+        if not replicas:
+            return None
+        policy = self.params.policy
+        if policy == "round-robin":
+            ordered = sorted(replicas, key=lambda r: r.stats.replica_id)
+            return Decision(ordered[next(self._turns) % len(ordered)].scheduler_id, policy, TURN,
+                            num_compute_tokens=len(token_ids))
+        least_loaded = min(replicas, key=lambda r: r.load)
+        if policy == "least-loaded" or len(replicas) == 1:
+            decision = Decision(least_loaded.scheduler_id, policy, LOAD,
+                                num_compute_tokens=len(token_ids))
+        else:
+            decision = self._choose_kv(replicas, least_loaded, token_ids, cache_salt, session, now)
+        if session and policy == "kv":
+            self.sessions.put((cache_salt or "", session), decision.scheduler_id, now)
+        return decision
+
+    def _choose_kv(self, replicas: Sequence[Replica], least_loaded: Replica,
+                   token_ids: Sequence[int], cache_salt: str | None, session: str | None,
+                   now: float) -> Decision:
+        estimates = self.estimates(replicas, token_ids, cache_salt)
+        threshold = max(self.params.saturation_margin,
+                        self.params.saturation_ratio * least_loaded.load)
+        open_ = [r for r in replicas if r.load - least_loaded.load <= threshold]
+        best = min(replicas, key=lambda r: (estimates[r.scheduler_id].seconds, r.load))
+        sticky_id = self.sessions.get((cache_salt or "", session), now) if session else None
+        sticky = next((r for r in replicas if r.scheduler_id == sticky_id), None)
+        if sticky is not None and sticky in open_:
+            chosen, reason = sticky, SESSION
+        else:
+            chosen = min(open_, key=lambda r: (estimates[r.scheduler_id].seconds, r.load))
+            fewest_hits = min(e.num_hit_tokens for e in estimates.values())
+            if chosen is not best or sticky is not None:
+                reason = SATURATED
+            elif estimates[chosen.scheduler_id].num_hit_tokens > fewest_hits:
+                reason = CACHE
+            else:
+                reason = LOAD
+        estimate = estimates[chosen.scheduler_id]
+        return Decision(chosen.scheduler_id, "kv", reason, estimate.hit_tokens,
+                        estimate.num_compute_tokens, estimate.seconds)
+
+    def estimates(self, replicas: Sequence[Replica], token_ids: Sequence[int],
+                  cache_salt: str | None) -> dict[str, _Estimate]:
+        """Each replica's expected seconds to this prompt's first token (see above)."""
+        keys_by_spec: dict[tuple[int, str], list[int]] = {}
+        gpu_runs: dict[str, int] = {}
+        for spec in {(r.stats.block_size, r.stats.model_name) for r in replicas}:
+            block_size, model_name = spec
+            if block_size <= 0:
+                continue
+            keys_by_spec[spec] = [block_key(h) for h in usable_block_hashes(
+                token_ids, block_size, extra_keys(model_name, cache_salt))]
+            gpu_runs |= self.index.gpu_prefix_blocks(
+                [r.scheduler_id for r in replicas
+                 if (r.stats.block_size, r.stats.model_name) == spec], keys_by_spec[spec])
+        prefill_speed = _mean_measured([r.stats.prefill_tokens_per_s for r in replicas],
+                                       DEFAULT_PREFILL_TOKENS_PER_S)
+        host_speed = _mean_measured([r.stats.host_load_bytes_per_s for r in replicas],
+                                    DEFAULT_HOST_LOAD_BYTES_PER_S)
+        disk_speed = _mean_measured([r.stats.disk_read_bytes_per_s for r in replicas],
+                                    DEFAULT_DISK_READ_BYTES_PER_S)
+        estimates = {}
+        for replica in replicas:
+            stats = replica.stats
+            keys = keys_by_spec.get((stats.block_size, stats.model_name), [])
+            gpu_run = gpu_runs.get(replica.scheduler_id, 0)
+            tiers = self.index.tier_run(stats.kv_node_id, stats.kv_namespace, keys, gpu_run) \
+                if stats.kv_node_id and stats.kv_namespace else []
+            estimates[replica.scheduler_id] = _estimate(
+                replica, len(token_ids), gpu_run, tiers,
+                stats.prefill_tokens_per_s or prefill_speed,
+                stats.host_load_bytes_per_s or host_speed,
+                stats.disk_read_bytes_per_s or disk_speed)
+        return estimates
+
+
+def _estimate(replica: Replica, num_tokens: int, gpu_blocks: int, tiers: list[str],
+              prefill_speed: float, host_speed: float, disk_speed: float) -> _Estimate:
+    stats = replica.stats
+    block_size, block_bytes = stats.block_size, stats.block_bytes
+    recompute_s = block_size / prefill_speed
+    hits = {GPU: gpu_blocks * block_size, HOST: 0, DISK: 0}
+    load_s = 0.0
+    for tier in tiers:  # a leading run, while loading a block beats computing it
+        block_load_s = block_bytes / host_speed + (block_bytes / disk_speed if tier == DISK else 0)
+        if block_load_s >= recompute_s:
+            break
+        hits[tier] += block_size
+        load_s += block_load_s
+    num_compute = max(0, num_tokens - sum(hits.values()))
+    seconds = (num_compute + replica.queued_prefill_tokens
+               + stats.num_running * DECODE_COST_TOKENS) / prefill_speed + load_s
+    return _Estimate(seconds, {tier: n for tier, n in hits.items() if n}, num_compute)
+
+
+def _mean_measured(values: list[float], default: float) -> float:
+    measured = [value for value in values if value > 0]
+    return sum(measured) / len(measured) if measured else default

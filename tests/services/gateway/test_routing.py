@@ -1,0 +1,199 @@
+"""The routing policy, pure: the kv cost puts a prompt where its prefix is (GPU, or the
+node's host/disk tiers, as a leading run only) unless queued work outweighs it, the
+saturation valve turns a hot prefix away from a loaded replica, sessions stick, and
+least-loaded and round-robin ignore the cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gateway import routing
+from services.gateway.block_index import BlockIndex
+from services.gateway.routing import (
+    CACHE, LOAD, SATURATED, SESSION, TURN, PendingPrefill, Replica, Router, RoutingParams,
+)
+from shared.messages import KvBlockEvent, SchedulerBlockEvent, SchedulerStats
+from shared.prefix_hash import extra_keys, usable_block_hashes
+
+BLOCK_SIZE = 4
+PROMPT = list(range(1000, 1000 + 16 * BLOCK_SIZE + 1))  # 16 usable blocks
+HASHES = usable_block_hashes(PROMPT, BLOCK_SIZE, extra_keys("m"))
+
+
+def stats(scheduler_id: str, *, running: int = 0, waiting: int = 0, queued: int = 0,
+          node: str = "", prefill: float = 0.0, host: float = 0.0, replica_id: str = "",
+          **fields) -> SchedulerStats:
+    return SchedulerStats(
+        scheduler_id=scheduler_id, replica_id=replica_id or scheduler_id, timestamp=0.0,
+        num_running=running, num_waiting=waiting, num_blocks_used=0, num_blocks_total=100,
+        block_size=BLOCK_SIZE, model_name="m", kv_node_id=node, kv_namespace="ns" if node else "",
+        num_queued_prefill_tokens=queued, prefill_tokens_per_s=prefill,
+        host_load_bytes_per_s=host, block_bytes=1000, **fields)
+
+
+def holds(index: BlockIndex, scheduler_id: str, hashes: list[bytes], seq: int = 1) -> None:
+    index.on_scheduler_event(SchedulerBlockEvent(scheduler_id=scheduler_id, replica_id="0",
+                                                 seq=seq, stored_hashes=hashes), now=0.0)
+
+
+def node_holds(index: BlockIndex, node: str, tier: str, hashes: list[bytes], seq: int = 1) -> None:
+    index.on_kv_event(KvBlockEvent(store_id=f"store-{node}", node_id=node, namespace="ns",
+                                   seq=seq, tier=tier, stored_hashes=hashes))
+
+
+def router(index: BlockIndex | None = None, **params) -> Router:
+    return Router(RoutingParams(**params), index if index is not None else BlockIndex())
+
+
+def test_the_replica_holding_the_prefix_is_cheapest():
+    index = BlockIndex()
+    holds(index, "a", HASHES)
+    decision = router(index).choose([Replica(stats("b")), Replica(stats("a"))], PROMPT)
+    assert (decision.scheduler_id, decision.reason) == ("a", CACHE)
+    assert decision.hit_tokens == {"gpu": 16 * BLOCK_SIZE}
+    assert decision.num_compute_tokens == 1
+
+
+def test_hits_count_only_as_a_leading_run():
+    index = BlockIndex()
+    holds(index, "a", HASHES[1:])  # everything but the first block: no prefix hit at all
+    holds(index, "b", HASHES[:2])
+    decision = router(index).choose([Replica(stats("a")), Replica(stats("b"))], PROMPT)
+    assert (decision.scheduler_id, decision.hit_tokens) == ("b", {"gpu": 2 * BLOCK_SIZE})
+
+
+def test_queued_prefill_outweighs_a_small_hit():
+    index = BlockIndex()
+    holds(index, "a", HASHES[:2])
+    replicas = [Replica(stats("a", queued=5000)), Replica(stats("b"))]
+    decision = router(index).choose(replicas, PROMPT)
+    assert (decision.scheduler_id, decision.reason) == ("b", LOAD)
+    # the gateway's own count of prompt tokens sent counts too (a burst between stats)
+    replicas = [Replica(stats("a")), Replica(stats("b"), num_sent=1, num_sent_prefill_tokens=5000)]
+    assert router(index).choose(replicas, PROMPT).scheduler_id == "a"
+
+
+def test_running_decodes_add_load():
+    replicas = [Replica(stats("a", running=6)), Replica(stats("b", running=2))]
+    decision = router().choose(replicas, PROMPT)
+    assert (decision.scheduler_id, decision.reason) == ("b", LOAD)
+
+
+def test_host_and_disk_hits_count_for_every_replica_of_the_node():
+    index = BlockIndex()
+    holds(index, "a", HASHES[:2])
+    node_holds(index, "n1", "host", HASHES[2:6])
+    node_holds(index, "n1", "disk", HASHES[:10], seq=2)
+    node_holds(index, "n2", "host", HASHES, seq=1)  # another node: not a's nor b's
+    replicas = [Replica(stats("a", node="n1")), Replica(stats("b", node="n1")),
+                Replica(stats("c", node="n3"))]
+    estimates = router(index).estimates(replicas, PROMPT, None)
+    assert estimates["a"].hit_tokens == {"gpu": 8, "host": 16, "disk": 16}  # GPU run, then the tiers
+    assert estimates["b"].hit_tokens == {"host": 16, "disk": 24}  # the node's run from block 0
+    assert estimates["c"].hit_tokens == {}
+    decision = router(index).choose(replicas, PROMPT)
+    assert (decision.scheduler_id, decision.reason) == ("a", CACHE)
+
+
+def test_a_tier_hit_slower_to_load_than_to_compute_is_no_hit():
+    index = BlockIndex()
+    node_holds(index, "n1", "host", HASHES)
+    slow = [Replica(stats("a", node="n1", prefill=1000.0, host=100.0)), Replica(stats("b"))]
+    assert router(index).estimates(slow, PROMPT, None)["a"].hit_tokens == {}
+    fast = [Replica(stats("a", node="n1", prefill=1000.0, host=1e9)), Replica(stats("b"))]
+    assert router(index).estimates(fast, PROMPT, None)["a"].hit_tokens == {"host": 64}
+
+
+def test_a_speed_not_measured_is_the_mean_of_the_measured():
+    replicas = [Replica(stats("a", prefill=500.0)), Replica(stats("b", prefill=1500.0)),
+                Replica(stats("c"))]
+    estimates = router().estimates(replicas, PROMPT, None)
+    assert estimates["c"].seconds == pytest.approx(len(PROMPT) / 1000.0)
+    assert estimates["a"].seconds == pytest.approx(len(PROMPT) / 500.0)
+
+
+def test_the_saturation_valve_turns_a_hot_prefix_away():
+    index = BlockIndex()
+    holds(index, "a", HASHES)
+    at_margin = [Replica(stats("a", waiting=8)), Replica(stats("b"))]
+    assert router(index).choose(at_margin, PROMPT).scheduler_id == "a"
+    over = [Replica(stats("a", waiting=9)), Replica(stats("b"))]
+    decision = router(index).choose(over, PROMPT)
+    assert (decision.scheduler_id, decision.reason) == ("b", SATURATED)
+    # the gateway's own count of requests sent counts as load
+    assert router(index).choose([Replica(stats("a"), num_sent=9), Replica(stats("b"))],
+                                PROMPT).scheduler_id == "b"
+    # relative to the least loaded: 36 vs 25 is within half of 25, not within 8
+    busy = [Replica(stats("a", waiting=36)), Replica(stats("b", waiting=25))]
+    assert router(index, saturation_ratio=0.5).choose(busy, PROMPT).scheduler_id == "a"
+    assert router(index, saturation_ratio=0.1).choose(busy, PROMPT).scheduler_id == "b"
+
+
+def test_a_session_sticks_until_its_replica_saturates_or_goes():
+    index = BlockIndex()
+    route = router(index)
+    first = route.choose([Replica(stats("a")), Replica(stats("b"))], PROMPT, session="u1", now=0.0)
+    other = "b" if first.scheduler_id == "a" else "a"
+    holds(index, other, HASHES)  # the other one now holds the prefix: the session still sticks
+    again = route.choose([Replica(stats("a")), Replica(stats("b"))], PROMPT, session="u1", now=1.0)
+    assert (again.scheduler_id, again.reason) == (first.scheduler_id, SESSION)
+    # another tenant's session of the same name is its own
+    assert route.choose([Replica(stats("a")), Replica(stats("b"))], PROMPT, session="u1",
+                        cache_salt="t2", now=1.0).reason != SESSION
+    loaded = {first.scheduler_id: 20, other: 0}
+    moved = route.choose([Replica(stats(s, running=n)) for s, n in loaded.items()], PROMPT,
+                         session="u1", now=2.0)
+    assert (moved.scheduler_id, moved.reason) == (other, SATURATED)
+    # it went there last: it sticks there now; a replica that is not ready is left
+    back = route.choose([Replica(stats(first.scheduler_id)), Replica(stats(other))], PROMPT,
+                        session="u1", now=3.0)
+    assert (back.scheduler_id, back.reason) == (other, SESSION)
+    alone = route.choose([Replica(stats(first.scheduler_id)), Replica(stats("c"))], PROMPT,
+                         session="u1", now=4.0)
+    assert alone.reason != SESSION
+
+
+def test_sessions_expire_and_are_bounded():
+    sessions = routing.Sessions(max_sessions=2, ttl_s=10.0)
+    sessions.put(("", "u1"), "a", now=0.0)
+    sessions.put(("", "u2"), "b", now=1.0)
+    assert sessions.get(("", "u1"), now=9.0) == "a"
+    sessions.put(("", "u3"), "c", now=2.0)  # u2 is the least recently used
+    assert sessions.get(("", "u2"), now=2.0) is None and len(sessions) == 2
+    assert sessions.get(("t", "u1"), now=2.0) is None  # per tenant
+    assert sessions.get(("", "u3"), now=12.0) is None  # expired
+
+
+def test_cache_blind_policies_ignore_the_index_and_hash_nothing(monkeypatch):
+    index = BlockIndex()
+    holds(index, "a", HASHES)
+    replicas = [Replica(stats("a", running=1)), Replica(stats("b"))]
+    calls = []
+    monkeypatch.setattr(routing, "usable_block_hashes",
+                        lambda *args: calls.append(args) or HASHES)
+    decision = router(index, policy="least-loaded").choose(replicas, PROMPT, session="u1")
+    assert (decision.scheduler_id, decision.reason, decision.policy) == ("b", LOAD, "least-loaded")
+    turns = router(index, policy="round-robin")
+    chosen = [turns.choose(replicas, PROMPT).scheduler_id for _ in range(4)]
+    assert chosen == ["a", "b", "a", "b"] and turns.choose(replicas, PROMPT).reason == TURN
+    assert router(index).choose(replicas[:1], PROMPT).reason == LOAD  # one replica: no hashing
+    assert calls == []
+    router(index).choose(replicas, PROMPT)
+    assert len(calls) == 1  # kv with two ready replicas: hashed once per block size and model
+
+
+def test_pending_prefill_counts_until_the_first_output():
+    pending = PendingPrefill()
+    pending.add("r1", "a", 100)
+    pending.add("r2", "a", 50)
+    assert pending.of("a") == 150 and pending.of("b") == 0
+    pending.done("r1")
+    pending.done("r1")  # twice: counted once
+    assert pending.of("a") == 50
+    pending.done("r2")
+    assert pending.of("a") == 0
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="routing"):
+        router(policy="random")
