@@ -1,0 +1,240 @@
+"""The kvstore's control plane on CPU (issue 14): how many requests per second one kvstore
+process answers, and how long each waits, with no GPU and no model.
+
+    .venv/bin/python benchmarks/kvstore_requests.py [--prompts 2000] [--concurrency 128]
+
+A real nats-server and a real ``python -m services.kvstore`` (its own process, as served);
+this process plays the worker and the scheduler on one NATS connection each (uvloop and
+tracing set up as the services do), ``--concurrency`` calls in flight:
+  commit  the worker's side: per prompt, reserve 31 slots, then commit the 31-block batch
+          (as a request, so it is timed until applied); this fills the host tier;
+  lookup  a bare KvLookupRequest of each prompt's 31 blocks (all host hits);
+  hit     the scheduler's admission path, ``KvClient.find_hit`` (lookup and pin, in
+          however many round trips the client takes), inside a span as the scheduler's
+          submit handler runs it; the pins are released (published) 16 at a time, as the
+          scheduler releases a step's loads; ``--reps`` passes. A hit the client gives up
+          on (past ``--deadline-s``) is counted as a miss.
+Each prompt is 512 tokens: 31 full 16-token blocks that a tier may serve (the last
+token's block never is). The slots are tiny (the kvstore never touches the bytes on
+these paths). Reported per phase: operations/s, latency p50/p99 (ms), and the CPU time of
+the kvstore process and of this one per operation (robust to a shared machine, unlike
+the rates). Printed, and written as JSON to ``--out`` when given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from cli.stack import free_port, nats_server_binary  # noqa: E402
+from services.scheduler import kv_client  # noqa: E402
+from services.scheduler.kv_client import KvClient  # noqa: E402
+from services.scheduler.scheduler import PrefixQuery  # noqa: E402
+from services.scheduler.tiering import TierSpeeds  # noqa: E402
+from shared.bus import Bus  # noqa: E402
+from shared.messages import (  # noqa: E402
+    Empty, KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvLookupReply,
+    KvLookupRequest, KvReserveReply, KvReserveRequest, KvStatsReply, KvStoredBlock,
+)
+from shared.logging import setup_logging  # noqa: E402
+from shared.runtime import run_event_loop  # noqa: E402
+from shared.subjects import Subjects  # noqa: E402
+from shared.tracing import setup_tracing, tracer  # noqa: E402
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 31  # a 512-token prompt's blocks a tier may serve
+RELEASE_BATCH = 16  # pins released together: a step's loads (8,192 tokens / 512)
+# 512-byte slots: the kvstore's work per block does not depend on their size
+LAYOUT = KvLayout(weights_version="bench", dtype="float16", num_layers=1, block_size=BLOCK_SIZE,
+                  num_kv_heads=1, head_dim=8)
+ITEMSIZE = 2
+SUBJECTS = Subjects()
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class Prompt:
+    def __init__(self, rng: random.Random) -> None:
+        self.block_hashes = [rng.randbytes(32) for _ in range(NUM_BLOCKS)]
+        self.token_ids = [rng.randrange(200, 40_000) for _ in range(NUM_BLOCKS * BLOCK_SIZE + 1)]
+
+    def block_tokens(self, index: int) -> list[int]:
+        return self.token_ids[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def percentile(sorted_values: Sequence[float], share: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(share * len(sorted_values)))]
+
+
+async def timed_phase(name: str, items: Sequence, concurrency: int, kvstore_pid: int,
+                      call: Callable[[object], Awaitable[None]]) -> dict:
+    """Run ``call`` on every item, ``concurrency`` at a time; rate, latency and CPU time."""
+    latencies: list[float] = []
+    pending = iter(items)
+
+    async def client() -> None:
+        for item in pending:
+            started = time.perf_counter()
+            await call(item)
+            latencies.append(time.perf_counter() - started)
+
+    kv_cpu, own_cpu, started = cpu_seconds(kvstore_pid), time.process_time(), time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    kv_cpu, own_cpu = cpu_seconds(kvstore_pid) - kv_cpu, time.process_time() - own_cpu
+    latencies.sort()
+    result = {"phase": name, "num_ops": len(latencies), "seconds": round(elapsed, 3),
+              "ops_per_s": round(len(latencies) / elapsed, 1),
+              "p50_ms": round(percentile(latencies, 0.50) * 1e3, 2),
+              "p99_ms": round(percentile(latencies, 0.99) * 1e3, 2),
+              "kvstore_cpu_ms_per_op": round(kv_cpu / len(latencies) * 1e3, 3),
+              "client_cpu_ms_per_op": round(own_cpu / len(latencies) * 1e3, 3)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+async def wait_ready(bus: Bus, subject: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await bus.request(subject, Empty(), KvStatsReply, timeout=0.5)
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def bench(args: argparse.Namespace, nats_url: str, kvstore_pid: int, node_id: str) -> dict:
+    setup_logging("bench", level="info")  # as served: the client's debug lines off
+    setup_tracing("bench")  # as every service: spans recorded, traceparent on each message
+    subject = lambda verb: SUBJECTS.kvstore(node_id, verb)  # noqa: E731
+    worker = await Bus.connect(nats_url, "bench-worker")
+    scheduler = await Bus.connect(nats_url, "bench-scheduler")
+    await wait_ready(worker, subject("stats"))
+    attached = await worker.request(subject("attach"), KvAttachRequest(
+        owner_id="bench-worker", layout=LAYOUT, itemsize=ITEMSIZE), KvAttachReply)
+    namespace, store_id = attached.namespace, attached.store_id
+    rng = random.Random(args.seed)
+    prompts = [Prompt(rng) for _ in range(args.prompts)]
+
+    async def commit(prompt: Prompt) -> None:
+        reserved = await worker.request(subject("reserve"), KvReserveRequest(
+            namespace=namespace, owner_id="bench-worker", num_slots=NUM_BLOCKS), KvReserveReply)
+        assert len(reserved.slot_ids) == NUM_BLOCKS, "the host tier is too small"
+        await worker.request(subject("commit"), KvCommitRequest(
+            namespace=namespace, owner_id="bench-worker", store_id=store_id,
+            blocks=[KvStoredBlock(block_hash, slot_id, prompt.block_tokens(index))
+                    for index, (block_hash, slot_id)
+                    in enumerate(zip(prompt.block_hashes, reserved.slot_ids))]), Empty)
+
+    async def lookup(prompt: Prompt) -> None:
+        reply = await scheduler.request(subject("lookup"), KvLookupRequest(
+            namespace=namespace, block_hashes=prompt.block_hashes), KvLookupReply)
+        assert len(reply.tiers) == NUM_BLOCKS
+
+    client = KvClient(scheduler, SUBJECTS, owner_id="bench-scheduler", node_id=node_id,
+                      namespace=namespace, block_bytes=1 << 21, block_size=BLOCK_SIZE,
+                      speeds=TierSpeeds())
+
+    misses: list[Prompt] = []
+    to_release: list[str] = []
+
+    async def hit(prompt: Prompt) -> None:
+        with tracer.start_as_current_span("submit"):
+            found = await client.find_hit(PrefixQuery(prompt.block_hashes, 0), prompt.token_ids)
+        if found is None:  # past the client's deadline (LOOKUP_TIMEOUT_S): a miss
+            misses.append(prompt)
+            return
+        assert len(found.slot_ids) == NUM_BLOCKS, found
+        to_release.append(found.pin_id)
+        if len(to_release) >= RELEASE_BATCH:  # the scheduler releases a step's loads at once
+            pin_ids = to_release[:]
+            to_release.clear()
+            await client.release(pin_ids)
+
+    results = [await timed_phase("commit", prompts, args.concurrency, kvstore_pid, commit),
+               await timed_phase("lookup", prompts, args.concurrency, kvstore_pid, lookup)]
+    for _ in range(args.reps):
+        misses.clear()
+        results.append(await timed_phase("hit", prompts, args.concurrency, kvstore_pid, hit))
+        results[-1]["num_misses"] = len(misses)
+        await client.release(to_release[:])
+        to_release.clear()
+        print(json.dumps({"num_misses": len(misses)}), flush=True)
+    await worker.close()
+    await scheduler.close()
+    hits = [r for r in results if r["phase"] == "hit"]
+    summary = {key: statistics.median(r[key] for r in hits)
+               for key in ("ops_per_s", "p50_ms", "p99_ms", "kvstore_cpu_ms_per_op",
+                           "client_cpu_ms_per_op")}
+    print(json.dumps({"hit_median_of_passes": summary}), flush=True)
+    return {"hit_median_of_passes": summary, "prompts": args.prompts, "blocks_per_prompt": NUM_BLOCKS,
+            "concurrency": args.concurrency, "results": results}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=3, help="passes of the hit phase")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="", help="write the result as JSON here")
+    parser.add_argument("--deadline-s", type=float, default=1.0,
+                        help="the scheduler client's deadlines for a lookup and a pin (as "
+                        "served: 0.05 and 0.2 s); past one a hit is a miss, and after three "
+                        "in a row the client leaves the kvstore alone for 2 s")
+    parser.add_argument("--profile", default="", help="run the kvstore under cProfile, "
+                        "its stats written to this file")
+    args = parser.parse_args()
+    kv_client.LOOKUP_TIMEOUT_S = kv_client.HOST_PIN_TIMEOUT_S = args.deadline_s
+    work = Path(tempfile.mkdtemp(prefix="kvstore-requests-"))
+    port, node_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
+    nats_url = f"nats://127.0.0.1:{port}"
+    slot_nbytes = 2 * BLOCK_SIZE * 8 * ITEMSIZE
+    # room for every prompt, plus reservations and pins in flight (each capped at half)
+    host_memory = 2 * (args.prompts + 2 * args.concurrency) * NUM_BLOCKS * slot_nbytes
+    processes = [subprocess.Popen([nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+                                  stdout=open(work / "nats.log", "w"), stderr=subprocess.STDOUT)]
+    try:
+        processes.append(subprocess.Popen(
+            [sys.executable, *(["-m", "cProfile", "-o", args.profile] if args.profile else []),
+             "-m", "services.kvstore", "--nats-url", nats_url, "--node-id", node_id,
+             "--kv-shm-dir", str(work), "--kv-host-memory", str(host_memory)],
+            stdout=open(work / "kvstore.log", "w"), stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parents[1]))
+        result = {"command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "load_average": os.getloadavg()}
+        run_event_loop(_run(result, args, nats_url, processes[1].pid, node_id))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+            process.wait(timeout=10)
+
+
+async def _run(result: dict, args, nats_url: str, kvstore_pid: int, node_id: str) -> None:
+    result.update(await bench(args, nats_url, kvstore_pid, node_id))
+
+
+if __name__ == "__main__":
+    main()
