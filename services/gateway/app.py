@@ -191,7 +191,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
             for prompt_ids, sampling in submissions:
                 request_id, prompt_streams = await service().submit(
                     prompt_ids, sampling, req.stop_strings, priority=req.priority,
-                    cache_salt=req.cache_salt, n=num_per_prompt)
+                    cache_salt=req.cache_salt, n=num_per_prompt, session=req.session_key)
                 request_ids.append(request_id)
                 streams += prompt_streams
         except BaseException:
@@ -246,7 +246,9 @@ def create_app(config: GatewayConfig) -> FastAPI:
                                        "seconds_since_step": round(
                                            gateway.seconds_since_step(stats.scheduler_id), 1),
                                        "num_running": stats.num_running,
-                                       "num_waiting": stats.num_waiting}
+                                       "num_waiting": stats.num_waiting,
+                                       "block_index_synced": gateway.index.is_synced(
+                                           stats.scheduler_id)}
                     for stats in gateway.live_schedulers()}
         ready = all(s["status"] == "ok" for s in services.values()) and \
             any(r["ready"] for r in replicas.values())

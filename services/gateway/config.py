@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from shared.config import ServiceConfig
 
+ROUTING_POLICIES = ("kv", "least-loaded", "round-robin")
+
 
 class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     """flotilla gateway: the OpenAI-compatible HTTP API."""
@@ -22,6 +24,12 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     health_timeout_s: float = 1.0
     accept_unknown_fields: bool = False  # drop and log parameters outside OpenAI's schema
     max_tokens_default: int = 0  # output limit of a request that sets none (0: the context)
+    # which replica gets a request (docs/routing.md)
+    routing: str = "kv"  # kv, least-loaded or round-robin
+    routing_saturation_margin: int = 8  # requests over the least loaded replica's ...
+    routing_saturation_ratio: float = 0.5  # ... or this share of its load, if more
+    routing_session_ttl_s: float = 600.0
+    routing_max_sessions: int = 100_000
 
     __help__ = {
         "host": "address to listen on",
@@ -41,8 +49,21 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
                                  "extensions), dropping and logging them, instead of a 400",
         "max_tokens_default": "output tokens of a request that gives no max_tokens (and no "
                               "smaller model default); 0: what the context leaves",
+        "routing": "which replica gets a request: kv (where its prefix is cached, priced "
+                   "against load), least-loaded or round-robin (docs/routing.md)",
+        "routing_saturation_margin": "kv: a replica with this many more requests than the "
+                                     "least loaded one is not chosen for its cache",
+        "routing_saturation_ratio": "kv: ... or this share of the least loaded one's "
+                                    "requests more, if that is larger",
+        "routing_session_ttl_s": "kv: a session (prompt_cache_key or user) sticks to its "
+                                 "replica this long after its last request",
+        "routing_max_sessions": "kv: sessions remembered (least recently used forgotten first)",
     }
 
     def __post_init__(self) -> None:
         if self.max_tokens_default < 0:
             raise ValueError("max_tokens_default must be 0 (no default) or positive")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}")
+        if self.routing_saturation_margin < 0 or self.routing_saturation_ratio < 0:
+            raise ValueError("the routing saturation margin and ratio must not be negative")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.gateway.block_index import BlockIndex
+from services.gateway.routing import Decision
 from shared.messages import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -30,6 +32,20 @@ class GatewayMetrics:
         self.replica_restarts = Counter("flotilla_scheduler_replacements",
                                         "Schedulers seen replaced by a new instance, by replica",
                                         ["replica_id"], registry=r)
+        self.routing_decisions = Counter(
+            "flotilla_routing_decisions", "Replica choices by policy and reason (cache, session, "
+            "load, saturated, turn; docs/routing.md)", ["policy", "reason"], registry=r)
+        self.routing_hit_tokens = Counter(
+            "flotilla_routing_expected_hit_tokens",
+            "Prompt tokens the chosen replica was expected to find cached, by tier",
+            ["tier"], registry=r)
+        self.routing_snapshots = Counter(
+            "flotilla_routing_block_snapshots", "Scheduler block snapshots fetched for the "
+            "routing index, by outcome (loaded, failed)", ["outcome"], registry=r)
+        self.routing_index_blocks = Gauge(
+            "flotilla_routing_index_blocks", "Blocks in the routing index: gpu (distinct "
+            "blocks held by some replica) and kvstore (distinct blocks in some node's tiers)",
+            ["tier"], registry=r)
         self.prompt_tokens = Counter("flotilla_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("flotilla_generation_tokens", "Tokens generated", registry=r)
         self.time_to_first_token = self._latency("flotilla_time_to_first_token_seconds",
@@ -67,6 +83,15 @@ class GatewayMetrics:
                                      buckets=_TOKEN_BUCKETS, registry=r)
         self.step_time = self._latency("flotilla_step_time_seconds", "Worker time per step")
         self._last: dict[str, SchedulerStats] = {}
+
+    def observe_routing(self, decision: Decision) -> None:
+        self.routing_decisions.labels(decision.policy, decision.reason).inc()
+        for tier, num_tokens in decision.hit_tokens.items():
+            self.routing_hit_tokens.labels(tier).inc(num_tokens)
+
+    def watch_block_index(self, index: BlockIndex) -> None:
+        self.routing_index_blocks.labels("gpu").set_function(index.num_gpu_blocks)
+        self.routing_index_blocks.labels("kvstore").set_function(index.num_tier_blocks)
 
     def _latency(self, name: str, text: str) -> Histogram:
         return Histogram(name, text, buckets=_LATENCY_BUCKETS, registry=self.registry)

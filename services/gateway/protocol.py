@@ -71,7 +71,7 @@ class _SamplingFields(OpenAIModel):
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY,
                                               le=10.0)  # extension
     logit_bias: dict[TokenIdKey, LogitBias] | None = None  # {"token id": bias}
-    user: str | None = None  # ignored: an end-user id for OpenAI's abuse monitoring
+    user: str | None = None  # an end-user id: with --routing kv, its requests share a replica
     # extension: lower runs first under --scheduling-policy priority
     priority: int = Field(default=0, ge=-INT32_LIMIT, lt=INT32_LIMIT)
     cache_salt: str | None = Field(default=None, min_length=1)  # extension: prefix-cache isolation
@@ -92,6 +92,11 @@ class _SamplingFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def session_key(self) -> str | None:
+        """What keeps a conversation on one replica (routing.py's sessions)."""
+        return self.user
 
     def sampling_params(self, max_tokens: int, vocab_size: int, *,
                         defaults: GenerationDefaults = GenerationDefaults(),
@@ -231,7 +236,7 @@ class ChatCompletionRequest(_SamplingFields):
         {"type": "boolean", "const": False}, "nothing is kept to list or retrieve later"))
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    prompt_cache_key: str | None = None  # prefix caching is automatic for every request
+    prompt_cache_key: str | None = None  # with --routing kv, its requests share a replica
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
     safety_identifier: str | None = None
@@ -276,6 +281,10 @@ class ChatCompletionRequest(_SamplingFields):
     def num_logprobs(self) -> int | None:
         """None without logprobs; else how many top alternatives each token shows."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def session_key(self) -> str | None:
+        return self.prompt_cache_key or self.user
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -37,10 +37,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.gateway.block_index import DISK, HOST, BlockIndex, block_key
+from services.gateway.config import ROUTING_POLICIES
 from shared.messages import SchedulerStats
 from shared.prefix_hash import extra_keys, usable_block_hashes
 
-POLICIES = ("kv", "least-loaded", "round-robin")
+POLICIES = ROUTING_POLICIES
 GPU = "gpu"
 # decision reasons: a cache hit decided it, a session, load alone (no hit made a
 # difference), the valve turned a request away from the replica its cache or session

@@ -1,6 +1,9 @@
 """The gateway's NATS edge: tokenizes (through the tokenizer service), submits to a
 scheduler, and turns the token outputs coming back into text deltas itself (one
 incremental detokenizer per sequence, see streams.py).
+
+Which scheduler gets a request is routing.py's choice (``--routing``, docs/routing.md);
+under ``kv`` it reads the block index that block_feed.py keeps from the block events.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from collections.abc import AsyncIterator
 
 import structlog
 
+from services.gateway.block_feed import BlockFeed
+from services.gateway.block_index import BlockIndex
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import can_migrate, resumed_request
+from services.gateway.routing import Decision, PendingPrefill, Replica, Router, RoutingParams
 from services.gateway.streams import Delta, RequestStream, apply_output
 from shared.bus import Bus
 from shared.detokenizer import IncrementalDetokenizer, TokenBytes, fast_decoder
@@ -52,12 +58,24 @@ class GatewayService:
         self._stalled: set[str] = set()  # replicas whose stall was already acted on
         self._tokenizer_info: TokenizerInfo | None = None
         self._background: set[asyncio.Task] = set()
+        self.index = BlockIndex()
+        self.router = Router(RoutingParams(
+            config.routing, config.routing_saturation_margin, config.routing_saturation_ratio,
+            config.routing_session_ttl_s, config.routing_max_sessions), self.index)
+        self._pending_prefill = PendingPrefill()  # prompt tokens sent, no first output yet
+        # the index is fed only under kv routing (the other policies ignore it)
+        self.blocks = BlockFeed(bus, self.subjects, self.index, metrics, self._spawn) \
+            if config.routing == "kv" else None
+        metrics.watch_block_index(self.index)
 
     async def start(self) -> None:
         await self.bus.subscribe(self.output_subject, OutputBatch, self._on_outputs)
         await self.bus.subscribe(self.subjects.scheduler_stats, SchedulerStats, self._on_stats)
         self._spawn(self._watch_heartbeats())
         self.bus.add_listener(self._on_link)
+        if self.blocks is not None:
+            await self.blocks.start()
+            self.bus.add_listener(self.blocks.on_link)
 
     def _on_link(self, up: bool) -> None:
         """Our own NATS link dropped: outputs sent meanwhile may be lost, so every running
@@ -109,9 +127,10 @@ class GatewayService:
     # ------------------------------------------------------------ generation
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop: list[str], *, priority: int = 0, cache_salt: str | None = None,
-                     n: int = 1) -> tuple[str, list[RequestStream]]:
-        """Hand a request (n sequences of one prompt) to the least loaded scheduler; returns
-        its id and one stream per sequence. Raises if no scheduler accepts it."""
+                     n: int = 1, session: str | None = None) -> tuple[str, list[RequestStream]]:
+        """Hand a request (n sequences of one prompt) to the scheduler routing picks
+        (``session``: its prompt_cache_key or user); returns its id and one stream per
+        sequence. Raises if no scheduler accepts it."""
         request_id = uuid.uuid4().hex
         streams = [RequestStream(choice_id,
                                  IncrementalDetokenizer(self.decoder, prompt_token_ids, stop))
@@ -124,7 +143,7 @@ class GatewayService:
             stream.request = request if n == 1 else None  # n > 1 is not migrated
             self._streams[stream.request_id] = stream
         try:
-            reply = await self._submit(request)
+            reply = await self._submit(request, session=session)
         except BaseException:
             for stream in streams:
                 self._streams.pop(stream.request_id, None)
@@ -135,19 +154,28 @@ class GatewayService:
         self._outstanding[reply.scheduler_id] = self._outstanding.get(reply.scheduler_id, 0) + n
         return request_id, streams
 
-    async def _submit(self, request: GenerateRequest, avoid: str = "") -> SubmitReply:
-        scheduler_id = self._least_loaded_scheduler(avoid)
-        if scheduler_id is not None:
+    async def _submit(self, request: GenerateRequest, avoid: str = "",
+                      session: str | None = None) -> SubmitReply:
+        decision = self._route(request, avoid, session)
+        if decision is not None:
+            scheduler_id = decision.scheduler_id
             # Count it before the reply comes, so a burst of requests spreads out.
             self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + 1
+            first_id = choice_request_ids(request.request_id, request.n)[0]
+            self._pending_prefill.add(first_id, scheduler_id, decision.num_compute_tokens)
+            submitted = False
             try:
-                return await self.bus.request(self.subjects.scheduler_submit_to(scheduler_id),
-                                              request, SubmitReply,
-                                              timeout=self.config.request_timeout_s)
+                reply = await self.bus.request(self.subjects.scheduler_submit_to(scheduler_id),
+                                               request, SubmitReply,
+                                               timeout=self.config.request_timeout_s)
+                submitted = True
+                return reply
             except ServiceUnavailable:
                 self._schedulers.pop(scheduler_id, None)  # gone: any other will do
             finally:
                 self._outstanding[scheduler_id] -= 1
+                if not submitted:
+                    self._pending_prefill.done(first_id)
         return await self.bus.request(self.subjects.scheduler_submit, request, SubmitReply,
                                       timeout=self.config.request_timeout_s)
 
@@ -168,17 +196,27 @@ class GatewayService:
         return stats.worker_ready and \
             self.seconds_since_step(stats.scheduler_id) <= self.config.stall_timeout_s
 
-    def _least_loaded_scheduler(self, avoid: str = "") -> str | None:
-        """The live scheduler with the least outstanding work: its last stats, or our
-        own count of requests sent to it since, whichever is larger. ``avoid`` (one that
-        just lost a request) is taken only when no other is live."""
-        live = [stats for stats in self.live_schedulers() if self.is_ready(stats)]
-        if avoid and any(stats.scheduler_id != avoid for stats in live):
-            live = [stats for stats in live if stats.scheduler_id != avoid]
-        if not live:
-            return None
-        return min(live, key=lambda st: max(st.num_running + st.num_waiting,
-                                             self._outstanding.get(st.scheduler_id, 0))).scheduler_id
+    def _route(self, request: GenerateRequest, avoid: str = "",
+               session: str | None = None) -> Decision | None:
+        """The ready scheduler for this request (routing.py), None when none is ready.
+        Load is its last stats or our own count of requests sent to it since, whichever
+        is larger. ``avoid`` (one that just lost a request) is taken only when no other is
+        ready."""
+        ready = [stats for stats in self.live_schedulers() if self.is_ready(stats)]
+        if avoid and any(stats.scheduler_id != avoid for stats in ready):
+            ready = [stats for stats in ready if stats.scheduler_id != avoid]
+        replicas = [Replica(stats, self._outstanding.get(stats.scheduler_id, 0),
+                            self._pending_prefill.of(stats.scheduler_id)) for stats in ready]
+        decision = self.router.choose(
+            replicas, [*request.prompt_token_ids, *request.output_token_ids],
+            cache_salt=request.cache_salt, session=session, now=time.monotonic())
+        if decision is not None:
+            self.metrics.observe_routing(decision)
+            log.debug("request_routed", request_id=request.request_id,
+                      scheduler_id=decision.scheduler_id, policy=decision.policy,
+                      reason=decision.reason, hit_tokens=decision.hit_tokens,
+                      estimated_s=round(decision.estimated_s, 4))
+        return decision
 
     async def deltas(self, stream: RequestStream) -> AsyncIterator[Delta]:
         """Yield a submitted request's text deltas until one carries a finish reason.
@@ -196,6 +234,7 @@ class GatewayService:
         """Forget a request; abort it if it is still running."""
         if self._streams.pop(stream.request_id, None) is not None and stream.scheduler_id:
             self._outstanding[stream.scheduler_id] -= 1
+        self._pending_prefill.done(stream.request_id)
         if not stream.finished:
             stream.finished = True
             if stream.scheduler_id:  # (a moving request is aborted once it lands)
@@ -207,6 +246,7 @@ class GatewayService:
         while True:
             await asyncio.sleep(HEARTBEAT_CHECK_S)
             now = time.monotonic()
+            self._forget_silent_caches(now)
             stalled = self._newly_stalled()
             for stream in list(self._streams.values()):
                 silent_s = now - self._heartbeats.get(stream.scheduler_id, now)
@@ -216,6 +256,13 @@ class GatewayService:
                         "heartbeat)").to_info())
                 elif stream.scheduler_id in stalled:
                     self._lost(stream, stalled[stream.scheduler_id])
+
+    def _forget_silent_caches(self, now: float) -> None:
+        """A scheduler silent past the heartbeat timeout may be gone with its cache: no
+        request is routed by its blocks (its stats, if they come back, rebuild them)."""
+        for scheduler_id, heard_at in self._heartbeats.items():
+            if now - heard_at > self.config.heartbeat_timeout_s:
+                self.index.drop_scheduler(scheduler_id)
 
     def _newly_stalled(self) -> dict[str, ErrorInfo]:
         """Replicas alive but not stepping with work queued for over the stall timeout
@@ -249,6 +296,7 @@ class GatewayService:
         old_id, old_scheduler = stream.request_id, stream.scheduler_id
         if self._streams.pop(old_id, None) is not None and old_scheduler:
             self._outstanding[old_scheduler] -= 1
+        self._pending_prefill.done(old_id)
         self._spawn(self._abort(old_scheduler, [old_id]))  # in case it still runs it
         stream.num_migrations += 1
         request = resumed_request(stream.request, stream.output_token_ids, stream.num_migrations,
@@ -305,6 +353,8 @@ class GatewayService:
             self._stalled.discard(stats.scheduler_id)
         self._schedulers[stats.scheduler_id] = stats
         self.metrics.observe_scheduler(stats)
+        if self.blocks is not None:
+            self.blocks.on_stats(stats)
 
     def _replaced_by(self, stats: SchedulerStats) -> None:
         """A new scheduler for a replica that had another: the old one restarted, and its
@@ -316,6 +366,7 @@ class GatewayService:
                         old_scheduler_id=old_id, new_scheduler_id=stats.scheduler_id)
             self._schedulers.pop(old_id, None)
             self._heartbeats.pop(old_id, None)
+            self.index.drop_scheduler(old_id)  # a new epoch: the old cache is gone
             self.metrics.replica_restarts.labels(stats.replica_id).inc()
             lost = ServiceUnavailable(f"scheduler {old_id} of replica {stats.replica_id} "
                                       "restarted").to_info()
@@ -330,6 +381,7 @@ class GatewayService:
                 continue  # aborted, or already ended by a stop string
             if not stream.has_output:  # the first output carries the scheduler's figures
                 stream.has_output = True
+                self._pending_prefill.done(output.request_id)
                 stream.num_cached_tokens = output.num_cached_tokens
                 self.metrics.queue_time.observe(output.queue_time_s)
             if output.error is not None:

@@ -12,7 +12,7 @@ from services.gateway import service as gateway_service
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.service import GatewayService
-from shared.messages import SchedulerStats
+from shared.messages import GenerateRequest, SamplingParams, SchedulerStats
 
 
 class Clock:
@@ -64,7 +64,9 @@ def test_a_replica_that_stops_stepping_with_work_is_not_ready(clock):
         feed(service, stats("b", "1", num_steps=0, num_running=0))
     ready = {s.scheduler_id: service.is_ready(s) for s in service.live_schedulers()}
     assert ready == {"a": False, "b": True}
-    assert service._least_loaded_scheduler() == "b"
+    assert service._route(GenerateRequest(request_id="r", prompt_token_ids=[1, 2],
+                                          sampling=SamplingParams(),
+                                          output_subject="o")).scheduler_id == "b"
     stalled = service._newly_stalled()
     assert list(stalled) == ["a"] and stalled["a"].status == 503
     assert service._newly_stalled() == {}  # acted on once per stall

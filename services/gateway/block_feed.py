@@ -1,0 +1,96 @@
+"""The block index's bus edge (docs/routing.md): keeps block_index.py current from the
+schedulers' GPU-tier events and the kvstores' host/disk events, and fetches a scheduler's
+snapshot when the index asks (a seq gap, a late join). Part of the gateway's bus edge
+with service.py, kept apart so that file stays about requests.
+
+A snapshot is fetched page by page, each page with SNAPSHOT_PAGE_TIMEOUT_S and the whole
+within SNAPSHOT_DEADLINE_S; any failure leaves that replica's entries empty (routing to it
+falls back to load) and the index asks again later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Coroutine
+
+import msgspec
+import structlog
+
+from services.gateway.block_index import BlockIndex
+from services.gateway.metrics import GatewayMetrics
+from shared.bus import Bus
+from shared.errors import FlotillaError, ServiceUnavailable
+from shared.messages import (
+    BlockSnapshotReply, BlockSnapshotRequest, KvBlockEvent, SchedulerBlockEvent, SchedulerStats,
+)
+from shared.subjects import Subjects
+
+log = structlog.get_logger()
+
+SNAPSHOT_PAGE_TIMEOUT_S = 2.0
+SNAPSHOT_DEADLINE_S = 10.0
+
+
+class BlockFeed:
+    def __init__(self, bus: Bus, subjects: Subjects, index: BlockIndex, metrics: GatewayMetrics,
+                 spawn: Callable[[Coroutine], None]) -> None:
+        self.bus = bus
+        self.subjects = subjects
+        self.index = index
+        self.metrics = metrics
+        self._spawn = spawn
+
+    async def start(self) -> None:
+        await self.bus.subscribe(self.subjects.scheduler_blocks, SchedulerBlockEvent,
+                                 self._on_scheduler_event)
+        await self.bus.subscribe(self.subjects.kvstore_blocks, KvBlockEvent, self._on_kv_event)
+
+    def on_stats(self, stats: SchedulerStats) -> None:
+        if self.index.on_scheduler_stats(stats.scheduler_id, stats.block_event_seq,
+                                         time.monotonic()):
+            self._spawn(self.fetch_snapshot(stats.scheduler_id))
+
+    def on_link(self, up: bool) -> None:
+        """Events sent while our link was down are lost: rebuild every source."""
+        if up:
+            self.index.resync_all()
+
+    async def _on_scheduler_event(self, event: SchedulerBlockEvent) -> None:
+        if self.index.on_scheduler_event(event, time.monotonic()):
+            self._spawn(self.fetch_snapshot(event.scheduler_id))
+
+    async def _on_kv_event(self, event: KvBlockEvent) -> None:
+        outcome = self.index.on_kv_event(event)
+        if outcome:
+            log.info("kv_block_index_reset", node_id=event.node_id, store_id=event.store_id,
+                     reason=outcome)
+
+    async def fetch_snapshot(self, scheduler_id: str) -> None:
+        subject = self.subjects.scheduler_blocks_snapshot(scheduler_id)
+        deadline = time.monotonic() + SNAPSHOT_DEADLINE_S
+        try:
+            first = await self._page(subject, BlockSnapshotRequest(), deadline)
+            hashes = [h for part in first.parts for h in part.block_hashes]
+            while len(hashes) < first.num_hashes:
+                page = await self._page(subject, BlockSnapshotRequest(
+                    offset=len(hashes), snapshot_seq=first.seq), deadline)
+                got = [h for part in page.parts for h in part.block_hashes]
+                if not got:
+                    break
+                hashes += got
+        except (FlotillaError, msgspec.DecodeError) as exc:
+            self.index.snapshot_failed(scheduler_id, time.monotonic())
+            self.metrics.routing_snapshots.labels("failed").inc()
+            log.warning("block_snapshot_failed", scheduler_id=scheduler_id, error=str(exc))
+            return
+        self.index.load_snapshot(scheduler_id, first.seq, hashes, time.monotonic())
+        self.metrics.routing_snapshots.labels("loaded").inc()
+        log.info("block_snapshot_loaded", scheduler_id=scheduler_id, seq=first.seq,
+                 num_blocks=len(hashes))
+
+    async def _page(self, subject: str, request: BlockSnapshotRequest,
+                    deadline: float) -> BlockSnapshotReply:
+        timeout = min(SNAPSHOT_PAGE_TIMEOUT_S, deadline - time.monotonic())
+        if timeout <= 0:
+            raise ServiceUnavailable("the block snapshot took too long")
+        return await self.bus.request(subject, request, BlockSnapshotReply, timeout=timeout)
