@@ -11,8 +11,9 @@ prefix cache), so nothing is lost and nothing is sent twice. A request for n seq
 runs as n sibling requests that compute the prompt once (siblings.py).
 
 With a kvstore (docs/kvstore.md, kv_tier.py), a request may come with a pinned tier
-hit: admission loads the part beyond its GPU prefix into fresh blocks, and every block
-computed here is stored to the kvstore once (write-through).
+hit: admission loads the part beyond its GPU prefix into fresh blocks (beside that step's
+compute; the request computes from the first step planned after that step's result), and
+every block computed here is stored to the kvstore once (write-through).
 
 Steps may overlap: a step can be planned while earlier ones are still running on the
 worker, which feeds each sampled token into the next step itself. The scheduler counts
@@ -73,6 +74,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
+        self._loading: dict[int, list[Request]] = {}  # step id -> requests it loads blocks of
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -200,6 +202,8 @@ class Scheduler:
                 break
             if req not in self.running or req.reached_max_tokens:
                 continue  # preempted for an earlier request, or its last token is coming
+            if req.loading_step is not None:
+                continue  # its tier hit is still being loaded
             prefilling = req.is_prefilling
             num_new = min(req.num_tokens_at_worker - req.num_computed_tokens, budget)
             if prefilling:
@@ -220,12 +224,12 @@ class Scheduler:
                 break
             admit_budget = min(budget, self.chunk_pacer.chunk_budget(num_decodes) - num_chunk_tokens)
             num_new = self._admit(head, admit_budget, new_requests, scheduled) \
-                if admit_budget > 0 else 0
-            if num_new == 0:
+                if admit_budget > 0 else None
+            if num_new is None:
                 break  # the head does not fit: later requests wait behind it
             budget -= num_new
             num_chunk_tokens += num_new
-        if not scheduled:
+        if not scheduled and not new_requests:
             return None
         plan = StepPlan(self._next_step_id, new_requests, scheduled, self._forget_ids,
                         kv_loads=self.kv_tier.take_plan_loads(),
@@ -238,7 +242,11 @@ class Scheduler:
         """Apply the tokens a step sampled; return the outputs to publish."""
         self.num_steps += 1
         self.kv_tier.step_done(plan.step_id)
-        self.chunk_pacer.observe(plan, result.step_time_s)
+        for req in self._loading.pop(plan.step_id, ()):
+            if req.loading_step == plan.step_id:
+                req.loading_step = None  # its blocks are loaded: it computes from now on
+        if plan.scheduled:  # (a step of loads alone says nothing of compute times)
+            self.chunk_pacer.observe(plan, result.step_time_s)
         self._add_prompt_logprobs(plan, result)
         emitted: list[Emitted] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)  # [] from an older worker
@@ -273,17 +281,23 @@ class Scheduler:
         for req in list(self.requests.values()):
             self._finish(req)
         self._forget_ids = []
+        self._loading.clear()
         self.kv_tier.release_all_steps()
         return emitted
 
     # ------------------------------------------------------------ helpers
     def _admit(self, req: Request, budget: int, new_requests: list[NewRequestData],
-               scheduled: list[ScheduledRequest]) -> int:
+               scheduled: list[ScheduledRequest]) -> int | None:
         """Start the head of the queue after its longest cached prefix (GPU hits, then
         the part of its tier hit beyond them, loaded into fresh blocks); return the
-        tokens scheduled (0 if it does not fit or is still receiving tokens)."""
+        tokens scheduled (None if it does not fit or is still receiving tokens).
+
+        A request with blocks to load computes nothing in the step that loads them: the
+        worker copies them beside that step's forward (not before it), and the request
+        computes from the first step planned after that step's result, so loads overlap
+        the compute of other requests instead of delaying it."""
         if req.num_pending_tokens:
-            return 0  # preempted mid-step: its last token is still on the way
+            return None  # preempted mid-step: its last token is still on the way
         block_size = self.block_manager.block_size
         hit_ids = self._prefix_hits(req)
         loaded = self.kv_tier.usable_slots(req.tier_hit, len(hit_ids), self._num_usable_blocks(req))
@@ -291,7 +305,7 @@ class Scheduler:
         num_new = min(req.num_tokens - num_cached, budget)
         num_missing = num_blocks_for(num_cached + num_new, block_size) - len(hit_ids)
         if not self.block_manager.can_allocate(num_missing, self.block_manager.num_evictable(hit_ids)):
-            return 0
+            return None
         self.waiting.remove(req)
         self.running.append(req)
         self.block_manager.reuse(hit_ids)
@@ -304,6 +318,11 @@ class Scheduler:
             req.num_cached_tokens = num_cached
         self.num_prefix_queries += req.num_tokens
         self.num_prefix_hits += len(hit_ids) * block_size
+        if loaded:
+            req.loading_step = self._next_step_id
+            self._loading.setdefault(self._next_step_id, []).append(req)
+            self._send_to_worker(req, new_requests)
+            return 0
         self._schedule(req, num_new, [], new_requests, scheduled)
         return num_new
 
@@ -364,13 +383,7 @@ class Scheduler:
     def _schedule(self, req: Request, num_new: int, new_block_ids: list[int],
                   new_requests: list[NewRequestData], scheduled: list[ScheduledRequest]) -> None:
         if not req.known_to_worker:
-            req.sent_at_step = self._next_step_id
-            if req.wants_prompt_logprobs:
-                req.prompt_logprobs = []  # computed (again) from the start
-            new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.sampling,
-                                               list(req.block_table), req.num_computed_tokens,
-                                               len(req.prompt_token_ids)))
-            req.known_to_worker = True
+            self._send_to_worker(req, new_requests)
             new_block_ids = []
         else:
             req.block_table.extend(new_block_ids)
@@ -380,6 +393,16 @@ class Scheduler:
         if req.num_computed_tokens == req.num_tokens_at_worker:
             req.num_pending_tokens += 1  # the worker samples this step
         self._register_full_blocks(req)
+
+    def _send_to_worker(self, req: Request, new_requests: list[NewRequestData]) -> None:
+        """The worker learns the request in full with this plan (its blocks so far)."""
+        req.sent_at_step = self._next_step_id
+        if req.wants_prompt_logprobs:
+            req.prompt_logprobs = []  # computed (again) from the start
+        new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.sampling,
+                                           list(req.block_table), req.num_computed_tokens,
+                                           len(req.prompt_token_ids)))
+        req.known_to_worker = True
 
     def _register_full_blocks(self, req: Request) -> None:
         """Offer full blocks whose tokens are known and computed (or being computed
@@ -420,6 +443,7 @@ class Scheduler:
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
+        req.loading_step = None  # (the worker orders any later use of its blocks after the load)
         if req.known_to_worker:
             self._forget_ids.append(req.request_id)
             req.known_to_worker = False

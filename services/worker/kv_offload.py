@@ -20,7 +20,7 @@ import msgspec
 import structlog
 
 from services.worker.kv_tiers import KvTiers, LoadTiming, StoreCopy
-from shared.messages import KvLoad, KvStoredBlock, KvStoreRun, StepPlan
+from shared.messages import KvLoad, KvStoredBlock, KvStoreRun, ScheduledRequest, StepPlan
 
 log = structlog.get_logger()
 
@@ -33,8 +33,9 @@ def recompute_unusable_loads(plan: StepPlan, offload: KvOffload | None,
     slots were pinned by another kvstore process than the one attached (``store_id``):
     its slot ids would name other bytes here. Loads come only with a request's admission
     (it is in ``new_requests``), into blocks right after its GPU prefix, so that request
-    starts computing at the first unusable block instead: a longer step, the same tokens
-    and the same ``num_computed_tokens`` after it, so the scheduler never knows."""
+    starts computing at the first unusable block instead: a longer step (the request is
+    added to it when it was only loading), the same tokens and the same
+    ``num_computed_tokens`` after it, so the scheduler never knows."""
     if not plan.kv_loads:
         return plan, 0
     attached = offload is not None and offload.tiers.arena_is_current()
@@ -58,6 +59,12 @@ def recompute_unusable_loads(plan: StepPlan, offload: KvOffload | None,
     scheduled = [msgspec.structs.replace(s, num_new_tokens=s.num_new_tokens
                                          + extra_tokens[s.request_id])
                  if s.request_id in extra_tokens else s for s in plan.scheduled]
+    # a request only loading in this step (it computes from a later one) computes the blocks
+    # it could not load now, up to where the scheduler takes it to start (prompt chunks go
+    # after the decodes)
+    in_plan = {s.request_id for s in plan.scheduled}
+    scheduled += [ScheduledRequest(request_id, num_tokens)
+                  for request_id, num_tokens in extra_tokens.items() if request_id not in in_plan]
     log.warning("kv_loads_recomputed", step_id=plan.step_id, num_blocks=len(unusable_blocks),
                 num_requests=len(extra_tokens),
                 reason="no kvstore attached" if offload is None else

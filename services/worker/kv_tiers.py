@@ -10,7 +10,11 @@ is registered as pinned memory (copies are DMA and never block the host) and eve
 through a device staging buffer laid out like the slots, so each host<->device transfer is
 one memcpy per run of consecutive slots and the scatter/gather of blocks stays on the device:
 
-- ``load`` runs on the compute stream, so the step's forward queued after it sees the blocks;
+- ``load`` runs on a load stream that waits on an event recorded after the work queued so
+  far (a step still in flight may use the blocks' old contents), and records a done event.
+  It runs beside the step queued after it: the scheduler plans a loading request's compute
+  for a later step, and any step whose chunks touch blocks still loading first makes the
+  compute stream wait on that load (``wait_for_loads``), so nothing reads a half-loaded block;
 - ``store`` runs on a copy stream that waits on an event recorded after the work queued so
   far (the forward that computed the blocks), and records a done event. Until that event
   has passed, any later write into those blocks (a forward, a load) first makes the compute
@@ -80,6 +84,14 @@ class LoadTiming:
 
 
 @dataclass
+class LoadCopy:
+    """Blocks being written by a load on the load stream."""
+
+    block_ids: frozenset[int]
+    done: torch.cuda.Event
+
+
+@dataclass
 class StoreCopy:
     """Blocks being copied into slots; ``payload`` is the caller's (what to commit)."""
 
@@ -117,15 +129,19 @@ class KvTiers:
         self.device = kv_cache.device
         self.pinned = False
         self.pending: deque[StoreCopy] = deque()  # in copy order (the copy stream is FIFO)
+        self.pending_loads: deque[LoadCopy] = deque()  # in load order (the load stream is FIFO)
         self._copy_stream: torch.cuda.Stream | None = None
+        self._load_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):  # maybe built on another thread
                 self.pinned = _register(self.slots)
                 self._copy_stream = torch.cuda.Stream(self.device)
+                self._load_stream = torch.cuda.Stream(self.device)
                 self.staging_blocks = max(1, max_staging_bytes // self.slot_nbytes)
                 shape = (self.staging_blocks, *self.slot_shape)
-                self._load_staging = torch.empty(shape, dtype=kv_cache.dtype,
-                                                 device=self.device)
+                with torch.cuda.stream(self._load_stream):  # used on the load stream only
+                    self._load_staging = torch.empty(shape, dtype=kv_cache.dtype,
+                                                     device=self.device)
                 with torch.cuda.stream(self._copy_stream):  # used on the copy stream only
                     self._store_staging = torch.empty(shape, dtype=kv_cache.dtype,
                                                       device=self.device)
@@ -140,33 +156,52 @@ class KvTiers:
 
     # ------------------------------------------------------------ loads
     def load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> LoadTiming:
-        """Copy slots into blocks, ordered before whatever the compute stream runs next."""
+        """Copy slots into blocks after the work queued so far (CPU: now); on CUDA it runs
+        beside whatever the compute stream runs next, which must ``wait_for_loads`` before
+        touching these blocks."""
         if len(slot_ids) != len(block_ids):
             raise ValueError(f"a load of {len(slot_ids)} slots into {len(block_ids)} blocks")
         self._check_ids(slot_ids, block_ids)
         timing = LoadTiming(num_bytes=len(slot_ids) * self.slot_nbytes)
         if not slot_ids:
             return timing
-        self.wait_for_stores(block_ids)
         if self.device.type != "cuda":
             started = time.perf_counter()
             for slot_id, block_id, length in paired_runs(slot_ids, block_ids):
                 self.blocks[block_id:block_id + length].copy_(self.slots[slot_id:slot_id + length])
             timing.seconds = time.perf_counter() - started
             return timing
+        stream = self._load_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # a step in flight may use them
+        self._wait_for_stores_on(stream, block_ids)  # and copies out may still read them
         timing.start, timing.end = (torch.cuda.Event(enable_timing=True),
                                     torch.cuda.Event(enable_timing=True))
-        timing.start.record()
-        for first in range(0, len(slot_ids), self.staging_blocks):
-            chunk_slots = slot_ids[first:first + self.staging_blocks]
-            chunk_blocks = block_ids[first:first + self.staging_blocks]
-            staging = self._load_staging[:len(chunk_slots)]  # [n, *slot_shape]
-            for index, slot_id, length in runs(chunk_slots):
-                staging[index:index + length].copy_(self.slots[slot_id:slot_id + length],
-                                                    non_blocking=True)
-            self._scatter(chunk_blocks, staging)
-        timing.end.record()
+        with torch.cuda.stream(stream):
+            timing.start.record(stream)
+            for first in range(0, len(slot_ids), self.staging_blocks):
+                chunk_slots = slot_ids[first:first + self.staging_blocks]
+                chunk_blocks = block_ids[first:first + self.staging_blocks]
+                staging = self._load_staging[:len(chunk_slots)]  # [n, *slot_shape]
+                for index, slot_id, length in runs(chunk_slots):
+                    staging[index:index + length].copy_(self.slots[slot_id:slot_id + length],
+                                                        non_blocking=True)
+                self._scatter(chunk_blocks, staging)
+            timing.end.record(stream)
+        self.pending_loads.append(LoadCopy(frozenset(block_ids), timing.end))
         return timing
+
+    def wait_for_loads(self, block_ids: Iterable[int]) -> None:
+        """Before the compute stream touches ``block_ids`` (reads or writes): it waits for the
+        loads still writing any of them (a device-side wait; nothing waits on the host)."""
+        while self.pending_loads and self.pending_loads[0].done.query():
+            self.pending_loads.popleft()
+        if not self.pending_loads:
+            return
+        block_ids = set(block_ids)
+        compute = torch.cuda.current_stream(self.device)
+        for load in self.pending_loads:
+            if not block_ids.isdisjoint(load.block_ids):
+                compute.wait_event(load.done)
 
     def _scatter(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
         if len(runs(block_ids)) == 1:  # one slice, no index tensor
@@ -209,13 +244,19 @@ class KvTiers:
         any of them (a cheap device-side wait; nothing waits on the host)."""
         if self.device.type != "cuda" or not self.pending:
             return
+        self._wait_for_stores_on(torch.cuda.current_stream(self.device), block_ids,
+                                 mark_waited=True)
+
+    def _wait_for_stores_on(self, stream: torch.cuda.Stream, block_ids: Iterable[int],
+                            mark_waited: bool = False) -> None:
+        if not self.pending:
+            return
         block_ids = set(block_ids)
-        compute = torch.cuda.current_stream(self.device)
         for copy in self.pending:
             if not copy.waited and not block_ids.isdisjoint(copy.block_ids) \
                     and not copy.done.query():
-                compute.wait_event(copy.done)
-                copy.waited = True
+                stream.wait_event(copy.done)
+                copy.waited = copy.waited or mark_waited  # (the compute stream's wait is for good)
 
     @property
     def has_pending(self) -> bool:
@@ -233,6 +274,9 @@ class KvTiers:
         for copy in self.pending:
             if copy.done is not None:
                 copy.done.synchronize()
+        for load in self.pending_loads:
+            load.done.synchronize()
+        self.pending_loads.clear()
 
     def close(self) -> None:
         """Wait for the copies, unpin and unmap the arena."""

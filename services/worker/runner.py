@@ -13,8 +13,11 @@ penalties, prompt logprobs) waits for the step before it instead. ``execute`` is
 start to end.
 
 With a kvstore attached (``attach_kv``), a plan's ``kv_loads`` are copied into their blocks
-before its forward (a load it cannot make, e.g. from a restarted kvstore, is computed
-instead) and its ``kv_stores`` copied out around it (``kv_offload.py``).
+beside its forward (on CUDA, a load stream; a step touching blocks still loading waits for
+them on the device; a step's result is read back only once its loads are complete, since
+the scheduler then lets the loading requests compute; a load it cannot make, e.g. from a
+restarted kvstore, is computed instead) and its ``kv_stores`` copied out around it
+(``kv_offload.py``).
 """
 
 from __future__ import annotations
@@ -218,11 +221,16 @@ class StepInFlight:
                    {request_id: row for row, request_id in enumerate(request_ids)})
 
     def done(self) -> bool:
-        return self.copied is None or self.copied.query()
+        """Its tokens are on the host and its loads complete (the scheduler takes the result
+        to mean the loaded blocks are ready)."""
+        return (self.copied is None or self.copied.query()) and \
+            (self.kv_load is None or self.kv_load.end is None or self.kv_load.end.query())
 
     def wait(self) -> None:
         if self.copied is not None:
             self.copied.synchronize()
+        if self.kv_load is not None and self.kv_load.end is not None:
+            self.kv_load.end.synchronize()
 
     def row_of(self, request_id: str, state: RequestState) -> int | None:
         """The row holding ``state``'s pending token (None: this step samples none for it)."""
@@ -465,6 +473,8 @@ class ModelRunner:
             return step
         for state, token_id in zip(states, sampled_token_ids):
             state.token_ids.append(token_id)
+        if kv_load is not None and kv_load.end is not None:
+            kv_load.end.synchronize()  # the result says its loads are complete
         return StepResult(step_id=plan.step_id, request_ids=sampled_ids,
                           sampled_token_ids=sampled_token_ids,
                           step_time_s=time.perf_counter() - start_time,
@@ -507,6 +517,10 @@ class ModelRunner:
                 block_id for chunk in chunks for block_id in chunk.block_table[
                     chunk.start // self.block_size:
                     (chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1])
+        if kv.tiers.pending_loads:  # blocks still loading that this step reads or writes
+            kv.tiers.wait_for_loads(
+                block_id for chunk in chunks for block_id in chunk.block_table[
+                    :(chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1])
         return kv_load, [block for block in stores if not block.computed_before]
 
     def _forget_decode_contexts(self, loads: list[KvLoad]) -> None:

@@ -104,12 +104,15 @@ def test_a_store_reads_the_values_from_before_the_next_write(arena_dir):
     tiers.close()
 
 
-def test_work_queued_after_a_load_sees_the_loaded_values(arena_dir):
+def test_a_load_runs_after_the_work_before_it_and_before_the_work_that_waits_for_it(arena_dir):
     tiers = setup(arena_dir, torch.float32)
     values = torch.randn((3, *tiers.slot_shape))
     tiers.slots[[8, 9, 12]] = values
     torch.cuda._sleep(100_000_000)  # the compute stream is busy: the load must queue behind
+    tiers.kv_cache[:, :, [30, 31, 2]] = 7.0  # (a step in flight writing the blocks' old use)
     tiers.load([8, 9, 12], [30, 31, 2])
+    assert len(tiers.pending_loads) == 1
+    tiers.wait_for_loads([2, 50])  # a step reading block 2 next
     seen = tiers.kv_cache[:, :, [30, 31, 2]].sum(dim=(0, 1, 3, 4, 5))  # [3], queued after
     assert torch.allclose(seen.cpu(), values.sum(dim=(1, 2, 3, 4, 5)), rtol=1e-4, atol=1e-2)
     tiers.close()
@@ -134,15 +137,20 @@ def make_runner(model_files: ModelFiles) -> ModelRunner:
 
 
 def greedy_run(runner: ModelRunner, token_ids: list[int], block_ids: list[int],
-               num_computed: int, num_new_tokens: int, kv_loads=(), kv_stores=()
-               ) -> list[int]:
-    """A prompt, then decode steps (CUDA graphs, each queued before the last is read back)."""
+               num_computed: int, num_new_tokens: int, kv_loads=(), kv_stores=(),
+               load_alone: bool = False) -> list[int]:
+    """A prompt, then decode steps (CUDA graphs, each queued before the last is read back).
+    ``load_alone``: the loads come in a step of their own, as the scheduler plans them; else
+    in the prompt's step, which must then wait for them on the device."""
     sampling = SamplingParams(temperature=0.0, max_tokens=num_new_tokens, ignore_eos=True)
-    plans = [StepPlan(0, [NewRequestData("r", token_ids, sampling, block_ids, num_computed)],
-                      [ScheduledRequest("r", len(token_ids) - num_computed)],
-                      kv_loads=list(kv_loads), kv_stores=list(kv_stores))]
+    new = [NewRequestData("r", token_ids, sampling, block_ids, num_computed)]
+    plans = [StepPlan(0, new, [], kv_loads=list(kv_loads))] if load_alone else []
+    plans += [StepPlan(len(plans), [] if load_alone else new,
+                       [ScheduledRequest("r", len(token_ids) - num_computed)],
+                       kv_loads=[] if load_alone else list(kv_loads), kv_stores=list(kv_stores))]
+    first = len(plans)
     plans += [StepPlan(step_id, [], [ScheduledRequest("r", 1)])
-              for step_id in range(1, num_new_tokens)]
+              for step_id in range(first, first + num_new_tokens - 1)]
     outputs = []
     for plan in plans:
         outputs += [r.sampled_token_ids[0] for r in runner.submit(plan)]
@@ -150,7 +158,8 @@ def greedy_run(runner: ModelRunner, token_ids: list[int], block_ids: list[int],
     return outputs
 
 
-def test_a_fresh_runner_continues_from_loaded_blocks(dummy_model, arena_dir):
+@pytest.mark.parametrize("load_alone", [False, True])
+def test_a_fresh_runner_continues_from_loaded_blocks(dummy_model, arena_dir, load_alone):
     prompt = torch.randint(5, 40_000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     writer = make_runner(dummy_model)
     slot_nbytes = writer.kv_cache[:, :, 0].numel() * writer.kv_cache.element_size()
@@ -174,5 +183,5 @@ def test_a_fresh_runner_continues_from_loaded_blocks(dummy_model, arena_dir):
                                "store-1", reader.block_size))
     block_ids = [40, 12, 33, 7, 8, 9, 10, 11]
     loaded = greedy_run(reader, prompt, block_ids, 64, 20,
-                        kv_loads=[KvLoad(slot_ids, block_ids[:4])])
+                        kv_loads=[KvLoad(slot_ids, block_ids[:4])], load_alone=load_alone)
     assert loaded == expected

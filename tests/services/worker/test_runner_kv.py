@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.worker.config import WorkerConfig
-from services.worker.kv_offload import KvOffload
+from services.worker.kv_offload import KvOffload, recompute_unusable_loads
 from services.worker.kv_tiers import KvTiers
 from services.worker.runner import ModelRunner
 from shared.kv_arena import KvArena
@@ -178,10 +178,17 @@ def test_commits_carry_each_blocks_tokens_with_overlapped_steps(tiny_model, aren
 
 def generate(runner: ModelRunner, token_ids: list[int], num_new_tokens: int,
              num_loaded: int = 0, slot_ids: list[int] = (), block_ids: list[int] = (),
-             store_id: str = "") -> list[int]:
+             store_id: str = "", load_alone: bool = False) -> list[int]:
+    """``load_alone``: the loads come in a step of their own that computes nothing of the
+    request (as the scheduler plans them); else in its first computing step."""
     driver = Driver(runner, store=False)
     driver.add("r", token_ids, num_loaded, list(block_ids))
     kv_loads = [KvLoad(list(slot_ids), list(block_ids), store_id)] if slot_ids else []
+    if load_alone and kv_loads:
+        driver.read(runner.submit(StepPlan(driver.step_id, [driver.new.pop("r")], [],
+                                           kv_loads=kv_loads)))
+        driver.step_id += 1
+        kv_loads = []
     driver.step(kv_loads=kv_loads)
     while len(driver.tokens["r"]) < len(token_ids) + num_new_tokens:
         driver.step()
@@ -189,9 +196,10 @@ def generate(runner: ModelRunner, token_ids: list[int], num_new_tokens: int,
     return driver.tokens["r"][len(token_ids):len(token_ids) + num_new_tokens]
 
 
+@pytest.mark.parametrize("load_alone", [False, True])
 @pytest.mark.parametrize("num_prompt_tokens", [40, 33])
 def test_blocks_loaded_into_a_fresh_runner_continue_with_the_same_greedy_tokens(
-        tiny_model, arena_path, num_prompt_tokens):
+        tiny_model, arena_path, num_prompt_tokens, load_alone):
     """Store a prompt's full blocks, load them into other block ids of a fresh runner and
     compute only the rest: the same greedy tokens as computing it all. With 33 tokens the
     first step computes one token, so it runs through the CPU decode context, which has just
@@ -220,12 +228,14 @@ def test_blocks_loaded_into_a_fresh_runner_continue_with_the_same_greedy_tokens(
     assert other.num_computed["other"] == 32
     reader.submit(StepPlan(other.step_id, [], [], ["other"]))
     loaded = generate(reader, tokens, 12, num_loaded=32, slot_ids=slot_ids,
-                      block_ids=block_ids)
+                      block_ids=block_ids, load_alone=load_alone)
     assert loaded == expected
 
 
+@pytest.mark.parametrize("load_alone", [False, True])
 @pytest.mark.parametrize("case", ["no arena", "another kvstore's slots"])
-def test_a_load_the_worker_cannot_make_is_computed_instead(tiny_model, arena_path, case):
+def test_a_load_the_worker_cannot_make_is_computed_instead(tiny_model, arena_path, case,
+                                                          load_alone):
     """Without an arena, or with slots pinned by another kvstore process than the one
     attached (it restarted; the worker has not re-attached yet), the request computes the
     blocks it was to load in this step: the uncached greedy tokens, no failed step."""
@@ -236,7 +246,7 @@ def test_a_load_the_worker_cannot_make_is_computed_instead(tiny_model, arena_pat
     # garbage in the blocks (and zeros in the slots): using either changes the tokens
     runner.kv_cache[:, :, 4:6] = 10 * torch.randn_like(runner.kv_cache[:, :, 4:6])
     loaded = generate(runner, tokens, 6, num_loaded=32, slot_ids=[3, 2], block_ids=[4, 5],
-                      store_id="store-0")
+                      store_id="store-0", load_alone=load_alone)
     assert loaded == expected
     if offload is not None:
         assert offload.num_recomputed == 2 and offload.num_loaded == 0
@@ -250,3 +260,18 @@ def test_a_load_reports_its_bytes_and_speed(tiny_model, arena_path):
     result = runner.execute(plan)
     assert result.kv_load_bytes == offload.tiers.slot_nbytes
     assert result.kv_load_bytes_per_s > 0
+
+
+def test_a_request_only_loading_computes_its_unusable_blocks_in_that_step():
+    """The scheduler plans a loading request's compute for a later step; when the worker
+    cannot load, it computes those blocks in the loading step itself, ending where the
+    scheduler takes the request to start (so the next step's chunk follows on)."""
+    plan = StepPlan(3, [NewRequestData("r", prompt(40, 5), GREEDY, [4, 5, 6], 32),
+                        NewRequestData("s", prompt(20, 6), GREEDY, [7, 8], 0)],
+                    [ScheduledRequest("d", 1), ScheduledRequest("s", 20)],
+                    kv_loads=[KvLoad([3, 2], [4, 5], "store-0")])
+    fixed, num_blocks = recompute_unusable_loads(plan, None, BLOCK_SIZE)
+    assert num_blocks == 2 and fixed.kv_loads == []
+    assert fixed.new_requests[0].num_computed_tokens == 0
+    assert [(s.request_id, s.num_new_tokens) for s in fixed.scheduled] == [
+        ("d", 1), ("s", 20), ("r", 32)]
