@@ -30,7 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--namespace", default="flotilla", help="NATS subject prefix")
     serve.add_argument("--api-key", default=None, help="require this bearer token")
     serve.add_argument("--replicas", type=int, default=1,
-                       help="scheduler+worker pairs; the gateway routes to the least loaded")
+                       help="scheduler+worker pairs; the gateway routes between them (--routing)")
+    serve.add_argument("--routing", default=None, choices=["kv", "least-loaded", "round-robin"],
+                       help="which replica gets a request: kv (default: where its prefix is "
+                       "cached, priced against load), least-loaded or round-robin "
+                       "(docs/routing.md)")
     add_engine_flags(serve)
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn off automatic prefix caching")
@@ -72,7 +76,7 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
                                        chunk_step_ratio=args.chunk_step_ratio,
                                        max_steps_in_flight=args.max_steps_in_flight)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
-    service_args["gateway"] = flags(api_key=args.api_key)
+    service_args["gateway"] = flags(api_key=args.api_key, routing=args.routing)
     service_args["kvstore"] = flags(kv_host_memory=args.kv_host_memory,
                                     kv_disk_dir=args.kv_disk_dir, kv_disk_size=args.kv_disk_size)
     return StackOptions(
