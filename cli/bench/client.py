@@ -31,9 +31,12 @@ def request_body(request: BenchRequest, settings: RequestSettings) -> dict:
             "temperature": settings.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if settings.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        body["messages"] = (list(request.messages) if request.messages is not None
+                            else [{"role": "user", "content": request.prompt}])
     else:
         body["prompt"] = request.prompt
+    if request.user is not None:
+        body["user"] = request.user
     if settings.ignore_eos:
         body["ignore_eos"] = True  # an extension (vLLM, SGLang, flotilla); OpenAI rejects it
     return {**body, **settings.extra_body}
@@ -89,12 +92,13 @@ class _StreamReader:
     nothing) is timed by its chunks that carry a choice, text or not; failing those, by
     the chunk that brought the usage."""
 
-    def __init__(self, record: RequestRecord, sent_at: float) -> None:
+    def __init__(self, record: RequestRecord, sent_at: float, keep_text: bool = False) -> None:
         self.record = record
         self.sent_at = sent_at
         self.text = _Timeline()
         self.choices = _Timeline()
         self.usage_at_s: float | None = None
+        self.text_parts: list[str] | None = [] if keep_text else None
 
     def feed(self, line: str, now: float) -> bool:
         """Handle one line; False once the stream says it is done."""
@@ -115,11 +119,15 @@ class _StreamReader:
         at_s = now - self.sent_at
         if payload.get("choices"):
             self.choices.add(at_s, usage)
-            if chunk_text(payload):
+            if text := chunk_text(payload):
                 self.text.add(at_s, usage)
+                if self.text_parts is not None:
+                    self.text_parts.append(text)
         if usage:
             self.record.num_prompt_tokens = usage.get("prompt_tokens")
             self.record.num_output_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            self.record.num_cached_tokens = details.get("cached_tokens")
             if self.usage_at_s is None and usage.get("completion_tokens"):
                 self.usage_at_s = at_s
         return True
@@ -127,6 +135,8 @@ class _StreamReader:
     def finish(self) -> None:
         """Pick the timed chunks; a stream with neither text nor usage tokens failed."""
         record = self.record
+        if self.text_parts is not None:
+            record.output_text = "".join(self.text_parts)
         if self.text.times_s:
             record.chunk_times_s, record.chunk_num_tokens = self.text.times_s, self.text.num_tokens
         elif record.num_output_tokens:
@@ -165,15 +175,17 @@ HttpClient = httpx.AsyncClient | ClientPool
 
 
 async def send(client: HttpClient, request: BenchRequest, settings: RequestSettings,
-               run_started: float, record: RequestRecord | None = None) -> RequestRecord:
+               run_started: float, record: RequestRecord | None = None,
+               keep_text: bool = False) -> RequestRecord:
     """Send one request and time it into ``record`` (a new one if not given); never raises
     for a failed request (the record's ``error`` says why). The client's read timeout is a
-    stall timeout: no bytes for that long fails the request."""
+    stall timeout: no bytes for that long fails the request. ``keep_text`` keeps the
+    generated text in ``record.output_text`` (a chat's next turn sends it back)."""
     if record is None:
         record = new_record(request)
     sent_at = time.perf_counter()
     record.start_s = sent_at - run_started
-    reader = _StreamReader(record, sent_at)
+    reader = _StreamReader(record, sent_at, keep_text)
     try:
         async with client.stream("POST", ENDPOINTS[settings.endpoint],
                                  json=request_body(request, settings)) as response:

@@ -33,6 +33,10 @@ class BenchRequest:
     prompt: str
     prompt_ids: list[int]  # what the benchmark's tokenizer makes of prompt (HF generate's input)
     output_len: int
+    # a chat (multi-turn): the messages the chat endpoint sends; ``prompt`` is then their
+    # templated text, which the completions endpoint sends instead
+    messages: tuple[dict, ...] | None = None
+    user: str | None = None  # the request's ``user`` field (a session id), when set
 
     @property
     def prompt_len(self) -> int:

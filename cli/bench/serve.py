@@ -24,7 +24,7 @@ def add_parser(commands) -> None:
         "(Poisson) and/or with at most --max-concurrency in flight, streaming, and report "
         "throughput, TTFT, TPOT, ITL and end-to-end latency.")
     options.add_target_flags(parser, base_url_default="http://127.0.0.1:8000")
-    options.add_dataset_flags(parser, num_prompts_default=100)
+    options.add_dataset_flags(parser, num_prompts_default=100, multi_turn=True)
     group = parser.add_argument_group("load")
     group.add_argument("--request-rate", type=options.parse_rate, default=float("inf"),
                        help="requests per second, Poisson arrivals; inf (default) sends all at once")
@@ -91,6 +91,10 @@ def exit_status(runs: list[dict], num_runs_planned: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.dataset_name == "multi-turn":  # conversations, not independent requests
+        from cli.bench import multi_turn
+
+        return multi_turn.run(args)
     spec = target.model_spec(args)
     tokenizer = target.load_tokenizer(args.tokenizer, spec)
     # run i of a sweep draws its prompts with seed + i: no run finds another's in a prefix cache

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from cli.bench.client import RequestSettings
 from cli.bench.datasets import BenchRequest, DatasetError, random_requests, shared_prefix_requests
-from cli.bench import sharegpt
+from cli.bench import options, sharegpt
 
 DEFAULT_OUTPUT_LEN = 128
 
@@ -45,7 +45,7 @@ def warmup_requests(tokenizer, num_warmups: int, seed: int) -> list[BenchRequest
 
 def request_settings(args: argparse.Namespace, model_name: str,
                      ignore_eos: bool | None = None) -> RequestSettings:
-    return RequestSettings(model=model_name, endpoint=args.endpoint,
+    return RequestSettings(model=model_name, endpoint=options.endpoint(args),
                            temperature=args.temperature,
                            ignore_eos=args.ignore_eos if ignore_eos is None else ignore_eos,
                            extra_body=args.extra_body)

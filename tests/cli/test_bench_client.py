@@ -262,3 +262,30 @@ def test_a_client_pool_spreads_requests_over_its_clients_and_closes_them_all():
     assert served_by == [0, 1, 2, 0, 1, 2]
     assert all(record.success for record in records)
     assert all(client.is_closed for client in clients)
+
+
+def test_a_chat_request_sends_its_messages_and_session_id():
+    messages = ({"role": "system", "content": "s"}, {"role": "user", "content": "u"})
+    request = BenchRequest(prompt="templated", prompt_ids=[1], output_len=2, messages=messages,
+                           user="conv-1")
+    chat = request_body(request, RequestSettings(model="m", endpoint="chat"))
+    assert chat["messages"] == list(messages) and chat["user"] == "conv-1"
+    completion = request_body(request, RequestSettings(model="m"))
+    assert completion["prompt"] == "templated" and "messages" not in completion
+    assert "user" not in request_body(REQUEST, SETTINGS)
+
+
+def test_cached_tokens_and_the_text_are_kept_when_asked():
+    body = sse(text_chunk("Hel"), text_chunk("lo"),
+               {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2,
+                                         "prompt_tokens_details": {"cached_tokens": 1}}}, "[DONE]")
+
+    async def go(keep_text: bool):
+        async with client_for(lambda request: httpx.Response(200, content=body)) as client:
+            return await send(client, REQUEST, SETTINGS, run_started=0.0, keep_text=keep_text)
+    kept, plain = asyncio.run(go(True)), asyncio.run(go(False))
+    assert kept.output_text == "Hello" and plain.output_text is None
+    assert kept.num_cached_tokens == plain.num_cached_tokens == 1
+    no_details = sse(text_chunk("a"), {"choices": [], "usage": {"prompt_tokens": 2,
+                                                                "completion_tokens": 1}}, "[DONE]")
+    assert run_send(lambda request: httpx.Response(200, content=no_details)).num_cached_tokens is None

@@ -5,15 +5,14 @@ that stalls gives partial results at the --max-duration deadline instead of a ha
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from cli.bench.serve import EXIT_DEADLINE
 from cli.main import main
+from tests.cli.fake_server import FakeServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,56 +23,6 @@ def usage_only(num_tokens: int) -> list[dict]:
     return [chunk] * num_tokens + [
         {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
         {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": num_tokens}}]
-
-
-class FakeServer:
-    """Answers POST /v1/completions with ``script(call_number, body)``: a list of SSE
-    payloads, or None to stall (send the headers and one chunk, then nothing until the
-    server is closed)."""
-
-    def __init__(self, script: Callable[[int, dict], list[dict] | None]) -> None:
-        self.script = script
-        self.calls = 0
-        self.lock = threading.Lock()
-        self.closing = threading.Event()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (the http.server API)
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with outer.lock:
-                    outer.calls += 1
-                    payloads = outer.script(outer.calls, body)
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                if payloads is None:
-                    self.write({"choices": [{"index": 0, "text": "", "finish_reason": None}]})
-                    outer.closing.wait(30)
-                    return
-                for payload in payloads:
-                    self.write(payload)
-                self.wfile.write(b"data: [DONE]\n\n")
-
-            def write(self, payload: dict) -> None:
-                self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
-                self.wfile.flush()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.http.daemon_threads = True
-        self.base_url = f"http://127.0.0.1:{self.http.server_address[1]}"
-
-    def __enter__(self) -> FakeServer:
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.closing.set()
-        self.http.shutdown()
-        self.http.server_close()
 
 
 @pytest.fixture

@@ -1,0 +1,82 @@
+"""The server's own counters around a run: flotilla's gateway /metrics (prefix-cache
+queries and hits per replica, from the schedulers' stats; routing counters if any), read
+before and after, and their difference. Another server's /metrics, or none, gives none."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import httpx
+
+# counters worth a delta: the scheduler-side prefix cache (per replica) and routing
+COUNTER_PREFIXES = ("flotilla_prefix_cache_", "flotilla_rout")
+QUERIES = "flotilla_prefix_cache_queries_total"  # prompt tokens looked up
+HITS = "flotilla_prefix_cache_hits_total"  # prompt tokens found in the worker's own cache
+TIER_HITS = "flotilla_prefix_cache_tier_hits_total"  # loaded from the kvstore's tiers instead
+# a scheduler's instance id changes when it restarts: its replica is what stays
+_DROPPED_LABELS = ("scheduler_id",)
+# the schedulers' stats reach the gateway every 0.5 s: wait this long before the last read
+STATS_SETTLE_S = 1.2
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+Counters = dict[str, dict[str, float]]  # counter name -> label set ("replica_id=0") -> value
+
+
+def parse_counters(text: str, prefixes: tuple[str, ...] = COUNTER_PREFIXES) -> Counters:
+    """The ``*_total`` samples of the Prometheus text whose names start with one of
+    ``prefixes``, summed over the dropped labels."""
+    counters: Counters = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match or not match[1].endswith("_total") or not match[1].startswith(prefixes):
+            continue
+        labels = sorted((key, value) for key, value in _LABEL.findall(match[2] or "")
+                        if key not in _DROPPED_LABELS)
+        key = ",".join(f"{name}={value}" for name, value in labels)
+        try:
+            value = float(match[3])
+        except ValueError:
+            continue
+        by_labels = counters.setdefault(match[1], {})
+        by_labels[key] = by_labels.get(key, 0.0) + value
+    return counters
+
+
+def counter_deltas(before: Counters, after: Counters) -> Counters:
+    """after - before, per counter and label set (absent before: from zero)."""
+    return {name: {key: value - before.get(name, {}).get(key, 0.0)
+                   for key, value in by_labels.items()}
+            for name, by_labels in after.items()}
+
+
+def scheduler_prefix_cache(deltas: Counters) -> dict:
+    """The schedulers' prefix-cache figures over the run, in all and per replica: prompt
+    tokens looked up, found in the worker's cache, and loaded from the kvstore's tiers (a
+    tier hit is not in the worker's hits; both are in the responses' cached_tokens)."""
+    def figures(queries: float, hits: float, tier_hits: float) -> dict:
+        return {"queries": queries, "hits": hits, "tier_hits": tier_hits,
+                "hit_rate": (hits + tier_hits) / queries if queries else math.nan,
+                "device_hit_rate": hits / queries if queries else math.nan}
+
+    def of(name: str, key: str | None = None) -> float:
+        values = deltas.get(name, {})
+        return sum(values.values()) if key is None else values.get(key, 0.0)
+
+    return {**figures(of(QUERIES), of(HITS), of(TIER_HITS)),
+            "by_replica": {key: figures(of(QUERIES, key), of(HITS, key), of(TIER_HITS, key))
+                           for key in sorted(deltas.get(QUERIES, {}))}}
+
+
+async def read_counters(base_url: str, api_key: str | None) -> Counters | None:
+    """The server's counters now, or None if it has no /metrics we can read."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=10) as client:
+            response = await client.get("/metrics")
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return parse_counters(response.text)
