@@ -1,0 +1,305 @@
+"""Issue 17's routing benchmark: the same multi-turn workload through
+``flotilla serve --replicas 3 --routing POLICY`` for each policy, one stack at a time.
+
+    .venv/bin/python benchmarks/routing.py [--cases multi-tenant,multi-tenant-kvstore,low-diversity]
+                                           [--policies kv,least-loaded,round-robin]
+
+For each case and policy: start ``flotilla serve`` (default model, CPU, a small worker
+KV cache so that the multi-tenant prefixes exceed one replica's cache but fit in three),
+wait until every replica is ready, run ``flotilla bench serve --dataset-name multi-turn``
+with the case's flags and one seed (the same texts for every policy; only the generated
+replies, sent back as each next turn's assistant message, come from the server), stop
+the stack. Then one table per case (TTFT p50/p90/p99, req/s, tok/s, hit rates, routing
+decisions) with kv's ratios to least-loaded, and JSON in --out.
+
+Cases:
+  multi-tenant          6 tenants x 3 conversations x 4 turns, 800-token system prompts,
+                        6 conversations in flight, --no-kvstore (a miss is a recompute).
+                        Acceptance: kv P90 TTFT <= 0.5x least-loaded's, req/s >= 1.2x.
+  multi-tenant-kvstore  the same with the kvstore: replicas on one node share its host
+                        tier, so a miss in a replica's cache is a cheap load.
+  low-diversity         1 tenant, 24 conversations x 2 turns, short prompts, all 24 in
+                        flight (saturation), --no-kvstore. Acceptance: kv within 3% of
+                        least-loaded (never worse).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cli.stack import free_port  # noqa: E402
+
+POLICIES = ("kv", "least-loaded", "round-robin")
+STOP_TIMEOUT_S = 40.0  # the serve's --shutdown-timeout (5) + its children's own exit
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    bench_args: tuple[str, ...]  # flotilla bench serve's dataset and load flags
+    kvstore: bool
+    what: str
+
+
+MULTI_TENANT = ("--num-tenants", "6", "--conversations-per-tenant", "3", "--num-turns", "4",
+                "--system-prompt-len", "800", "--user-message-len", "48", "--output-len", "24",
+                "--max-concurrency", "6")
+CASES = {case.name: case for case in (
+    Case("multi-tenant", MULTI_TENANT, kvstore=False,
+         what="prefixes exceed one replica's cache, fit in three; no kvstore"),
+    Case("multi-tenant-kvstore", MULTI_TENANT, kvstore=True,
+         what="the same, with the node's kvstore (shared host tier)"),
+    Case("low-diversity", ("--num-tenants", "1", "--conversations-per-tenant", "24",
+                           "--num-turns", "2", "--system-prompt-len", "64",
+                           "--user-message-len", "32", "--output-len", "32",
+                           "--max-concurrency", "24"), kvstore=False,
+         what="one tenant, short prompts, 24 conversations at once; no kvstore"),
+)}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="multi-tenant,multi-tenant-kvstore,low-diversity",
+                        help=f"comma-separated, of {', '.join(CASES)}")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--kv-cache-memory", default="216MiB",
+                        help="each worker's KV cache: SmolLM2 fp32 is 45 KiB a token, so 216MiB "
+                        "is 307 blocks (4,912 tokens); the multi-tenant working set is ~10,600")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bench-args", default="",
+                        help="more flags for every flotilla bench serve, e.g. '--num-turns 3'")
+    parser.add_argument("--serve-args", default="", help="more flags for every flotilla serve")
+    parser.add_argument("--max-duration", type=float, default=420.0,
+                        help="each bench run's --max-duration (seconds)")
+    parser.add_argument("--start-timeout", type=float, default=300.0)
+    parser.add_argument("--out", type=Path,
+                        default=Path(os.environ.get("OUT", "/tmp/out")) / "routing")
+    args = parser.parse_args()
+    args.cases = [name.strip() for name in args.cases.split(",") if name.strip()]
+    args.policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    unknown = [c for c in args.cases if c not in CASES] + [p for p in args.policies
+                                                           if p not in POLICIES]
+    if unknown:
+        parser.error(f"unknown cases or policies: {', '.join(unknown)}")
+    return args
+
+
+def flotilla(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cli.main", *args]
+
+
+@cache
+def has_routing_flag() -> bool:
+    help_text = subprocess.run(flotilla("serve", "--help"), cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout
+    return "--routing" in help_text
+
+
+def check_routing_flag(policies: list[str]) -> None:
+    """Fail clearly on a tree whose ``flotilla serve`` has no --routing (least-loaded
+    alone can still run: it is what such a gateway does)."""
+    if not has_routing_flag() and policies != ["least-loaded"]:
+        sys.exit("benchmarks/routing.py: this tree's `flotilla serve` has no --routing flag "
+                 "(issue 17's routing is not in yet); only --policies least-loaded can run")
+
+
+def git_commit() -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                            "services", "shared", "cli", "kernels"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()
+    return commit + (" (+ uncommitted changes in services/shared/cli/kernels)" if dirty else "")
+
+
+def load_average() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+# ------------------------------------------------------------------ the stack
+def serve_command(args: argparse.Namespace, case: Case, policy: str, port: int,
+                  log_dir: Path) -> list[str]:
+    command = flotilla("serve", "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
+                       "--replicas", str(args.replicas), "--kv-cache-memory",
+                       args.kv_cache_memory, "--log-dir", str(log_dir), "--shutdown-timeout", "5")
+    if has_routing_flag():
+        command += ["--routing", policy]
+    if not case.kvstore:
+        command.append("--no-kvstore")
+    return command + shlex.split(args.serve_args)
+
+
+def all_replicas_ready(base_url: str, num_replicas: int) -> bool:
+    try:
+        health = httpx.get(base_url + "/health", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return False
+    replicas = health.get("replicas", {}) if isinstance(health, dict) else {}
+    return (health.get("status") == "ok"
+            and sum(1 for r in replicas.values() if r.get("worker_ready")) >= num_replicas)
+
+
+def start_stack(command: list[str], base_url: str, num_replicas: int, timeout_s: float,
+                log_path: Path) -> subprocess.Popen:
+    log = log_path.open("w")
+    process = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"flotilla serve exited ({process.returncode}): "
+                               + log_path.read_text()[-2000:])
+        if all_replicas_ready(base_url, num_replicas):
+            return process
+        time.sleep(1.0)
+    stop_stack(process)
+    raise TimeoutError(f"the stack was not ready within {timeout_s:.0f} s (see {log_path})")
+
+
+def stop_stack(process: subprocess.Popen) -> None:
+    """SIGTERM to flotilla serve (it stops its children in order), SIGKILL to its
+    process group if it is not gone in time."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # stragglers of its group, if any
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+# ------------------------------------------------------------------ one run
+def run_policy(args: argparse.Namespace, case: Case, policy: str) -> dict:
+    name = f"{case.name}-{policy}"
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    command = serve_command(args, case, policy, port, args.out / "logs" / name)
+    (args.out / "logs" / name).mkdir(parents=True, exist_ok=True)
+    print(f"[{name}] $ {shlex.join(command[1:])}", flush=True)
+    started = time.monotonic()
+    process = start_stack(command, base_url, args.replicas, args.start_timeout,
+                          args.out / "logs" / f"{name}.serve.log")
+    print(f"[{name}] ready in {time.monotonic() - started:.0f} s", flush=True)
+    result_json = args.out / f"{name}.json"
+    bench = flotilla("bench", "serve", "--base-url", base_url, "--dataset-name", "multi-turn",
+                     *case.bench_args, "--ignore-eos", "--seed", str(args.seed),
+                     "--max-duration", str(args.max_duration), "--disable-tqdm",
+                     "--result-json", str(result_json), *shlex.split(args.bench_args))
+    print(f"[{name}] $ {shlex.join(bench[1:])}", flush=True)
+    load_before = load_average()
+    try:
+        completed = subprocess.run(bench, cwd=ROOT, capture_output=True, text=True)
+    finally:
+        load_after = load_average()
+        stop_stack(process)
+    (args.out / "logs" / f"{name}.bench.log").write_text(completed.stdout + completed.stderr)
+    print(completed.stdout, flush=True)
+    if not result_json.exists():
+        raise RuntimeError(f"[{name}] the bench wrote no result (exit {completed.returncode}): "
+                           + completed.stderr[-2000:])
+    run_ = json.loads(result_json.read_text())["runs"][0]
+    return {"case": case.name, "policy": policy, "bench_exit": completed.returncode,
+            "serve_command": shlex.join(command[1:]), "bench_command": shlex.join(bench[1:]),
+            "load_average_before": load_before, "load_average_after": load_after,
+            "summary": run_["summary"], "turns": run_["turns"],
+            "server_prefix_cache": run_["server_prefix_cache"],
+            "server_counters": run_["server_counters"], "dataset": run_["dataset"]}
+
+
+# ------------------------------------------------------------------ the table
+def row_figures(result: dict) -> dict:
+    s, server = result["summary"], result["server_prefix_cache"] or {}
+    decisions = (result["server_counters"] or {}).get("flotilla_routing_decisions_total", {})
+    return {"ttft_p50": s["ttft_ms"]["median"], "ttft_p90": s["ttft_ms"]["p90"],
+            "ttft_p99": s["ttft_ms"]["p99"], "req_s": s["request_throughput"],
+            "out_tok_s": s["output_throughput"], "total_tok_s": s["total_token_throughput"],
+            "hit_rate": s["prefix_cache_hit_rate"], "scheduler_hit_rate": server.get("hit_rate"),
+            "failed": s["failed"] + s["outstanding"],
+            "decisions": {key.split("reason=")[-1]: int(value)
+                          for key, value in decisions.items() if value}}
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def _num(value, width: int, digits: int = 0) -> str:
+    """A figure of the bench's JSON (null where it had no samples)."""
+    return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def _ratio(a, b) -> str:
+    return "n/a" if a is None or not b else f"{a / b:.2f}x"
+
+
+def case_table(case: Case, results: list[dict]) -> str:
+    lines = [f"## {case.name}: {case.what}",
+             f"{'policy':<13}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'req/s':>7}{'out tok/s':>10}"
+             f"{'tot tok/s':>10}{'hit':>7}{'sched':>7}{'fail':>5}  decisions"]
+    figures = {r["policy"]: row_figures(r) for r in results}
+    for policy, f in figures.items():
+        decisions = " ".join(f"{k}={v}" for k, v in sorted(f["decisions"].items()))
+        lines.append(f"{policy:<13}{_num(f['ttft_p50'], 9)}{_num(f['ttft_p90'], 8)}"
+                     f"{_num(f['ttft_p99'], 8)}{_num(f['req_s'], 7, 3)}"
+                     f"{_num(f['out_tok_s'], 10, 1)}{_num(f['total_tok_s'], 10, 1)}"
+                     f"{_pct(f['hit_rate']):>7}{_pct(f['scheduler_hit_rate']):>7}"
+                     f"{f['failed']:>5}  {decisions}")
+    lines.append("(TTFT in ms over all turns; hit = usage cached/prompt tokens; sched = the "
+                 "schedulers' counters, worker cache + kvstore tiers)")
+    if "kv" in figures and "least-loaded" in figures:
+        kv, ll = figures["kv"], figures["least-loaded"]
+        lines.append(f"kv / least-loaded: TTFT p90 {_ratio(kv['ttft_p90'], ll['ttft_p90'])}, "
+                     f"req/s {_ratio(kv['req_s'], ll['req_s'])}, "
+                     f"total tok/s {_ratio(kv['total_tok_s'], ll['total_tok_s'])}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    args = parse_args()
+    check_routing_flag(args.policies)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "machine": {"platform": platform.platform(),
+                                                "cpu_count": os.cpu_count()},
+            "replicas": args.replicas, "kv_cache_memory": args.kv_cache_memory,
+            "seed": args.seed, "command": shlex.join(sys.argv)}
+    print(f"routing benchmark: tree {meta['commit']}, {os.cpu_count()} CPUs, out {args.out}",
+          flush=True)
+    results, tables = [], []
+    for case_name in args.cases:
+        case = CASES[case_name]
+        case_results = [run_policy(args, case, policy) for policy in args.policies]
+        results += case_results
+        tables.append(case_table(case, case_results))
+        print(tables[-1], flush=True)
+        summary_path = args.out / "routing_summary.json"
+        summary_path.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
+    print("\n\n".join(tables))
+    print(f"wrote {args.out / 'routing_summary.json'}")
+
+
+if __name__ == "__main__":
+    main()
