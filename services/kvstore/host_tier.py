@@ -10,17 +10,22 @@ A slot is in exactly one state:
 Indexed slots may also be pinned (counted per pin) or held (a disk write reads them);
 those are never evicted. Pins never take more than ``max_pinned`` slots and reservations
 more than ``max_reserved``, so neither starves the other.
+
+Every lookup, pin, release and commit walks its blocks here, one request after another
+on the kvstore's event loop, so the per-block work is kept small: per-slot state lives in
+lists indexed by slot id (no hashing), a run is pinned in one call, and a block keeps
+the token-id list it was committed with (not a copy).
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class HostBlock:
+class HostBlock(NamedTuple):
     slot_id: int
     token_ids: list[int]
 
@@ -54,12 +59,13 @@ class HostTier:
         self.changes = TierChanges()
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self._blocks: OrderedDict[bytes, HostBlock] = OrderedDict()
-        self._slot_hash: dict[int, bytes] = {}
+        self._slot_hash: list[bytes | None] = [None] * num_slots  # the block a slot holds
         self._reserved: dict[str, set[int]] = {}
         self._num_reserved = 0
         self._pins: dict[str, Pin] = {}
-        self._pin_counts: Counter[int] = Counter()  # slot -> pins holding it
-        self._holds: Counter[int] = Counter()  # slot -> disk writes reading it
+        self._pin_counts: list[int] = [0] * num_slots  # pins holding each slot
+        self._num_pinned = 0  # slots with a pin count above 0
+        self._holds: list[int] = [0] * num_slots  # disk writes reading each slot
 
     # ------------------------------------------------------------ queries
     @property
@@ -68,7 +74,7 @@ class HostTier:
 
     @property
     def num_pinned(self) -> int:
-        return len(self._pin_counts)
+        return self._num_pinned
 
     @property
     def num_free(self) -> int:
@@ -101,34 +107,36 @@ class HostTier:
         held when none is free; None when every slot is taken."""
         if self._free:
             return self._free.pop()
+        pin_counts, holds = self._pin_counts, self._holds
         for block_hash, block in self._blocks.items():
             slot = block.slot_id
-            if slot not in self._pin_counts and slot not in self._holds:
+            if not pin_counts[slot] and not holds[slot]:
                 self._remove(block_hash)
                 return self._free.pop()
         return None
 
     def free_slot(self, slot_id: int) -> None:
         """Give back a slot that is neither indexed nor reserved (a failed load's)."""
-        if slot_id in self._slot_hash:
+        if self._slot_hash[slot_id] is not None:
             raise ValueError(f"slot {slot_id} holds a block")
         self._free.append(slot_id)
 
     def _remove(self, block_hash: bytes) -> None:
         block = self._blocks.pop(block_hash)
-        del self._slot_hash[block.slot_id]
+        self._slot_hash[block.slot_id] = None
         self._free.append(block.slot_id)
         self.changes.removed.append(block_hash)
 
     def index(self, block_hash: bytes, slot_id: int, token_ids: list[int]) -> int:
-        """Record that ``slot_id`` (taken, not reserved) now holds this block. If the hash
-        is already held, ``slot_id`` is freed and the held block's slot returned."""
+        """Record that ``slot_id`` (taken, not reserved) now holds this block (keeping
+        ``token_ids``: the caller no longer changes it). If the hash is already held,
+        ``slot_id`` is freed and the held block's slot returned."""
         held = self._blocks.get(block_hash)
         if held is not None:
             self._blocks.move_to_end(block_hash)
             self._free.append(slot_id)
             return held.slot_id
-        self._blocks[block_hash] = HostBlock(slot_id, list(token_ids))
+        self._blocks[block_hash] = HostBlock(slot_id, token_ids)
         self._slot_hash[slot_id] = block_hash
         self.changes.stored.append(block_hash)
         return slot_id
@@ -142,9 +150,7 @@ class HostTier:
         self._holds[slot_id] += 1
 
     def unhold(self, slot_id: int) -> None:
-        self._holds[slot_id] -= 1
-        if self._holds[slot_id] <= 0:
-            del self._holds[slot_id]
+        self._holds[slot_id] = max(0, self._holds[slot_id] - 1)
 
     # ------------------------------------------------------------ writers
     def reserve(self, owner_id: str, num_slots: int) -> list[int]:
@@ -162,42 +168,53 @@ class HostTier:
         return slots
 
     def commit(self, owner_id: str, blocks: Iterable[tuple[bytes, int, list[int]]],
-               returned_slot_ids: Iterable[int] = ()) -> list[tuple[bytes, int]]:
+               returned_slot_ids: Iterable[int] = ()) -> list[tuple[bytes, int, list[int]]]:
         """Index the owner's reserved slots that now hold blocks ((hash, slot, token ids)),
-        free the returned ones. Slots the owner does not hold are ignored. Returns the
-        (hash, slot) of each block newly indexed (not those already held)."""
+        free the returned ones. Slots the owner does not hold are
+        ignored. Returns each block newly indexed (not those already held)."""
         reserved = self._reserved.get(owner_id, set())
-        stored: list[tuple[bytes, int]] = []
+        stored: list[tuple[bytes, int, list[int]]] = []
+        index = self.index
+        num_unreserved = 0
         for block_hash, slot_id, token_ids in blocks:
             if slot_id not in reserved:
                 continue
-            self._unreserve(reserved, slot_id)
-            if self.index(block_hash, slot_id, token_ids) == slot_id:
-                stored.append((block_hash, slot_id))
+            reserved.discard(slot_id)
+            num_unreserved += 1
+            if index(block_hash, slot_id, token_ids) == slot_id:
+                stored.append((block_hash, slot_id, token_ids))
         for slot_id in returned_slot_ids:
             if slot_id in reserved:
-                self._unreserve(reserved, slot_id)
+                reserved.discard(slot_id)
+                num_unreserved += 1
                 self._free.append(slot_id)
+        self._num_reserved -= num_unreserved
         if not reserved:
             self._reserved.pop(owner_id, None)
         return stored
-
-    def _unreserve(self, reserved: set[int], slot_id: int) -> None:
-        reserved.discard(slot_id)
-        self._num_reserved -= 1
 
     # ------------------------------------------------------------ readers
     def pin(self, pin_id: str, owner_id: str, slot_id: int) -> None:
         """Add a slot (indexed, or loading) to a pin, creating it on first use. The caller
         checks ``pin_room()`` for slots not pinned yet."""
+        self.pin_slots(pin_id, owner_id, [slot_id])
+
+    def pin_slots(self, pin_id: str, owner_id: str, slot_ids: list[int]) -> None:
+        """``pin`` for a run of slots; their blocks become the most recently used."""
+        if not slot_ids:
+            return
         pin = self._pins.get(pin_id)
         if pin is None:
             pin = self._pins[pin_id] = Pin(owner_id)
-        pin.slot_ids.append(slot_id)
-        self._pin_counts[slot_id] += 1
-        block_hash = self._slot_hash.get(slot_id)
-        if block_hash is not None:
-            self._blocks.move_to_end(block_hash)
+        pin.slot_ids.extend(slot_ids)
+        pin_counts, slot_hash, move_to_end = self._pin_counts, self._slot_hash, self._blocks.move_to_end
+        for slot_id in slot_ids:
+            if not pin_counts[slot_id]:
+                self._num_pinned += 1
+            pin_counts[slot_id] += 1
+            block_hash = slot_hash[slot_id]
+            if block_hash is not None:
+                move_to_end(block_hash)
 
     def finish_load(self, pin_id: str, block_hash: bytes, slot_id: int,
                     token_ids: list[int]) -> int:
@@ -230,32 +247,36 @@ class HostTier:
             del pin.slot_ids[index]
         else:
             pin.slot_ids[index] = new
-            self._pin_counts[new] += 1
-        self._pin_counts[old] -= 1
-        if self._pin_counts[old] <= 0:
-            del self._pin_counts[old]
+            self._count_pin(new, 1)
+        self._count_pin(old, -1)
         if not pin.slot_ids:
             del self._pins[pin_id]
 
+    def _count_pin(self, slot_id: int, change: int) -> None:
+        before = self._pin_counts[slot_id]
+        after = self._pin_counts[slot_id] = before + change
+        self._num_pinned += (after > 0) - (before > 0)
+
     def is_pinned(self, slot_id: int) -> bool:
-        return slot_id in self._pin_counts
+        return self._pin_counts[slot_id] > 0
 
     def has_pin(self, pin_id: str) -> bool:
         return pin_id in self._pins
 
     def release(self, pin_ids: Iterable[str], owner_id: str | None = None) -> int:
         """Drop pins (only the owner's when ``owner_id`` is given). Returns how many."""
-        released = 0
+        released = num_unpinned = 0
+        pin_counts = self._pin_counts
         for pin_id in pin_ids:
             pin = self._pins.get(pin_id)
             if pin is None or (owner_id is not None and pin.owner_id != owner_id):
                 continue
             del self._pins[pin_id]
             for slot_id in pin.slot_ids:
-                self._pin_counts[slot_id] -= 1
-                if self._pin_counts[slot_id] <= 0:
-                    del self._pin_counts[slot_id]
+                count = pin_counts[slot_id] = pin_counts[slot_id] - 1
+                num_unpinned += count == 0
             released += 1
+        self._num_pinned -= num_unpinned
         return released
 
     def drop_owner(self, owner_id: str) -> tuple[int, int]:

@@ -216,13 +216,25 @@ class KvStoreService:
         return done
 
     async def _on_lookup(self, request: KvLookupRequest) -> KvLookupReply:
-        tiers = self.store.lookup(request)
+        started = time.perf_counter()
+        try:
+            tiers, pinned = self.store.lookup(request, time.monotonic())
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
         for tier in (HOST, DISK):
             if count := tiers.count(tier):
                 self.metrics.hits.labels(tier).inc(count)
         self.metrics.misses.inc(len(request.block_hashes) - len(tiers))
+        if not (request.owner_id and request.pin_id):
+            return KvLookupReply(store_id=self.store_id, tiers=tiers,
+                                 disk_read_bytes_per_s=self.disk_read_speed.bytes_per_s)
+        if pinned:
+            self.metrics.pinned_blocks.labels(HOST).inc(len(pinned))
+            self.metrics.load_latency.observe(time.perf_counter() - started)
         return KvLookupReply(store_id=self.store_id, tiers=tiers,
-                             disk_read_bytes_per_s=self.disk_read_speed.bytes_per_s)
+                             disk_read_bytes_per_s=self.disk_read_speed.bytes_per_s,
+                             pin_id=request.pin_id, slot_ids=[block.slot_id for block in pinned],
+                             token_ids=[block.token_ids for block in pinned])
 
     async def _on_pin(self, request: KvPinRequest) -> KvPinReply:
         started = time.perf_counter()

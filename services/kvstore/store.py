@@ -10,13 +10,14 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import structlog
 
 from services.kvstore.disk_tier import DiskTier
 from services.kvstore.events import EventBatcher
-from services.kvstore.host_tier import HostTier
+from services.kvstore.host_tier import HostBlock, HostTier
 from services.kvstore.owners import OwnerClock
 from shared.kv_arena import KvArena
 from shared.messages import (
@@ -55,6 +56,11 @@ class Namespace:
 
     def slot_view(self, slot_id: int) -> memoryview:
         return memoryview(self.slots[slot_id])
+
+
+class Lookup(NamedTuple):
+    tiers: list[str]  # the tier of each block of the leading run held (host first)
+    pinned: list[HostBlock]  # its leading host blocks, pinned (when the lookup asked)
 
 
 @dataclass
@@ -114,28 +120,49 @@ class KvStore:
         ns = self.namespaces.get(request.namespace)
         if ns is None or request.store_id != self.store_id:
             return []
-        tokens = {block.slot_id: block.token_ids for block in request.blocks}
-        stored = ns.host.commit(
+        return ns.host.commit(
             request.owner_id,
             ((block.block_hash, block.slot_id, block.token_ids) for block in request.blocks),
             request.returned_slot_ids)
-        return [(block_hash, slot_id, tokens[slot_id]) for block_hash, slot_id in stored]
 
     # ------------------------------------------------------------ readers
-    def lookup(self, request: KvLookupRequest) -> list[str]:
-        """The tier of each block of the leading run held (host first)."""
+    def lookup(self, request: KvLookupRequest, now: float = 0.0) -> Lookup:
+        """The tier of each block of the leading run held (host first). With an owner and
+        a pin id, the run's leading host blocks are also pinned under that id, as
+        ``begin_pin`` would (within the pin cap): the run's first disk hit, or a block the
+        cap leaves no room for, ends what is pinned (not the run looked up)."""
         ns = self.namespaces.get(request.namespace)
         if ns is None:
-            return []
-        tiers = []
+            return Lookup([], [])
+        host, disk = ns.host, self.disk
+        pinning = bool(request.owner_id and request.pin_id)
+        if pinning:
+            self.owners.touch(request.owner_id, now)
+            if host.has_pin(request.pin_id):
+                raise ValueError(f"pin id {request.pin_id!r} is in use")
+        room = host.pin_room()
+        tiers: list[str] = []
+        pinned: list[HostBlock] = []
         for block_hash in request.block_hashes:
-            if ns.host.get(block_hash) is not None:
+            block = host.get(block_hash)
+            if block is not None:
                 tiers.append(HOST)
-            elif self.disk is not None and self.disk.contains(request.namespace, block_hash):
+                if pinning:
+                    if host.is_pinned(block.slot_id):
+                        pinned.append(block)
+                    elif room:
+                        room -= 1
+                        pinned.append(block)
+                    else:
+                        pinning = False
+            elif disk is not None and disk.contains(ns.name, block_hash):
                 tiers.append(DISK)
+                pinning = False
             else:
                 break
-        return tiers
+        if pinned:
+            host.pin_slots(request.pin_id, request.owner_id, [block.slot_id for block in pinned])
+        return Lookup(tiers, pinned)
 
     def begin_pin(self, request: KvPinRequest, now: float) -> PinPlan:
         """Pin the leading run's host hits and take a slot for each disk hit (to read into,
@@ -149,43 +176,35 @@ class KvStore:
         if host.has_pin(request.pin_id):
             raise ValueError(f"pin id {request.pin_id!r} is in use")
         room = host.pin_room()
-        run: list[tuple[bytes, str]] = []
+        run: list[tuple[bytes, HostBlock | None]] = []  # None: a disk hit
         for block_hash in request.block_hashes:
             block = host.get(block_hash)
             if block is not None:
                 needs_room = not host.is_pinned(block.slot_id)
-                tier = HOST
             elif self.disk is not None and self.disk.contains(ns.name, block_hash):
-                needs_room, tier = True, DISK
+                needs_room = True
             else:
                 break
             if needs_room and room == 0:
                 break
             room -= needs_room
-            run.append((block_hash, tier))
+            run.append((block_hash, block))
         # Pin the host hits first, so taking slots for the disk hits cannot evict them.
-        for block_hash, tier in run:
-            if tier == HOST:
-                block = host.get(block_hash)
-                host.pin(request.pin_id, request.owner_id, block.slot_id)
-        for index, (block_hash, tier) in enumerate(run):
-            if tier == HOST:
-                block = host.get(block_hash)
+        pin_id, owner_id = request.pin_id, request.owner_id
+        host.pin_slots(pin_id, owner_id, [block.slot_id for _, block in run if block is not None])
+        for index, (block_hash, block) in enumerate(run):
+            if block is not None:
                 plan.items.append(PinItem(block_hash, block.slot_id, HOST, block.token_ids))
                 continue
             slot_id = host.take_slot()
             if slot_id is None:  # everything else is pinned, held or reserved
-                self._unpin_hosts(request.pin_id, host, run[index:])
+                for _, rest in run[index:]:
+                    if rest is not None:
+                        host.unpin_slot(pin_id, rest.slot_id)
                 break
-            host.pin(request.pin_id, request.owner_id, slot_id)
+            host.pin(pin_id, owner_id, slot_id)
             plan.items.append(PinItem(block_hash, slot_id, DISK, None))
         return plan
-
-    @staticmethod
-    def _unpin_hosts(pin_id: str, host: HostTier, rest: list[tuple[bytes, str]]) -> None:
-        for block_hash, tier in rest:
-            if tier == HOST:
-                host.unpin_slot(pin_id, host.get(block_hash).slot_id)
 
     def read_pin(self, plan: PinPlan) -> list[list[int]]:
         """Off the event loop: read the plan's disk blocks into their slots, in order,

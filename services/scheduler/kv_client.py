@@ -3,11 +3,17 @@ blocks up, pin the hit worth loading, release pins, keep its pins alive. Part of
 scheduler's bus edge with service.py (kept apart so that file stays about the step
 loop); the choice itself is tiering.py's.
 
+One round trip for host hits: the lookup also pins the leading run of host hits
+(``KvLookupRequest.pin_id``), and when the hit worth loading lies within it, that pin is
+the hit. A second call, a pin as before, is made only when the hit wants disk blocks
+(after releasing the lookup's pin: a disk hit reads files, so the round trip is small
+beside it) or when the kvstore predates pinning lookups (its reply names no pin id).
+
 The kvstore is never waited on for long: a lookup has LOOKUP_TIMEOUT_S, after which (or
 on an error, or with NATS down) the request is a miss and runs as it would without a
-kvstore. A pin, asked only after a lookup found a hit worth loading, may read blocks
-from disk and has PIN_TIMEOUT_S. After a few failed calls in a row the kvstore is left
-alone for SILENT_BACKOFF_S, so a hung kvstore does not add its timeout to every request.
+kvstore, and the pin it may have made is released. A pin may read blocks from disk and
+has PIN_TIMEOUT_S. After a few failed calls in a row the kvstore is left alone for
+SILENT_BACKOFF_S, so a hung kvstore does not add its timeout to every request.
 """
 
 from __future__ import annotations
@@ -65,37 +71,49 @@ class KvClient:
         started = time.monotonic()
         if not block_hashes or started < self._silent_until:
             return None
+        pin_id = uuid.uuid4().hex
         lookup = await self._ask("lookup", KvLookupRequest(
-            namespace=self.namespace, block_hashes=block_hashes), KvLookupReply, LOOKUP_TIMEOUT_S)
-        if lookup is None or not lookup.tiers:
+            namespace=self.namespace, block_hashes=block_hashes, owner_id=self.owner_id,
+            pin_id=pin_id), KvLookupReply, LOOKUP_TIMEOUT_S)
+        if lookup is None:  # it may have pinned the host run all the same: let go of it
+            await self.release([pin_id])
             return None
         self.store_id = lookup.store_id
         self.speeds.observe_disk_read(lookup.disk_read_bytes_per_s)
         num_blocks = self.speeds.num_blocks_worth_loading(lookup.tiers, self.block_bytes,
                                                           self.block_size)
-        if num_blocks == 0:
-            return None
         looked_up = time.monotonic()
-        pin_id = uuid.uuid4().hex
-        timeout = PIN_TIMEOUT_S if DISK in lookup.tiers[:num_blocks] else HOST_PIN_TIMEOUT_S
-        pin = await self._ask("pin", KvPinRequest(
-            namespace=self.namespace, owner_id=self.owner_id, pin_id=pin_id,
-            block_hashes=block_hashes[:num_blocks]), KvPinReply, timeout)
-        if pin is None:  # it may still have pinned them: let go of them anyway
-            await self.release([pin_id])
-            return None
+        pinned_by_lookup = lookup.pin_id == pin_id  # "": the kvstore predates such lookups
+        if pinned_by_lookup and _serves(lookup, num_blocks):
+            pin: KvLookupReply | KvPinReply = lookup
+        else:
+            if pinned_by_lookup and lookup.slot_ids:  # not the hit wanted: let go of it
+                await self.release([pin_id])
+            if num_blocks == 0:
+                return None
+            pin_id = uuid.uuid4().hex  # a new id: the release of the old one may come later
+            timeout = PIN_TIMEOUT_S if DISK in lookup.tiers[:num_blocks] else HOST_PIN_TIMEOUT_S
+            pin = await self._ask("pin", KvPinRequest(
+                namespace=self.namespace, owner_id=self.owner_id, pin_id=pin_id,
+                block_hashes=block_hashes[:num_blocks]), KvPinReply, timeout)
+            if pin is None:  # it may still have pinned them: let go of them anyway
+                await self.release([pin_id])
+                return None
         self.store_id = pin.store_id
-        num_confirmed = self._num_confirmed(pin, query.num_gpu_blocks, token_ids)
+        num_confirmed = min(num_blocks, self._num_confirmed(pin, query.num_gpu_blocks, token_ids))
         log.debug("kv_hit_pinned", num_blocks=num_confirmed, num_asked=num_blocks,
                   lookup_ms=round((looked_up - started) * 1e3, 2),
-                  pin_ms=round((time.monotonic() - looked_up) * 1e3, 2))
+                  pin_ms=round((time.monotonic() - looked_up) * 1e3, 2),
+                  round_trips=1 if pin is lookup else 2)
         if num_confirmed == 0:
-            await self.release([pin_id])
+            if pin.slot_ids:  # (a pin of no block leaves nothing to release)
+                await self.release([pin_id])
             return None
         return TierHit(pin_id, pin.store_id, query.num_gpu_blocks,
                        tuple(pin.slot_ids[:num_confirmed]), tuple(pin.tiers[:num_confirmed]))
 
-    def _num_confirmed(self, pin: KvPinReply, first_block: int, token_ids: Sequence[int]) -> int:
+    def _num_confirmed(self, pin: KvPinReply | KvLookupReply, first_block: int,
+                       token_ids: Sequence[int]) -> int:
         """Leading pinned blocks whose tokens are the request's (a hash alone is no proof)."""
         count = 0
         for index, block_tokens in enumerate(pin.token_ids[:len(pin.slot_ids)]):
@@ -141,3 +159,13 @@ class KvClient:
         except ServiceUnavailable:
             return
         await self.release([])
+
+
+def _serves(lookup: KvLookupReply, num_blocks: int) -> bool:
+    """Whether the host blocks a lookup pinned are the hit worth loading: the blocks
+    wanted lie within them, or are all host hits (then the pin cap cut the pin short, and
+    a second pin would meet the same cap: what is pinned is used, maybe nothing). Pinned
+    blocks beyond ``num_blocks`` (never with host hits only: each saves the same) stay
+    pinned, unused, until the release."""
+    return num_blocks > 0 and (num_blocks <= len(lookup.slot_ids)
+                               or DISK not in lookup.tiers[:num_blocks])

@@ -76,12 +76,12 @@ def evict_host(store: KvStore, hashes: list[int]) -> None:
 def test_lookup_leading_run_over_tiers(make_store):
     store = make_store()
     put(store, [1, 2, 3])
-    lookup = lambda hashes: store.lookup(KvLookupRequest(namespace=NS, block_hashes=[h(i) for i in hashes]))
+    lookup = lambda hashes: store.lookup(KvLookupRequest(namespace=NS, block_hashes=[h(i) for i in hashes])).tiers
     assert lookup([1, 2, 3, 4]) == ["host"] * 3
     assert lookup([9, 1]) == []
     evict_host(store, [1, 2, 3])
     assert lookup([1, 2, 3]) == ["disk"] * 3
-    assert store.lookup(KvLookupRequest(namespace="unknown", block_hashes=[h(1)])) == []
+    assert store.lookup(KvLookupRequest(namespace="unknown", block_hashes=[h(1)])) == ([], [])
 
 
 def test_commit_for_another_store_is_ignored(make_store):
