@@ -11,9 +11,10 @@ prefix cache), so nothing is lost and nothing is sent twice. A request for n seq
 runs as n sibling requests that compute the prompt once (siblings.py).
 
 With a kvstore (docs/kvstore.md, kv_tier.py), a request may come with a pinned tier
-hit: admission loads the part beyond its GPU prefix into fresh blocks (beside that step's
-compute; the request computes from the first step planned after that step's result), and
-every block computed here is stored to the kvstore once (write-through).
+hit: admission loads the part beyond its GPU prefix into fresh blocks (beside the compute
+of the other requests in that step, if any: the request then computes from the first step
+planned after that step's result), and every block computed here is stored to the kvstore
+once (write-through).
 
 Steps may overlap: a step can be planned while earlier ones are still running on the
 worker, which feeds each sampled token into the next step itself. The scheduler counts
@@ -292,10 +293,12 @@ class Scheduler:
         the part of its tier hit beyond them, loaded into fresh blocks); return the
         tokens scheduled (None if it does not fit or is still receiving tokens).
 
-        A request with blocks to load computes nothing in the step that loads them: the
-        worker copies them beside that step's forward (not before it), and the request
-        computes from the first step planned after that step's result, so loads overlap
-        the compute of other requests instead of delaying it."""
+        A request with blocks to load, admitted into a step that computes other requests
+        already, computes nothing in it: the worker copies its blocks beside that step's
+        forward, and it computes from the first step planned after that step's result, so
+        loads overlap the compute of other requests instead of delaying it. Into a step
+        with nothing else to compute, it computes at once, after its load (the worker
+        queues that forward while the copy runs)."""
         if req.num_pending_tokens:
             return None  # preempted mid-step: its last token is still on the way
         block_size = self.block_manager.block_size
@@ -318,7 +321,7 @@ class Scheduler:
             req.num_cached_tokens = num_cached
         self.num_prefix_queries += req.num_tokens
         self.num_prefix_hits += len(hit_ids) * block_size
-        if loaded:
+        if loaded and scheduled:
             req.loading_step = self._next_step_id
             self._loading.setdefault(self._next_step_id, []).append(req)
             self._send_to_worker(req, new_requests)

@@ -13,9 +13,10 @@ penalties, prompt logprobs) waits for the step before it instead. ``execute`` is
 start to end.
 
 With a kvstore attached (``attach_kv``), a plan's ``kv_loads`` are copied into their blocks
-beside its forward (on CUDA, a load stream; a step touching blocks still loading waits for
-them on the device; a step's result is read back only once its loads are complete, since
-the scheduler then lets the loading requests compute; a load it cannot make, e.g. from a
+beside its forward (on CUDA, a load stream; a step touching blocks still loading, e.g. the
+loading request's own first chunk, waits for them on the device; a step's result is read
+back only once its loads are complete, since the scheduler then lets the requests that only
+loaded in it compute; a load it cannot make, e.g. from a
 restarted kvstore, is computed instead) and its ``kv_stores`` copied out around it
 (``kv_offload.py``).
 """

@@ -93,21 +93,18 @@ def test_tier_hit_loads_into_fresh_blocks_and_counts_as_computed():
     assert load.slot_ids == list(hit.slot_ids)
     (new,) = plan.new_requests
     assert load.block_ids == new.block_ids[:4]
-    # the loading step computes nothing of it: the load runs beside that step's forward
-    assert new.num_computed_tokens == 16 and plan.scheduled == []
-    assert scheduler.update(plan, result) == []
-    plan, result = first_plan(scheduler, worker)
-    assert plan.kv_loads == [] and plan.new_requests == []
-    assert [(s.request_id, s.num_new_tokens) for s in plan.scheduled] == [("a", 2)]
+    assert new.num_computed_tokens == 16 and plan.scheduled[0].num_new_tokens == 2
     first = [e.output.new_token_ids[0] for e in scheduler.update(plan, result)]
     outputs, _, _ = run_to_completion(scheduler, worker)
     assert first + outputs["a"] == expected_tokens("a", 18, 3)
     assert scheduler.kv_tier.num_tokens_loaded == {"host": 16, "disk": 0}
 
 
-def test_a_loading_request_computes_only_after_the_loading_steps_result():
-    """With steps overlapped, the step planned before the load step's result is back
-    leaves the loading request out; other requests compute meanwhile."""
+def test_a_request_loading_beside_others_computes_only_after_the_loading_steps_result():
+    """Admitted into a step that computes another request, a loading request computes
+    nothing in it (its load runs beside that compute); with steps overlapped, the step
+    planned before the load step's result is back leaves it out too. (Alone in its step,
+    it computes at once: test_tier_hit_loads_into_fresh_blocks_and_counts_as_computed.)"""
     scheduler, worker = make_scheduler(kvstore=True), TierWorker(64)
     scheduler.add_request(request("b", 0, 4, prompt=prompt_tokens(5, base=7000),
                                   ignore_eos=True))
@@ -116,6 +113,7 @@ def test_a_loading_request_computes_only_after_the_loading_steps_result():
                           tier_hit=worker.pin(prompt, 0, 4))
     load_plan = scheduler.schedule()
     assert [s.request_id for s in load_plan.scheduled] == ["b"] and load_plan.kv_loads
+    assert [new.request_id for new in load_plan.new_requests] == ["b", "a"]
     next_plan = scheduler.schedule()  # planned while the load step is in flight
     assert next_plan is None or "a" not in [s.request_id for s in next_plan.scheduled]
     scheduler.update(load_plan, worker.execute(load_plan))
@@ -150,8 +148,6 @@ def test_last_token_always_computed():
     (load,) = plan.kv_loads
     assert len(load.slot_ids) == 3
     assert plan.new_requests[0].num_computed_tokens == 12
-    scheduler.update(plan, _)
-    plan = scheduler.schedule()
     assert plan.scheduled[0].num_new_tokens == 4
 
 
@@ -231,12 +227,10 @@ def test_pin_released_after_the_loading_steps_result():
     scheduler.add_request(request("a", 0, 4, prompt=prompt, ignore_eos=True),
                           tier_hit=worker.pin(prompt, 0, 4))
     plan, result = first_plan(scheduler, worker)
-    # overlapped: nothing else to plan before the first result (the request waits for its load)
-    assert scheduler.schedule() is None
+    plan2 = scheduler.schedule()  # overlapped: planned before the first result
     assert scheduler.take_pins_to_release() == []
     scheduler.update(plan, result)
     assert scheduler.take_pins_to_release() == ["p1"]
-    plan2 = scheduler.schedule()
     scheduler.update(plan2, worker.execute(plan2))
     assert scheduler.take_pins_to_release() == []
     assert scheduler.kv_tier.num_pins_held == 0

@@ -153,8 +153,8 @@ def greedy_run(runner: ModelRunner, token_ids: list[int], block_ids: list[int],
               for step_id in range(first, first + num_new_tokens - 1)]
     outputs = []
     for plan in plans:
-        outputs += [r.sampled_token_ids[0] for r in runner.submit(plan)]
-    outputs += [r.sampled_token_ids[0] for r in runner.flush()]
+        outputs += [token for r in runner.submit(plan) for token in r.sampled_token_ids]
+    outputs += [token for r in runner.flush() for token in r.sampled_token_ids]
     return outputs
 
 
