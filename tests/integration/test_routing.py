@@ -95,12 +95,14 @@ def settled_hits_by_replica(stack) -> dict[str, float]:
         return {replica_id: gateway_metric(stack, "flotilla_prefix_cache_hits_total",
                                            f'replica_id="{replica_id}"') for replica_id in ("0", "1")}
     last = hits()
-    while True:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
         time.sleep(1.2)
         now = hits()
         if now == last:
             return now
         last = now
+    raise AssertionError(f"the prefix-cache hits did not settle: {last}")
 
 
 def test_a_restarted_replica_is_not_routed_to_by_its_stale_entries(stack, model_name):
