@@ -204,6 +204,22 @@ async def test_store_lookup_pin_read_back_and_restart_from_disk(kvstore_factory)
         await bus.request(kv.subject("release"), KvReleaseRequest(
             namespace=reply.namespace, owner_id="scheduler", pin_ids=["p1"]), Empty)
 
+        # a lookup that pins: the same blocks in one round trip
+        found = await bus.request(kv.subject("lookup"), KvLookupRequest(
+            namespace=reply.namespace, block_hashes=[h(i) for i in (1, 2, 3, 4)],
+            owner_id="scheduler", pin_id="p0"), KvLookupReply)
+        assert found.tiers == ["host"] * 3 and found.pin_id == "p0"
+        assert found.slot_ids == pinned.slot_ids and found.token_ids == pinned.token_ids
+        stats = await bus.request(kv.subject("stats"), Empty(), KvStatsReply)
+        assert tier(stats, "host").num_pinned == 3
+        with pytest.raises(FlotillaError) as error:  # a pin id in use
+            await bus.request(kv.subject("lookup"), KvLookupRequest(
+                namespace=reply.namespace, block_hashes=[h(1)], owner_id="scheduler",
+                pin_id="p0"), KvLookupReply)
+        assert error.value.status == 400
+        await bus.request(kv.subject("release"), KvReleaseRequest(
+            namespace=reply.namespace, owner_id="scheduler", pin_ids=["p0"]), Empty)
+
         # written through to disk, with events for both tiers
         async def on_disk():
             stats = await bus.request(kv.subject("stats"), Empty(), KvStatsReply)

@@ -84,6 +84,71 @@ def test_lookup_leading_run_over_tiers(make_store):
     assert store.lookup(KvLookupRequest(namespace="unknown", block_hashes=[h(1)])) == ([], [])
 
 
+def lookup_pin(store: KvStore, pin_id: str, hashes: list[int], owner: str = "s", now: float = 0.0):
+    return store.lookup(KvLookupRequest(namespace=NS, block_hashes=[h(i) for i in hashes],
+                                        owner_id=owner, pin_id=pin_id), now)
+
+
+def test_a_lookup_pins_the_leading_host_run_and_a_disk_hit_ends_it(make_store):
+    store = make_store(num_slots=16)
+    put(store, [1, 2, 3, 4])
+    evict_host(store, [1, 2, 3, 4])
+    put(store, [1, 2, 4])  # host: 1, 2, 4; disk: 1-4
+    ns = store.namespaces[NS]
+    tiers, pinned = lookup_pin(store, "p", [1, 2, 3, 4, 5])
+    assert tiers == ["host", "host", "disk", "host"]  # the whole run, as without a pin
+    assert [block.token_ids for block in pinned] == [[1] * 4, [2] * 4]  # up to the disk hit
+    assert [block.slot_id for block in pinned] == [ns.host.get(h(i)).slot_id for i in (1, 2)]
+    assert ns.host.pinned_slots("p") == [block.slot_id for block in pinned]
+    assert ns.host.num_pinned == 2
+    # pinned as by a pin: other blocks cycle through the tier, they stay
+    put(store, [3000 + i for i in range(8)], owner="filler")
+    put(store, [4000 + i for i in range(8)], owner="filler")
+    assert ns.host.get(h(4)) is None
+    assert ns.host.get(h(1)) is not None and ns.host.get(h(2)) is not None
+    assert store.release(NS, "s", ["p"], now=0.0) == 1 and ns.host.num_pinned == 0
+
+
+def test_a_lookup_pins_nothing_on_a_miss_or_without_a_pin_id(make_store):
+    store = make_store()
+    put(store, [1, 2])
+    ns = store.namespaces[NS]
+    assert lookup_pin(store, "p", [9, 1]) == ([], [])  # a miss first: no run at all
+    assert not ns.host.has_pin("p")
+    for owner, pin_id in (("", "p"), ("s", "")):  # both are needed to pin
+        tiers, pinned = lookup_pin(store, pin_id, [1, 2], owner=owner)
+        assert tiers == ["host", "host"] and pinned == []
+    assert ns.host.num_pinned == 0
+    tiers, pinned = lookup_pin(store, "p", [1, 2, 3])  # the run stops at the miss
+    assert tiers == ["host", "host"] and len(pinned) == 2
+
+
+def test_a_lookup_pin_respects_the_pin_cap_and_refuses_a_pin_id_in_use(make_store):
+    store = make_store(num_slots=8, pinned=0.5)  # pins hold at most 4 slots
+    put(store, [1, 2, 3, 4])
+    put(store, [5, 6])
+    ns = store.namespaces[NS]
+    assert len(lookup_pin(store, "p", [1, 2, 3]).pinned) == 3
+    tiers, pinned = lookup_pin(store, "q", [1, 2, 3, 4, 5, 6])
+    # 1-3 are pinned already (no room needed), 4 takes the last slot of room, 5 has none
+    assert tiers == ["host"] * 6 and len(pinned) == 4 and ns.host.num_pinned == 4
+    assert lookup_pin(store, "r", [5, 6]) == (["host", "host"], [])
+    assert not ns.host.has_pin("r")
+    with pytest.raises(ValueError):
+        lookup_pin(store, "p", [1])
+    assert store.release(NS, "s", ["p", "q"], now=0.0) == 2 and ns.host.num_pinned == 0
+    assert len(lookup_pin(store, "r", [5, 6]).pinned) == 2
+
+
+def test_a_pinning_lookup_keeps_its_owner_alive(make_store):
+    store = make_store()
+    put(store, [1])
+    lookup_pin(store, "p", [1], owner="sched", now=8.0)
+    assert "sched" not in store.expire_owners(now=12.0)
+    assert store.expire_owners(now=19.0) == {"sched": (0, 1)}
+    assert store.namespaces[NS].host.num_pinned == 0
+
+
 def test_commit_for_another_store_is_ignored(make_store):
     store = make_store()
     slots = store.reserve(NS, "w", 1, now=0.0)

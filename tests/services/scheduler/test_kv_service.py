@@ -45,7 +45,9 @@ def nats_url(tmp_path_factory):
 
 class Peers:
     """The worker and the kvstore, served on the bus. ``kvstore``: "answers", "silent"
-    (subscribed, never replies) or "absent" (nobody on its subjects)."""
+    (subscribed, never replies) or "absent" (nobody on its subjects). The kvstore that
+    answers ignores a lookup's pin fields, as one that predates them, unless
+    ``pinning_lookups`` is set."""
 
     def __init__(self, bus: Bus, kvstore: str) -> None:
         self.bus = bus
@@ -65,6 +67,7 @@ class Peers:
         self.worker_store_id = "store-1"
         self.pin_delay_s = 0.0
         self.lookup_delay_s = 0.0
+        self.pinning_lookups = False
 
     async def start(self) -> None:
         bus = self.bus
@@ -119,19 +122,27 @@ class Peers:
             if block_hash not in self.held:
                 break
             tiers.append("host")
-        return KvLookupReply(store_id=self.store_id, tiers=tiers)
+        if not (self.pinning_lookups and request.pin_id):
+            return KvLookupReply(store_id=self.store_id, tiers=tiers)
+        slot_ids, token_ids = self._pin_slots(request.block_hashes[:len(tiers)])
+        return KvLookupReply(store_id=self.store_id, tiers=tiers, pin_id=request.pin_id,
+                             slot_ids=slot_ids, token_ids=token_ids)
 
     async def on_pin(self, request: KvPinRequest) -> KvPinReply:
         self.pins.append(request)
         await asyncio.sleep(self.pin_delay_s)
+        slot_ids, token_ids = self._pin_slots(request.block_hashes)
+        return KvPinReply(store_id=self.store_id, slot_ids=slot_ids, token_ids=token_ids,
+                          tiers=["host"] * len(slot_ids))
+
+    def _pin_slots(self, block_hashes: list[bytes]) -> tuple[list[int], list[list[int]]]:
         slot_ids, token_ids = [], []
-        for block_hash in request.block_hashes:
+        for block_hash in block_hashes:
             slot_id = 1000 + len(self.worker.host_slots)
             self.worker.host_slots[slot_id] = self.held[block_hash]
             slot_ids.append(slot_id)
             token_ids.append(self.held[block_hash])
-        return KvPinReply(store_id=self.store_id, slot_ids=slot_ids, token_ids=token_ids,
-                          tiers=["host"] * len(slot_ids))
+        return slot_ids, token_ids
 
     async def on_release(self, request: KvReleaseRequest) -> Empty:
         self.released += request.pin_ids
@@ -242,6 +253,24 @@ async def test_a_host_hit_is_pinned_loaded_and_released(nats_url):
         await eventually(lambda: len(tokens_of(peers, "next")) == 3)
         stored = [run for plan in peers.plans for run in plan.kv_stores]
         assert [run.first_block_index for run in stored if run.request_id == "a"] == [6]
+    finally:
+        await shutdown()
+
+
+async def test_a_host_hit_pinned_by_its_lookup_takes_one_round_trip(nats_url):
+    service, peers, shutdown = await running(nats_url, "answers", _peers={"pinning_lookups": True})
+    try:
+        prompt = prompt_of(51_000)
+        peers.hold(prompt)
+        await submit(peers.bus, "a", prompt)
+        await eventually(lambda: len(tokens_of(peers, "a")) == 3)
+        assert tokens_of(peers, "a") == expected_tokens("a", len(prompt), 3)
+        (lookup,) = peers.lookups
+        assert lookup.owner_id == "s1" and lookup.pin_id and not peers.pins
+        loads = [load for plan in peers.plans for load in plan.kv_loads]
+        assert len(loads) == 1 and len(loads[0].slot_ids) == 6
+        assert peers.outputs["a"][0].num_cached_tokens == 24
+        await eventually(lambda: peers.released == [lookup.pin_id])  # after the load
     finally:
         await shutdown()
 
