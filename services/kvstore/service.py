@@ -93,6 +93,9 @@ class KvStoreService:
         self.store_id = uuid.uuid4().hex[:16]
         self.subjects = Subjects(config.namespace)
         self.metrics = metrics
+        # the hot verbs' labelled counters, looked up once (labels() takes a lock each call)
+        self._hits = {tier: metrics.hits.labels(tier) for tier in (HOST, DISK)}
+        self._pinned_blocks = {tier: metrics.pinned_blocks.labels(tier) for tier in (HOST, DISK)}
         self.arena_dir = arena_dir
         self.store = KvStore(self.store_id, config.node_id, disk=disk,
                              owner_timeout_s=config.owner_timeout_s,
@@ -218,23 +221,28 @@ class KvStoreService:
     async def _on_lookup(self, request: KvLookupRequest) -> KvLookupReply:
         started = time.perf_counter()
         try:
-            tiers, pinned = self.store.lookup(request, time.monotonic())
+            tiers, slot_ids, token_ids = self.store.lookup(request, time.monotonic())
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
-        for tier in (HOST, DISK):
-            if count := tiers.count(tier):
-                self.metrics.hits.labels(tier).inc(count)
-        self.metrics.misses.inc(len(request.block_hashes) - len(tiers))
+        self._count_hits(tiers, len(request.block_hashes))
         if not (request.owner_id and request.pin_id):
             return KvLookupReply(store_id=self.store_id, tiers=tiers,
                                  disk_read_bytes_per_s=self.disk_read_speed.bytes_per_s)
-        if pinned:
-            self.metrics.pinned_blocks.labels(HOST).inc(len(pinned))
+        if slot_ids:
+            self._pinned_blocks[HOST].inc(len(slot_ids))
             self.metrics.load_latency.observe(time.perf_counter() - started)
         return KvLookupReply(store_id=self.store_id, tiers=tiers,
                              disk_read_bytes_per_s=self.disk_read_speed.bytes_per_s,
-                             pin_id=request.pin_id, slot_ids=[block.slot_id for block in pinned],
-                             token_ids=[block.token_ids for block in pinned])
+                             pin_id=request.pin_id, slot_ids=slot_ids, token_ids=token_ids)
+
+    def _count_hits(self, tiers: list[str], num_looked_up: int) -> None:
+        num_host = tiers.count(HOST)
+        if num_host:
+            self._hits[HOST].inc(num_host)
+        if num_host < len(tiers):
+            self._hits[DISK].inc(len(tiers) - num_host)
+        if num_looked_up > len(tiers):
+            self.metrics.misses.inc(num_looked_up - len(tiers))
 
     async def _on_pin(self, request: KvPinRequest) -> KvPinReply:
         started = time.perf_counter()
@@ -255,7 +263,7 @@ class KvStoreService:
             reply = self.store.finish_pin(plan, read)
         for tier in (HOST, DISK):
             if count := reply.tiers.count(tier):
-                self.metrics.pinned_blocks.labels(tier).inc(count)
+                self._pinned_blocks[tier].inc(count)
         self.metrics.load_latency.observe(time.perf_counter() - started)
         return reply
 

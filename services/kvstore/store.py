@@ -60,7 +60,9 @@ class Namespace:
 
 class Lookup(NamedTuple):
     tiers: list[str]  # the tier of each block of the leading run held (host first)
-    pinned: list[HostBlock]  # its leading host blocks, pinned (when the lookup asked)
+    # its leading host blocks pinned (when the lookup asked): their slots and tokens
+    slot_ids: list[int]
+    token_ids: list[list[int]]
 
 
 @dataclass
@@ -133,7 +135,7 @@ class KvStore:
         cap leaves no room for, ends what is pinned (not the run looked up)."""
         ns = self.namespaces.get(request.namespace)
         if ns is None:
-            return Lookup([], [])
+            return Lookup([], [], [])
         host, disk = ns.host, self.disk
         pinning = bool(request.owner_id and request.pin_id)
         if pinning:
@@ -142,27 +144,27 @@ class KvStore:
                 raise ValueError(f"pin id {request.pin_id!r} is in use")
         room = host.pin_room()
         tiers: list[str] = []
-        pinned: list[HostBlock] = []
+        slot_ids: list[int] = []
+        token_ids: list[list[int]] = []
         for block_hash in request.block_hashes:
             block = host.get(block_hash)
             if block is not None:
                 tiers.append(HOST)
                 if pinning:
-                    if host.is_pinned(block.slot_id):
-                        pinned.append(block)
-                    elif room:
+                    if not host.is_pinned(block.slot_id):
+                        if not room:
+                            pinning = False
+                            continue
                         room -= 1
-                        pinned.append(block)
-                    else:
-                        pinning = False
+                    slot_ids.append(block.slot_id)
+                    token_ids.append(block.token_ids)
             elif disk is not None and disk.contains(ns.name, block_hash):
                 tiers.append(DISK)
                 pinning = False
             else:
                 break
-        if pinned:
-            host.pin_slots(request.pin_id, request.owner_id, [block.slot_id for block in pinned])
-        return Lookup(tiers, pinned)
+        host.pin_slots(request.pin_id, request.owner_id, slot_ids)
+        return Lookup(tiers, slot_ids, token_ids)
 
     def begin_pin(self, request: KvPinRequest, now: float) -> PinPlan:
         """Pin the leading run's host hits and take a slot for each disk hit (to read into,

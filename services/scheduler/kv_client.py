@@ -18,8 +18,8 @@ SILENT_BACKOFF_S, so a hung kvstore does not add its timeout to every request.
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -48,6 +48,10 @@ SILENT_BACKOFF_S = 2.0
 Rep = TypeVar("Rep")
 
 
+def new_pin_id() -> str:
+    return os.urandom(16).hex()  # unique as a uuid4, without building one per request
+
+
 class KvClient:
     def __init__(self, bus: Bus, subjects: Subjects, *, owner_id: str, node_id: str,
                  namespace: str, block_bytes: int, block_size: int, speeds: TierSpeeds) -> None:
@@ -71,7 +75,7 @@ class KvClient:
         started = time.monotonic()
         if not block_hashes or started < self._silent_until:
             return None
-        pin_id = uuid.uuid4().hex
+        pin_id = new_pin_id()
         lookup = await self._ask("lookup", KvLookupRequest(
             namespace=self.namespace, block_hashes=block_hashes, owner_id=self.owner_id,
             pin_id=pin_id), KvLookupReply, LOOKUP_TIMEOUT_S)
@@ -91,7 +95,7 @@ class KvClient:
                 await self.release([pin_id])
             if num_blocks == 0:
                 return None
-            pin_id = uuid.uuid4().hex  # a new id: the release of the old one may come later
+            pin_id = new_pin_id()  # a new id: the release of the old one may come later
             timeout = PIN_TIMEOUT_S if DISK in lookup.tiers[:num_blocks] else HOST_PIN_TIMEOUT_S
             pin = await self._ask("pin", KvPinRequest(
                 namespace=self.namespace, owner_id=self.owner_id, pin_id=pin_id,
@@ -115,12 +119,15 @@ class KvClient:
     def _num_confirmed(self, pin: KvPinReply | KvLookupReply, first_block: int,
                        token_ids: Sequence[int]) -> int:
         """Leading pinned blocks whose tokens are the request's (a hash alone is no proof)."""
-        count = 0
-        for index, block_tokens in enumerate(pin.token_ids[:len(pin.slot_ids)]):
-            start = (first_block + index) * self.block_size
-            if list(block_tokens) != list(token_ids[start:start + self.block_size]):
+        if not isinstance(token_ids, list):
+            token_ids = list(token_ids)  # a slice of a list is a list: compared as is
+        count, size = 0, self.block_size
+        start = first_block * size
+        for block_tokens in pin.token_ids[:len(pin.slot_ids)]:
+            if block_tokens != token_ids[start:start + size]:
                 break
             count += 1
+            start += size
         return count
 
     async def _ask(self, verb: str, message: msgspec.Struct, reply_type: type[Rep],

@@ -81,7 +81,7 @@ def test_lookup_leading_run_over_tiers(make_store):
     assert lookup([9, 1]) == []
     evict_host(store, [1, 2, 3])
     assert lookup([1, 2, 3]) == ["disk"] * 3
-    assert store.lookup(KvLookupRequest(namespace="unknown", block_hashes=[h(1)])) == ([], [])
+    assert store.lookup(KvLookupRequest(namespace="unknown", block_hashes=[h(1)])) == ([], [], [])
 
 
 def lookup_pin(store: KvStore, pin_id: str, hashes: list[int], owner: str = "s", now: float = 0.0):
@@ -95,11 +95,11 @@ def test_a_lookup_pins_the_leading_host_run_and_a_disk_hit_ends_it(make_store):
     evict_host(store, [1, 2, 3, 4])
     put(store, [1, 2, 4])  # host: 1, 2, 4; disk: 1-4
     ns = store.namespaces[NS]
-    tiers, pinned = lookup_pin(store, "p", [1, 2, 3, 4, 5])
+    tiers, slot_ids, token_ids = lookup_pin(store, "p", [1, 2, 3, 4, 5])
     assert tiers == ["host", "host", "disk", "host"]  # the whole run, as without a pin
-    assert [block.token_ids for block in pinned] == [[1] * 4, [2] * 4]  # up to the disk hit
-    assert [block.slot_id for block in pinned] == [ns.host.get(h(i)).slot_id for i in (1, 2)]
-    assert ns.host.pinned_slots("p") == [block.slot_id for block in pinned]
+    assert token_ids == [[1] * 4, [2] * 4]  # up to the disk hit
+    assert slot_ids == [ns.host.get(h(i)).slot_id for i in (1, 2)]
+    assert ns.host.pinned_slots("p") == slot_ids
     assert ns.host.num_pinned == 2
     # pinned as by a pin: other blocks cycle through the tier, they stay
     put(store, [3000 + i for i in range(8)], owner="filler")
@@ -113,14 +113,14 @@ def test_a_lookup_pins_nothing_on_a_miss_or_without_a_pin_id(make_store):
     store = make_store()
     put(store, [1, 2])
     ns = store.namespaces[NS]
-    assert lookup_pin(store, "p", [9, 1]) == ([], [])  # a miss first: no run at all
+    assert lookup_pin(store, "p", [9, 1]) == ([], [], [])  # a miss first: no run at all
     assert not ns.host.has_pin("p")
     for owner, pin_id in (("", "p"), ("s", "")):  # both are needed to pin
-        tiers, pinned = lookup_pin(store, pin_id, [1, 2], owner=owner)
-        assert tiers == ["host", "host"] and pinned == []
+        tiers, slot_ids, _ = lookup_pin(store, pin_id, [1, 2], owner=owner)
+        assert tiers == ["host", "host"] and slot_ids == []
     assert ns.host.num_pinned == 0
-    tiers, pinned = lookup_pin(store, "p", [1, 2, 3])  # the run stops at the miss
-    assert tiers == ["host", "host"] and len(pinned) == 2
+    tiers, slot_ids, _ = lookup_pin(store, "p", [1, 2, 3])  # the run stops at the miss
+    assert tiers == ["host", "host"] and len(slot_ids) == 2
 
 
 def test_a_lookup_pin_respects_the_pin_cap_and_refuses_a_pin_id_in_use(make_store):
@@ -128,16 +128,16 @@ def test_a_lookup_pin_respects_the_pin_cap_and_refuses_a_pin_id_in_use(make_stor
     put(store, [1, 2, 3, 4])
     put(store, [5, 6])
     ns = store.namespaces[NS]
-    assert len(lookup_pin(store, "p", [1, 2, 3]).pinned) == 3
-    tiers, pinned = lookup_pin(store, "q", [1, 2, 3, 4, 5, 6])
+    assert len(lookup_pin(store, "p", [1, 2, 3]).slot_ids) == 3
+    tiers, slot_ids, _ = lookup_pin(store, "q", [1, 2, 3, 4, 5, 6])
     # 1-3 are pinned already (no room needed), 4 takes the last slot of room, 5 has none
-    assert tiers == ["host"] * 6 and len(pinned) == 4 and ns.host.num_pinned == 4
-    assert lookup_pin(store, "r", [5, 6]) == (["host", "host"], [])
+    assert tiers == ["host"] * 6 and len(slot_ids) == 4 and ns.host.num_pinned == 4
+    assert lookup_pin(store, "r", [5, 6]) == (["host", "host"], [], [])
     assert not ns.host.has_pin("r")
     with pytest.raises(ValueError):
         lookup_pin(store, "p", [1])
     assert store.release(NS, "s", ["p", "q"], now=0.0) == 2 and ns.host.num_pinned == 0
-    assert len(lookup_pin(store, "r", [5, 6]).pinned) == 2
+    assert len(lookup_pin(store, "r", [5, 6]).slot_ids) == 2
 
 
 def test_a_pinning_lookup_keeps_its_owner_alive(make_store):
