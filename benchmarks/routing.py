@@ -234,12 +234,20 @@ def row_figures(result: dict) -> dict:
     s, server = result["summary"], result["server_prefix_cache"] or {}
     decisions = (result["server_counters"] or {}).get("flotilla_routing_decisions_total", {})
     return {"ttft_p50": s["ttft_ms"]["median"], "ttft_p90": s["ttft_ms"]["p90"],
-            "ttft_p99": s["ttft_ms"]["p99"], "req_s": s["request_throughput"],
+            "ttft_p99": s["ttft_ms"]["p99"], "tpot_p50": s["tpot_ms"]["median"],
+            "req_s": s["request_throughput"],
             "out_tok_s": s["output_throughput"], "total_tok_s": s["total_token_throughput"],
             "hit_rate": s["prefix_cache_hit_rate"], "scheduler_hit_rate": server.get("hit_rate"),
-            "failed": s["failed"] + s["outstanding"],
+            "failed": s["failed"] + s["outstanding"], "replica_split": replica_split(server),
             "decisions": {key.split("reason=")[-1]: int(value)
                           for key, value in decisions.items() if value}}
+
+
+def replica_split(server: dict) -> str:
+    """Each replica's share of the prompt tokens (the schedulers' lookups): the balance."""
+    queries = [figures["queries"] for figures in server.get("by_replica", {}).values()]
+    total = sum(queries)
+    return "/".join(f"{q / total:.0%}" for q in queries) if total else "n/a"
 
 
 def _pct(value) -> str:
@@ -257,18 +265,20 @@ def _ratio(a, b) -> str:
 
 def case_table(case: Case, results: list[dict]) -> str:
     lines = [f"## {case.name}: {case.what}",
-             f"{'policy':<13}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'req/s':>7}{'out tok/s':>10}"
-             f"{'tot tok/s':>10}{'hit':>7}{'sched':>7}{'fail':>5}  decisions"]
+             f"{'policy':<13}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'TPOT p50':>9}{'req/s':>7}"
+             f"{'out tok/s':>10}"
+             f"{'tot tok/s':>10}{'hit':>7}{'sched':>7}{'fail':>5}  {'split':<12}decisions"]
     figures = {r["policy"]: row_figures(r) for r in results}
     for policy, f in figures.items():
         decisions = " ".join(f"{k}={v}" for k, v in sorted(f["decisions"].items()))
         lines.append(f"{policy:<13}{_num(f['ttft_p50'], 9)}{_num(f['ttft_p90'], 8)}"
-                     f"{_num(f['ttft_p99'], 8)}{_num(f['req_s'], 7, 3)}"
+                     f"{_num(f['ttft_p99'], 8)}{_num(f['tpot_p50'], 9)}{_num(f['req_s'], 7, 3)}"
                      f"{_num(f['out_tok_s'], 10, 1)}{_num(f['total_tok_s'], 10, 1)}"
                      f"{_pct(f['hit_rate']):>7}{_pct(f['scheduler_hit_rate']):>7}"
-                     f"{f['failed']:>5}  {decisions}")
-    lines.append("(TTFT in ms over all turns; hit = usage cached/prompt tokens; sched = the "
-                 "schedulers' counters, worker cache + kvstore tiers)")
+                     f"{f['failed']:>5}  {f['replica_split']:<12}{decisions}")
+    lines.append("(TTFT, TPOT in ms over all turns; hit = usage cached/prompt tokens; sched = the "
+                 "schedulers' counters, worker cache + kvstore tiers; split = each replica's "
+                 "share of the prompt tokens; decisions = the gateway's routing reasons)")
     if "kv" in figures and "least-loaded" in figures:
         kv, ll = figures["kv"], figures["least-loaded"]
         lines.append(f"kv / least-loaded: TTFT p90 {_ratio(kv['ttft_p90'], ll['ttft_p90'])}, "
@@ -297,7 +307,8 @@ def main() -> None:
         print(tables[-1], flush=True)
         summary_path = args.out / "routing_summary.json"
         summary_path.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
-    print("\n\n".join(tables))
+    if len(tables) > 1:
+        print("\n\n".join(tables))
     print(f"wrote {args.out / 'routing_summary.json'}")
 
 
