@@ -6,8 +6,9 @@
   them (fire and forget, the worker's way) or ask and wait to know they were applied;
 - keepalive: a plain subscription.
 
-Pins are handled concurrently (a disk read runs in a thread; lookups and other pins go
-on meanwhile); each other verb in order. Block events are batched every
+A lookup may pin the leading run of host hits (``KvLookupRequest.pin_id``): the
+scheduler's one round trip for a host hit. Pins are handled concurrently (a disk read
+runs in a thread; lookups and other pins go on meanwhile); each other verb in order. Block events are batched every
 ``event_interval_s``; silent owners are expired every second. Arena files live under
 ``kv_shm_dir`` and are removed at exit; those of earlier kvstores of this node at start.
 """

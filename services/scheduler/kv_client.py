@@ -9,11 +9,13 @@ the hit. A second call, a pin as before, is made only when the hit wants disk bl
 (after releasing the lookup's pin: a disk hit reads files, so the round trip is small
 beside it) or when the kvstore predates pinning lookups (its reply names no pin id).
 
-The kvstore is never waited on for long: a lookup has LOOKUP_TIMEOUT_S, after which (or
-on an error, or with NATS down) the request is a miss and runs as it would without a
-kvstore, and the pin it may have made is released. A pin may read blocks from disk and
-has PIN_TIMEOUT_S. After a few failed calls in a row the kvstore is left alone for
-SILENT_BACKOFF_S, so a hung kvstore does not add its timeout to every request.
+The kvstore is never waited on for long: a lookup has LOOKUP_TIMEOUT_S (plus a little
+per lookup already in flight), after which (or on an error, or with NATS down) the
+request is a miss and runs as it would without a kvstore, and the pin it may have made
+is released. A pin may read blocks from disk and has PIN_TIMEOUT_S. After a few failed
+calls in a row with no reply meanwhile, the kvstore is left alone for SILENT_BACKOFF_S,
+so a hung kvstore does not add its timeout to every request (a slow one, answering
+other calls, is not left alone).
 """
 
 from __future__ import annotations
@@ -38,7 +40,11 @@ from shared.subjects import Subjects
 
 log = structlog.get_logger()
 
-LOOKUP_TIMEOUT_S = 0.05
+LOOKUP_TIMEOUT_S = 0.05  # for a lookup alone
+# ... and this much more per lookup already in flight: the kvstore answers them in turn,
+# so under a burst (128 requests at once) the last waits for the others (~0.1 ms each on
+# two busy cores); a miss would cost it its whole prefill.
+LOOKUP_QUEUE_ALLOWANCE_S = 0.001
 HOST_PIN_TIMEOUT_S = 0.2  # a pin of host hits only moves no bytes
 PIN_TIMEOUT_S = 1.0  # disk hits are read into host slots during the pin
 KEEPALIVE_INTERVAL_S = 2.0
@@ -67,6 +73,8 @@ class KvClient:
         self._unsent_releases: list[str] = []
         self._failures_in_a_row = 0
         self._silent_until = 0.0
+        self._last_reply_at = 0.0  # monotonic time of the last reply from the kvstore
+        self._lookups_in_flight = 0
 
     async def find_hit(self, query: PrefixQuery, token_ids: Sequence[int]) -> TierHit | None:
         """A pinned hit of the blocks beyond the query's GPU prefix, if one is worth
@@ -76,9 +84,14 @@ class KvClient:
         if not block_hashes or started < self._silent_until:
             return None
         pin_id = new_pin_id()
-        lookup = await self._ask("lookup", KvLookupRequest(
-            namespace=self.namespace, block_hashes=block_hashes, owner_id=self.owner_id,
-            pin_id=pin_id), KvLookupReply, LOOKUP_TIMEOUT_S)
+        deadline_s = LOOKUP_TIMEOUT_S + self._lookups_in_flight * LOOKUP_QUEUE_ALLOWANCE_S
+        self._lookups_in_flight += 1
+        try:
+            lookup = await self._ask("lookup", KvLookupRequest(
+                namespace=self.namespace, block_hashes=block_hashes, owner_id=self.owner_id,
+                pin_id=pin_id), KvLookupReply, deadline_s)
+        finally:
+            self._lookups_in_flight -= 1
         if lookup is None:  # it may have pinned the host run all the same: let go of it
             await self.release([pin_id])
             return None
@@ -132,17 +145,22 @@ class KvClient:
 
     async def _ask(self, verb: str, message: msgspec.Struct, reply_type: type[Rep],
                    timeout: float) -> Rep | None:
+        sent_at = time.monotonic()
         try:
             reply = await self.bus.request(self.subjects.kvstore(self.node_id, verb), message,
                                            reply_type, timeout=timeout)
         except (FlotillaError, msgspec.DecodeError) as exc:
-            self._failures_in_a_row += 1
-            if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
-                self._silent_until = time.monotonic() + SILENT_BACKOFF_S
-                self._failures_in_a_row = 0
+            # Only a kvstore that has said nothing since this call went out counts towards
+            # the backoff: one that answers other calls meanwhile is slow, not gone.
+            if self._last_reply_at < sent_at:
+                self._failures_in_a_row += 1
+                if self._failures_in_a_row >= MAX_FAILURES_IN_A_ROW:
+                    self._silent_until = time.monotonic() + SILENT_BACKOFF_S
+                    self._failures_in_a_row = 0
             log.debug("kvstore_call_failed", verb=verb, error=str(exc))
             return None
         self._failures_in_a_row = 0
+        self._last_reply_at = time.monotonic()
         return reply
 
     # ------------------------------------------------------------ pins

@@ -437,3 +437,49 @@ async def test_a_request_keeps_its_place_in_line_through_its_lookup(nats_url):
         assert [r.request_id for r in service.core.waiting] == ["first", "second"]
     finally:
         await shutdown()
+
+
+async def test_a_slow_kvstore_is_not_left_alone(nats_url, monkeypatch):
+    """Lookups that queue past their deadline at a kvstore that answers others meanwhile
+    are misses, but do not make the client leave the kvstore alone (only silence does)."""
+    from services.scheduler import kv_client
+    monkeypatch.setattr(kv_client, "LOOKUP_TIMEOUT_S", 0.15)
+    monkeypatch.setattr(kv_client, "LOOKUP_QUEUE_ALLOWANCE_S", 0.0)
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        peers.lookup_delay_s = 0.1  # answered in turn: the first at 0.1 s, the rest late
+        prompts = {f"s{i}": prompt_of(140_000 + 1_000 * i) for i in range(6)}
+        for prompt in prompts.values():
+            peers.hold(prompt)
+        await asyncio.gather(*(submit(peers.bus, rid, p) for rid, p in prompts.items()))
+        for request_id, prompt in prompts.items():
+            await eventually(lambda rid=request_id: len(tokens_of(peers, rid)) == 3)
+            assert tokens_of(peers, request_id) == expected_tokens(request_id, len(prompt), 3)
+        assert peers.outputs["s0"][0].num_cached_tokens == 24
+        assert sum(peers.outputs[rid][0].num_cached_tokens == 0 for rid in prompts) >= 4
+        await eventually(lambda: len(peers.lookups) == 6)
+        peers.lookup_delay_s = 0.0
+        await submit(peers.bus, "after", prompt_of(150_000))
+        await eventually(lambda: len(peers.lookups) == 7)  # asked, not skipped for 2 s
+    finally:
+        await shutdown()
+
+
+async def test_lookups_queued_behind_others_get_more_time(nats_url, monkeypatch):
+    """The kvstore answers lookups in turn: the deadline grows with the lookups in flight,
+    so a burst's last lookup is still a hit."""
+    from services.scheduler import kv_client
+    monkeypatch.setattr(kv_client, "LOOKUP_TIMEOUT_S", 0.15)
+    monkeypatch.setattr(kv_client, "LOOKUP_QUEUE_ALLOWANCE_S", 0.1)
+    service, peers, shutdown = await running(nats_url, "answers")
+    try:
+        peers.lookup_delay_s = 0.1  # the k-th answered at (k + 1) x 0.1 s, due by 0.15 + k x 0.1
+        prompts = {f"q{i}": prompt_of(160_000 + 1_000 * i) for i in range(5)}
+        for prompt in prompts.values():
+            peers.hold(prompt)
+        await asyncio.gather(*(submit(peers.bus, rid, p) for rid, p in prompts.items()))
+        for request_id in prompts:
+            await eventually(lambda rid=request_id: len(tokens_of(peers, rid)) == 3)
+        assert [peers.outputs[rid][0].num_cached_tokens for rid in prompts] == [24] * 5
+    finally:
+        await shutdown()
