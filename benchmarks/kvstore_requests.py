@@ -14,6 +14,12 @@ tracing set up as the services do), ``--concurrency`` calls in flight:
           submit handler runs it; the pins are released (published) 16 at a time, as the
           scheduler releases a step's loads; ``--reps`` passes. A hit the client gives up
           on (past ``--deadline-s``) is counted as a miss.
+First, ``core``: the same prompts through ``KvStore`` in this process (no NATS, no
+span; as the service's handlers call it): a reservation of 31 slots, the commit of
+those 31 blocks (its message decoded), a bare lookup, a pin + its release, and (where the
+kvstore has it) a pinning lookup + its release; the microseconds each (the kvstore's own
+work, beside the cost of a message), and the garbage collector's time meanwhile (all of
+it, and its longest full pass: the kvstore's event loop stalls that long).
 Each prompt is 512 tokens: 31 full 16-token blocks that a tier may serve (the last
 token's block never is). The slots are tiny (the kvstore never touches the bytes on
 these paths). Reported per phase: operations/s, latency p50/p99 (ms), and the CPU time of
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -191,6 +198,95 @@ async def bench(args: argparse.Namespace, nats_url: str, kvstore_pid: int, node_
             "concurrency": args.concurrency, "results": results}
 
 
+class GcPauses:
+    """The garbage collector's passes while it is installed: total and longest full pass."""
+
+    def __init__(self) -> None:
+        self.total_s = self.max_full_s = 0.0
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        took = time.perf_counter() - self._started
+        self.total_s += took
+        if info["generation"] == 2:
+            self.max_full_s = max(self.max_full_s, took)
+
+
+def core_phases(prompts: Sequence[Prompt], work: Path) -> list[dict]:
+    """Microseconds per call of the kvstore's synchronous core, without NATS, and the time
+    the garbage collector took meanwhile (what this process built beforehand is frozen,
+    so the collector walks what the kvstore keeps and makes, as in its own process)."""
+    from services.kvstore.store import KvStore, Namespace, slot_nbytes_of
+    from shared.kv_arena import KvArena
+    from shared.messages import KvPinRequest, decode, encode
+
+    slot_nbytes = slot_nbytes_of(LAYOUT, ITEMSIZE)
+    num_slots = 2 * (len(prompts) + 1) * NUM_BLOCKS
+    store = KvStore("core", "core", disk=None, owner_timeout_s=3600.0, max_pinned_fraction=0.5,
+                    max_reserved_fraction=0.5)
+    arena = KvArena.create(work / "core-arena", num_slots, slot_nbytes, "core")
+    namespace = LAYOUT.namespace
+    store.add_namespace(Namespace(namespace, slot_nbytes, arena, store.new_host_tier(num_slots)))
+    reserved: list[list[int]] = []
+    commits: list[bytes] = []
+
+    def reserve(_: Prompt, __: int) -> None:
+        reserved.append(store.reserve(namespace, "w", NUM_BLOCKS, 0.0))
+
+    def encode_commits() -> None:
+        for prompt, slot_ids in zip(prompts, reserved):
+            commits.append(encode(KvCommitRequest(
+                namespace=namespace, owner_id="w", store_id="core",
+                blocks=[KvStoredBlock(block_hash, slot_id, prompt.block_tokens(index))
+                        for index, (block_hash, slot_id)
+                        in enumerate(zip(prompt.block_hashes, slot_ids))])))
+
+    def commit(_: Prompt, index: int) -> None:  # decoded as the service does
+        store.commit(decode(commits[index], KvCommitRequest), 0.0)
+
+    def lookup(prompt: Prompt, _: int) -> None:
+        store.lookup(KvLookupRequest(namespace=namespace, block_hashes=prompt.block_hashes))
+
+    def pin(prompt: Prompt, index: int) -> None:
+        plan = store.begin_pin(KvPinRequest(namespace=namespace, owner_id="s", pin_id=str(index),
+                                            block_hashes=prompt.block_hashes), 0.0)
+        store.finish_pin(plan, [])
+        store.release(namespace, "s", [str(index)], 0.0)
+
+    def pinning_lookup(prompt: Prompt, index: int) -> None:
+        store.lookup(KvLookupRequest(namespace=namespace, block_hashes=prompt.block_hashes,
+                                     owner_id="s", pin_id=f"l{index}"), 0.0)
+        store.release(namespace, "s", [f"l{index}"], 0.0)
+
+    phases = [("reserve", reserve), ("commit", commit), ("lookup", lookup), ("pin_release", pin)]
+    if "pin_id" in KvLookupRequest.__struct_fields__:  # a kvstore with pinning lookups
+        phases.append(("pinning_lookup_release", pinning_lookup))
+    results = []
+    for name, call in phases:
+        if name == "commit":
+            encode_commits()
+        gc.collect()
+        gc.freeze()
+        pauses = GcPauses()
+        gc.callbacks.append(pauses)
+        elapsed = 0.0
+        for index, prompt in enumerate(prompts):
+            started = time.perf_counter()
+            call(prompt, index)
+            elapsed += time.perf_counter() - started
+        gc.callbacks.remove(pauses)
+        gc.unfreeze()
+        results.append({"phase": f"core_{name}", "num_ops": len(prompts),
+                        "us_per_op": round(elapsed / len(prompts) * 1e6, 1),
+                        "gc_s": round(pauses.total_s, 3),
+                        "longest_full_gc_ms": round(pauses.max_full_s * 1e3, 1)})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=2000)
@@ -207,6 +303,8 @@ def main() -> None:
     args = parser.parse_args()
     kv_client.LOOKUP_TIMEOUT_S = kv_client.HOST_PIN_TIMEOUT_S = args.deadline_s
     work = Path(tempfile.mkdtemp(prefix="kvstore-requests-"))
+    core = core_phases([Prompt(random.Random(f"core-{args.seed}-{i}")) for i in range(args.prompts)],
+                       work)
     port, node_id = free_port(), f"bench-{uuid.uuid4().hex[:8]}"
     nats_url = f"nats://127.0.0.1:{port}"
     slot_nbytes = 2 * BLOCK_SIZE * 8 * ITEMSIZE
@@ -222,7 +320,7 @@ def main() -> None:
             stdout=open(work / "kvstore.log", "w"), stderr=subprocess.STDOUT,
             cwd=Path(__file__).resolve().parents[1]))
         result = {"command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "load_average": os.getloadavg()}
+                  "load_average": os.getloadavg(), "core": core}
         run_event_loop(_run(result, args, nats_url, processes[1].pid, node_id))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))

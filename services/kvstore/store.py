@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -62,7 +63,7 @@ class Lookup(NamedTuple):
     tiers: list[str]  # the tier of each block of the leading run held (host first)
     # its leading host blocks pinned (when the lookup asked): their slots and tokens
     slot_ids: list[int]
-    token_ids: list[list[int]]
+    token_ids: list[tuple[int, ...]]
 
 
 @dataclass
@@ -70,7 +71,7 @@ class PinItem:
     block_hash: bytes
     slot_id: int
     tier: str
-    token_ids: list[int] | None  # a disk block's come with its read
+    token_ids: Sequence[int] | None  # a disk block's come with its read
 
 
 @dataclass
@@ -145,7 +146,7 @@ class KvStore:
         room = host.pin_room()
         tiers: list[str] = []
         slot_ids: list[int] = []
-        token_ids: list[list[int]] = []
+        token_ids: list[tuple[int, ...]] = []
         for block_hash in request.block_hashes:
             block = host.get(block_hash)
             if block is not None:

@@ -28,7 +28,7 @@ def test_reserve_commit_index_and_events():
     assert slots == [0, 1] and host.num_reserved == 2 and host.num_free == 2
     stored = host.commit("w", [(h(1), 0, [1, 2]), (h(2), 1, [3, 4])])
     assert stored == [(h(1), 0, [1, 2]), (h(2), 1, [3, 4])]
-    assert host.get(h(1)).token_ids == [1, 2] and host.get(h(2)).slot_id == 1
+    assert host.get(h(1)).token_ids == (1, 2) and host.get(h(2)).slot_id == 1
     assert host.num_reserved == 0 and host.num_blocks == 2
     assert host.changes.take() == ([h(1), h(2)], [])
     assert host.changes.take() == ([], [])

@@ -97,7 +97,7 @@ def test_a_lookup_pins_the_leading_host_run_and_a_disk_hit_ends_it(make_store):
     ns = store.namespaces[NS]
     tiers, slot_ids, token_ids = lookup_pin(store, "p", [1, 2, 3, 4, 5])
     assert tiers == ["host", "host", "disk", "host"]  # the whole run, as without a pin
-    assert token_ids == [[1] * 4, [2] * 4]  # up to the disk hit
+    assert token_ids == [(1,) * 4, (2,) * 4]  # up to the disk hit
     assert slot_ids == [ns.host.get(h(i)).slot_id for i in (1, 2)]
     assert ns.host.pinned_slots("p") == slot_ids
     assert ns.host.num_pinned == 2
@@ -164,7 +164,7 @@ def test_pin_reads_disk_hits_into_host_slots(make_store):
     ns = store.namespaces[NS]
     reply = pin(store, "p", [1, 2, 3, 4])
     assert reply.tiers == ["host", "disk", "disk"]
-    assert reply.token_ids == [[1] * 4, [2] * 4, [3] * 4]
+    assert [list(tokens) for tokens in reply.token_ids] == [[1] * 4, [2] * 4, [3] * 4]
     for i, slot in zip([1, 2, 3], reply.slot_ids):
         assert (ns.slots[slot] == i).all()
         assert ns.host.is_pinned(slot) and ns.host.get(h(i)).slot_id == slot
