@@ -18,9 +18,9 @@ Cases:
                         Acceptance: kv P90 TTFT <= 0.5x least-loaded's, req/s >= 1.2x.
   multi-tenant-kvstore  the same with the kvstore: replicas on one node share its host
                         tier, so a miss in a replica's cache is a cheap load.
-  low-diversity         1 tenant, 24 conversations x 2 turns, short prompts, all 24 in
-                        flight (saturation), --no-kvstore. Acceptance: kv within 3% of
-                        least-loaded (never worse).
+  low-diversity         1 tenant, 72 single-turn conversations, a 128-token system prompt,
+                        24 in flight (saturation), --no-kvstore: nothing for the cache to
+                        decide. Acceptance: kv within 3% of least-loaded (never worse).
 """
 
 from __future__ import annotations
@@ -66,11 +66,13 @@ CASES = {case.name: case for case in (
          what="prefixes exceed one replica's cache, fit in three; no kvstore"),
     Case("multi-tenant-kvstore", MULTI_TENANT, kvstore=True,
          what="the same, with the node's kvstore (shared host tier)"),
-    Case("low-diversity", ("--num-tenants", "1", "--conversations-per-tenant", "24",
-                           "--num-turns", "2", "--system-prompt-len", "64",
+    # One turn each: no conversation to keep together, one short prefix every replica
+    # holds after its first request, so where a request goes can only matter for load.
+    Case("low-diversity", ("--num-tenants", "1", "--conversations-per-tenant", "72",
+                           "--num-turns", "1", "--system-prompt-len", "128",
                            "--user-message-len", "32", "--output-len", "32",
                            "--max-concurrency", "24"), kvstore=False,
-         what="one tenant, short prompts, 24 conversations at once; no kvstore"),
+         what="one shared 128-token prefix, single turns, 24 in flight (saturated); no kvstore"),
 )}
 
 
@@ -85,6 +87,9 @@ def parse_args() -> argparse.Namespace:
                         help="each worker's KV cache: SmolLM2 fp32 is 45 KiB a token, so 216MiB "
                         "is 307 blocks (4,912 tokens); the multi-tenant working set is ~10,600")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run every policy this many times, the order rotated each time "
+                        "(a shared machine's load drifts); the table adds medians")
     parser.add_argument("--bench-args", default="",
                         help="more flags for every flotilla bench serve, e.g. '--num-turns 3'")
     parser.add_argument("--serve-args", default="", help="more flags for every flotilla serve")
@@ -192,8 +197,8 @@ def stop_stack(process: subprocess.Popen) -> None:
 
 
 # ------------------------------------------------------------------ one run
-def run_policy(args: argparse.Namespace, case: Case, policy: str) -> dict:
-    name = f"{case.name}-{policy}"
+def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 0) -> dict:
+    name = f"{case.name}-{policy}" + (f"-r{repeat}" if args.repeats > 1 else "")
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = serve_command(args, case, policy, port, args.out / "logs" / name)
@@ -221,7 +226,8 @@ def run_policy(args: argparse.Namespace, case: Case, policy: str) -> dict:
         raise RuntimeError(f"[{name}] the bench wrote no result (exit {completed.returncode}): "
                            + completed.stderr[-2000:])
     run_ = json.loads(result_json.read_text())["runs"][0]
-    return {"case": case.name, "policy": policy, "bench_exit": completed.returncode,
+    return {"case": case.name, "policy": policy, "repeat": repeat,
+            "bench_exit": completed.returncode,
             "serve_command": shlex.join(command[1:]), "bench_command": shlex.join(bench[1:]),
             "load_average_before": load_before, "load_average_after": load_after,
             "summary": run_["summary"], "turns": run_["turns"],
@@ -264,27 +270,57 @@ def _ratio(a, b) -> str:
 
 
 def case_table(case: Case, results: list[dict]) -> str:
+    """One row per run (``r<i>``: the repeat), the 1-minute load average beside it; with
+    repeats, each policy's medians; kv's ratios to least-loaded."""
     lines = [f"## {case.name}: {case.what}",
-             f"{'policy':<13}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'TPOT p50':>9}{'req/s':>7}"
-             f"{'out tok/s':>10}"
-             f"{'tot tok/s':>10}{'hit':>7}{'sched':>7}{'fail':>5}  {'split':<12}decisions"]
-    figures = {r["policy"]: row_figures(r) for r in results}
-    for policy, f in figures.items():
+             f"{'policy':<16}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'TPOT p50':>9}{'req/s':>7}"
+             f"{'out tok/s':>10}{'tot tok/s':>10}{'hit':>7}{'sched':>7}{'fail':>5}{'load':>6}"
+             f"  {'split':<12}decisions"]
+    repeats = len({r["repeat"] for r in results})
+    runs: dict[str, list[dict]] = {}
+    for result in results:
+        f = row_figures(result)
+        runs.setdefault(result["policy"], []).append(f)
+        label = result["policy"] + (f" r{result['repeat']}" if repeats > 1 else "")
+        load = (result["load_average_before"][0] + result["load_average_after"][0]) / 2
         decisions = " ".join(f"{k}={v}" for k, v in sorted(f["decisions"].items()))
-        lines.append(f"{policy:<13}{_num(f['ttft_p50'], 9)}{_num(f['ttft_p90'], 8)}"
+        lines.append(f"{label:<16}{_num(f['ttft_p50'], 9)}{_num(f['ttft_p90'], 8)}"
                      f"{_num(f['ttft_p99'], 8)}{_num(f['tpot_p50'], 9)}{_num(f['req_s'], 7, 3)}"
                      f"{_num(f['out_tok_s'], 10, 1)}{_num(f['total_tok_s'], 10, 1)}"
                      f"{_pct(f['hit_rate']):>7}{_pct(f['scheduler_hit_rate']):>7}"
-                     f"{f['failed']:>5}  {f['replica_split']:<12}{decisions}")
+                     f"{f['failed']:>5}{load:>6.1f}  {f['replica_split']:<12}{decisions}")
     lines.append("(TTFT, TPOT in ms over all turns; hit = usage cached/prompt tokens; sched = the "
-                 "schedulers' counters, worker cache + kvstore tiers; split = each replica's "
-                 "share of the prompt tokens; decisions = the gateway's routing reasons)")
-    if "kv" in figures and "least-loaded" in figures:
-        kv, ll = figures["kv"], figures["least-loaded"]
-        lines.append(f"kv / least-loaded: TTFT p90 {_ratio(kv['ttft_p90'], ll['ttft_p90'])}, "
-                     f"req/s {_ratio(kv['req_s'], ll['req_s'])}, "
-                     f"total tok/s {_ratio(kv['total_tok_s'], ll['total_tok_s'])}")
+                 "schedulers' counters, worker cache + kvstore tiers; load = the 1-minute load "
+                 "average around the run; split = each replica's share of the prompt tokens; "
+                 "decisions = the gateway's routing reasons)")
+    medians = {policy: {key: _median([f[key] for f in figures])
+                        for key in ("ttft_p50", "ttft_p90", "ttft_p99", "req_s", "total_tok_s")}
+               for policy, figures in runs.items()}
+    if repeats > 1:
+        for policy, m in medians.items():
+            lines.append(f"{'median ' + policy:<16}{_num(m['ttft_p50'], 9)}{_num(m['ttft_p90'], 8)}"
+                         f"{_num(m['ttft_p99'], 8)}{'':>9}{_num(m['req_s'], 7, 3)}{'':>10}"
+                         f"{_num(m['total_tok_s'], 10, 1)}")
+    if "kv" in medians and "least-loaded" in medians:
+        kv, ll = medians["kv"], medians["least-loaded"]
+        lines.append(f"kv / least-loaded{' (medians)' if repeats > 1 else ''}: TTFT p90 "
+                     f"{_ratio(kv['ttft_p90'], ll['ttft_p90'])}, req/s "
+                     f"{_ratio(kv['req_s'], ll['req_s'])}, total tok/s "
+                     f"{_ratio(kv['total_tok_s'], ll['total_tok_s'])}")
+        if repeats > 1:  # each repeat's pair ran back to back
+            pairs = zip(runs["kv"], runs["least-loaded"])
+            lines.append("  per repeat: " + ", ".join(
+                f"p90 {_ratio(k['ttft_p90'], l['ttft_p90'])} req/s {_ratio(k['req_s'], l['req_s'])}"
+                for k, l in pairs))
     return "\n".join(lines)
+
+
+def _median(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def main() -> None:
@@ -301,7 +337,11 @@ def main() -> None:
     results, tables = [], []
     for case_name in args.cases:
         case = CASES[case_name]
-        case_results = [run_policy(args, case, policy) for policy in args.policies]
+        case_results = []
+        for repeat in range(args.repeats):
+            shift = repeat % len(args.policies)  # rotated: no policy always runs first
+            for policy in args.policies[shift:] + args.policies[:shift]:
+                case_results.append(run_policy(args, case, policy, repeat))
         results += case_results
         tables.append(case_table(case, case_results))
         print(tables[-1], flush=True)
