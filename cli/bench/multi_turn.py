@@ -80,7 +80,7 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Co
     its own conversations, all within --max-duration."""
     from tqdm import tqdm
 
-    from cli.bench.serve import RUN_STARTED
+    from cli.bench.serve import RUN_STARTED, time_left
 
     deadline = time.monotonic() + args.max_duration
     runs = []
@@ -88,10 +88,8 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Co
         await warm_up(client, warmups, settings, args.num_warmups, args.max_duration,
                       warn=report.notice)
         for max_concurrency, conversations in zip(args.max_concurrency or [None], workloads):
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                report.notice(f"--max-duration {args.max_duration:g} s has passed: the runs "
-                              f"from concurrency {max_concurrency} on were not started")
+            remaining_s = time_left(deadline, args.max_duration, max_concurrency)
+            if remaining_s is None:
                 break
             num_turns = sum(c.num_turns for c in conversations)
             report.notice(f"{RUN_STARTED} {len(conversations)} conversations, {num_turns} "

@@ -43,6 +43,17 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
+def time_left(deadline: float, max_duration: float, max_concurrency: int | None) -> float | None:
+    """Seconds left before a sweep's --max-duration deadline; None (and a notice) once it
+    has passed, so the runs from ``max_concurrency`` on are not started."""
+    remaining_s = deadline - time.monotonic()
+    if remaining_s > 0:
+        return remaining_s
+    report.notice(f"--max-duration {max_duration:g} s has passed: the runs from concurrency "
+                  f"{max_concurrency} on were not started")
+    return None
+
+
 async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[BenchRequest]],
                 warmups: list[BenchRequest], settings: RequestSettings) -> list[dict]:
     """One run per --max-concurrency value (one run without a limit if none given), each
@@ -56,10 +67,8 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Be
         await warm_up(client, warmups, settings, args.num_warmups, args.max_duration,
                       warn=report.notice)
         for max_concurrency, requests in zip(args.max_concurrency or [None], workloads):
-            remaining_s = deadline - time.monotonic()
-            if remaining_s <= 0:
-                report.notice(f"--max-duration {args.max_duration:g} s has passed: the runs "
-                              f"from concurrency {max_concurrency} on were not started")
+            remaining_s = time_left(deadline, args.max_duration, max_concurrency)
+            if remaining_s is None:
                 break
             load = LoadSettings(args.request_rate, args.burstiness, max_concurrency, args.seed)
             label = f"concurrency {max_concurrency}" if max_concurrency else "requests"
