@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -135,6 +136,10 @@ class KvTiers:
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):  # maybe built on another thread
                 self.pinned = _register(self.slots)
+                if self.pinned:  # unpinned before the unmap even if close() is never called:
+                    # a range unmapped while registered makes the next mapping at that address
+                    # fail to register (cudaErrorHostMemoryAlreadyRegistered)
+                    self._unpin = weakref.finalize(self, _unregister, self.slots.data_ptr())
                 self._copy_stream = torch.cuda.Stream(self.device)
                 self._load_stream = torch.cuda.Stream(self.device)
                 self.staging_blocks = max(1, max_staging_bytes // self.slot_nbytes)
@@ -282,7 +287,7 @@ class KvTiers:
         """Wait for the copies, unpin and unmap the arena."""
         self.synchronize()
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.slots.data_ptr())
+            self._unpin()
             self.pinned = False
         self.slots = None
         try:
@@ -314,6 +319,10 @@ def _device_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     """[len(ids)] int64 on ``device``, through pinned memory (a pageable copy would wait
     for every kernel queued before it)."""
     return torch.tensor(ids, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+
+
+def _unregister(data_ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(data_ptr)
 
 
 def _register(slots: torch.Tensor) -> bool:
