@@ -5,7 +5,10 @@ process answers, and how long each waits, with no GPU and no model.
 
 A real nats-server and a real ``python -m services.kvstore`` (its own process, as served);
 this process plays the worker and the scheduler on one NATS connection each (uvloop and
-tracing set up as the services do), ``--concurrency`` calls in flight:
+tracing set up as the services do: with the default exporter ``none`` no span is made and
+no message carries a ``traceparent``; ``--caller-spans`` records the client's spans, not
+exported, so every message carries one, as when the caller exports spans), ``--concurrency``
+calls in flight:
   commit  the worker's side: per prompt, reserve 31 slots, then commit the 31-block batch
           (as a request, so it is timed until applied); this fills the host tier;
   lookup  a bare KvLookupRequest of each prompt's 31 blocks (all host hits);
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -132,7 +136,14 @@ async def wait_ready(bus: Bus, subject: str, timeout_s: float = 30.0) -> None:
 
 async def bench(args: argparse.Namespace, nats_url: str, kvstore_pid: int, node_id: str) -> dict:
     setup_logging("bench", level="info")  # as served: the client's debug lines off
-    setup_tracing("bench")  # as every service: spans recorded, traceparent on each message
+    setup_tracing("bench")  # as every service, exporter "none"
+    spans = tracer
+    if args.caller_spans:  # every message carries a traceparent, which the kvstore passes on
+        from opentelemetry.sdk.trace import TracerProvider
+
+        spans = TracerProvider().get_tracer("bench")
+    caller_span = spans.start_as_current_span if args.caller_spans \
+        else lambda name: contextlib.nullcontext()
     subject = lambda verb: SUBJECTS.kvstore(node_id, verb)  # noqa: E731
     worker = await Bus.connect(nats_url, "bench-worker")
     scheduler = await Bus.connect(nats_url, "bench-scheduler")
@@ -144,18 +155,22 @@ async def bench(args: argparse.Namespace, nats_url: str, kvstore_pid: int, node_
     prompts = [Prompt(rng) for _ in range(args.prompts)]
 
     async def commit(prompt: Prompt) -> None:
-        reserved = await worker.request(subject("reserve"), KvReserveRequest(
-            namespace=namespace, owner_id="bench-worker", num_slots=NUM_BLOCKS), KvReserveReply)
+        with caller_span("reserve"):
+            reserved = await worker.request(subject("reserve"), KvReserveRequest(
+                namespace=namespace, owner_id="bench-worker", num_slots=NUM_BLOCKS),
+                KvReserveReply)
         assert len(reserved.slot_ids) == NUM_BLOCKS, "the host tier is too small"
-        await worker.request(subject("commit"), KvCommitRequest(
-            namespace=namespace, owner_id="bench-worker", store_id=store_id,
-            blocks=[KvStoredBlock(block_hash, slot_id, prompt.block_tokens(index))
-                    for index, (block_hash, slot_id)
-                    in enumerate(zip(prompt.block_hashes, reserved.slot_ids))]), Empty)
+        with caller_span("commit"):
+            await worker.request(subject("commit"), KvCommitRequest(
+                namespace=namespace, owner_id="bench-worker", store_id=store_id,
+                blocks=[KvStoredBlock(block_hash, slot_id, prompt.block_tokens(index))
+                        for index, (block_hash, slot_id)
+                        in enumerate(zip(prompt.block_hashes, reserved.slot_ids))]), Empty)
 
     async def lookup(prompt: Prompt) -> None:
-        reply = await scheduler.request(subject("lookup"), KvLookupRequest(
-            namespace=namespace, block_hashes=prompt.block_hashes), KvLookupReply)
+        with caller_span("lookup"):
+            reply = await scheduler.request(subject("lookup"), KvLookupRequest(
+                namespace=namespace, block_hashes=prompt.block_hashes), KvLookupReply)
         assert len(reply.tiers) == NUM_BLOCKS
 
     client = KvClient(scheduler, SUBJECTS, owner_id="bench-scheduler", node_id=node_id,
@@ -166,7 +181,7 @@ async def bench(args: argparse.Namespace, nats_url: str, kvstore_pid: int, node_
     to_release: list[str] = []
 
     async def hit(prompt: Prompt) -> None:
-        with tracer.start_as_current_span("submit"):
+        with spans.start_as_current_span("submit"):
             found = await client.find_hit(PrefixQuery(prompt.block_hashes, 0), prompt.token_ids)
         if found is None:  # past the client's deadline (LOOKUP_TIMEOUT_S): a miss
             misses.append(prompt)
@@ -298,6 +313,9 @@ def main() -> None:
                         help="the scheduler client's deadlines for a lookup and a pin (as "
                         "served: 0.05 and 0.2 s); past one a hit is a miss, and after three "
                         "in a row the client leaves the kvstore alone for 2 s")
+    parser.add_argument("--caller-spans", action="store_true",
+                        help="record this process's spans (not exported): every message then "
+                        "carries a traceparent")
     parser.add_argument("--profile", default="", help="run the kvstore under cProfile, "
                         "its stats written to this file")
     args = parser.parse_args()
@@ -320,6 +338,7 @@ def main() -> None:
             stdout=open(work / "kvstore.log", "w"), stderr=subprocess.STDOUT,
             cwd=Path(__file__).resolve().parents[1]))
         result = {"command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "caller_spans": args.caller_spans,
                   "load_average": os.getloadavg(), "core": core}
         run_event_loop(_run(result, args, nats_url, processes[1].pid, node_id))
         if args.out:

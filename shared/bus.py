@@ -1,5 +1,6 @@
 """A thin typed layer over nats-py: msgpack-encoded msgspec messages, errors carried
-across as a reply header, OpenTelemetry trace context in NATS headers.
+across as a reply header, OpenTelemetry trace context in NATS headers (a span per handled
+message only where spans are exported: shared/tracing.py).
 
 Only each service's ``service.py`` uses this module; core logic never sees NATS.
 
@@ -30,7 +31,7 @@ from opentelemetry.trace import SpanKind
 
 from shared.errors import FlotillaError, InvalidRequest, ServiceUnavailable
 from shared.messages import ErrorInfo, decode, encode
-from shared.tracing import extract_context, inject_headers, tracer
+from shared.tracing import inject_headers, message_span
 
 ERROR_HEADER = "Flotilla-Error"
 EXIT_NATS_LOST = 75  # EX_TEMPFAIL: the NATS connection was closed for good; restart me
@@ -254,8 +255,7 @@ class Bus:
                 await answer(msg)
 
         async def answer(msg: Msg) -> None:
-            with tracer.start_as_current_span(subject, context=extract_context(msg.headers),
-                                              kind=SpanKind.SERVER):
+            with message_span(subject, msg.headers, SpanKind.SERVER):
                 headers: dict[str, str] | None = None
                 body = b""
                 try:
@@ -282,8 +282,7 @@ class Bus:
         """Receive published messages in order; a failing handler is logged, not fatal."""
 
         async def on_message(msg: Msg) -> None:
-            with tracer.start_as_current_span(subject, context=extract_context(msg.headers),
-                                              kind=SpanKind.CONSUMER):
+            with message_span(subject, msg.headers, SpanKind.CONSUMER):
                 try:
                     await handler(decode(msg.data, message_type))
                 except Exception:  # noqa: BLE001

@@ -1,31 +1,88 @@
-"""OpenTelemetry setup and trace-context propagation through NATS headers."""
+"""OpenTelemetry setup and trace-context propagation through NATS headers.
+
+Spans are made only where they are exported (``--otel-exporter console``): the SDK's
+tracer provider is installed then, and every handled message gets a span (``message_span``)
+whose context the messages its handler sends carry on (``traceparent``). With the default
+``none`` no provider is installed and no span is made (a span cost the kvstore ~15 µs of
+its ~70 µs per message, BENCHMARKS.md): the caller's trace context, when a message
+carries one, is still made current around its handler, so a process that exports nothing
+passes a trace through intact between processes that do. The SDK reads the standard
+``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` (default: parent-based, always on).
+"""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 from opentelemetry import context, propagate, trace
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.trace import SpanKind, Tracer, TracerProvider
+
+TRACE_HEADERS = ("traceparent", "tracestate", "baggage")  # what the default propagators read
+
+_span_tracer: Tracer | None = None  # None: no span is made
+_NO_CONTEXT = nullcontext()
 
 
 def setup_tracing(service: str, exporter: str = "none") -> None:
-    """Install a tracer provider named after the service. ``exporter`` is "none"
-    (spans are created and propagated but not exported) or "console"."""
-    provider = TracerProvider(resource=Resource.create({"service.name": f"flotilla-{service}"}))
-    if exporter == "console":
-        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    """Export spans named after the service: ``exporter`` is "none" (no spans; trace context
+    passed through) or "console"."""
+    if exporter == "none":
+        return
+    if exporter != "console":
+        raise ValueError(f"unknown OpenTelemetry exporter {exporter!r}: none or console")
+    from opentelemetry.sdk.resources import Resource  # the SDK only where spans are exported
+    from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    provider = SdkTracerProvider(resource=Resource.create({"service.name": f"flotilla-{service}"}))
+    provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     trace.set_tracer_provider(provider)
+    make_spans(provider)
 
 
-def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
-    """Return headers carrying the current trace context (``traceparent``)."""
+def make_spans(provider: TracerProvider | None) -> None:
+    """Make a span per handled message with ``provider`` from now on (None: none)."""
+    global _span_tracer
+    _span_tracer = provider.get_tracer("flotilla") if provider is not None else None
+
+
+def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str] | None:
+    """Headers carrying the current trace context (``traceparent``); None when there are
+    none (nats-py then sends a message without a header block)."""
     carrier = dict(headers or {})
     propagate.inject(carrier)
-    return carrier
+    return carrier or None
 
 
 def extract_context(headers: dict[str, str] | None) -> context.Context:
     return propagate.extract(headers or {})
 
 
-tracer = trace.get_tracer("flotilla")
+def message_span(name: str, headers: dict[str, str] | None,
+                 kind: SpanKind) -> AbstractContextManager:
+    """Around the handler of a message with these headers: a span, child of the caller's,
+    when spans are exported; else the caller's trace context made current, if it sent one."""
+    if _span_tracer is not None:
+        return _span_tracer.start_as_current_span(name, context=extract_context(headers),
+                                                  kind=kind)
+    if headers and any(key in headers for key in TRACE_HEADERS):
+        return _Attached(extract_context(headers))
+    return _NO_CONTEXT
+
+
+class _Attached:
+    """The context current while the block runs (no span)."""
+
+    __slots__ = ("_context", "_token")
+
+    def __init__(self, ctx: context.Context) -> None:
+        self._context = ctx
+
+    def __enter__(self) -> None:
+        self._token = context.attach(self._context)
+
+    def __exit__(self, *exc_info) -> None:
+        context.detach(self._token)
+
+
+tracer = trace.get_tracer("flotilla")  # a proxy: the SDK's tracer once one is installed

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import os
 import signal
 import subprocess
@@ -344,3 +345,40 @@ async def test_commit_published_without_waiting_and_bad_layouts_refused(kvstore_
 
 async def _tiers(bus: Bus, kv: KvStoreProcess, namespace: str) -> list[str]:
     return (await lookup(bus, kv, namespace, [7])).tiers
+
+
+async def test_with_the_console_exporter_each_request_is_a_span_in_the_callers_trace(
+        tmp_path, nats_url):
+    """``--otel-exporter console``: the kvstore's span of a request is the child of the
+    caller's span (from the traceparent header), printed when it exits."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    kv = KvStoreProcess(tmp_path, nats_url, disk=False)
+    kv.args += ["--otel-exporter", "console"]
+    kv.start()
+    bus = await Bus.connect(kv.nats_url, name="test")
+    try:
+        await wait_ready(bus, kv)
+        with TracerProvider().get_tracer("test").start_as_current_span("caller") as caller:
+            await bus.request(kv.subject("stats"), Empty(), KvStatsReply)
+        kv.process.send_signal(signal.SIGTERM)  # a clean exit exports the spans left
+        assert kv.process.wait(timeout=30) == 0
+    finally:
+        await bus.close()
+        kv.stop()
+    context = caller.get_span_context()
+    spans = printed_spans((tmp_path / "kvstore-1.log").read_text())
+    (span,) = [span for span in spans
+               if span["context"]["trace_id"] == f"0x{context.trace_id:032x}"]
+    assert span["name"] == kv.subject("stats") and span["kind"] == "SpanKind.SERVER"
+    assert span["parent_id"] == f"0x{context.span_id:016x}"
+    assert any(span["parent_id"] is None for span in spans)  # wait_ready's: no caller span
+
+
+def printed_spans(text: str) -> list[dict]:
+    """The spans ConsoleSpanExporter printed (indented JSON objects) among the log lines."""
+    decoder, spans, position = json.JSONDecoder(), [], 0
+    while (position := text.find("\n{\n", position)) >= 0:
+        span, position = decoder.raw_decode(text, position + 1)
+        spans.append(span)
+    return spans
