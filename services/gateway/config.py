@@ -26,8 +26,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     max_tokens_default: int = 0  # output limit of a request that sets none (0: the context)
     # which replica gets a request (docs/routing.md)
     routing: str = "kv"  # kv, least-loaded or round-robin
-    routing_saturation_margin: int = 8  # requests over the least loaded replica's ...
-    routing_saturation_ratio: float = 0.5  # ... or this share of its load, if more
+    routing_saturation_margin: int = 1  # requests over the least loaded replica's ...
+    routing_saturation_ratio: float = 0.5  # ... or this share of the mean load, if more
     routing_session_ttl_s: float = 600.0
     routing_max_sessions: int = 100_000
 
@@ -52,9 +52,10 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "routing": "which replica gets a request: kv (where its prefix is cached, priced "
                    "against load), least-loaded or round-robin (docs/routing.md)",
         "routing_saturation_margin": "kv: a replica with this many more requests than the "
-                                     "least loaded one is not chosen for its cache",
-        "routing_saturation_ratio": "kv: ... or this share of the least loaded one's "
-                                    "requests more, if that is larger",
+                                     "least loaded one is not chosen for its cache or its "
+                                     "sessions",
+        "routing_saturation_ratio": "kv: ... or this share of the replicas' mean load more, "
+                                    "if that is larger",
         "routing_session_ttl_s": "kv: a session (prompt_cache_key or user) sticks to its "
                                  "replica this long after its last request",
         "routing_max_sessions": "kv: sessions remembered (least recently used forgotten first)",

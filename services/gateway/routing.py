@@ -1,25 +1,32 @@
 """Which replica gets a request (docs/routing.md): pure, synchronous policy code.
 
-- ``least-loaded``: the replica with the fewest requests (running + waiting, or this
-  gateway's own count of requests sent to it, whichever is larger).
+- ``least-loaded``: the replica with the fewest requests (this gateway's own requests in
+  flight there, plus other gateways' as its last stats showed them).
 - ``round-robin``: the ready replicas in turn.
-- ``kv`` (the default): the replica expected to finish the prompt's prefill first. For
-  each ready replica, from the block index (block_index.py):
+- ``kv`` (the default): the replica expected to serve the request soonest. For each ready
+  replica, from the block index (block_index.py):
 
       seconds = tokens to compute / prefill speed
               + host hits x block bytes / host load speed
               + disk hits x block bytes x (1 / disk read speed + 1 / host load speed)
               + queued prefill tokens / prefill speed
-              + running requests x DECODE_COST_TOKENS / prefill speed
+              + load x DECODE_COST_TOKENS x (1 + output tokens) / prefill speed
+
+  The last term is the replica's other requests sharing every step of this one, its
+  prefill and each of its decode steps (output tokens: the request's max_tokens, or the
+  mean output of this gateway's finished requests if smaller). It is what makes a short
+  cached prefix on a busier replica lose to an idle replica: a hit saves its tokens once,
+  one more stream costs DECODE_COST_TOKENS on each of the request's steps.
 
   Hits count only as a leading run of the prompt's blocks: the GPU cache's run, then the
   replica's node kvstore's run after it (every replica of a node shares its kvstore), each
   tier block only while loading it beats recomputing it. A speed not measured yet is the
   mean of the replicas that measured it, else a default. Ties go to the less loaded.
 
-  Saturation valve: a replica whose load exceeds the least loaded one's by more than
-  max(saturation_margin, saturation_ratio x that load) is not chosen, whatever it holds,
-  so one hot prefix cannot pile onto one replica.
+  Saturation valve: a replica whose load exceeds the least loaded one's by at least
+  max(saturation_margin, saturation_ratio x the fleet's mean load) is not chosen,
+  whatever it holds or whichever session last went there: with few requests in flight
+  one request of imbalance counts, with many a proportionate share.
 
   Sessions: a request naming a session (``prompt_cache_key``, else ``user``; within its
   cache salt) goes to the replica its session last went to while that one is ready and
@@ -47,7 +54,9 @@ GPU = "gpu"
 # difference), the valve turned a request away from the replica its cache or session
 # favoured, or round-robin's turn
 CACHE, SESSION, LOAD, SATURATED, TURN = "cache", "session", "load", "saturated", "turn"
-DECODE_COST_TOKENS = 16.0  # a running request's decode, in prompt tokens' compute, per prefill
+DECODE_COST_TOKENS = 16.0  # another request's share of a step, in prompt tokens' compute
+DEFAULT_OUTPUT_TOKENS = 128.0  # a request's expected output until this gateway has seen some end
+OUTPUT_MEAN_WEIGHT = 0.05  # of each finished request in the running mean of output tokens
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0  # until some replica measures it
 DEFAULT_HOST_LOAD_BYTES_PER_S = 10e9  # host RAM -> KV cache (about PCIe)
 DEFAULT_DISK_READ_BYTES_PER_S = 2e9  # disk -> host RAM (about NVMe)
@@ -56,8 +65,8 @@ DEFAULT_DISK_READ_BYTES_PER_S = 2e9  # disk -> host RAM (about NVMe)
 @dataclass(frozen=True)
 class RoutingParams:
     policy: str = "kv"
-    saturation_margin: int = 8  # requests over the least loaded replica's, at least
-    saturation_ratio: float = 0.5  # ... or this share of its load, if more
+    saturation_margin: int = 1  # requests over the least loaded replica's, at least
+    saturation_ratio: float = 0.5  # ... or this share of the fleet's mean load, if more
     session_ttl_s: float = 600.0
     max_sessions: int = 100_000
 
@@ -65,11 +74,13 @@ class RoutingParams:
 @dataclass(frozen=True)
 class Replica:
     """What the router knows of one ready replica: its last stats, and this gateway's
-    own counts since (requests sent, prompt tokens not prefilled yet)."""
+    own counts (requests in flight there now, and when those stats came; prompt tokens
+    not prefilled yet)."""
 
     stats: SchedulerStats
     num_sent: int = 0
     num_sent_prefill_tokens: int = 0
+    num_sent_at_stats: int | None = None  # None: not known, the larger figure counts
 
     @property
     def scheduler_id(self) -> str:
@@ -77,7 +88,14 @@ class Replica:
 
     @property
     def load(self) -> int:
-        return max(self.stats.num_running + self.stats.num_waiting, self.num_sent)
+        """Requests running or waiting there. Stats are up to half a second old: a request
+        of ours that just ended still shows in them (a session's next turn would find its
+        replica a request busier than it is), so ours count as of now and only the rest
+        of the stats' figure (other gateways' requests) is taken from them."""
+        in_stats = self.stats.num_running + self.stats.num_waiting
+        if self.num_sent_at_stats is None:
+            return max(in_stats, self.num_sent)
+        return self.num_sent + max(0, in_stats - self.num_sent_at_stats)
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -173,12 +191,17 @@ class Router:
         self.index = index
         self.sessions = Sessions(params.max_sessions, params.session_ttl_s)
         self._turns = itertools.count()
+        self.mean_output_tokens = DEFAULT_OUTPUT_TOKENS
+
+    def observe_output(self, num_tokens: int) -> None:
+        """A request ended with ``num_tokens`` output tokens (the kv cost's expectation)."""
+        self.mean_output_tokens += OUTPUT_MEAN_WEIGHT * (num_tokens - self.mean_output_tokens)
 
     def choose(self, replicas: Sequence[Replica], token_ids: Sequence[int], *,
                cache_salt: str | None = None, session: str | None = None,
-               now: float = 0.0) -> Decision | None:
+               now: float = 0.0, max_tokens: int | None = None) -> Decision | None:
         """The replica for a prompt of ``token_ids`` among the ready ``replicas`` (None
-        when there is none)."""
+        when there is none); ``max_tokens``: its output limit."""
         if not replicas:
             return None
         policy = self.params.policy
@@ -191,18 +214,20 @@ class Router:
             decision = Decision(least_loaded.scheduler_id, policy, LOAD,
                                 num_compute_tokens=len(token_ids))
         else:
-            decision = self._choose_kv(replicas, least_loaded, token_ids, cache_salt, session, now)
+            output_tokens = min(max_tokens, self.mean_output_tokens) if max_tokens \
+                else self.mean_output_tokens
+            decision = self._choose_kv(replicas, least_loaded, token_ids, cache_salt, session,
+                                       now, output_tokens)
         if session and policy == "kv":
             self.sessions.put((cache_salt or "", session), decision.scheduler_id, now)
         return decision
 
     def _choose_kv(self, replicas: Sequence[Replica], least_loaded: Replica,
                    token_ids: Sequence[int], cache_salt: str | None, session: str | None,
-                   now: float) -> Decision:
-        estimates = self.estimates(replicas, token_ids, cache_salt)
-        threshold = max(self.params.saturation_margin,
-                        self.params.saturation_ratio * least_loaded.load)
-        open_ = [r for r in replicas if r.load - least_loaded.load <= threshold]
+                   now: float, output_tokens: float) -> Decision:
+        estimates = self.estimates(replicas, token_ids, cache_salt, output_tokens)
+        threshold = self.saturation_threshold(replicas)
+        open_ = [r for r in replicas if r.load - least_loaded.load < threshold]
         best = min(replicas, key=lambda r: (estimates[r.scheduler_id].seconds, r.load))
         sticky_id = self.sessions.get((cache_salt or "", session), now) if session else None
         sticky = next((r for r in replicas if r.scheduler_id == sticky_id), None)
@@ -221,9 +246,19 @@ class Router:
         return Decision(chosen.scheduler_id, "kv", reason, estimate.hit_tokens,
                         estimate.num_compute_tokens, estimate.seconds)
 
+    def saturation_threshold(self, replicas: Sequence[Replica]) -> float:
+        """Requests over the least loaded replica's load that make a replica saturated:
+        relative to the fleet's mean load, so that the valve acts at 6 requests in flight
+        on 3 replicas as at 600 (a fixed margin of 8 let a 1/2/3 placement of sessions
+        stand for a whole run). At least 1: the least loaded one is always open."""
+        mean_load = sum(r.load for r in replicas) / len(replicas)
+        return max(self.params.saturation_margin, self.params.saturation_ratio * mean_load, 1)
+
     def estimates(self, replicas: Sequence[Replica], token_ids: Sequence[int],
-                  cache_salt: str | None) -> dict[str, _Estimate]:
-        """Each replica's expected seconds to this prompt's first token (see above)."""
+                  cache_salt: str | None,
+                  output_tokens: float = DEFAULT_OUTPUT_TOKENS) -> dict[str, _Estimate]:
+        """Each replica's expected seconds to serve this request, less what is the same
+        on every replica (see above)."""
         keys_by_spec: dict[tuple[int, str], list[int]] = {}
         gpu_runs: dict[str, int] = {}
         for spec in {(r.stats.block_size, r.stats.model_name) for r in replicas}:
@@ -249,15 +284,16 @@ class Router:
             tiers = self.index.tier_run(stats.kv_node_id, stats.kv_namespace, keys, gpu_run) \
                 if stats.kv_node_id and stats.kv_namespace else []
             estimates[replica.scheduler_id] = _estimate(
-                replica, len(token_ids), gpu_run, tiers,
+                replica, len(token_ids), output_tokens, gpu_run, tiers,
                 stats.prefill_tokens_per_s or prefill_speed,
                 stats.host_load_bytes_per_s or host_speed,
                 stats.disk_read_bytes_per_s or disk_speed)
         return estimates
 
 
-def _estimate(replica: Replica, num_tokens: int, gpu_blocks: int, tiers: list[str],
-              prefill_speed: float, host_speed: float, disk_speed: float) -> _Estimate:
+def _estimate(replica: Replica, num_tokens: int, output_tokens: float, gpu_blocks: int,
+              tiers: list[str], prefill_speed: float, host_speed: float,
+              disk_speed: float) -> _Estimate:
     stats = replica.stats
     block_size, block_bytes = stats.block_size, stats.block_bytes
     recompute_s = block_size / prefill_speed
@@ -270,8 +306,10 @@ def _estimate(replica: Replica, num_tokens: int, gpu_blocks: int, tiers: list[st
         hits[tier] += block_size
         load_s += block_load_s
     num_compute = max(0, num_tokens - sum(hits.values()))
-    seconds = (num_compute + replica.queued_prefill_tokens
-               + stats.num_running * DECODE_COST_TOKENS) / prefill_speed + load_s
+    # the replica's other requests share its prefill step(s) and each decode step
+    shared_steps = replica.load * DECODE_COST_TOKENS * (1 + output_tokens)
+    seconds = (num_compute + replica.queued_prefill_tokens + shared_steps) / prefill_speed \
+        + load_s
     return _Estimate(seconds, {tier: n for tier, n in hits.items() if n}, num_compute)
 
 

@@ -53,6 +53,7 @@ class GatewayService:
         self._heartbeats: dict[str, float] = {}  # scheduler id -> monotonic time last heard
         self._schedulers: dict[str, SchedulerStats] = {}  # latest stats of each scheduler
         self._outstanding: dict[str, int] = {}  # scheduler id -> our requests still running
+        self._sent_at_stats: dict[str, int] = {}  # scheduler id -> _outstanding at its last stats
         # scheduler id -> (steps it had finished, when that count last changed)
         self._progress: dict[str, tuple[int, float]] = {}
         self._stalled: set[str] = set()  # replicas whose stall was already acted on
@@ -206,10 +207,12 @@ class GatewayService:
         if avoid and any(stats.scheduler_id != avoid for stats in ready):
             ready = [stats for stats in ready if stats.scheduler_id != avoid]
         replicas = [Replica(stats, self._outstanding.get(stats.scheduler_id, 0),
-                            self._pending_prefill.of(stats.scheduler_id)) for stats in ready]
+                            self._pending_prefill.of(stats.scheduler_id),
+                            self._sent_at_stats.get(stats.scheduler_id, 0)) for stats in ready]
         decision = self.router.choose(
             replicas, [*request.prompt_token_ids, *request.output_token_ids],
-            cache_salt=request.cache_salt, session=session, now=time.monotonic())
+            cache_salt=request.cache_salt, session=session, now=time.monotonic(),
+            max_tokens=request.sampling.max_tokens)
         if decision is not None:
             self.metrics.observe_routing(decision)
             log.debug("request_routed", request_id=request.request_id,
@@ -352,6 +355,8 @@ class GatewayService:
             self._progress[stats.scheduler_id] = (stats.num_steps, now)
             self._stalled.discard(stats.scheduler_id)
         self._schedulers[stats.scheduler_id] = stats
+        # our requests there as these stats came: the rest of their load is other gateways'
+        self._sent_at_stats[stats.scheduler_id] = self._outstanding.get(stats.scheduler_id, 0)
         self.metrics.observe_scheduler(stats)
         if self.blocks is not None:
             self.blocks.on_stats(stats)
@@ -366,6 +371,7 @@ class GatewayService:
                         old_scheduler_id=old_id, new_scheduler_id=stats.scheduler_id)
             self._schedulers.pop(old_id, None)
             self._heartbeats.pop(old_id, None)
+            self._sent_at_stats.pop(old_id, None)
             self.index.drop_scheduler(old_id)  # a new epoch: the old cache is gone
             self.metrics.replica_restarts.labels(stats.replica_id).inc()
             lost = ServiceUnavailable(f"scheduler {old_id} of replica {stats.replica_id} "
@@ -388,3 +394,5 @@ class GatewayService:
                 self._lost(stream, output.error)
             elif apply_output(stream, output, self.token_bytes):
                 self._spawn(self._abort(stream.scheduler_id, [output.request_id]))
+            if stream.finished and output.error is None:
+                self.router.observe_output(len(stream.output_token_ids))

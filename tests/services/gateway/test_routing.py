@@ -112,21 +112,108 @@ def test_a_speed_not_measured_is_the_mean_of_the_measured():
     assert estimates["a"].seconds == pytest.approx(len(PROMPT) / 500.0)
 
 
+def test_a_short_cached_prefix_on_a_busier_replica_loses_to_an_idle_one():
+    """The low-diversity case: every prompt shares a short prefix. A hit saves its tokens
+    once; one more request on the holder shares each of this one's steps."""
+    index = BlockIndex()
+    holds(index, "a", HASHES)
+    tied = [Replica(stats("a", running=1)), Replica(stats("b", running=1))]
+    decision = router(index).choose(tied, PROMPT, max_tokens=32)
+    assert (decision.scheduler_id, decision.reason) == ("a", CACHE)  # equal load: the hit
+    busier = [Replica(stats("a", running=2)), Replica(stats("b", running=1))]
+    decision = router(index).choose(busier, PROMPT, max_tokens=32)
+    assert (decision.scheduler_id, decision.reason) == ("b", LOAD)
+    # a burst sees its own requests before any stats do (and their queued prefill is
+    # only the tokens left after their hits: that made the holder look cheap before)
+    burst = [Replica(stats("a"), num_sent=1, num_sent_prefill_tokens=1), Replica(stats("b"))]
+    assert router(index).choose(burst, PROMPT, max_tokens=32).scheduler_id == "b"
+
+
+def test_load_is_priced_over_each_of_the_requests_steps():
+    replicas = [Replica(stats("a", running=3, prefill=1000.0)),
+                Replica(stats("b", prefill=1000.0))]
+    estimates = router().estimates(replicas, PROMPT, None, output_tokens=10)
+    assert estimates["a"].seconds - estimates["b"].seconds == pytest.approx(
+        3 * routing.DECODE_COST_TOKENS * (1 + 10) / 1000.0)
+
+
+def test_the_expected_output_is_max_tokens_or_the_mean_of_finished_requests():
+    index = BlockIndex()
+    holds(index, "a", HASHES)  # 64 tokens of hits against one more request on a
+    replicas = [Replica(stats("a", running=1)), Replica(stats("b"))]
+    route = router(index, saturation_margin=4)  # the cost alone decides
+    assert route.choose(replicas, PROMPT, max_tokens=1).scheduler_id == "a"  # 1 x 16 x 2 < 64
+    assert route.choose(replicas, PROMPT).scheduler_id == "b"  # 128 until requests end
+    assert route.choose(replicas, PROMPT, max_tokens=4096).scheduler_id == "b"
+    for _ in range(200):
+        route.observe_output(1)
+    assert route.mean_output_tokens == pytest.approx(1.0, abs=0.01)
+    assert route.choose(replicas, PROMPT, max_tokens=4096).scheduler_id == "a"
+
+
+def test_load_counts_our_requests_now_and_the_rest_from_stats():
+    # one of our three requests there ended since the stats: its slot is free now
+    assert Replica(stats("a", running=3), num_sent=2, num_sent_at_stats=3).load == 2
+    # two requests of another gateway, and one more of ours since
+    assert Replica(stats("a", running=5), num_sent=4, num_sent_at_stats=3).load == 6
+    # not known when the stats came: the larger figure
+    assert Replica(stats("a", running=5), num_sent=4).load == 5
+
+
+def test_the_saturation_threshold_follows_the_fleets_mean_load():
+    def threshold(loads, **params):
+        return router(**params).saturation_threshold([Replica(stats(str(i), waiting=n))
+                                                      for i, n in enumerate(loads)])
+    assert threshold([1, 0, 0]) == 1  # few in flight: one request of imbalance counts
+    assert threshold([3, 2, 1]) == 1
+    assert threshold([8, 8, 8]) == 4  # 24 in flight: half the mean
+    assert threshold([100, 100, 100], saturation_margin=8) == 50
+    assert threshold([2, 2, 2], saturation_margin=8) == 8
+    assert threshold([0, 0], saturation_margin=0, saturation_ratio=0.0) == 1  # least is open
+
+
 def test_the_saturation_valve_turns_a_hot_prefix_away():
     index = BlockIndex()
     holds(index, "a", HASHES)
-    at_margin = [Replica(stats("a", waiting=8)), Replica(stats("b"))]
-    assert router(index).choose(at_margin, PROMPT).scheduler_id == "a"
-    over = [Replica(stats("a", waiting=9)), Replica(stats("b"))]
-    decision = router(index).choose(over, PROMPT)
+    # a short answer: the cost prefers the holder (64 hit tokens against one stream)
+    one_more = [Replica(stats("a", waiting=1)), Replica(stats("b"))]
+    decision = router(index).choose(one_more, PROMPT, max_tokens=1)
     assert (decision.scheduler_id, decision.reason) == ("b", SATURATED)
+    assert router(index, saturation_margin=2).choose(one_more, PROMPT,
+                                                     max_tokens=1).scheduler_id == "a"
     # the gateway's own count of requests sent counts as load
-    assert router(index).choose([Replica(stats("a"), num_sent=9), Replica(stats("b"))],
-                                PROMPT).scheduler_id == "b"
-    # relative to the least loaded: 36 vs 25 is within half of 25, not within 8
-    busy = [Replica(stats("a", waiting=36)), Replica(stats("b", waiting=25))]
-    assert router(index, saturation_ratio=0.5).choose(busy, PROMPT).scheduler_id == "a"
-    assert router(index, saturation_ratio=0.1).choose(busy, PROMPT).scheduler_id == "b"
+    assert router(index).choose([Replica(stats("a"), num_sent=1), Replica(stats("b"))],
+                                PROMPT, max_tokens=1).scheduler_id == "b"
+    # 30 in flight: the holder may run 3 ahead (under half the mean of 10), not 6
+    def fleet(holder_load):
+        others = (30 - holder_load) // 2
+        return [Replica(stats("a", waiting=holder_load)),
+                Replica(stats("b", waiting=others, queued=5000)),
+                Replica(stats("c", waiting=30 - holder_load - others, queued=5000))]
+    assert router(index).choose(fleet(12), PROMPT, max_tokens=1).scheduler_id == "a"
+    decision = router(index).choose(fleet(14), PROMPT, max_tokens=1)
+    assert decision.scheduler_id != "a" and decision.reason == SATURATED
+
+
+def test_a_session_leaves_a_replica_one_request_busier_at_low_concurrency():
+    """6 conversations on 3 replicas placed 3/2/1: a turn coming back to the busiest
+    finds it 2 to the least loaded's 1 (its own turn has ended) and moves; placed 2/2/2
+    it finds 1 and stays."""
+    index = BlockIndex()
+    route = router(index)
+    route.sessions.put(("", "u1"), "a", now=0.0)
+    holds(index, "a", HASHES)
+    uneven = [Replica(stats("a"), num_sent=2, num_sent_at_stats=3),  # stats still show it
+              Replica(stats("b"), num_sent=2, num_sent_at_stats=2),
+              Replica(stats("c"), num_sent=1, num_sent_at_stats=1)]
+    decision = route.choose(uneven, PROMPT, session="u1", now=1.0, max_tokens=24)
+    assert (decision.scheduler_id, decision.reason) == ("c", SATURATED)
+    route.sessions.put(("", "u1"), "a", now=2.0)
+    even = [Replica(stats("a"), num_sent=1, num_sent_at_stats=2),
+            Replica(stats("b"), num_sent=2, num_sent_at_stats=2),
+            Replica(stats("c"), num_sent=2, num_sent_at_stats=2)]
+    decision = route.choose(even, PROMPT, session="u1", now=3.0, max_tokens=24)
+    assert (decision.scheduler_id, decision.reason) == ("a", SESSION)
 
 
 def test_a_session_sticks_until_its_replica_saturates_or_goes():
