@@ -71,10 +71,14 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
 
     key, value: [num_tokens, num_kv_heads, head_dim]
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (contiguous)
-    slot_mapping: [num_tokens] int, block_id * block_size + offset
+    slot_mapping: [num_tokens] int, block_id * block_size + offset; < 0 means skip (padding),
+        as in the kernel
     """
     num_kv_heads, head_dim = key_cache.shape[-2:]
     slot_mapping = slot_mapping.long()
+    if slot_mapping.numel() and int(slot_mapping.min()) < 0:
+        keep = slot_mapping >= 0
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 

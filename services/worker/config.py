@@ -16,6 +16,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_num_batched_tokens: int = 2048  # the largest step it will be sent (memory profiling)
     max_num_seqs: int = 64  # the largest batch: CUDA graphs are captured up to it
     enforce_eager: bool = False  # no CUDA graphs
+    # steps with prompt chunks up to this many tokens run as piecewise CUDA graphs; 0: eager
+    max_graph_tokens: int = 512
     # queue step N+1 before reading step N back: "auto" (on CUDA), "on" or "off"
     overlap_steps: str = "auto"
     seed: int = 0  # random weights of dummy models
@@ -36,6 +38,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "max_num_batched_tokens": "most tokens in one step (sizes the memory profile)",
         "max_num_seqs": "most sequences in one step (CUDA graph batch sizes)",
         "enforce_eager": "run every step eagerly: no CUDA graphs",
+        "max_graph_tokens": "steps with prompt chunks of up to this many tokens run as CUDA "
+                            "graphs between their attentions (0: eagerly)",
         "overlap_steps": "queue each step before the one before it is read back, so host work "
                          "hides behind the GPU's: auto (on CUDA), on or off",
         "seed": "seed of dummy models' random weights",
@@ -52,5 +56,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
                              f"{self.gpu_memory_utilization}")
         if self.overlap_steps not in ("auto", "on", "off"):
             raise ValueError(f"overlap_steps must be auto, on or off, not {self.overlap_steps!r}")
+        if self.max_graph_tokens < 0:
+            raise ValueError(f"max_graph_tokens must be >= 0, not {self.max_graph_tokens}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")

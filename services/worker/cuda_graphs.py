@@ -1,10 +1,18 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs: whole decode steps, and mixed steps piece by piece.
 
-At start-up the model's forward is captured once per batch-size bucket with every input in a
-static buffer; a decode step then copies its inputs into those buffers and replays the bucket
-that fits, so a step costs one graph launch instead of a few hundred kernel launches. Rows past
-the real batch are padding: slot -1 (the cache write skips it), context length 1 over block 0,
-and their logits are dropped. Mixed steps (any prompt chunk) run eagerly.
+``DecodeGraphs``: at start-up the model's forward is captured once per batch-size bucket with
+every input in a static buffer; a decode step then copies its inputs into those buffers and
+replays the bucket that fits, so a step costs one graph launch instead of a few hundred kernel
+launches. Rows past the real batch are padding: slot -1 (the cache write skips it), context
+length 1 over block 0, and their logits are dropped.
+
+``PiecewiseGraphs``: a step with prompt chunks (any mix of query lengths) up to
+``max_num_tokens`` tokens. Its attention depends on host-side bounds (longest query, number of
+decodes, context length) that pick the kernels' tiles and grids, so attention runs eagerly on
+the real rows; everything between two attentions (o_proj, norms, MLP, the next layer's qkv,
+rotary and KV write) is one graph per token-count bucket: num_layers + 1 replays and
+num_layers attention launches a step instead of ~10 launches a layer. Padding rows write to
+slot -1 and are never read by attention or the logits.
 
 Every bucket writes its logits into one static buffer: an output kept alive per graph would stay
 in the shared pool, and at 1,024 sequences with a 128k vocabulary those outputs alone came to
@@ -97,3 +105,124 @@ class DecodeGraphs:
             self.block_tables[num_seqs:bucket, 0].fill_(0)
         self.graphs[bucket].replay()
         return self.logits[:num_seqs]
+
+
+def token_buckets(max_num_tokens: int) -> list[int]:
+    """Powers of two from 16 and the midpoints between them, up to ``max_num_tokens``.
+
+    Small steps are bound by reading the weights, so padding them costs little; each bucket is
+    num_layers + 1 graphs, so there are few of them."""
+    buckets, size = [], 16
+    while size < max_num_tokens:
+        buckets += [size, size * 3 // 2]
+        size *= 2
+    buckets = [b for b in buckets if b < max_num_tokens]
+    return buckets + [max_num_tokens] if max_num_tokens > 0 else []
+
+
+class PiecewiseGraphs:
+    """Steps of any query lengths: graphs between the attentions (see the module's text)."""
+
+    def __init__(self, model: Transformer, max_num_tokens: int, device: torch.device,
+                 use_graphs: bool = True) -> None:
+        """use_graphs False runs the same pieces uncaptured (tests: the CPU can check the
+        static buffers and padding; the GPU, graphs against their own pieces)."""
+        self.model = model
+        self.buckets = token_buckets(max_num_tokens)
+        self.use_graphs = use_graphs
+        config, attn = model.config, model.layers[0].self_attn
+        size = self.buckets[-1]
+        dtype = model.embed_tokens.weight.dtype
+        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)  # [size]
+        self.positions = torch.zeros(size, dtype=torch.long, device=device)  # [size]
+        self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)  # [size]
+        # [size, num_heads, head_dim]: a layer's queries, then its attention output
+        self.query = torch.zeros(size, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
+        self.attention_out = torch.zeros_like(self.query)
+        # [size, hidden_size]: the last layer's output and the residual stream
+        self.hidden = torch.zeros(size, config.hidden_size, dtype=dtype, device=device)
+        self.residual = torch.zeros_like(self.hidden)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.num_steps = 0  # steps run
+
+    def _pieces(self, num_tokens: int) -> list:
+        """The num_layers + 1 pieces of a bucket: each reads and writes the static buffers."""
+        model, layers = self.model, self.model.layers
+        positions, slot_mapping = self.positions[:num_tokens], self.slot_mapping[:num_tokens]
+        query, residual = self.query[:num_tokens], self.residual[:num_tokens]
+        attention_out = self.attention_out[:num_tokens]
+
+        def keep(new_query: torch.Tensor, new_residual: torch.Tensor) -> None:
+            query.copy_(new_query)
+            if new_residual.data_ptr() != residual.data_ptr():  # the norms add in place
+                residual.copy_(new_residual)
+
+        def first() -> None:
+            x = model.embed_tokens(self.input_ids[:num_tokens])  # [num_tokens, hidden_size]
+            keep(*layers[0].before_attention(x, None, positions, model.cos_sin_cache,
+                                             slot_mapping))
+
+        def between(index: int):
+            def piece() -> None:  # layer index - 1 after its attention, layer index before
+                x, new_residual = layers[index - 1].after_attention(attention_out, residual)
+                keep(*layers[index].before_attention(x, new_residual, positions,
+                                                     model.cos_sin_cache, slot_mapping))
+            return piece
+
+        def last() -> None:
+            x, new_residual = layers[-1].after_attention(attention_out, residual)
+            self.hidden[:num_tokens].copy_(x)
+            if new_residual.data_ptr() != residual.data_ptr():
+                residual.copy_(new_residual)
+
+        return [first] + [between(i) for i in range(1, len(layers))] + [last]
+
+    @torch.inference_mode()
+    def capture(self, buckets: list[int] | None = None) -> None:
+        """Capture every bucket (or just ``buckets``), largest first, into one pool: each
+        piece's temporaries are freed by its end, so the buckets reuse the largest one's
+        memory."""
+        if not self.use_graphs:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for num_tokens in sorted(buckets or self.buckets, reverse=True):
+            pieces = self._pieces(num_tokens)
+            for piece in pieces:  # warm-up: Triton compiles outside the capture
+                piece()
+            torch.cuda.synchronize()
+            graphs = []
+            for piece in pieces:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    piece()
+                graphs.append(graph)
+            self.graphs[num_tokens] = graphs
+        torch.cuda.synchronize()
+        log.info("piecewise_graphs_captured", buckets=sorted(self.graphs),
+                 num_graphs=sum(len(g) for g in self.graphs.values()))
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+            metadata: AttentionMetadata) -> torch.Tensor:
+        """One step of ``num_tokens`` <= the largest bucket -> logits [num_sampled, vocab_size]."""
+        num_tokens = input_ids.shape[0]
+        bucket = self.bucket_for(num_tokens)
+        assert bucket is not None
+        self.num_steps += 1
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
+        self.slot_mapping[num_tokens:bucket].fill_(-1)  # padding writes nowhere
+        if self.use_graphs:
+            pieces = [graph.replay for graph in self.graphs[bucket]]
+        else:
+            pieces = self._pieces(bucket)
+        query, attention_out = self.query[:num_tokens], self.attention_out[:num_tokens]
+        for layer, piece in zip(self.model.layers, pieces):
+            piece()
+            layer.self_attn.attend(query, metadata, out=attention_out)
+        pieces[-1]()
+        return self.model.logits(self.hidden[:num_tokens], self.residual[:num_tokens],
+                                 metadata.logits_indices)

@@ -2,8 +2,8 @@
 
 The worker loads the weights, runs one profiling forward at the largest step it will be sent
 (``max_num_batched_tokens`` prompt tokens, ``max_num_seqs`` sampled rows) and the sampler's
-top-k/top-p sort over those rows against a scratch cache, captures the largest CUDA graph to
-measure what the graphs' pool and static buffers take, and gives the cache what is left of
+top-k/top-p sort over those rows against a scratch cache, captures the largest CUDA graphs (decode and
+piecewise) to measure what the graphs' pools and static buffers take, and gives the cache what is left of
 ``gpu_memory_utilization`` of the card after the weights, that activation peak, the graphs and a
 small reserve. Everything the step loop needs afterwards fits in memory the caching allocator
 already holds.
@@ -18,7 +18,7 @@ import torch
 
 from kernels.paged_attention import allocate_kv_cache
 from kernels.sampling import sample_tokens
-from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from services.worker.model import AttentionMetadata, Transformer
 
 log = structlog.get_logger()
@@ -31,7 +31,7 @@ class MemoryProfile:
     total_bytes: int
     used_before_cache_bytes: int  # weights, CUDA context and anything else on the card
     peak_activation_bytes: int  # a forward at the largest step, then sampling its rows
-    cuda_graph_bytes: int  # the largest decode graph's pool and the graphs' static buffers
+    cuda_graph_bytes: int  # the largest decode and piecewise graphs' pools, static buffers
     kv_cache_bytes: int
 
 
@@ -44,8 +44,10 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) 
 def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: int,
                            max_model_len: int, block_size: int, gpu_memory_utilization: float,
                            device: torch.device, dtype: torch.dtype,
-                           graph_batch_size: int | None = None) -> MemoryProfile:
-    """graph_batch_size: the largest decode batch captured as a CUDA graph (None: no graphs)."""
+                           graph_batch_size: int | None = None,
+                           graph_num_tokens: int = 0) -> MemoryProfile:
+    """graph_batch_size: the largest decode batch captured as a CUDA graph (None: no graphs);
+    graph_num_tokens: the largest step captured as piecewise graphs (0: none)."""
     config = model.config
     seq_lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
     num_blocks = sum(-(-n // block_size) for n in seq_lens)
@@ -78,7 +80,8 @@ def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: 
     torch.cuda.synchronize()
     peak_activation = torch.cuda.max_memory_allocated(device) - baseline
     del logits, metadata, input_ids, positions
-    cuda_graph_bytes = _cuda_graph_bytes(model, graph_batch_size, max_model_len, block_size,
+    cuda_graph_bytes = _cuda_graph_bytes(model, graph_batch_size, graph_num_tokens,
+                                         max_model_len, block_size,
                                          device) if graph_batch_size else 0
     model.bind_kv_cache(None)
     del scratch
@@ -108,18 +111,23 @@ def _sample_with_filters(logits: torch.Tensor) -> None:
                   torch.zeros(num_rows, dtype=torch.int64, device=device))
 
 
-def _cuda_graph_bytes(model: Transformer, batch_size: int, max_model_len: int, block_size: int,
-                      device: torch.device) -> int:
-    """GPU memory the decode graphs keep: capture the largest bucket (the smaller ones share
-    its pool) on the scratch cache, and count what stays allocated."""
+def _cuda_graph_bytes(model: Transformer, batch_size: int, num_tokens: int, max_model_len: int,
+                      block_size: int, device: torch.device) -> int:
+    """GPU memory the graphs keep: capture the largest decode bucket and the largest piecewise
+    bucket (the smaller ones share their pools) on the scratch cache, and count what stays
+    allocated."""
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info(device)[0]
     graphs = DecodeGraphs(model, batch_size, -(-max_model_len // block_size), max_model_len,
                           device)
     graphs.capture([graphs.buckets[-1]])
+    mixed = None
+    if num_tokens:
+        mixed = PiecewiseGraphs(model, num_tokens, device)
+        mixed.capture([mixed.buckets[-1]])
     torch.cuda.empty_cache()
     graph_bytes = free_before - torch.cuda.mem_get_info(device)[0]
-    del graphs
+    del graphs, mixed
     torch.cuda.empty_cache()
     return max(0, graph_bytes)

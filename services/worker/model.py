@@ -219,8 +219,11 @@ class Attention(nn.Module):
         self.value_cache: torch.Tensor | None = None
         self.decode_context: DecodeContext | None = None  # CPU: the decode rows' context, kept
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden_size] -> the rotated queries [num_tokens, num_heads, head_dim];
+        the keys and values are written to the cache. Reads no host-side metadata, so a CUDA
+        graph can hold it (``cuda_graphs.PiecewiseGraphs``)."""
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -229,11 +232,15 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         ops.apply_rotary(q, k, positions, cos_sin_cache)  # in place
-        ops.write_kv_cache(k, v, self.key_cache, self.value_cache, metadata.slot_mapping)
-        # [num_tokens, num_heads, head_dim]
-        out = ops.attention(q, self.key_cache, self.value_cache, metadata, self.scale,
-                            self.decode_context)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden_size]
+        ops.write_kv_cache(k, v, self.key_cache, self.value_cache, slot_mapping)
+        return q
+
+    def attend(self, q: torch.Tensor, metadata: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim] -> attention output, the same shape (into
+        ``out`` when given)."""
+        return ops.attention(q, self.key_cache, self.value_cache, metadata, self.scale,
+                             self.decode_context, out=out)
 
 
 class MLP(nn.Module):
@@ -261,11 +268,25 @@ class DecoderLayer(nn.Module):
         """x: this layer's input minus the residual stream so far (the whole input when
         residual is None) -> (the MLP's output, the residual stream before it): each add is
         fused into the next norm."""
+        q, residual = self.before_attention(x, residual, positions, cos_sin_cache,
+                                            metadata.slot_mapping)
+        return self.after_attention(self.self_attn.attend(q, metadata), residual)
+
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
+                         positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (queries [num_tokens, num_heads, head_dim], the residual stream)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, cos_sin_cache, metadata)
+        return self.self_attn.project(h, positions, cos_sin_cache, slot_mapping), residual
+
+    def after_attention(self, attention_out: torch.Tensor, residual: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention_out [num_tokens, num_heads, head_dim] -> (the MLP's output, the residual
+        stream before it)."""
+        h = self.self_attn.o_proj(attention_out.flatten(1))  # [num_tokens, hidden_size]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -310,7 +331,12 @@ class Transformer(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.cos_sin_cache, metadata)
-        indices = metadata.logits_indices
+        return self.logits(x, residual, metadata.logits_indices)
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, indices: torch.Tensor
+               ) -> torch.Tensor:
+        """The last layer's (x, residual) [num_tokens, hidden_size] -> logits of the rows
+        ``indices`` [num_sampled, vocab_size] (fp32)."""
         x, _ = self.norm(x[indices], residual[indices])  # [num_sampled, hidden_size]
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head_weight).float()  # [num_sampled, vocab_size]

@@ -41,15 +41,18 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
 
 def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
               metadata, scale: float,
-              decode_context: cpu_attention.DecodeContext | None = None) -> torch.Tensor:
-    """Causal paged attention of the step's queries [num_tokens, num_heads, head_dim].
+              decode_context: cpu_attention.DecodeContext | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal paged attention of the step's queries [num_tokens, num_heads, head_dim]
+    (written into ``out`` when given).
 
     On CPU, ``decode_context`` (the layer's copy of its decode rows' context) spares the
     decodes a gather of their whole context each step; without it, the reference."""
     if not query.is_cuda:
-        return cpu_attention.attention(query, key_cache, value_cache, metadata, scale,
-                                       decode_context)
+        result = cpu_attention.attention(query, key_cache, value_cache, metadata, scale,
+                                         decode_context)
+        return result if out is None else out.copy_(result)
     return paged_attention.paged_attention(
         query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, scale, max_query_len=metadata.max_query_len,
-        max_seq_len=metadata.max_seq_len, num_decodes=metadata.num_decodes)
+        max_seq_len=metadata.max_seq_len, num_decodes=metadata.num_decodes, out=out)

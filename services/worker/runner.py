@@ -34,7 +34,7 @@ import torch
 
 from kernels.paged_attention import allocate_kv_cache
 from services.worker.config import WorkerConfig
-from services.worker.cuda_graphs import DecodeGraphs
+from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from services.worker.kv_offload import BlockToStore, KvOffload, recompute_unusable_loads
 from services.worker.kv_tiers import LoadTiming
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
@@ -279,6 +279,7 @@ class ModelRunner:
                                make_grammars=lambda: _grammar_bank(
                                    model_files.path, model_config.vocab_size, self.eos_token_ids))
         self._graphs: DecodeGraphs | None = None
+        self._mixed_graphs: PiecewiseGraphs | None = None
         if self._device.type == "cuda":
             warm_up_attention(self.model, self.block_size)
         if self._device.type == "cuda" and not config.enforce_eager:
@@ -286,6 +287,10 @@ class ModelRunner:
                                         -(-self.max_model_len // self.block_size),
                                         self.max_model_len, self._device)
             self._graphs.capture()
+            max_graph_tokens = mixed_graph_tokens(config)
+            if max_graph_tokens:
+                self._mixed_graphs = PiecewiseGraphs(self.model, max_graph_tokens, self._device)
+                self._mixed_graphs.capture()
         log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
                  num_blocks=self.num_blocks, block_size=self.block_size,
                  kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len)
@@ -300,7 +305,9 @@ class ModelRunner:
             max_model_len=self.max_model_len, block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization, device=self._device,
             dtype=self._dtype,
-            graph_batch_size=None if config.enforce_eager else config.max_num_seqs).kv_cache_bytes
+            graph_batch_size=None if config.enforce_eager else config.max_num_seqs,
+            graph_num_tokens=0 if config.enforce_eager else mixed_graph_tokens(config)
+        ).kv_cache_bytes
 
     @property
     def device(self) -> str:
@@ -434,12 +441,8 @@ class ModelRunner:
                 input_ids, positions, metadata = build_step_inputs(
                     chunks, self.block_size, self._device, layout, self._staging)
                 self._fill_pending_inputs(chunks, input_ids)
-                if self._graphs is not None and metadata.max_query_len == 1 \
-                        and len(sampled_ids) == len(chunks) \
-                        and self._graphs.bucket_for(len(chunks)) is not None:
-                    logits = self._graphs.run(input_ids, positions, metadata)  # [num_seqs, vocab]
-                else:
-                    logits = self.model(input_ids, positions, metadata)  # [num_logit_rows, vocab]
+                logits = self._forward(input_ids, positions, metadata,
+                                       all_sample=len(sampled_ids) == len(chunks))
                 if late_stores:  # the blocks this step completes, copied out behind it
                     kv.store(late_stores)
                 sample_rows = layout.sample_rows
@@ -483,6 +486,18 @@ class ModelRunner:
                           prompt_logprobs=prompt_logprobs,
                           kv_load_bytes=kv_load.num_bytes if kv_load else 0,
                           kv_load_bytes_per_s=kv_load.bytes_per_s() if kv_load else 0.0)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 metadata: AttentionMetadata, all_sample: bool) -> torch.Tensor:
+        """-> logits [num_logit_rows, vocab_size]: a decode graph when every sequence has one
+        query and samples, piecewise graphs for other steps that fit them, else eagerly."""
+        if self._graphs is not None and metadata.max_query_len == 1 and all_sample \
+                and self._graphs.bucket_for(len(input_ids)) is not None:
+            return self._graphs.run(input_ids, positions, metadata)
+        if self._mixed_graphs is not None \
+                and self._mixed_graphs.bucket_for(len(input_ids)) is not None:
+            return self._mixed_graphs.run(input_ids, positions, metadata)
+        return self.model(input_ids, positions, metadata)
 
     def _kv_before_forward(self, kv: KvOffload, plan: StepPlan, chunks: list[SequenceChunk],
                            finished: dict[str, RequestState]
@@ -620,6 +635,11 @@ class ModelRunner:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad:
             raise ValueError(f"request {request_id}: block ids {bad} outside [0, {self.num_blocks})")
+
+
+def mixed_graph_tokens(config: WorkerConfig) -> int:
+    """The largest step the piecewise graphs take: no larger than a step can be."""
+    return min(config.max_graph_tokens, config.max_num_batched_tokens)
 
 
 def _grammar_bank(model_dir: Path, vocab_size: int, eos_token_ids: list[int]):

@@ -51,12 +51,31 @@ def prompts(num: int) -> list[list[int]]:
 
 
 def test_graph_decode_equals_eager(dummy_model):
+    """Graphs on: decodes replay decode graphs and the chunked prompts (64-token steps mixing
+    chunks and decodes) piecewise graphs; the same tokens as every step eager."""
     greedy = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * 12
     outputs = {}
     for eager in (False, True):
-        completions, _ = engine(dummy_model, eager).generate(prompts(12), greedy)
+        llm = engine(dummy_model, eager)
+        completions, _ = llm.generate(prompts(12), greedy)
         outputs[eager] = [c.output_token_ids for c in completions]
+        mixed_graphs = llm.runner._mixed_graphs
+        assert (mixed_graphs is None) == eager
+        assert eager or mixed_graphs.num_steps > 0
     assert outputs[False] == outputs[True]
+
+
+def test_piecewise_graphs_equal_their_pieces_run_uncaptured(dummy_model):
+    """Replaying the captured pieces computes what calling them does (same shapes, same
+    kernels): the capture holds the right buffers."""
+    greedy = [SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)] * 12
+    outputs = {}
+    for use_graphs in (True, False):
+        llm = engine(dummy_model, enforce_eager=False)
+        llm.runner._mixed_graphs.use_graphs = use_graphs
+        completions, _ = llm.generate(prompts(12), greedy)
+        outputs[use_graphs] = [c.output_token_ids for c in completions]
+    assert outputs[True] == outputs[False]
 
 
 def test_overlapped_steps_equal_one_at_a_time(dummy_model):
