@@ -3,16 +3,18 @@
 Spans are made only where they are exported (``--otel-exporter console``): the SDK's
 tracer provider is installed then, and every handled message gets a span (``message_span``)
 whose context the messages its handler sends carry on (``traceparent``). With the default
-``none`` no provider is installed and no span is made (a span cost the kvstore ~15 µs of
-its ~70 µs per message, BENCHMARKS.md): the caller's trace context, when a message
-carries one, is still made current around its handler, so a process that exports nothing
-passes a trace through intact between processes that do. The SDK reads the standard
-``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` (default: parent-based, always on).
+``none`` no provider is installed and no span is made (a span cost the kvstore ~25 µs of
+the ~55 µs it spent per message with one, BENCHMARKS.md): a message's trace headers, when
+it carries any, are passed on as they came by what its handler sends, so a process that
+exports nothing keeps a trace intact between processes that do; it parses none of them.
+The SDK reads the standard ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` (default:
+parent-based, always on).
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.trace import SpanKind, Tracer, TracerProvider
@@ -21,6 +23,9 @@ TRACE_HEADERS = ("traceparent", "tracestate", "baggage")  # what the default pro
 
 _span_tracer: Tracer | None = None  # None: no span is made
 _NO_CONTEXT = nullcontext()
+# the trace headers of the message being handled, passed on when no span is made
+_passed_on: ContextVar[dict[str, str] | None] = ContextVar("flotilla_trace_headers",
+                                                           default=None)
 
 
 def setup_tracing(service: str, exporter: str = "none") -> None:
@@ -47,10 +52,15 @@ def make_spans(provider: TracerProvider | None) -> None:
 
 
 def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str] | None:
-    """Headers carrying the current trace context (``traceparent``); None when there are
-    none (nats-py then sends a message without a header block)."""
+    """Headers carrying the current trace context (``traceparent``): the current span's, else
+    the trace headers of the message being handled; None when there are none (nats-py then
+    sends a message without a header block)."""
     carrier = dict(headers or {})
     propagate.inject(carrier)
+    if "traceparent" not in carrier:  # no span current
+        passed_on = _passed_on.get()
+        if passed_on is not None:
+            carrier.update(passed_on)
     return carrier or None
 
 
@@ -61,28 +71,31 @@ def extract_context(headers: dict[str, str] | None) -> context.Context:
 def message_span(name: str, headers: dict[str, str] | None,
                  kind: SpanKind) -> AbstractContextManager:
     """Around the handler of a message with these headers: a span, child of the caller's,
-    when spans are exported; else the caller's trace context made current, if it sent one."""
+    when spans are exported; else the caller's trace headers, if it sent any, kept to be
+    passed on by what the handler sends."""
     if _span_tracer is not None:
         return _span_tracer.start_as_current_span(name, context=extract_context(headers),
                                                   kind=kind)
-    if headers and any(key in headers for key in TRACE_HEADERS):
-        return _Attached(extract_context(headers))
+    if headers:
+        carried = {key: headers[key] for key in TRACE_HEADERS if key in headers}
+        if carried:
+            return _PassedOn(carried)
     return _NO_CONTEXT
 
 
-class _Attached:
-    """The context current while the block runs (no span)."""
+class _PassedOn:
+    """Trace headers to pass on while the block runs (no span, nothing parsed)."""
 
-    __slots__ = ("_context", "_token")
+    __slots__ = ("_headers", "_token")
 
-    def __init__(self, ctx: context.Context) -> None:
-        self._context = ctx
+    def __init__(self, headers: dict[str, str]) -> None:
+        self._headers = headers
 
     def __enter__(self) -> None:
-        self._token = context.attach(self._context)
+        self._token = _passed_on.set(self._headers)
 
     def __exit__(self, *exc_info) -> None:
-        context.detach(self._token)
+        _passed_on.reset(self._token)
 
 
 tracer = trace.get_tracer("flotilla")  # a proxy: the SDK's tracer once one is installed
