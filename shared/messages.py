@@ -405,6 +405,9 @@ class KvAttachReply(Struct, frozen=True, kw_only=True):
     arena_path: str  # a file the worker maps (shared/kv_arena.py)
     num_slots: int
     slot_nbytes: int
+    # this kvstore reads KvCommitRequest's columns (block_hashes, slot_ids, token_ids); one
+    # that predates them says False and gets ``blocks``
+    commit_columns: bool = False
 
 
 class KvReserveRequest(Struct, frozen=True, kw_only=True):
@@ -435,6 +438,13 @@ class KvCommitRequest(Struct, frozen=True, kw_only=True):
     store_id: str
     blocks: list[KvStoredBlock] = []
     returned_slot_ids: list[int] = []  # reserved slots the owner gives back unused
+    # the same as ``blocks``, as columns (no struct per block; for a kvstore whose attach
+    # reply says ``commit_columns``): block i is block_hashes[i] in slot_ids[i], holding
+    # token_ids[i * block_size:(i + 1) * block_size]
+    block_hashes: list[bytes] = []
+    slot_ids: list[int] = []
+    token_ids: list[int] = []
+    block_size: int = 0
 
 
 class KvLookupRequest(Struct, frozen=True, kw_only=True):

@@ -162,7 +162,7 @@ class KvStoreService:
         self.log.info("kv_attached", owner_id=request.owner_id, namespace=name)
         return KvAttachReply(store_id=self.store_id, node_id=self.config.node_id, namespace=name,
                              arena_path=str(ns.arena.path), num_slots=ns.host.num_slots,
-                             slot_nbytes=slot_nbytes)
+                             slot_nbytes=slot_nbytes, commit_columns=True)
 
     async def _create_namespace(self, name: str, slot_nbytes: int, layout) -> Namespace:
         try:
@@ -193,7 +193,10 @@ class KvStoreService:
         return KvReserveReply(store_id=self.store_id, slot_ids=slot_ids)
 
     async def _on_commit(self, request: KvCommitRequest) -> Empty:
-        stored = self.store.commit(request, time.monotonic())
+        try:
+            stored = self.store.commit(request, time.monotonic())
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
         self.metrics.blocks_committed.inc(len(stored))
         if stored and self.writer is not None:
             self._write_through(self.store.namespaces[request.namespace], stored)

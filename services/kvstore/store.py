@@ -44,6 +44,19 @@ def num_host_slots(host_memory: int, slot_nbytes: int, free_bytes: int | None) -
     return budget // slot_nbytes
 
 
+def _columns(request: KvCommitRequest) -> list[tuple[bytes, int, tuple[int, ...]]]:
+    """A commit's column form as (hash, slot, token ids) per block; ValueError when the
+    columns do not line up (nothing of the commit is applied then)."""
+    hashes, slot_ids, token_ids, size = (request.block_hashes, request.slot_ids,
+                                         request.token_ids, request.block_size)
+    if size < 1 or len(slot_ids) != len(hashes) or len(token_ids) != len(hashes) * size:
+        raise ValueError(f"a commit of {len(hashes)} block hashes, {len(slot_ids)} slot ids and "
+                         f"{len(token_ids)} token ids in blocks of {size}")
+    flat = tuple(token_ids)  # tuples: what the host tier keeps (untracked by the collector)
+    return list(zip(hashes, slot_ids, (flat[start:start + size]
+                                       for start in range(0, len(flat), size))))
+
+
 @dataclass
 class Namespace:
     name: str
@@ -123,10 +136,10 @@ class KvStore:
         ns = self.namespaces.get(request.namespace)
         if ns is None or request.store_id != self.store_id:
             return []
-        return ns.host.commit(
-            request.owner_id,
-            ((block.block_hash, block.slot_id, block.token_ids) for block in request.blocks),
-            request.returned_slot_ids)
+        blocks = [(block.block_hash, block.slot_id, block.token_ids) for block in request.blocks]
+        if request.block_hashes:
+            blocks += _columns(request)
+        return ns.host.commit(request.owner_id, blocks, request.returned_slot_ids)
 
     # ------------------------------------------------------------ readers
     def lookup(self, request: KvLookupRequest, now: float = 0.0) -> Lookup:

@@ -18,15 +18,14 @@ kvstore messages.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import TierHit
 from shared.messages import KvLoad, KvStoreRun
 
 
-@dataclass(frozen=True)
-class _PendingStore:
+class _PendingStore(NamedTuple):  # a tuple: ~1,000 are made per prefill step
     request_id: str
     block_index: int
     block_id: int
@@ -112,17 +111,18 @@ class KvTierLedger:
         block was evicted, or that ``is_requests_block(request id, block index, block id)``
         says the worker will not find there."""
         runs: list[KvStoreRun] = []
-        for store in self._stores:
-            if not self.block_manager.holds(store.block_id, store.block_hash) or \
-                    not is_requests_block(store.request_id, store.block_index, store.block_id):
+        last: KvStoreRun | None = None
+        holds = self.block_manager.holds
+        for request_id, block_index, block_id, block_hash in self._stores:
+            if not holds(block_id, block_hash) or \
+                    not is_requests_block(request_id, block_index, block_id):
                 continue
-            last = runs[-1] if runs else None
-            if last is not None and last.request_id == store.request_id and \
-                    last.first_block_index + len(last.block_ids) == store.block_index:
-                last.block_ids.append(store.block_id)
-                last.block_hashes.append(store.block_hash)
+            if last is not None and last.request_id == request_id and \
+                    last.first_block_index + len(last.block_ids) == block_index:
+                last.block_ids.append(block_id)
+                last.block_hashes.append(block_hash)
             else:
-                runs.append(KvStoreRun(store.request_id, store.block_index, [store.block_id],
-                                       [store.block_hash]))
+                last = KvStoreRun(request_id, block_index, [block_id], [block_hash])
+                runs.append(last)
         self._stores = []
         return runs

@@ -11,6 +11,7 @@ list (only ever appended to), so its blocks commit all the same.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,9 +21,13 @@ import msgspec
 import structlog
 
 from services.worker.kv_tiers import KvTiers, LoadTiming, StoreCopy
-from shared.messages import KvLoad, KvStoredBlock, KvStoreRun, ScheduledRequest, StepPlan
+from shared.messages import (
+    KvCommitRequest, KvLoad, KvStoredBlock, KvStoreRun, ScheduledRequest, StepPlan,
+)
 
 log = structlog.get_logger()
+
+MAX_TOKENS_PER_COMMIT = 32768  # a commit message stays far below NATS's 1 MB payload (~250 KB)
 
 
 def recompute_unusable_loads(plan: StepPlan, offload: KvOffload | None,
@@ -96,39 +101,61 @@ class SlotPool:
 
 
 @dataclass
-class BlockToStore:
-    """One block of a KvStoreRun, checked against the request it names."""
+class BlocksToStore:
+    """Consecutive blocks of one request (a KvStoreRun, or part of one), checked against
+    the request: all full before this step (``computed_before``), or all completed by it.
+    Stores go by runs, not blocks: a step completes ~1,000 blocks in a few dozen runs."""
 
     token_list: list[int]  # the request's token list (its tokens are read at the end of submit)
-    block_index: int
-    block_id: int
-    block_hash: bytes
-    computed_before: bool  # full before this step (else this step completes it)
+    first_block_index: int
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    computed_before: bool  # full before this step (else this step completes them)
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+
+BlockToStore = BlocksToStore  # the name services/worker/runner.py imports
 
 
 @dataclass
 class Commit:
-    """What the service publishes as a KvCommitRequest."""
+    """What the service publishes (``commit_messages``), as columns: block i is
+    ``block_hashes[i]``, copied into ``slot_ids[i]``, holding
+    ``token_ids[i * block_size:(i + 1) * block_size]``."""
 
     store_id: str
-    blocks: list[KvStoredBlock]
+    block_size: int
+    block_hashes: list[bytes]
+    slot_ids: list[int]
+    token_ids: list[int]
     returned_slot_ids: list[int] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> list[KvStoredBlock]:
+        """One struct per block: the form a kvstore that predates the columns reads."""
+        size, tokens = self.block_size, self.token_ids
+        return [KvStoredBlock(block_hash, slot_id, tokens[index * size:(index + 1) * size])
+                for index, (block_hash, slot_id)
+                in enumerate(zip(self.block_hashes, self.slot_ids))]
 
 
 @dataclass
 class _StoreBatch:
-    blocks: list[BlockToStore]
-    slot_ids: list[int]
-    token_ids: list[list[int]] | None = None  # set at the end of submit
-    returned_slot_ids: list[int] = field(default_factory=list)
+    runs: list[BlocksToStore]
+    slot_ids: list[int]  # one per block of the runs, in order
+    commit: Commit | None = None  # set at the end of submit, once the token ids are read
 
 
 class KvOffload:
     def __init__(self, tiers: KvTiers, store_id: str, block_size: int,
-                 target_free_slots: int = 0, max_blocks_per_step: int = 0) -> None:
+                 target_free_slots: int = 0, max_blocks_per_step: int = 0,
+                 commit_columns: bool = False) -> None:
         self.tiers = tiers
         self.store_id = store_id
         self.block_size = block_size
+        self.commit_columns = commit_columns  # the kvstore reads commits as columns
         self.slot_pool = SlotPool()
         # The most blocks one step can complete (a whole token budget of prompt): the pool
         # is topped up whenever it holds fewer, and the target is two steps' worth, so a
@@ -166,55 +193,61 @@ class KvOffload:
 
     def resolve_stores(self, runs: Sequence[KvStoreRun],
                        lookup: Callable[[str], tuple[list[int], list[int], int, int] | None]
-                       ) -> list[BlockToStore]:
-        """The blocks of ``runs`` that are full and computed once this step has run.
+                       ) -> list[BlocksToStore]:
+        """The parts of ``runs`` that are full and computed once this step has run: per run,
+        the blocks full before this step, then those this step completes.
 
         ``lookup(request_id)`` gives the request's (token list, block table after this step,
         computed tokens before this step, after it), or None when the request is unknown."""
-        blocks: list[BlockToStore] = []
+        found_runs: list[BlocksToStore] = []
+        block_size = self.block_size
         for run in runs:
             found = lookup(run.request_id)
+            first, block_ids = run.first_block_index, run.block_ids
             reason = None
             if found is None:
                 reason = "unknown request"
-            elif len(run.block_ids) != len(run.block_hashes):
+            elif len(block_ids) != len(run.block_hashes):
                 reason = "block ids and hashes differ in number"
             else:
                 token_list, block_table, computed_before, computed_after = found
-                end = run.first_block_index + len(run.block_ids)
-                if run.first_block_index < 0 or list(block_table[run.first_block_index:end]) \
-                        != list(run.block_ids):
+                end = first + len(block_ids)
+                if first < 0 or list(block_table[first:end]) != list(block_ids):
                     reason = "blocks are not the request's"
-                elif end * self.block_size > computed_after:
+                elif end * block_size > computed_after:
                     reason = "blocks not computed"
             if reason is not None:
                 log.warning("kv_store_refused", request_id=run.request_id, reason=reason,
-                            num_blocks=len(run.block_ids))
-                self.num_skipped += len(run.block_ids)
+                            num_blocks=len(block_ids))
+                self.num_skipped += len(block_ids)
                 continue
-            for offset, (block_id, block_hash) in enumerate(zip(run.block_ids,
-                                                                run.block_hashes)):
-                index = run.first_block_index + offset
-                blocks.append(BlockToStore(
-                    token_list, index, block_id, block_hash,
-                    computed_before=(index + 1) * self.block_size <= computed_before))
-        return blocks
+            # blocks first .. first + num_before - 1 were full before this step
+            num_before = min(max(computed_before // block_size - first, 0), len(block_ids))
+            if num_before:
+                found_runs.append(BlocksToStore(token_list, first, block_ids[:num_before],
+                                                run.block_hashes[:num_before], True))
+            if num_before < len(block_ids):
+                found_runs.append(BlocksToStore(token_list, first + num_before,
+                                                block_ids[num_before:],
+                                                run.block_hashes[num_before:], False))
+        return found_runs
 
-    def store(self, blocks: Sequence[BlockToStore]) -> None:
-        """Copy ``blocks`` out after the work queued so far, into reserved slots (a block
-        with no slot left is skipped: storing is best effort)."""
-        if not blocks:
+    def store(self, runs: Sequence[BlocksToStore]) -> None:
+        """Copy the blocks of ``runs`` out after the work queued so far, into reserved slots
+        (blocks with no slot left are skipped: storing is best effort)."""
+        num_blocks = sum(len(run) for run in runs)
+        if not num_blocks:
             return
-        slot_ids = self.slot_pool.take(len(blocks))
-        if len(slot_ids) < len(blocks):
-            self.num_skipped += len(blocks) - len(slot_ids)
-            log.debug("kv_store_skipped", num_blocks=len(blocks) - len(slot_ids),
+        slot_ids = self.slot_pool.take(num_blocks)
+        if len(slot_ids) < num_blocks:
+            self.num_skipped += num_blocks - len(slot_ids)
+            log.debug("kv_store_skipped", num_blocks=num_blocks - len(slot_ids),
                       reason="no reserved slot")
-            blocks = blocks[:len(slot_ids)]
-        if not blocks:
+            runs = _first_blocks(runs, len(slot_ids))
+        if not slot_ids:
             return
-        copy = self.tiers.store([block.block_id for block in blocks], slot_ids,
-                                payload=_StoreBatch(list(blocks), slot_ids))
+        block_ids = list(itertools.chain.from_iterable(run.block_ids for run in runs))
+        copy = self.tiers.store(block_ids, slot_ids, payload=_StoreBatch(list(runs), slot_ids))
         self._awaiting_tokens.append(copy)
 
     def end_submit(self) -> None:
@@ -229,27 +262,34 @@ class KvOffload:
         """Commit the stores whose copies are complete; True while copies are in flight."""
         for copy in self.tiers.completed():
             batch: _StoreBatch = copy.payload
-            if batch.token_ids is None:  # the submit that queued it raised before its end
+            if batch.commit is None:  # the submit that queued it raised before its end
                 self._awaiting_tokens.remove(copy)
                 self._read_tokens(batch)
-            returned = set(batch.returned_slot_ids)
-            stored = [KvStoredBlock(block.block_hash, slot_id, token_ids)
-                      for block, slot_id, token_ids in zip(batch.blocks, batch.slot_ids,
-                                                           batch.token_ids)
-                      if slot_id not in returned]
-            self.num_stored += len(stored)
-            self._commits.append(Commit(self.store_id, stored, batch.returned_slot_ids))
+            self.num_stored += len(batch.commit.slot_ids)
+            self._commits.append(batch.commit)
         return self.tiers.has_pending
 
     def _read_tokens(self, batch: _StoreBatch) -> None:
-        batch.token_ids = []
-        for block, slot_id in zip(batch.blocks, batch.slot_ids):
-            start = block.block_index * self.block_size
-            token_ids = block.token_list[start:start + self.block_size]
-            if len(token_ids) < self.block_size:  # not on the host: never guess, give it back
-                batch.returned_slot_ids.append(slot_id)
-                self.num_skipped += 1
-            batch.token_ids.append(token_ids)
+        """The batch's commit: each block's tokens, one slice per run; a block whose tokens
+        are not all on the host is never guessed: its slot is given back."""
+        size = self.block_size
+        commit = batch.commit = Commit(self.store_id, size, [], [], [])
+        first_slot = 0  # of the run, in batch.slot_ids
+        for run in batch.runs:
+            start = run.first_block_index * size
+            token_ids = run.token_list[start:start + len(run) * size]
+            num_full = len(token_ids) // size  # blocks after a short one are short too
+            end_slot = first_slot + len(run)
+            if num_full < len(run):
+                commit.returned_slot_ids += batch.slot_ids[first_slot + num_full:end_slot]
+                self.num_skipped += len(run) - num_full
+                token_ids = token_ids[:num_full * size]
+                commit.block_hashes += run.block_hashes[:num_full]
+            else:
+                commit.block_hashes += run.block_hashes
+            commit.slot_ids += batch.slot_ids[first_slot:first_slot + num_full]
+            commit.token_ids += token_ids
+            first_slot = end_slot
 
     @property
     def has_commits(self) -> bool:
@@ -266,3 +306,45 @@ class KvOffload:
         """Wait for the copies, then unmap the arena (their commits are dropped: the
         kvstore they were for is gone or replaced)."""
         self.tiers.close()
+
+
+def commit_messages(commits: Sequence[Commit], namespace: str, owner_id: str,
+                    columns: bool) -> list[KvCommitRequest]:
+    """The KvCommitRequests that publish ``commits``: as columns when the kvstore reads them
+    (``KvAttachReply.commit_columns``), else a struct per block; at most
+    MAX_TOKENS_PER_COMMIT tokens each, a commit's returned slots with its last message."""
+    messages = []
+    for commit in commits:
+        size, num_blocks = commit.block_size, len(commit.slot_ids)
+        per_message = max(1, MAX_TOKENS_PER_COMMIT // size)
+        blocks = commit.blocks if not columns else []
+        for first in range(0, max(num_blocks, 1), per_message):
+            end = first + per_message
+            returned = commit.returned_slot_ids if end >= num_blocks else []
+            if columns:
+                message = KvCommitRequest(
+                    namespace=namespace, owner_id=owner_id, store_id=commit.store_id,
+                    block_hashes=commit.block_hashes[first:end],
+                    slot_ids=commit.slot_ids[first:end],
+                    token_ids=commit.token_ids[first * size:end * size], block_size=size,
+                    returned_slot_ids=returned)
+            else:
+                message = KvCommitRequest(namespace=namespace, owner_id=owner_id,
+                                          store_id=commit.store_id, blocks=blocks[first:end],
+                                          returned_slot_ids=returned)
+            messages.append(message)
+    return messages
+
+
+def _first_blocks(runs: Sequence[BlocksToStore], num_blocks: int) -> list[BlocksToStore]:
+    """The runs cut to their first ``num_blocks`` blocks in all."""
+    cut: list[BlocksToStore] = []
+    for run in runs:
+        if num_blocks <= 0:
+            break
+        if len(run) > num_blocks:
+            run = BlocksToStore(run.token_list, run.first_block_index, run.block_ids[:num_blocks],
+                                run.block_hashes[:num_blocks], run.computed_before)
+        cut.append(run)
+        num_blocks -= len(run)
+    return cut

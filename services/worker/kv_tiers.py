@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 import torch
 
@@ -43,26 +44,33 @@ MAX_STAGING_BYTES = 32 << 20  # per direction, on the device: copies are cut int
 
 def runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Runs of consecutive ids: (index in ``ids``, first id, length)."""
-    found: list[tuple[int, int, int]] = []
-    for index, value in enumerate(ids):
-        if found and found[-1][1] + found[-1][2] == value and found[-1][0] + found[-1][2] == index:
-            first_index, first, length = found[-1]
-            found[-1] = (first_index, first, length + 1)
-        else:
-            found.append((index, value, 1))
+    return chunked_runs(ids, max(len(ids), 1))[0] if len(ids) else []
+
+
+def chunked_runs(ids: Sequence[int], chunk_size: int) -> list[list[tuple[int, int, int]]]:
+    """``runs`` of each chunk of ``chunk_size`` ids (index within the chunk, first id,
+    length), found in one pass over all of them."""
+    ids = np.asarray(ids, dtype=np.int64)  # [n]
+    starts = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.union1d(np.concatenate(([0], starts)), np.arange(0, len(ids), chunk_size))
+    lengths = np.diff(np.append(starts, len(ids)))
+    found: list[list[tuple[int, int, int]]] = [[] for _ in range(-(-len(ids) // chunk_size))]
+    for start, first, length in zip(starts.tolist(), ids[starts].tolist(), lengths.tolist()):
+        found[start // chunk_size].append((start % chunk_size, first, length))
     return found
 
 
 def paired_runs(slot_ids: Sequence[int], block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Runs where slots and blocks are both consecutive: (first slot, first block, length)."""
-    found: list[tuple[int, int, int]] = []
-    for slot_id, block_id in zip(slot_ids, block_ids, strict=True):
-        if found and found[-1][0] + found[-1][2] == slot_id \
-                and found[-1][1] + found[-1][2] == block_id:
-            found[-1] = (found[-1][0], found[-1][1], found[-1][2] + 1)
-        else:
-            found.append((slot_id, block_id, 1))
-    return found
+    if len(slot_ids) != len(block_ids):
+        raise ValueError(f"{len(slot_ids)} slots for {len(block_ids)} blocks")
+    if not slot_ids:
+        return []
+    slots, blocks = np.asarray(slot_ids, dtype=np.int64), np.asarray(block_ids, dtype=np.int64)
+    starts = np.flatnonzero((np.diff(slots) != 1) | (np.diff(blocks) != 1)) + 1
+    starts = np.concatenate(([0], starts))
+    lengths = np.diff(np.append(starts, len(slots)))
+    return list(zip(slots[starts].tolist(), blocks[starts].tolist(), lengths.tolist()))
 
 
 @dataclass
@@ -229,14 +237,16 @@ class KvTiers:
             return copy
         stream = self._copy_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # after the forward
+        chunk = self.staging_blocks
         with torch.cuda.stream(stream):
-            for first in range(0, len(slot_ids), self.staging_blocks):
-                chunk_slots = slot_ids[first:first + self.staging_blocks]
-                chunk_blocks = block_ids[first:first + self.staging_blocks]
-                staging = self._store_staging[:len(chunk_slots)]  # [n, *slot_shape]
-                torch.index_select(self.blocks, 0, _device_ids(chunk_blocks, self.device),
+            device_block_ids = _device_ids(block_ids, self.device)  # one transfer for all chunks
+            for first, slot_runs in zip(range(0, len(slot_ids), chunk),
+                                        chunked_runs(slot_ids, chunk)):
+                num_blocks = min(chunk, len(slot_ids) - first)
+                staging = self._store_staging[:num_blocks]  # [n, *slot_shape]
+                torch.index_select(self.blocks, 0, device_block_ids[first:first + num_blocks],
                                    out=staging)
-                for index, slot_id, length in runs(chunk_slots):
+                for index, slot_id, length in slot_runs:
                     self.slots[slot_id:slot_id + length].copy_(staging[index:index + length],
                                                                non_blocking=True)
             copy.done = torch.cuda.Event()
@@ -296,6 +306,9 @@ class KvTiers:
             log.warning("kv_arena_still_referenced", path=str(self.arena.path))
 
     def _check_ids(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> None:
+        if (not slot_ids or 0 <= min(slot_ids) and max(slot_ids) < self.num_slots) and (
+                not block_ids or 0 <= min(block_ids) and max(block_ids) < self.blocks.shape[0]):
+            return
         bad_slots = [s for s in slot_ids if not 0 <= s < self.num_slots]
         bad_blocks = [b for b in block_ids if not 0 <= b < self.blocks.shape[0]]
         if bad_slots or bad_blocks:

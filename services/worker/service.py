@@ -28,14 +28,14 @@ from concurrent.futures import Executor
 import structlog
 
 from services.worker.config import WorkerConfig
-from services.worker.kv_offload import KvOffload
+from services.worker.kv_offload import Commit, KvOffload, commit_messages
 from services.worker.kv_tiers import KvTiers, attach_arena
 from services.worker.main_thread import MainThreadExecutor
 from services.worker.runner import ModelRunner
 from shared.bus import EXIT_NATS_LOST, Bus
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
-    Empty, HealthReply, KvAttachReply, KvAttachRequest, KvCommitRequest, KvKeepAlive, KvLayout,
+    Empty, HealthReply, KvAttachReply, KvAttachRequest, KvKeepAlive, KvLayout,
     KvReserveReply, KvReserveRequest, StepPlan, StepResult, WorkerInfo,
 )
 from shared.models import resolve_model, weights_version
@@ -49,7 +49,6 @@ DRAIN_IDLE_S = 1.0  # draining: exit once no step came for this long
 DRAIN_POLL_S = 0.1
 KV_KEEPALIVE_S = 2.0  # also how often an absent or replaced kvstore is attached again
 KV_REQUEST_TIMEOUT_S = 2.0
-KV_MAX_BLOCKS_PER_COMMIT = 512  # a commit message stays far below NATS's 1 MB payload
 
 
 class WorkerService:
@@ -272,7 +271,8 @@ class WorkerService:
             raise
         config = self.config
         return KvOffload(tiers, reply.store_id, self.runner.block_size, max_blocks_per_step=(
-            -(-config.max_num_batched_tokens // self.runner.block_size) + config.max_num_seqs))
+            -(-config.max_num_batched_tokens // self.runner.block_size) + config.max_num_seqs),
+            commit_columns=reply.commit_columns)
 
     async def _kv_detach(self, why: str) -> None:
         log.warning("kvstore_detached", node_id=self.config.kv_node_id, reason=why)
@@ -330,27 +330,20 @@ class WorkerService:
             return
         commits = offload.take_commits()
         if commits:
-            asyncio.create_task(self._kv_publish(commits))
+            asyncio.create_task(self._kv_publish(commits, offload.commit_columns))
         if offload.slots_wanted() and not self._kv_reserving:
             asyncio.create_task(self._kv_reserve())
 
-    async def _kv_publish(self, commits) -> None:
+    async def _kv_publish(self, commits: list[Commit], columns: bool) -> None:
         subject = self.subjects.kvstore(self.config.kv_node_id, "commit")
-        for commit in commits:
-            blocks = commit.blocks
-            for first in range(0, max(len(blocks), 1), KV_MAX_BLOCKS_PER_COMMIT):
-                last = first + KV_MAX_BLOCKS_PER_COMMIT >= len(blocks)
-                message = KvCommitRequest(
-                    namespace=self._kv_layout.namespace, owner_id=self.config.instance_id,
-                    store_id=commit.store_id,
-                    blocks=blocks[first:first + KV_MAX_BLOCKS_PER_COMMIT],
-                    returned_slot_ids=commit.returned_slot_ids if last else [])
-                try:
-                    await self.bus.publish(subject, message)
-                except FlotillaError as exc:  # the reservation lapses at the kvstore
-                    self.num_kv_commits_dropped += 1
-                    log.info("kvstore_commit_dropped", error=str(exc),
-                             num_blocks=len(message.blocks))
+        for message in commit_messages(commits, self._kv_layout.namespace,
+                                       self.config.instance_id, columns):
+            try:
+                await self.bus.publish(subject, message)
+            except FlotillaError as exc:  # the reservation lapses at the kvstore
+                self.num_kv_commits_dropped += 1
+                log.info("kvstore_commit_dropped", error=str(exc),
+                         num_blocks=len(message.blocks) + len(message.slot_ids))
 
     def start_kv_upkeep(self) -> None:
         self._kv_task = asyncio.create_task(self._kv_maintain())

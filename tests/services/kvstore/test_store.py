@@ -156,6 +156,32 @@ def test_commit_for_another_store_is_ignored(make_store):
                                         blocks=[KvStoredBlock(h(1), slots[0], [1])]), 0.0) == []
 
 
+def test_a_commit_as_columns_indexes_what_the_struct_form_does(make_store):
+    """Block i of the columns is (block_hashes[i], slot_ids[i], its block_size token ids);
+    both forms may come in one message; columns that do not line up are refused whole."""
+    store = make_store(num_slots=16)
+    slots = store.reserve(NS, "w", 5, now=0.0)
+    tokens = list(range(100, 112))
+    stored = store.commit(KvCommitRequest(
+        namespace=NS, owner_id="w", store_id="store1",
+        blocks=[KvStoredBlock(h(9), slots[3], [9] * 4)],
+        block_hashes=[h(1), h(2), h(3)], slot_ids=slots[:3], token_ids=tokens, block_size=4,
+        returned_slot_ids=[slots[4]]), 0.0)
+    assert stored == [(h(9), slots[3], [9] * 4), (h(1), slots[0], (100, 101, 102, 103)),
+                      (h(2), slots[1], (104, 105, 106, 107)),
+                      (h(3), slots[2], (108, 109, 110, 111))]
+    host = store.namespaces[NS].host
+    assert host.get(h(2)).token_ids == (104, 105, 106, 107) and host.num_reserved == 0
+    slots = store.reserve(NS, "w", 2, now=0.0)
+    for bad in (dict(token_ids=tokens[:7]), dict(slot_ids=slots[:1]), dict(block_size=0)):
+        columns = dict(block_hashes=[h(5), h(6)], slot_ids=slots, token_ids=tokens[:8],
+                       block_size=4) | bad
+        with pytest.raises(ValueError):
+            store.commit(KvCommitRequest(namespace=NS, owner_id="w", store_id="store1",
+                                         **columns), 0.0)
+    assert host.get(h(5)) is None and host.num_reserved == 2
+
+
 def test_pin_reads_disk_hits_into_host_slots(make_store):
     store = make_store()
     put(store, [1, 2, 3])

@@ -3,13 +3,17 @@ and commit bookkeeping around them (kv_offload.py)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from kernels.paged_attention import allocate_kv_cache
-from services.worker.kv_offload import BlockToStore, KvOffload
-from services.worker.kv_tiers import KvTiers, paired_runs, runs
+from services.worker import kv_offload
+from services.worker.kv_offload import BlocksToStore, Commit, KvOffload, commit_messages
+from services.worker.kv_tiers import KvTiers, chunked_runs, paired_runs, runs
 from shared.kv_arena import KvArena
+from shared.messages import KvStoreRun
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 12, 4, 2, 8
 
@@ -57,6 +61,45 @@ def test_runs_group_consecutive_ids():
     assert runs([]) == []
     # both consecutive: one copy per run
     assert paired_runs([4, 5, 6, 9, 10], [1, 2, 3, 7, 9]) == [(4, 1, 3), (9, 7, 1), (10, 9, 1)]
+    assert paired_runs([], []) == [] and paired_runs([3], [8]) == [(3, 8, 1)]
+    # per chunk of 3: a run is cut at each chunk's start
+    assert chunked_runs([4, 5, 6, 7, 9, 10, 2], 3) == [[(0, 4, 3)], [(0, 7, 1), (1, 9, 2)],
+                                                       [(0, 2, 1)]]
+
+
+def naive_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    found: list[tuple[int, int, int]] = []
+    for index, value in enumerate(ids):
+        if found and found[-1][1] + found[-1][2] == value:
+            found[-1] = (found[-1][0], found[-1][1], found[-1][2] + 1)
+        else:
+            found.append((index, value, 1))
+    return found
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_runs_found_at_once_equal_a_walk_over_the_ids(seed):
+    rng = random.Random(seed)
+    num_ids, chunk = rng.randrange(1, 200), rng.randrange(1, 40)
+    ids = [rng.choice((-1, 1, 1, 1, 5)) for _ in range(num_ids)]  # steps: mostly consecutive
+    ids = [sum(ids[:i + 1]) + 100 for i in range(num_ids)]
+    others = [value + rng.choice((0, 0, 0, 1)) * 1000 for value in ids]
+    assert runs(ids) == naive_runs(ids)
+    assert chunked_runs(ids, chunk) == [[(index, first, length) for index, first, length
+                                         in naive_runs(ids[start:start + chunk])]
+                                        for start in range(0, num_ids, chunk)]
+    assert paired_runs(ids, others) == naive_paired_runs(ids, others)
+
+
+def naive_paired_runs(slot_ids: list[int], block_ids: list[int]) -> list[tuple[int, int, int]]:
+    found: list[tuple[int, int, int]] = []
+    for slot_id, block_id in zip(slot_ids, block_ids):
+        if found and found[-1][0] + found[-1][2] == slot_id \
+                and found[-1][1] + found[-1][2] == block_id:
+            found[-1] = (found[-1][0], found[-1][1], found[-1][2] + 1)
+        else:
+            found.append((slot_id, block_id, 1))
+    return found
 
 
 def test_consecutive_slots_and_blocks_copy_in_one_call(tmp_path, monkeypatch):
@@ -92,8 +135,9 @@ def test_an_arena_of_another_layout_is_refused(tmp_path):
         KvTiers(make_cache(torch.float32), make_arena(tmp_path, torch.bfloat16))
 
 
-def block(token_list, index, block_id, computed_before=True) -> BlockToStore:
-    return BlockToStore(token_list, index, block_id, f"hash-{block_id}".encode(), computed_before)
+def block(token_list, index, block_id, computed_before=True) -> BlocksToStore:
+    return BlocksToStore(token_list, index, [block_id], [f"hash-{block_id}".encode()],
+                         computed_before)
 
 
 def test_the_reservation_holds_a_whole_step_of_blocks(tmp_path):
@@ -144,3 +188,72 @@ def test_a_block_whose_tokens_are_not_on_the_host_gives_its_slot_back(tmp_path):
     offload.end_submit()
     (commit,) = offload.take_commits()
     assert [b.slot_id for b in commit.blocks] == [0] and commit.returned_slot_ids == [1]
+
+
+def test_a_run_splits_into_blocks_full_before_the_step_and_those_it_completes(tmp_path):
+    """resolve_stores checks each run against its request once and keeps it whole (at most
+    two parts: full before the step, completed by it); refused runs are counted."""
+    offload = KvOffload(KvTiers(make_cache(torch.float32), make_arena(tmp_path, torch.float32)),
+                        "store-1", BLOCK_SIZE)
+    tokens = list(range(200, 200 + 5 * BLOCK_SIZE))
+    requests = {"a": (tokens, [9, 8, 7, 6, 5], 2 * BLOCK_SIZE + 1, 5 * BLOCK_SIZE)}
+    runs = [KvStoreRun("a", 1, [8, 7, 6], [b"a1", b"a2", b"a3"]),  # 1 before, 2 this step
+            KvStoreRun("a", 0, [9], [b"a0"]),  # before only
+            KvStoreRun("a", 3, [6, 5], [b"a3", b"a4"]),  # this step only
+            KvStoreRun("a", 2, [6], [b"x"]),  # not the request's block there
+            KvStoreRun("gone", 0, [1, 2], [b"g0", b"g1"])]
+    found = offload.resolve_stores(runs, requests.get)
+    assert [(r.first_block_index, r.block_ids, r.block_hashes, r.computed_before)
+            for r in found] == [(1, [8], [b"a1"], True), (2, [7, 6], [b"a2", b"a3"], False),
+                                (0, [9], [b"a0"], True), (3, [6, 5], [b"a3", b"a4"], False)]
+    assert all(r.token_list is tokens for r in found) and offload.num_skipped == 3
+
+
+def test_runs_cut_by_the_reservation_and_by_tokens_not_on_the_host(tmp_path):
+    """Slots go to the blocks in order, a run cut where they run out; a block whose tokens
+    are not all on the host gives its slot back, and so do the blocks after it."""
+    cache = make_cache(torch.float32)
+    offload = KvOffload(KvTiers(cache, make_arena(tmp_path, torch.float32)), "store-1",
+                        BLOCK_SIZE)
+    offload.slot_pool.add([4, 5, 6, 1, 2])
+    short = list(range(50, 50 + 2 * BLOCK_SIZE + 1))  # its third block is one token short
+    full = list(range(10, 10 + 3 * BLOCK_SIZE))
+    offload.store([BlocksToStore(short, 0, [0, 1, 2], [b"s0", b"s1", b"s2"], False),
+                   BlocksToStore(full, 0, [3, 4, 5], [b"f0", b"f1", b"f2"], False)])
+    offload.end_submit()
+    (commit,) = offload.take_commits()
+    assert (commit.block_size, commit.slot_ids, commit.returned_slot_ids) == (BLOCK_SIZE,
+                                                                              [4, 5, 1, 2], [6])
+    assert [(b.block_hash, b.slot_id, b.token_ids) for b in commit.blocks] == [
+        (b"s0", 4, short[:4]), (b"s1", 5, short[4:8]), (b"f0", 1, full[:4]), (b"f1", 2, full[4:8])]
+    assert commit.token_ids == short[:8] + full[:8]
+    assert (offload.num_stored, offload.num_skipped) == (4, 2)  # s2 (tokens), f2 (no slot)
+    slots = offload.tiers.slots
+    for slot_id, block_id in ((4, 0), (5, 1), (1, 3), (2, 4)):
+        assert torch.equal(slots[slot_id], cache[:, :, block_id])
+
+
+def test_commit_messages_as_columns_or_structs_split_by_tokens(monkeypatch):
+    """The same blocks either way, at most MAX_TOKENS_PER_COMMIT tokens per message, the
+    returned slots with the last one."""
+    monkeypatch.setattr(kv_offload, "MAX_TOKENS_PER_COMMIT", 2 * BLOCK_SIZE)
+    tokens = list(range(5 * BLOCK_SIZE))
+    commit = Commit("store-1", BLOCK_SIZE, [b"h0", b"h1", b"h2", b"h3", b"h4"], [7, 3, 9, 1, 0],
+                    tokens, returned_slot_ids=[5])
+    for columns in (True, False):
+        messages = commit_messages([commit], "ns", "w", columns)
+        assert len(messages) == 3
+        assert [m.returned_slot_ids for m in messages] == [[], [], [5]]
+        assert all((m.namespace, m.owner_id, m.store_id) == ("ns", "w", "store-1")
+                   for m in messages)
+        blocks = [(b.block_hash, b.slot_id, b.token_ids) for m in messages for b in m.blocks]
+        for m in messages:
+            assert not columns or m.block_size == BLOCK_SIZE
+            size = m.block_size
+            blocks += [(block_hash, slot_id, m.token_ids[i * size:(i + 1) * size])
+                       for i, (block_hash, slot_id) in enumerate(zip(m.block_hashes, m.slot_ids))]
+        assert blocks == [(b.block_hash, b.slot_id, b.token_ids) for b in commit.blocks]
+        assert blocks[2] == (b"h2", 9, tokens[2 * BLOCK_SIZE:3 * BLOCK_SIZE])
+    (only_returned,) = commit_messages([Commit("store-1", BLOCK_SIZE, [], [], [], [2])], "ns",
+                                       "w", True)
+    assert only_returned.slot_ids == [] and only_returned.returned_slot_ids == [2]
