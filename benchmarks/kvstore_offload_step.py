@@ -26,7 +26,8 @@ Reported per step (median over ``--steps`` after ``--warmup``), in host millisec
   scheduler plan_kv     Scheduler.schedule with stores on minus off (another process)
            plan_encode   the plan's encode, minus the same plan's without kv_stores
   kvstore  commit        decode + KvStore.commit of the messages (another process)
-and ``worker_total`` (the worker rows summed), with the blocks stored per step. Also
+and ``worker_total`` (the worker rows summed) and ``worker_less_copy`` (without the copy
+calls), with the blocks stored per step. Also
 ``submit_host`` = ModelRunner.submit less its forward, with stores on and off.
 """
 
@@ -234,6 +235,9 @@ def summarize(on: list[dict], off: list[dict]) -> dict:
     summary = {key: median_ms(on, key) for key in (*WORKER_PHASES, "copy", "plan_encode",
                                                     "kvstore_commit")}
     summary["worker_total"] = round(sum(summary[key] for key in WORKER_PHASES), 3)
+    # the copies themselves: on CPU, memcpy (one call per run of consecutive slots and
+    # blocks); on CUDA, launches on the copy stream
+    summary["worker_less_copy"] = round(summary["worker_total"] - summary["copy"], 3)
     summary["plan_kv"] = round(median_ms(on, "schedule") - median_ms(off, "schedule"), 3)
     summary["submit_host_on"] = median_ms(on, "submit_host")
     summary["submit_host_off"] = median_ms(off, "submit_host")
