@@ -23,7 +23,8 @@ Reported per step (median over ``--steps`` after ``--warmup``), in host millisec
            end_submit    KvOffload.end_submit: token ids read, commits built
            commit_encode the commit messages built (kv_offload.commit_messages) and encoded
                          (bus thread)
-  scheduler plan_kv     Scheduler.schedule with stores on minus off (another process)
+  scheduler plan_stores KvTierLedger.take_plan_stores (another process)
+           plan_kv       Scheduler.schedule with stores on minus off (noisy: two runs)
            plan_encode   the plan's encode, minus the same plan's without kv_stores
   kvstore  commit        decode + KvStore.commit of the messages (another process)
 and ``worker_total`` (the worker rows summed) and ``worker_less_copy`` (without the copy
@@ -151,7 +152,12 @@ def run(args: argparse.Namespace, model: ModelFiles, work: Path, kvstore: bool) 
                           max_model_len=4096, eos_token_ids=[], model_name="tiny",
                           kvstore=kvstore)
     timers = Timers()
-    timers.wrap(runner, "_forward", "forward")
+    if hasattr(runner, "_forward"):
+        timers.wrap(runner, "_forward", "forward")
+    else:  # a runner that calls its model directly
+        timers.wrap(runner.model, "forward", "forward")
+    timers.wrap(scheduler.kv_tier, "take_plan_stores", "plan_stores")
+
     store = offload = namespace = None
     if kvstore:
         layout = runner.kv_layout("bench")
@@ -218,6 +224,7 @@ def run(args: argparse.Namespace, model: ModelFiles, work: Path, kvstore: bool) 
                 "end_submit": phases.get("end_submit", 0.0),
                 "commit_encode": build_s + encode_commits_s,
                 "plan_encode": encode_s - bare_encode_s, "kvstore_commit": kvstore_s,
+                "plan_stores": phases.get("plan_stores", 0.0),
                 "num_committed": num_committed}
         steps.append(step)
     if offload is not None:
@@ -232,8 +239,8 @@ def summarize(on: list[dict], off: list[dict]) -> dict:
     def median_ms(rows: list[dict], key: str) -> float:
         return round(statistics.median(row[key] for row in rows) * 1e3, 3)
 
-    summary = {key: median_ms(on, key) for key in (*WORKER_PHASES, "copy", "plan_encode",
-                                                    "kvstore_commit")}
+    summary = {key: median_ms(on, key) for key in (*WORKER_PHASES, "copy", "plan_stores",
+                                                    "plan_encode", "kvstore_commit")}
     summary["worker_total"] = round(sum(summary[key] for key in WORKER_PHASES), 3)
     # the copies themselves: on CPU, memcpy (one call per run of consecutive slots and
     # blocks); on CUDA, launches on the copy stream
