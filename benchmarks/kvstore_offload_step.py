@@ -35,6 +35,7 @@ calls), with the blocks stored per step. Also
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import random
@@ -187,6 +188,8 @@ def run(args: argparse.Namespace, model: ModelFiles, work: Path, kvstore: bool) 
             prompt_token_ids=[rng.randrange(1, TINY["vocab_size"])
                               for _ in range(args.prompt_len)]))
     steps = []
+    gc.collect()  # as each service at start (shared.runtime.freeze_startup_objects): the
+    gc.freeze()  # collector walks only what the step loop makes, not the model and prompts
     while scheduler.has_work:
         if offload is not None:  # the service tops the reservation up after each step
             offload.slot_pool.add(store.reserve(namespace, OWNER, offload.slots_wanted(), 0.0))
@@ -227,6 +230,7 @@ def run(args: argparse.Namespace, model: ModelFiles, work: Path, kvstore: bool) 
                 "plan_stores": phases.get("plan_stores", 0.0),
                 "num_committed": num_committed}
         steps.append(step)
+    gc.unfreeze()
     if offload is not None:
         offload.close()
     return [s for s in steps if s["num_tokens"] == budget][args.warmup:]

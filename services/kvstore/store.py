@@ -52,9 +52,9 @@ def _columns(request: KvCommitRequest) -> list[tuple[bytes, int, tuple[int, ...]
     if size < 1 or len(slot_ids) != len(hashes) or len(token_ids) != len(hashes) * size:
         raise ValueError(f"a commit of {len(hashes)} block hashes, {len(slot_ids)} slot ids and "
                          f"{len(token_ids)} token ids in blocks of {size}")
-    flat = tuple(token_ids)  # tuples: what the host tier keeps (untracked by the collector)
-    return list(zip(hashes, slot_ids, (flat[start:start + size]
-                                       for start in range(0, len(flat), size))))
+    # each block's tokens as a tuple (what the host tier keeps), cut in C: zip over one
+    # iterator taken size times
+    return list(zip(hashes, slot_ids, zip(*[iter(token_ids)] * size)))
 
 
 @dataclass

@@ -18,18 +18,15 @@ kvstore messages.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import TierHit
 from shared.messages import KvLoad, KvStoreRun
 
 
-class _PendingStore(NamedTuple):  # a tuple: ~1,000 are made per prefill step
-    request_id: str
-    block_index: int
-    block_id: int
-    block_hash: bytes
+# a block to store: (request id, block index, block id, block hash); a plain tuple, since a
+# prefill step of 16,384 tokens makes ~1,000
+_PendingStore = tuple[str, int, int, bytes]
 
 
 class KvTierLedger:
@@ -98,7 +95,7 @@ class KvTierLedger:
                      block_hash: bytes) -> None:
         """A block computed here entered the prefix index: store it with the next plan."""
         if self.stores_enabled:
-            self._stores.append(_PendingStore(request_id, block_index, block_id, block_hash))
+            self._stores.append((request_id, block_index, block_id, block_hash))
 
     # ------------------------------------------------------------ the plan's share
     def take_plan_loads(self) -> list[KvLoad]:
