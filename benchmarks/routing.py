@@ -3,9 +3,11 @@
 
     .venv/bin/python benchmarks/routing.py [--cases multi-tenant,multi-tenant-kvstore,low-diversity]
                                            [--policies kv,least-loaded,round-robin]
+    python3 benchmarks/routing.py --device cuda --model DIR --cases multi-tenant-large ...
 
 For each case and policy: start ``flotilla serve`` (default model, CPU, a small worker
-KV cache so that the multi-tenant prefixes exceed one replica's cache but fit in three),
+KV cache so that the multi-tenant prefixes exceed one replica's cache but fit in three:
+each case names its cache in tokens, turned into bytes for the model and dtype),
 wait until every replica is ready, run ``flotilla bench serve --dataset-name multi-turn``
 with the case's flags and one seed (the same texts for every policy; only the generated
 replies, sent back as each next turn's assistant message, come from the server), stop
@@ -21,6 +23,14 @@ Cases:
   low-diversity         1 tenant, 72 single-turn conversations, a 128-token system prompt,
                         24 in flight (saturation), --no-kvstore: nothing for the cache to
                         decide. Acceptance: kv within 3% of least-loaded (never worse).
+  multi-tenant-large    for a GPU (--device cuda): 12 tenants x 4 conversations x 4 turns,
+                        2,000-token system prompts, 24 conversations in flight, --no-kvstore;
+                        ~63,000 distinct tokens, 24,576 per replica's cache.
+
+On CUDA the replicas share one GPU: each worker gets an explicit --kv-cache-memory (a
+worker left to size its cache takes a share of the card's free memory, and the others
+then find none) and CUDA graphs up to 64 sequences (not 1,024: three workers capture
+theirs at once, and no case runs more than 24 conversations).
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ class Case:
     bench_args: tuple[str, ...]  # flotilla bench serve's dataset and load flags
     kvstore: bool
     what: str
+    kv_cache_tokens: int = 4912  # each worker's cache (307 blocks; CPU: 216MiB of SmolLM2 fp32)
 
 
 MULTI_TENANT = ("--num-tenants", "6", "--conversations-per-tenant", "3", "--num-turns", "4",
@@ -73,7 +84,16 @@ CASES = {case.name: case for case in (
                            "--user-message-len", "32", "--output-len", "32",
                            "--max-concurrency", "24"), kvstore=False,
          what="one shared 128-token prefix, single turns, 24 in flight (saturated); no kvstore"),
+    # The multi-tenant shape scaled for a GPU, where a 1,000-token prefill is milliseconds:
+    # longer prefixes, more of them, more in flight; the same cache-to-working-set ratio.
+    Case("multi-tenant-large", ("--num-tenants", "12", "--conversations-per-tenant", "4",
+                                "--num-turns", "4", "--system-prompt-len", "2000",
+                                "--user-message-len", "128", "--output-len", "64",
+                                "--max-concurrency", "24"), kvstore=False, kv_cache_tokens=24576,
+         what="12 tenants' 2,000-token prefixes exceed one replica's cache, fit in three; "
+              "no kvstore (for a GPU)"),
 )}
+GPU_SERVE_ARGS = ("--max-num-seqs", "64")  # graphs captured per worker (see above)
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,10 +102,18 @@ def parse_args() -> argparse.Namespace:
                         help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--kv-cache-memory", default="216MiB",
-                        help="each worker's KV cache: SmolLM2 fp32 is 45 KiB a token, so 216MiB "
-                        "is 307 blocks (4,912 tokens); the multi-tenant working set is ~10,600")
+    parser.add_argument("--model", default="smollm2",
+                        help="flotilla serve's --model; the bench builds prompts with its "
+                        "tokenizer (e.g. a dummy model directory on a GPU machine)")
+    parser.add_argument("--device", default=None,
+                        help="the workers' device (cpu, cuda; default: theirs, auto); on CUDA "
+                        "every replica shares the one GPU")
+    parser.add_argument("--dtype", default=None, help="the workers' dtype (default: theirs, "
+                        "fp32 on CPU, bf16 on CUDA)")
+    parser.add_argument("--kv-cache-memory", default=None,
+                        help="each worker's KV cache, e.g. 216MiB (default: the case's token "
+                        "count for the model and dtype: SmolLM2 fp32 is 45 KiB a token, so "
+                        "4,912 tokens are 216MiB; the multi-tenant working set is ~10,600)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every policy this many times, the order rotated each time "
@@ -136,8 +164,42 @@ def git_commit() -> str:
     return commit + (" (+ uncommitted changes in services/shared/cli/kernels)" if dirty else "")
 
 
+def gpu_name() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def load_average() -> list[float]:
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def on_cuda(args: argparse.Namespace) -> bool:
+    return bool(args.device) and args.device.startswith("cuda")
+
+
+def kv_bytes_per_token(model_config: dict, dtype_bytes: int) -> int:
+    """K and V of every layer for one token (the worker's paged cache layout)."""
+    num_heads = model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // num_heads
+    num_kv_heads = model_config.get("num_key_value_heads") or num_heads
+    return 2 * model_config["num_hidden_layers"] * num_kv_heads * head_dim * dtype_bytes
+
+
+def kv_cache_memory(args: argparse.Namespace, case: Case) -> str:
+    """--kv-cache-memory, else the case's token count in bytes for this model and dtype
+    (always explicit: several workers on one GPU must not size theirs from free memory)."""
+    if args.kv_cache_memory:
+        return args.kv_cache_memory
+    from shared.models import resolve_model  # the serve converts or finds it the same way
+
+    dtype = args.dtype if args.dtype not in (None, "auto") else \
+        ("bfloat16" if on_cuda(args) else "float32")
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    per_token = kv_bytes_per_token(resolve_model(args.model).config, dtype_bytes)
+    return str(case.kv_cache_tokens * per_token)
 
 
 # ------------------------------------------------------------------ the stack
@@ -145,12 +207,30 @@ def serve_command(args: argparse.Namespace, case: Case, policy: str, port: int,
                   log_dir: Path) -> list[str]:
     command = flotilla("serve", "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
                        "--replicas", str(args.replicas), "--kv-cache-memory",
-                       args.kv_cache_memory, "--log-dir", str(log_dir), "--shutdown-timeout", "5")
+                       kv_cache_memory(args, case), "--log-dir", str(log_dir),
+                       "--shutdown-timeout", "5")
+    if args.device:
+        command += ["--device", args.device]
+    if args.dtype:
+        command += ["--dtype", args.dtype]
     if has_routing_flag():
         command += ["--routing", policy]
     if not case.kvstore:
         command.append("--no-kvstore")
+    if on_cuda(args):
+        command += GPU_SERVE_ARGS  # before --serve-args: those win
     return command + shlex.split(args.serve_args)
+
+
+def bench_command(args: argparse.Namespace, case: Case, base_url: str,
+                  result_json: Path) -> list[str]:
+    """flotilla bench serve against the stack; --model: its name in requests and the
+    tokenizer that builds the prompts, both from the served model's own files."""
+    return flotilla("bench", "serve", "--base-url", base_url, "--model", args.model,
+                    "--dataset-name", "multi-turn", *case.bench_args, "--ignore-eos",
+                    "--seed", str(args.seed), "--max-duration", str(args.max_duration),
+                    "--disable-tqdm", "--result-json", str(result_json),
+                    *shlex.split(args.bench_args))
 
 
 def all_replicas_ready(base_url: str, num_replicas: int) -> bool:
@@ -209,10 +289,7 @@ def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 
                           args.out / "logs" / f"{name}.serve.log")
     print(f"[{name}] ready in {time.monotonic() - started:.0f} s", flush=True)
     result_json = args.out / f"{name}.json"
-    bench = flotilla("bench", "serve", "--base-url", base_url, "--dataset-name", "multi-turn",
-                     *case.bench_args, "--ignore-eos", "--seed", str(args.seed),
-                     "--max-duration", str(args.max_duration), "--disable-tqdm",
-                     "--result-json", str(result_json), *shlex.split(args.bench_args))
+    bench = bench_command(args, case, base_url, result_json)
     print(f"[{name}] $ {shlex.join(bench[1:])}", flush=True)
     load_before = load_average()
     try:
@@ -330,7 +407,9 @@ def main() -> None:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(), "machine": {"platform": platform.platform(),
                                                 "cpu_count": os.cpu_count()},
-            "replicas": args.replicas, "kv_cache_memory": args.kv_cache_memory,
+            "replicas": args.replicas, "device": args.device or "auto",
+            "gpu": gpu_name() if on_cuda(args) else None,
+            "kv_cache_memory": {name: kv_cache_memory(args, CASES[name]) for name in args.cases},
             "seed": args.seed, "command": shlex.join(sys.argv)}
     print(f"routing benchmark: tree {meta['commit']}, {os.cpu_count()} CPUs, out {args.out}",
           flush=True)
