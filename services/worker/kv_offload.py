@@ -321,7 +321,12 @@ def commit_messages(commits: Sequence[Commit], namespace: str, owner_id: str,
         for first in range(0, max(num_blocks, 1), per_message):
             end = first + per_message
             returned = commit.returned_slot_ids if end >= num_blocks else []
-            if columns:
+            if columns and first == 0 and end >= num_blocks:  # all in one: no copies
+                message = KvCommitRequest(
+                    namespace=namespace, owner_id=owner_id, store_id=commit.store_id,
+                    block_hashes=commit.block_hashes, slot_ids=commit.slot_ids,
+                    token_ids=commit.token_ids, block_size=size, returned_slot_ids=returned)
+            elif columns:
                 message = KvCommitRequest(
                     namespace=namespace, owner_id=owner_id, store_id=commit.store_id,
                     block_hashes=commit.block_hashes[first:end],
