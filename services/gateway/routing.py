@@ -21,7 +21,9 @@
   Hits count only as a leading run of the prompt's blocks: the GPU cache's run, then the
   replica's node kvstore's run after it (every replica of a node shares its kvstore), each
   tier block only while loading it beats recomputing it. A speed not measured yet is the
-  mean of the replicas that measured it, else a default. Ties go to the less loaded.
+  mean of the replicas that measured it, else a default. Ties go to the less loaded. The
+  cheapest is taken only if it holds more of the prompt than the least loaded replica;
+  otherwise the least loaded is (kv is least-loaded wherever the cache decides nothing).
 
   Saturation valve: a replica whose load exceeds the least loaded one's by at least
   max(saturation_margin, saturation_ratio x the fleet's mean load) is not chosen,
@@ -234,11 +236,17 @@ class Router:
         if sticky is not None and sticky in open_:
             chosen, reason = sticky, SESSION
         else:
+            hits = {sid: e.num_hit_tokens for sid, e in estimates.items()}
             chosen = min(open_, key=lambda r: (estimates[r.scheduler_id].seconds, r.load))
-            fewest_hits = min(e.num_hit_tokens for e in estimates.values())
-            if chosen is not best or sticky is not None:
-                reason = SATURATED
-            elif estimates[chosen.scheduler_id].num_hit_tokens > fewest_hits:
+            fewest = min(open_, key=lambda r: (r.load, estimates[r.scheduler_id].seconds))
+            if hits[chosen.scheduler_id] <= hits[fewest.scheduler_id]:
+                # no cache advantage over the least loaded: least-loaded's pick (the cost's
+                # queued-token figures are half a second old and would only tip it away)
+                chosen = fewest
+            if sticky is not None or (best not in open_ and hits[best.scheduler_id]
+                                      > hits[fewest.scheduler_id]):
+                reason = SATURATED  # the valve turned it from its session or a holder
+            elif hits[chosen.scheduler_id] > min(hits.values()):
                 reason = CACHE
             else:
                 reason = LOAD

@@ -129,6 +129,19 @@ def test_a_short_cached_prefix_on_a_busier_replica_loses_to_an_idle_one():
     assert router(index).choose(burst, PROMPT, max_tokens=32).scheduler_id == "b"
 
 
+def test_without_a_cache_advantage_kv_is_least_loaded():
+    """Equal hits everywhere (a shared prefix every replica holds): the least loaded one,
+    even where a stale queued-prefill figure makes a busier one look cheaper."""
+    index = BlockIndex()
+    holds(index, "a", HASHES)
+    holds(index, "b", HASHES)
+    replicas = [Replica(stats("a", running=1, queued=5000)), Replica(stats("b", running=2))]
+    assert router(index, saturation_margin=4).estimates(replicas, PROMPT, None, 1)["b"].seconds \
+        < router(index).estimates(replicas, PROMPT, None, 1)["a"].seconds
+    decision = router(index, saturation_margin=4).choose(replicas, PROMPT, max_tokens=1)
+    assert (decision.scheduler_id, decision.reason) == ("a", LOAD)
+
+
 def test_load_is_priced_over_each_of_the_requests_steps():
     replicas = [Replica(stats("a", running=3, prefill=1000.0)),
                 Replica(stats("b", prefill=1000.0))]
