@@ -35,7 +35,7 @@ import torch
 from kernels.paged_attention import allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from services.worker.kv_offload import BlockToStore, KvOffload, recompute_unusable_loads
+from services.worker.kv_offload import BlocksToStore, KvOffload, recompute_unusable_loads
 from services.worker.kv_tiers import LoadTiming
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata, load_model
@@ -501,7 +501,7 @@ class ModelRunner:
 
     def _kv_before_forward(self, kv: KvOffload, plan: StepPlan, chunks: list[SequenceChunk],
                            finished: dict[str, RequestState]
-                           ) -> tuple[LoadTiming | None, list[BlockToStore]]:
+                           ) -> tuple[LoadTiming | None, list[BlocksToStore]]:
         """Load the plan's blocks, copy out its stores of blocks complete already (before
         this step may write their ids again), and order the forward after the copies still
         reading blocks it writes. Returns the loads' timing and the stores of blocks this
@@ -510,7 +510,7 @@ class ModelRunner:
         if plan.kv_loads:
             kv_load = kv.load(plan.kv_loads)
             self._forget_decode_contexts(plan.kv_loads)
-        stores: list[BlockToStore] = []
+        stores: list[BlocksToStore] = []
         if plan.kv_stores:
             scheduled = {s.request_id: (s, chunk) for s, chunk in zip(plan.scheduled, chunks)}
 
@@ -527,7 +527,7 @@ class ModelRunner:
                         state.num_computed_tokens + entry[0].num_new_tokens)
 
             stores = kv.resolve_stores(plan.kv_stores, lookup)
-            kv.store([block for block in stores if block.computed_before])
+            kv.store([run for run in stores if run.computed_before])
         if kv.tiers.has_pending:
             kv.tiers.wait_for_stores(
                 block_id for chunk in chunks for block_id in chunk.block_table[
@@ -537,7 +537,7 @@ class ModelRunner:
             kv.tiers.wait_for_loads(
                 block_id for chunk in chunks for block_id in chunk.block_table[
                     :(chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1])
-        return kv_load, [block for block in stores if not block.computed_before]
+        return kv_load, [run for run in stores if not run.computed_before]
 
     def _forget_decode_contexts(self, loads: list[KvLoad]) -> None:
         """CPU: blocks written from outside the model must be gathered again by the decode
