@@ -43,13 +43,23 @@ MAX_STAGING_BYTES = 32 << 20  # per direction, on the device: copies are cut int
 
 
 def runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive ids: (index in ``ids``, first id, length)."""
-    return chunked_runs(ids, max(len(ids), 1))[0] if len(ids) else []
+    """Runs of consecutive ids: (index in ``ids``, first id, length). A loop: the loads call
+    it per staging chunk of a few dozen ids, where numpy's overhead would cost more."""
+    found: list[tuple[int, int, int]] = []
+    for index, value in enumerate(ids):
+        if found and found[-1][1] + found[-1][2] == value:
+            first_index, first, length = found[-1]
+            found[-1] = (first_index, first, length + 1)
+        else:
+            found.append((index, value, 1))
+    return found
 
 
 def chunked_runs(ids: Sequence[int], chunk_size: int) -> list[list[tuple[int, int, int]]]:
     """``runs`` of each chunk of ``chunk_size`` ids (index within the chunk, first id,
     length), found in one pass over all of them."""
+    if not len(ids):
+        return []
     ids = np.asarray(ids, dtype=np.int64)  # [n]
     starts = np.flatnonzero(np.diff(ids) != 1) + 1
     starts = np.union1d(np.concatenate(([0], starts)), np.arange(0, len(ids), chunk_size))

@@ -62,6 +62,7 @@ def test_runs_group_consecutive_ids():
     # both consecutive: one copy per run
     assert paired_runs([4, 5, 6, 9, 10], [1, 2, 3, 7, 9]) == [(4, 1, 3), (9, 7, 1), (10, 9, 1)]
     assert paired_runs([], []) == [] and paired_runs([3], [8]) == [(3, 8, 1)]
+    assert chunked_runs([], 4) == []
     # per chunk of 3: a run is cut at each chunk's start
     assert chunked_runs([4, 5, 6, 7, 9, 10, 2], 3) == [[(0, 4, 3)], [(0, 7, 1), (1, 9, 2)],
                                                        [(0, 2, 1)]]
