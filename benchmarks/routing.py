@@ -172,6 +172,26 @@ def gpu_name() -> str | None:
         return None
 
 
+def service_cpu_seconds(serve_pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each child of ``flotilla serve``, summed by
+    kind (gateway, tokenizer, scheduler, worker, nats): what a policy costs the services."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals: dict[str, float] = {}
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) != serve_pid:  # fields[1]: the parent pid
+                continue
+            cmdline = (stat_path.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        kind = next((k for k in ("gateway", "tokenizer", "scheduler", "worker", "kvstore")
+                     if f"services.{k}" in cmdline), "nats" if "nats-server" in cmdline else "")
+        if kind:
+            totals[kind] = totals.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return totals
+
+
 def load_average() -> list[float]:
     return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
 
@@ -291,12 +311,14 @@ def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 
     result_json = args.out / f"{name}.json"
     bench = bench_command(args, case, base_url, result_json)
     print(f"[{name}] $ {shlex.join(bench[1:])}", flush=True)
-    load_before = load_average()
+    load_before, cpu_before = load_average(), service_cpu_seconds(process.pid)
     try:
         completed = subprocess.run(bench, cwd=ROOT, capture_output=True, text=True)
     finally:
-        load_after = load_average()
+        load_after, cpu_after = load_average(), service_cpu_seconds(process.pid)
         stop_stack(process)
+    service_cpu = {kind: round(cpu_after[kind] - cpu_before.get(kind, 0.0), 2)
+                   for kind in cpu_after}
     (args.out / "logs" / f"{name}.bench.log").write_text(completed.stdout + completed.stderr)
     print(completed.stdout, flush=True)
     if not result_json.exists():
@@ -307,7 +329,7 @@ def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 
             "bench_exit": completed.returncode,
             "serve_command": shlex.join(command[1:]), "bench_command": shlex.join(bench[1:]),
             "load_average_before": load_before, "load_average_after": load_after,
-            "summary": run_["summary"], "turns": run_["turns"],
+            "service_cpu_s": service_cpu, "summary": run_["summary"], "turns": run_["turns"],
             "server_prefix_cache": run_["server_prefix_cache"],
             "server_counters": run_["server_counters"], "dataset": run_["dataset"]}
 
@@ -352,6 +374,7 @@ def case_table(case: Case, results: list[dict]) -> str:
     lines = [f"## {case.name}: {case.what}",
              f"{'policy':<16}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'TPOT p50':>9}{'req/s':>7}"
              f"{'out tok/s':>10}{'tot tok/s':>10}{'hit':>7}{'sched':>7}{'fail':>5}{'load':>6}"
+             f"{'gw cpu':>7}"
              f"  {'split':<12}decisions"]
     repeats = len({r["repeat"] for r in results})
     runs: dict[str, list[dict]] = {}
@@ -361,15 +384,18 @@ def case_table(case: Case, results: list[dict]) -> str:
         label = result["policy"] + (f" r{result['repeat']}" if repeats > 1 else "")
         load = (result["load_average_before"][0] + result["load_average_after"][0]) / 2
         decisions = " ".join(f"{k}={v}" for k, v in sorted(f["decisions"].items()))
+        gateway_cpu = result.get("service_cpu_s", {}).get("gateway")
         lines.append(f"{label:<16}{_num(f['ttft_p50'], 9)}{_num(f['ttft_p90'], 8)}"
                      f"{_num(f['ttft_p99'], 8)}{_num(f['tpot_p50'], 9)}{_num(f['req_s'], 7, 3)}"
                      f"{_num(f['out_tok_s'], 10, 1)}{_num(f['total_tok_s'], 10, 1)}"
                      f"{_pct(f['hit_rate']):>7}{_pct(f['scheduler_hit_rate']):>7}"
-                     f"{f['failed']:>5}{load:>6.1f}  {f['replica_split']:<12}{decisions}")
+                     f"{f['failed']:>5}{load:>6.1f}{_num(gateway_cpu, 7, 1)}"
+                     f"  {f['replica_split']:<12}{decisions}")
     lines.append("(TTFT, TPOT in ms over all turns; hit = usage cached/prompt tokens; sched = the "
                  "schedulers' counters, worker cache + kvstore tiers; load = the 1-minute load "
-                 "average around the run; split = each replica's share of the prompt tokens; "
-                 "decisions = the gateway's routing reasons)")
+                 "average around the run; gw cpu = the gateway's CPU seconds during the bench; "
+                 "split = each replica's share of the prompt tokens; decisions = the gateway's "
+                 "routing reasons)")
     medians = {policy: {key: _median([f[key] for f in figures])
                         for key in ("ttft_p50", "ttft_p90", "ttft_p99", "req_s", "total_tok_s")}
                for policy, figures in runs.items()}
