@@ -20,6 +20,14 @@ for stage in "$@"; do
     tests) python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -W ignore --tb=line 2>&1 | grep -v "^  \|^$" | tail -30;;
     worker-tests) python3 -m pytest -q -m gpu tests/services/worker tests/cli -p no:cacheprovider -W ignore \
         --ignore=tests/services/worker/test_structured.py --tb=short 2>&1 | tail -30;;
+    # issue 15: the skinny GEMM against cuBLAS at decode batch sizes (SKINNY_ARGS: --sweep ...)
+    skinny) python3 benchmarks/gpu/skinny_gemm.py ${SKINNY_ARGS:-} 2>&1 | tail -45;;
+    # the GPU worker tests with the skinny GEMM on every CUDA linear of up to 16 rows (any
+    # shape and dtype: the tests' fp32 tiny model has no shape of its table)
+    worker-tests-skinny) python3 -c "import sys, pytest, kernels.skinny_gemm as s
+s.serves = lambda rows, weight: weight.is_cuda and 0 < rows <= s.MAX_M
+sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cacheprovider',
+    '-W', 'ignore', '--ignore=tests/services/worker/test_structured.py', '--tb=short']))" 2>&1 | tail -30;;
     # the same token ids for vLLM (shared/peers/vllm/vllm_offline.py) in /tmp/workloads
     dump-workloads) mkdir -p /tmp/workloads
         python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b --workload fixed \

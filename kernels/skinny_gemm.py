@@ -1,0 +1,191 @@
+"""Skinny GEMM for decode-sized batches: ``y[M, N] = x[M, K] @ W[N, K]^T (+ bias)`` (Triton).
+
+At batch 1..16 a projection is a matrix-vector product: every weight byte is read once and used
+for at most 16 rows, so the time is the weight's bytes over memory bandwidth, plus the ramp and
+tail of one launch. This kernel is a plain weight stream.
+
+- W is row-major ``[N, K]`` as ``nn.Linear`` stores it; x ``[M, K]`` with a contiguous last dim.
+  bf16, fp16 or fp32 in, fp32 accumulation, the output in x's dtype (as F.linear).
+- one program per ``BLOCK_N`` output columns (and per K split): it walks K in ``BLOCK_K`` tiles,
+  a ``[BLOCK_N, BLOCK_K]`` weight tile and x padded to 16 rows (masked loads: the pad costs no
+  memory traffic), multiplied on the tensor cores (``tl.dot``; fp32 in ieee precision, not tf32).
+  (A version on the FMA units, one row of x at a time, lost to this at every shape on the H200,
+  and so did programmatic dependent launch with an L2 prefetch of the first weight tiles.)
+- **batch invariant and deterministic**: a row's result depends only on that row. The launch
+  config is chosen per (N, K) alone, never per M, and M is no constexpr nor specialized on:
+  every M runs the same compiled kernel, and a tensor-core product computes each output from its
+  own row and column. With ``split_k`` > 1 each split writes an fp32 partial and
+  ``_reduce_splits_kernel`` adds them in split order; no atomics anywhere.
+- CUDA-graph capturable: the grid and the scratch depend on shapes only.
+
+``CONFIGS`` holds the configs swept on the H200 for the Llama-3.1-8B shapes
+(``benchmarks/gpu/skinny_gemm.py --sweep``) and, per shape, the most rows at which it was
+measured faster than cuBLAS; the worker uses it only there (``serves``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+MAX_M = 16  # most rows of x the kernel serves (x is padded to this many)
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    max_m: int = 0  # the worker uses it up to this many rows (measured faster than cuBLAS)
+
+
+# (N, K) -> config, swept on the H200, 2026-11-23 (benchmarks/gpu/skinny_gemm.py --sweep; µs at
+# M = 1 in a graph of back-to-back calls, against cuBLAS in the same run). TUNE
+CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
+    (6144, 4096): SkinnyConfig(64, 256, num_stages=4, max_m=16),  # qkv: 15.3 vs 16.3
+    (4096, 4096): SkinnyConfig(64, 128, split_k=4, max_m=16),  # o_proj: 12.0 vs 13.3
+    (28672, 4096): SkinnyConfig(32, 128, max_m=4),  # gate_up: 55.6 vs 56.1; 0.99x at 8, 16
+    (4096, 14336): SkinnyConfig(128, 128, split_k=4, num_stages=4, max_m=16),  # down: 30.7 vs 31.4
+    (128256, 4096): SkinnyConfig(64, 128, max_m=16),  # lm_head: 231.5 vs 239.8
+}
+
+
+def default_config(n: int, k: int) -> SkinnyConfig:
+    """Shapes not swept: 16 columns per program, K in 256-wide tiles, no split."""
+    return SkinnyConfig(block_n=16, block_k=min(256, max(16, triton.next_power_of_2(k))))
+
+
+def config_for(n: int, k: int) -> SkinnyConfig:
+    return CONFIGS.get((n, k)) or default_config(n, k)
+
+
+def serves(num_rows: int, weight: torch.Tensor) -> bool:
+    """Whether the worker should use the skinny GEMM: a CUDA bf16/fp16 weight of a swept
+    shape, at most its ``max_m`` rows (where it beat cuBLAS on the H200)."""
+    if not weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    config = CONFIGS.get(tuple(weight.shape))
+    return config is not None and 0 < num_rows <= config.max_m and weight.is_contiguous()
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    M, N, K, x_stride, w_stride, out_stride_split, out_stride_m, k_per_split,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FP32_IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    # [BLOCK_N, BLOCK_K] weight tile and [BLOCK_M, BLOCK_K] rows of x, K contiguous
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * w_stride + (k_start + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m[:, None] * x_stride + (k_start + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k + offs_k) < k_end
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if FP32_IEEE:  # (fp32 in full precision, as cuBLAS's default; not tf32)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:  # (only without a split: the reduce adds it otherwise)
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = (out_ptr + pid_k * out_stride_split + offs_m[:, None] * out_stride_m
+                + offs_n[None, :])
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    partial_ptr, bias_ptr, out_ptr, N, partial_stride_split, partial_stride_m, out_stride_m,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    ptrs = partial_ptr + row * partial_stride_m + cols
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):  # in split order: deterministic
+        acc += tl.load(ptrs + split * partial_stride_split, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride_m + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: SkinnyConfig | None = None, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x: [M, K] (M <= MAX_M, last dim contiguous), weight: [N, K] contiguous, bias: [N] or
+    None -> [M, N] in x's dtype. ``config``: the launch (default: ``config_for(N, K)``)."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"{m} rows: the skinny GEMM serves at most {MAX_M}")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("x needs a contiguous last dim and weight must be contiguous")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype}, weight {weight.dtype}")
+    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} must be contiguous [{n}]")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a contiguous last dim")
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    config = config or config_for(n, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)  # (may come out below config.split_k for small K)
+    even_k = k % config.block_k == 0
+    if split_k == 1:
+        target, stride_split, stride_m = out, 0, out.stride(0)
+    else:
+        target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        stride_split, stride_m = target.stride(0), target.stride(1)
+    bias_arg = bias if bias is not None else weight
+    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split_k)](
+        x, weight, bias_arg, target, m, n, k, x.stride(0), weight.stride(0), stride_split,
+        stride_m, k_per_split,
+        HAS_BIAS=bias is not None and split_k == 1, EVEN_K=even_k,
+        FP32_IEEE=x.dtype == torch.float32,
+        BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _reduce_splits_kernel[(m, triton.cdiv(n, block))](
+            target, bias_arg, out, n, target.stride(0), target.stride(1), out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
+        )
+    return out
+
+
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """Plain torch: F.linear in fp32, rounded to x's dtype."""
+    return F.linear(x.float(), weight.float(),
+                    None if bias is None else bias.float()).to(x.dtype)

@@ -1,0 +1,177 @@
+"""skinny_gemm (Triton) against F.linear in fp32, batch invariance, bias, masking, split-K.
+
+On CPU under TRITON_INTERPRET=1 in fp32 and fp16 (the interpreter's tl.dot is wrong for bf16);
+bf16 and the real shapes on the GPU (-m gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import skinny_gemm as skinny_module
+from kernels.skinny_gemm import MAX_M, SkinnyConfig, config_for, skinny_gemm, skinny_gemm_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+DOT = SkinnyConfig(block_n=16, block_k=32)
+DOT_SPLIT = SkinnyConfig(block_n=16, block_k=32, split_k=3)
+WIDE_SPLIT = SkinnyConfig(block_n=32, block_k=16, split_k=2)
+CONFIGS = {"one_pass": DOT, "split3": DOT_SPLIT, "wide_split2": WIDE_SPLIT}
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def randn(*shape, gen, device=DEVICE, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+
+def exact(x, weight, bias=None) -> torch.Tensor:
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("m,n,k", [(1, 64, 128), (3, 40, 96), (16, 37, 100), (5, 16, 1000)])
+def test_matches_fp32(config, m, n, k):
+    """Odd N (masked columns), K not a multiple of BLOCK_K (masked tail), splits that do not
+    divide K."""
+    gen = torch.Generator(device=DEVICE).manual_seed(m * n + k)
+    x, weight = randn(m, k, gen=gen), randn(n, k, gen=gen)
+    out = torch.full((m, n), float("nan"), device=DEVICE)
+    assert skinny_gemm(x, weight, config=config, out=out) is out
+    assert not out.isnan().any()  # every element written
+    assert rel_err(out, exact(x, weight)) < 1e-5
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_bias(config):
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    x, weight, bias = randn(4, 100, gen=gen), randn(40, 100, gen=gen), randn(40, gen=gen)
+    actual = skinny_gemm(x, weight, bias, config=config)
+    assert rel_err(actual, exact(x, weight, bias)) < 1e-5
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_batch_invariant(config):
+    """A row's output is bitwise the same alone and in batches of every size up to MAX_M."""
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    x, weight = randn(MAX_M, 200, gen=gen), randn(48, 200, gen=gen)
+    bias = randn(48, gen=gen)
+    alone = skinny_gemm(x[5:6].clone(), weight, bias, config=config)
+    for m in (6, 8, 11, MAX_M):
+        assert torch.equal(skinny_gemm(x[:m], weight, bias, config=config)[5], alone[0]), m
+    # and the same as the row placed first in a batch
+    batch = torch.cat([x[5:6], x[:3]])
+    assert torch.equal(skinny_gemm(batch, weight, bias, config=config)[0], alone[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    if dtype == torch.bfloat16 and DEVICE == "cpu":
+        pytest.skip("the interpreter's tl.dot is wrong for bf16")
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    x, weight = randn(3, 96, gen=gen, dtype=dtype), randn(40, 96, gen=gen, dtype=dtype)
+    bias = randn(40, gen=gen, dtype=dtype)
+    for config in CONFIGS.values():
+        actual = skinny_gemm(x, weight, bias, config=config)
+        assert actual.dtype == dtype
+        # fp32 sums, one rounding to the output dtype
+        torch.testing.assert_close(actual, skinny_gemm_ref(x, weight, bias), atol=2e-2,
+                                   rtol=2e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+def test_strided_rows_of_x():
+    """x may be a row-strided view (the rows of a larger buffer)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    buffer, weight = randn(4, 160, gen=gen), randn(24, 128, gen=gen)
+    x = buffer[:, :128]
+    assert rel_err(skinny_gemm(x, weight, config=DOT), exact(x, weight)) < 1e-5
+
+
+def test_edges_and_errors():
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    weight, bias = randn(24, 64, gen=gen), randn(24, gen=gen)
+    assert skinny_gemm(torch.empty(0, 64, device=DEVICE), weight).shape == (0, 24)
+    empty_k = skinny_gemm(torch.empty(2, 0, device=DEVICE), torch.empty(24, 0, device=DEVICE),
+                          bias)
+    assert torch.equal(empty_k, bias.expand(2, 24))
+    with pytest.raises(ValueError, match="at most"):
+        skinny_gemm(randn(MAX_M + 1, 64, gen=gen), weight)
+    with pytest.raises(ValueError, match="do not match"):
+        skinny_gemm(randn(2, 63, gen=gen), weight)
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_gemm(randn(2, 64, gen=gen), randn(64, 24, gen=gen).t())
+
+
+def test_config_table_keys_on_shape_alone(monkeypatch):
+    """Configs are chosen per (N, K), never per M (batch invariance); unlisted shapes get the
+    default."""
+    listed = SkinnyConfig(block_n=32, block_k=64, split_k=2, max_m=4)
+    monkeypatch.setitem(skinny_module.CONFIGS, (24, 64), listed)
+    assert config_for(24, 64) is listed
+    assert config_for(40, 64) == skinny_module.default_config(40, 64)
+
+
+def test_serves_only_measured_shapes_and_rows(monkeypatch):
+    monkeypatch.setitem(skinny_module.CONFIGS, (24, 64), SkinnyConfig(32, 64, max_m=4))
+    weight = torch.empty(24, 64, dtype=torch.bfloat16)
+    assert not skinny_module.serves(1, weight)  # a CPU weight: F.linear
+    if torch.cuda.is_available():
+        weight = weight.cuda()
+        assert skinny_module.serves(1, weight) and skinny_module.serves(4, weight)
+        assert not skinny_module.serves(5, weight) and not skinny_module.serves(0, weight)
+        assert not skinny_module.serves(1, weight.float())  # fp32 not measured
+        assert not skinny_module.serves(1, torch.empty(40, 64, device="cuda"))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                 (128256, 4096), (1000, 1000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_real_shapes(n, k, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    weight = randn(n, k, gen=gen, device="cuda", dtype=dtype) / k ** 0.5
+    x = randn(MAX_M, k, gen=gen, device="cuda", dtype=dtype)
+    out = skinny_gemm(x, weight)
+    assert rel_err(out, exact(x, weight)) < 5e-3  # one rounding to bf16/fp16
+    for m in (1, 2, 3, 8):
+        assert torch.equal(skinny_gemm(x[:m], weight), out[:m]), m
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_gpu_fp32_is_not_tf32(config):
+    """fp32 in full precision (the worker's fp32 tests compare with cuBLAS's fp32)."""
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x, weight = randn(4, 4096, gen=gen, device="cuda"), randn(2048, 4096, gen=gen, device="cuda")
+    assert rel_err(skinny_gemm(x, weight, config=config), exact(x, weight)) < 5e-6
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_capture():
+    """No host sync: the call captures into a CUDA graph (split-K scratch included) and
+    replays on new inputs, bitwise as eager."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    weight = randn(4096, 14336, gen=gen, device="cuda", dtype=torch.bfloat16)
+    bias = randn(4096, gen=gen, device="cuda", dtype=torch.bfloat16)
+    x = randn(4, 14336, gen=gen, device="cuda", dtype=torch.bfloat16)
+    for config in (None, DOT_SPLIT):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up: compile outside the capture
+            skinny_gemm(x, weight, bias, config=config)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            scaled = x * 3.0  # written by the kernel just before
+            out = skinny_gemm(scaled, weight, bias, config=config)
+        for _ in range(3):
+            x.copy_(randn(4, 14336, gen=gen, device="cuda", dtype=torch.bfloat16))
+            graph.replay()
+            assert torch.equal(out, skinny_gemm(x * 3.0, weight, bias, config=config)), config
