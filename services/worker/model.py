@@ -27,7 +27,6 @@ from pathlib import Path
 
 import structlog
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
@@ -225,7 +224,8 @@ class Attention(nn.Module):
         the keys and values are written to the cache. Reads no host-side metadata, so a CUDA
         graph can hold it (``cuda_graphs.PiecewiseGraphs``)."""
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -251,7 +251,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        h = ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
+        return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -286,7 +287,8 @@ class DecoderLayer(nn.Module):
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """attention_out [num_tokens, num_heads, head_dim] -> (the MLP's output, the residual
         stream before it)."""
-        h = self.self_attn.o_proj(attention_out.flatten(1))  # [num_tokens, hidden_size]
+        o_proj = self.self_attn.o_proj
+        h = ops.linear(attention_out.flatten(1), o_proj.weight, o_proj.bias)  # [num_tokens, hidden]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -339,7 +341,7 @@ class Transformer(nn.Module):
         ``indices`` [num_sampled, vocab_size] (fp32)."""
         x, _ = self.norm(x[indices], residual[indices])  # [num_sampled, hidden_size]
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head_weight).float()  # [num_sampled, vocab_size]
+        return ops.linear(x, head_weight).float()  # [num_sampled, vocab_size]
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
