@@ -277,12 +277,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         num_decodes = num_seqs
     if not 0 <= num_decodes <= num_seqs:
         raise ValueError(f"num_decodes={num_decodes} with {num_seqs} sequences")
-    # A forced count splits exactly (tests); a chosen one never cuts pieces shorter than
-    # MIN_SEGMENT_LEN on the device either: a CUDA graph is captured with the bound's count
-    # (up to MAX_SEGMENTS at max_model_len), and a short context then fills a few segments
-    # and leaves the rest empty instead of cutting itself into BLOCK_N-token slivers
-    min_segment_len = 0 if num_segments else MIN_SEGMENT_LEN
-    args = (query, key_cache, value_cache, out, scale, max_seq_len, workspace, min_segment_len)
+    args = (query, key_cache, value_cache, out, scale, max_seq_len, workspace)
     if num_decodes > 0:
         segments = num_segments or choose_num_segments(
             num_decodes, key_cache.shape[2], max_seq_len, _sm_count(query.device))
@@ -383,9 +378,8 @@ def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, 
         raise ValueError("block_tables rows must be contiguous")
 
 
-def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, min_segment_len,
-            block_tables, seq_lens, query_start_loc, num_tokens, max_query_len, num_segments,
-            config) -> None:
+def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, block_tables,
+            seq_lens, query_start_loc, num_tokens, max_query_len, num_segments, config) -> None:
     """One kernel launch over a contiguous run of sequences (and the combine, if split).
 
     num_tokens: a bound on the tokens of these sequences (grid and scratch size).
@@ -415,7 +409,7 @@ def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, m
         part_sum = workspace[num_rows * (head_dim_p2 + 1):numel]
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_segments)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        part_acc, part_max, part_sum, scale * LOG2E, num_seqs, min_segment_len,
+        part_acc, part_max, part_sum, scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
@@ -502,13 +496,13 @@ def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_pt
 # Arguments that change from step to step are not specialized on (an int divisible by 16 or
 # equal to 1, a pointer 16-byte aligned: slices at num_decodes and workspace offsets vary):
 # each new combination would compile another variant in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "min_segment_len", "stride_bt_seq",
-                               "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr",
-                               "part_acc_ptr", "part_max_ptr", "part_sum_ptr"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq", "block_tables_ptr", "seq_lens_ptr",
+                               "query_start_loc_ptr", "part_acc_ptr", "part_max_ptr",
+                               "part_sum_ptr"])
 def _paged_attention_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
         query_start_loc_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_seqs,
-        min_segment_len, stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+        stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
         stride_bt_seq,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
@@ -551,8 +545,7 @@ def _paged_attention_kernel(
         seg_start = 0
         seg_end = kv_end
     else:  # equal BLOCK_N-aligned pieces of this sequence's context
-        seg_len = tl.cdiv(tl.maximum(tl.cdiv(seq_len, NUM_SEGMENTS), min_segment_len),
-                          BLOCK_N) * BLOCK_N  # segments past the context stay empty
+        seg_len = tl.cdiv(tl.cdiv(seq_len, NUM_SEGMENTS), BLOCK_N) * BLOCK_N
         seg_start = segment * seg_len
         seg_end = tl.minimum(seg_start + seg_len, kv_end)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import (MIN_SEGMENT_LEN, AttentionConfig, choose_num_segments,
+from kernels.paged_attention import (AttentionConfig, choose_num_segments,
                                      decode_workspace_numel, default_config, paged_attention,
                                      paged_attention_ref, workspace_numel)
 from tests.kernels.test_paged_attention import dense_causal_attention, make_batch
@@ -161,22 +161,6 @@ def test_upper_bounds_and_padding_sequences():
                         0.125, max_query_len=1, max_seq_len=4096, out=out,
                         num_segments=num_segments)
         assert rel_error(out, ref) < 1e-4
-
-
-def test_a_bound_far_above_the_context_with_minimum_segments():
-    """A decode graph passes max_model_len as the bound, so the launch has the bound's
-    segment count; each sequence cuts its own context into pieces of at least
-    MIN_SEGMENT_LEN (600 tokens: three pieces and empty ones; 40 tokens: one), and the
-    combine still gives the reference."""
-    seqs = [(600, 1), (40, 1)]
-    query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, _ = make_batch(
-        seqs, 16, 4, 2, 64)
-    ref = paged_attention_ref(query, key_cache, value_cache, block_tables, seq_lens,
-                              query_start_loc, 0.125)
-    assert choose_num_segments(2, 2, 8192, 16) > -(-600 // MIN_SEGMENT_LEN)
-    out = paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                          query_start_loc, 0.125, max_query_len=1, max_seq_len=8192)
-    assert rel_error(out, ref) < 1e-4
 
 
 def test_workspace_given_or_too_small():
