@@ -116,9 +116,6 @@ class BlocksToStore:
         return len(self.block_ids)
 
 
-BlockToStore = BlocksToStore  # the name services/worker/runner.py imports
-
-
 @dataclass
 class Commit:
     """What the service publishes (``commit_messages``), as columns: block i is
