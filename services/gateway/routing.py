@@ -1,7 +1,7 @@
 """Which replica gets a request (docs/routing.md): pure, synchronous policy code.
 
-- ``least-loaded``: the replica with the fewest requests (this gateway's own requests in
-  flight there, plus other gateways' as its last stats showed them).
+- ``least-loaded``: the replica with the fewest requests (running + waiting from its
+  stats, or this gateway's own count of requests there, whichever is larger).
 - ``round-robin``: the ready replicas in turn.
 - ``kv`` (the default): the replica expected to serve the request soonest. For each ready
   replica, from the block index (block_index.py):
@@ -23,7 +23,8 @@
   tier block only while loading it beats recomputing it. A speed not measured yet is the
   mean of the replicas that measured it, else a default. Ties go to the less loaded. The
   cheapest is taken only if it holds more of the prompt than the least loaded replica;
-  otherwise the least loaded is (kv is least-loaded wherever the cache decides nothing).
+  otherwise the least loaded is (kv is least-loaded, by its own load count, wherever
+  the cache decides nothing).
 
   Saturation valve: a replica whose load exceeds the least loaded one's by at least
   max(saturation_margin, saturation_ratio x the fleet's mean load) is not chosen,
@@ -96,8 +97,17 @@ class Replica:
         of the stats' figure (other gateways' requests) is taken from them."""
         in_stats = self.stats.num_running + self.stats.num_waiting
         if self.num_sent_at_stats is None:
-            return max(in_stats, self.num_sent)
+            return self.baseline_load
         return self.num_sent + max(0, in_stats - self.num_sent_at_stats)
+
+    @property
+    def baseline_load(self) -> int:
+        """least-loaded's figure, as before kv: the larger of the stats' running + waiting
+        and this gateway's requests there. Kept so that the cache-blind baseline stays the
+        one kv is measured against (with ``load``, a finished turn's slot shows free at
+        once and least-loaded sends a conversation's next turn back to it: cache affinity
+        by accident of a benchmark without think time, BENCHMARKS.md)."""
+        return max(self.stats.num_running + self.stats.num_waiting, self.num_sent)
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -211,11 +221,12 @@ class Router:
             ordered = sorted(replicas, key=lambda r: r.stats.replica_id)
             return Decision(ordered[next(self._turns) % len(ordered)].scheduler_id, policy, TURN,
                             num_compute_tokens=len(token_ids))
-        least_loaded = min(replicas, key=lambda r: r.load)
         if policy == "least-loaded" or len(replicas) == 1:
+            least_loaded = min(replicas, key=lambda r: r.baseline_load)
             decision = Decision(least_loaded.scheduler_id, policy, LOAD,
                                 num_compute_tokens=len(token_ids))
         else:
+            least_loaded = min(replicas, key=lambda r: r.load)
             output_tokens = min(max_tokens, self.mean_output_tokens) if max_tokens \
                 else self.mean_output_tokens
             decision = self._choose_kv(replicas, least_loaded, token_ids, cache_salt, session,

@@ -171,6 +171,12 @@ def test_load_counts_our_requests_now_and_the_rest_from_stats():
     assert Replica(stats("a", running=5), num_sent=4, num_sent_at_stats=3).load == 6
     # not known when the stats came: the larger figure
     assert Replica(stats("a", running=5), num_sent=4).load == 5
+    # least-loaded keeps its figure from before kv (the baseline kv is measured against)
+    ended = [Replica(stats("a", running=2), num_sent=1, num_sent_at_stats=2),
+             Replica(stats("b", running=1), num_sent=1, num_sent_at_stats=1)]
+    assert ended[0].baseline_load == 2
+    assert router(policy="least-loaded").choose(ended, PROMPT).scheduler_id == "b"
+    assert router().choose(ended, PROMPT).scheduler_id == "a"
 
 
 def test_the_saturation_threshold_follows_the_fleets_mean_load():

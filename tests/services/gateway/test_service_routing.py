@@ -92,7 +92,7 @@ def test_cache_blind_routing_keeps_no_index_feed(clock):
 def test_a_request_of_ours_that_ended_frees_its_slot_before_the_stats_do(clock):
     """Stats are half a second old: a session's next turn must not find its replica a
     request busier than it is (the valve would move it for nothing)."""
-    service = gateway("least-loaded")
+    service = gateway()  # kv, nothing cached: its least loaded
     busy = msgspec.structs.replace(stats("b", "1", 0, num_running=1), block_size=16,
                                    model_name="m")
     asyncio.run(service._on_stats(busy))  # another gateway's request
