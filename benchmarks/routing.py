@@ -118,6 +118,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every policy this many times, the order rotated each time "
                         "(a shared machine's load drifts); the table adds medians")
+    parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                        help="skip the discarded first run (the first stack of an invocation "
+                        "ran 5-7%% slower than the same placement later on the 2-core machine)")
     parser.add_argument("--bench-args", default="",
                         help="more flags for every flotilla bench serve, e.g. '--num-turns 3'")
     parser.add_argument("--serve-args", default="", help="more flags for every flotilla serve")
@@ -297,8 +300,9 @@ def stop_stack(process: subprocess.Popen) -> None:
 
 
 # ------------------------------------------------------------------ one run
-def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 0) -> dict:
-    name = f"{case.name}-{policy}" + (f"-r{repeat}" if args.repeats > 1 else "")
+def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 0,
+               name: str = "") -> dict:
+    name = name or f"{case.name}-{policy}" + (f"-r{repeat}" if args.repeats > 1 else "")
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     command = serve_command(args, case, policy, port, args.out / "logs" / name)
@@ -440,6 +444,11 @@ def main() -> None:
     print(f"routing benchmark: tree {meta['commit']}, {os.cpu_count()} CPUs, out {args.out}",
           flush=True)
     results, tables = [], []
+    if args.warm_up:  # the first stack of an invocation runs slow: not a policy's fault
+        case = CASES[args.cases[0]]
+        warm = run_policy(args, case, args.policies[0], name=f"{case.name}-warm-up")
+        print(f"[warm-up, discarded] {args.policies[0]}: "
+              f"{warm['summary']['request_throughput']:.3f} req/s", flush=True)
     for case_name in args.cases:
         case = CASES[case_name]
         case_results = []
