@@ -26,10 +26,10 @@
   otherwise the least loaded is (kv is least-loaded, by its own load count, wherever
   the cache decides nothing).
 
-  Saturation valve: a replica whose load exceeds the least loaded one's by at least
-  max(saturation_margin, saturation_ratio x the fleet's mean load) is not chosen,
-  whatever it holds or whichever session last went there: with few requests in flight
-  one request of imbalance counts, with many a proportionate share.
+  Saturation valve: a session leaves its replica once that one's load exceeds the least
+  loaded one's by at least T = max(saturation_margin, saturation_ratio x the fleet's
+  mean load) (with few requests in flight one request of imbalance counts, with many a
+  proportionate share); no replica is chosen for what it holds at T + 1 or more.
 
   Sessions: a request naming a session (``prompt_cache_key``, else ``user``; within its
   cache salt) goes to the replica its session last went to while that one is ready and
@@ -240,13 +240,18 @@ class Router:
                    now: float, output_tokens: float) -> Decision:
         estimates = self.estimates(replicas, token_ids, cache_salt, output_tokens)
         threshold = self.saturation_threshold(replicas)
-        open_ = [r for r in replicas if r.load - least_loaded.load < threshold]
+        # A holder may run one request further ahead than a session's replica: placing a
+        # new conversation on its tenant's prefix saves that prefix's prefill now, while
+        # keeping a session on a busier replica only defers the move that rebalances it.
+        open_ = [r for r in replicas if r.load - least_loaded.load < threshold + 1]
         best = min(replicas, key=lambda r: (estimates[r.scheduler_id].seconds, r.load))
         sticky_id = self.sessions.get((cache_salt or "", session), now) if session else None
         sticky = next((r for r in replicas if r.scheduler_id == sticky_id), None)
-        if sticky is not None and sticky in open_:
+        if sticky is not None and sticky.load - least_loaded.load < threshold:
             chosen, reason = sticky, SESSION
         else:
+            if sticky is not None:  # it saturated: the session leaves it
+                open_ = [r for r in open_ if r is not sticky]
             hits = {sid: e.num_hit_tokens for sid, e in estimates.items()}
             chosen = min(open_, key=lambda r: (estimates[r.scheduler_id].seconds, r.load))
             fewest = min(open_, key=lambda r: (r.load, estimates[r.scheduler_id].seconds))

@@ -194,16 +194,21 @@ def test_the_saturation_threshold_follows_the_fleets_mean_load():
 def test_the_saturation_valve_turns_a_hot_prefix_away():
     index = BlockIndex()
     holds(index, "a", HASHES)
-    # a short answer: the cost prefers the holder (64 hit tokens against one stream)
+    # a short answer: the cost prefers the holder (64 hit tokens against its streams);
+    # with few in flight a holder may run one request ahead (a session's replica none)
     one_more = [Replica(stats("a", waiting=1)), Replica(stats("b"))]
     decision = router(index).choose(one_more, PROMPT, max_tokens=1)
+    assert (decision.scheduler_id, decision.reason) == ("a", CACHE)
+    two_more = [Replica(stats("a", waiting=2)), Replica(stats("b", queued=100))]
+    decision = router(index).choose(two_more, PROMPT, max_tokens=1)
     assert (decision.scheduler_id, decision.reason) == ("b", SATURATED)
-    assert router(index, saturation_margin=2).choose(one_more, PROMPT,
+    assert router(index, saturation_margin=2).choose(two_more, PROMPT,
                                                      max_tokens=1).scheduler_id == "a"
     # the gateway's own count of requests sent counts as load
-    assert router(index).choose([Replica(stats("a"), num_sent=1), Replica(stats("b"))],
+    assert router(index).choose([Replica(stats("a"), num_sent=2),
+                                 Replica(stats("b", queued=100))],
                                 PROMPT, max_tokens=1).scheduler_id == "b"
-    # 30 in flight: the holder may run 3 ahead (under half the mean of 10), not 6
+    # 30 in flight: the holder may run 5 ahead (half the mean of 10), not 6
     def fleet(holder_load):
         others = (30 - holder_load) // 2
         return [Replica(stats("a", waiting=holder_load)),
