@@ -51,9 +51,9 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
                               "smaller model default); 0: what the context leaves",
         "routing": "which replica gets a request: kv (where its prefix is cached, priced "
                    "against load), least-loaded or round-robin (docs/routing.md)",
-        "routing_saturation_margin": "kv: a replica with this many more requests than the "
-                                     "least loaded one is not chosen for its cache or its "
-                                     "sessions",
+        "routing_saturation_margin": "kv: a session leaves its replica once that one has "
+                                     "this many more requests than the least loaded one (a "
+                                     "replica holding the prompt's prefix: one more)",
         "routing_saturation_ratio": "kv: ... or this share of the replicas' mean load more, "
                                     "if that is larger",
         "routing_session_ttl_s": "kv: a session (prompt_cache_key or user) sticks to its "
