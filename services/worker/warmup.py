@@ -24,6 +24,9 @@ log = structlog.get_logger()
 # one-tile-per-sequence switch on either side of it are met.
 QUERY_LENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257]
 CONTEXT = 40  # tokens before a warm-up chunk: some earlier context, as after a prefix hit
+# A chunk after a context this many times its length splits that context like a decode's
+# (``choose_chunk_segments``: a prefix hit's chunk): each tile shape meets every segment count
+SPLIT_CONTEXT_RATIO = paged_attention.SPLIT_CHUNK_MIN_CONTEXT_RATIO
 
 
 @torch.inference_mode()
@@ -34,13 +37,16 @@ def warm_up_attention(model: Transformer, block_size: int) -> None:
     device, dtype = key_cache.device, key_cache.dtype
     num_heads, head_dim = attn.num_heads, attn.head_dim
     width = attn.q_size + 2 * attn.kv_size
-    num_blocks = -(-(CONTEXT + max(QUERY_LENS)) // block_size)
+    num_blocks = -(-(SPLIT_CONTEXT_RATIO + 1) * max(QUERY_LENS) // block_size)
 
     def launch(q_lens: list[int], seq_lens: list[int], num_segments: int | None = None) -> None:
         num_tokens, num_seqs = sum(q_lens), len(q_lens)
         qkv = torch.randn(num_tokens, width, device=device, dtype=dtype)
         query = qkv[:, :attn.q_size].view(num_tokens, num_heads, head_dim)
-        block_tables = torch.arange(num_blocks, dtype=torch.int32, device=device).repeat(num_seqs, 1)
+        # [num_seqs, num_blocks]: any of the cache's blocks (nothing is written; a small cache
+        # is read around again)
+        block_tables = (torch.arange(num_blocks, dtype=torch.int32, device=device)
+                        % key_cache.shape[0]).repeat(num_seqs, 1)
         query_start_loc = torch.tensor([0] + q_lens, device=device).cumsum(0).int()
         num_decodes = next((i for i, n in enumerate(q_lens) if n > 1), num_seqs)
         paged_attention.paged_attention(
@@ -49,13 +55,29 @@ def warm_up_attention(model: Transformer, block_size: int) -> None:
             max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
             num_segments=num_segments)
 
+    split_query_lens = _one_per_tile_shape(num_heads // attn.num_kv_heads, dtype)
     for q_len in QUERY_LENS[1:]:
         launch([q_len], [CONTEXT + q_len])  # chunks alone
         launch([1, 1, q_len], [CONTEXT, CONTEXT, CONTEXT + q_len])  # after decodes
     num_segments = 1
     while num_segments <= paged_attention.MAX_SEGMENTS:  # decodes split along the context
         launch([1, 1], [CONTEXT, CONTEXT + 7], num_segments)
+        for q_len in split_query_lens if num_segments > 1 else ():  # chunks after a hit
+            launch([q_len], [(SPLIT_CONTEXT_RATIO + 1) * q_len], num_segments)
         num_segments *= 2
     if device.type == "cuda":
         torch.cuda.synchronize()
     log.info("attention_warmed_up", seconds=round(time.perf_counter() - started, 1))
+
+
+def _one_per_tile_shape(group: int, dtype: torch.dtype) -> list[int]:
+    """The first chunk length of QUERY_LENS for each tile shape (config, and whether a
+    sequence fits one tile) a chunk launch can take."""
+    seen, query_lens = set(), []
+    for q_len in QUERY_LENS[1:]:
+        config = paged_attention.default_config(q_len, group, dtype)
+        shape = (config, q_len <= max(1, config.block_m // group))
+        if shape not in seen:
+            seen.add(shape)
+            query_lens.append(q_len)
+    return query_lens
