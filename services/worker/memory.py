@@ -2,10 +2,10 @@
 
 The worker loads the weights, runs one profiling forward at the largest step it will be sent
 (``max_num_batched_tokens`` prompt tokens, ``max_num_seqs`` sampled rows) and the sampler's
-top-k/top-p sort over those rows against a scratch cache, captures the largest CUDA graphs (decode and
-piecewise) to measure what the graphs' pools and static buffers take, and gives the cache what is left of
-``gpu_memory_utilization`` of the card after the weights, that activation peak, the graphs and a
-small reserve. Everything the step loop needs afterwards fits in memory the caching allocator
+top-k/top-p sort over those rows against a scratch cache, captures the largest CUDA graphs
+(decode and piecewise) to measure what the graphs' pools and static buffers take, and gives
+the cache what is left of ``gpu_memory_utilization`` of the card after the weights, that
+activation peak, the graphs and a small reserve. Everything the step loop needs afterwards fits in memory the caching allocator
 already holds.
 """
 
