@@ -29,6 +29,11 @@ from services.worker.model import AttentionMetadata, Transformer
 log = structlog.get_logger()
 
 
+def smallest_bucket(buckets: list[int], size: int) -> int | None:
+    """The smallest of the ascending ``buckets`` that holds ``size`` (None: none does)."""
+    return next((bucket for bucket in buckets if bucket >= size), None)
+
+
 def batch_buckets(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, then every 16: padding wastes at most ~25%."""
     buckets = [b for b in (1, 2, 4) if b < max_batch_size]
@@ -85,7 +90,7 @@ class DecodeGraphs:
         log.info("cuda_graphs_captured", buckets=sorted(self.graphs))
 
     def bucket_for(self, batch_size: int) -> int | None:
-        return next((b for b in self.buckets if b >= batch_size), None)
+        return smallest_bucket(self.buckets, batch_size)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata) -> torch.Tensor:
@@ -202,7 +207,7 @@ class PiecewiseGraphs:
                  num_graphs=sum(len(g) for g in self.graphs.values()))
 
     def bucket_for(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+        return smallest_bucket(self.buckets, num_tokens)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from kernels.paged_attention import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
-from services.worker.cuda_graphs import PiecewiseGraphs, token_buckets
+from services.worker.cuda_graphs import PiecewiseGraphs, smallest_bucket, token_buckets
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq, random_weights
 from services.worker.runner import SequenceChunk, build_step_inputs
 
@@ -32,6 +32,8 @@ def test_token_buckets():
     assert token_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
     assert token_buckets(16) == [16]
     assert token_buckets(8) == [8]
+    assert [smallest_bucket([16, 24, 32], n) for n in (1, 16, 17, 32, 33)] == [16, 16, 24, 32,
+                                                                               None]
 
 
 def _model(family: str) -> Transformer:
