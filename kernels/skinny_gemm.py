@@ -14,8 +14,13 @@ tail of one launch. This kernel is a plain weight stream.
 - **batch invariant and deterministic**: a row's result depends only on that row. The launch
   config is chosen per (N, K) alone, never per M, and M is no constexpr nor specialized on:
   every M runs the same compiled kernel, and a tensor-core product computes each output from its
-  own row and column. With ``split_k`` > 1 each split writes an fp32 partial and
-  ``_reduce_splits_kernel`` adds them in split order; no atomics anywhere.
+  own row and column. With ``split_k`` > 1 each split writes an fp32 partial and the last
+  program of its column tile to arrive (an arrival counter, ``kernels/arrival_counters.py``)
+  adds them in split order: the same sums whichever program is last, in the same launch (a
+  separate reduce kernel cost 64 launches a Llama-3.1-8B decode step).
+- ``skinny_gemm_silu_and_mul``: the gate_up projection with SwiGLU in its epilogue (a program
+  takes the gate rows of its columns and the matching up rows), rounded as the two kernels
+  round it: one launch instead of two.
 - CUDA-graph capturable: the grid and the scratch depend on shapes only.
 
 ``CONFIGS`` holds the configs swept on the H200 for the Llama-3.1-8B shapes
@@ -31,6 +36,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kernels.arrival_counters import arrival_counters
 
 MAX_M = 16  # most rows of x the kernel serves (x is padded to this many)
 
@@ -56,6 +63,14 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 }
 
 
+# The fused gate_up + SwiGLU launch (``skinny_gemm_silu_and_mul``), keyed by the gate_up weight's
+# (2 * d, K); block_n counts output columns, so a program streams 2 * block_n weight rows, as
+# many as the plain gate_up config's 32. TUNE
+GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
+    (28672, 4096): SkinnyConfig(16, 128, max_m=4),
+}
+
+
 def default_config(n: int, k: int) -> SkinnyConfig:
     """Shapes not swept: 16 columns per program, K in 256-wide tiles, no split."""
     return SkinnyConfig(block_n=16, block_k=min(256, max(16, triton.next_power_of_2(k))))
@@ -65,22 +80,45 @@ def config_for(n: int, k: int) -> SkinnyConfig:
     return CONFIGS.get((n, k)) or default_config(n, k)
 
 
+def gated_config_for(n: int, k: int) -> SkinnyConfig:
+    """The gated launch for a [n, k] gate_up weight (n / 2 output columns)."""
+    return GATED_CONFIGS.get((n, k)) or default_config(n // 2, k)
+
+
 def serves(num_rows: int, weight: torch.Tensor) -> bool:
     """Whether the worker should use the skinny GEMM: a CUDA bf16/fp16 weight of a swept
     shape, at most its ``max_m`` rows (where it beat cuBLAS on the H200)."""
+    return _serves(num_rows, weight, CONFIGS)
+
+
+def _serves(num_rows: int, weight: torch.Tensor, configs: dict) -> bool:
     if not weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float16):
         return False
-    config = CONFIGS.get(tuple(weight.shape))
+    config = configs.get(tuple(weight.shape))
     return config is not None and 0 < num_rows <= config.max_m and weight.is_contiguous()
+
+
+@triton.jit
+def _silu_times(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up of fp32 tiles, rounded as the two kernels (GEMM, then
+    kernels/activation.py) round it: gate and up to ``dtype``, silu to ``dtype``, the product."""
+    gate = gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
+    return silu.to(tl.float32) * up.to(dtype).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr,
-    M, N, K, x_stride, w_stride, out_stride_split, out_stride_m, k_per_split,
+    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
+    M, N, K, x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
+    partial_stride_m, k_per_split,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FP32_IEEE: tl.constexpr,
+    SPLIT_K: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """Program (column tile, K split). N counts output columns: with GATED, W holds 2N rows
+    (gate then up) and a program multiplies the gate rows of its columns and the matching up
+    rows, then writes silu(gate) * up."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -90,46 +128,104 @@ def _skinny_gemm_kernel(
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    # [BLOCK_N, BLOCK_K] weight tile and [BLOCK_M, BLOCK_K] rows of x, K contiguous
+    # [BLOCK_N, BLOCK_K] weight tile (and, gated, the up rows N further on) and
+    # [BLOCK_M, BLOCK_K] rows of x, K contiguous
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * w_stride + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * x_stride + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_mask[:, None], other=0.0)
+            w_mask = n_mask[:, None]
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
             k_mask = (k + offs_k) < k_end
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if FP32_IEEE:  # (fp32 in full precision, as cuBLAS's default; not tf32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+        if GATED:
+            w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            if FP32_IEEE:
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if HAS_BIAS:  # (only without a split: the reduce adds it otherwise)
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = (out_ptr + pid_k * out_stride_split + offs_m[:, None] * out_stride_m
-                + offs_n[None, :])
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * out_stride_m + offs_n[None, :]
+    if SPLIT_K > 1:
+        # each split stores an fp32 partial; the last program of the column tile to arrive
+        # adds all of them in split order (the same sums whichever arrives last: deterministic)
+        partial_ptrs = partial_ptr + offs_m[:, None] * partial_stride_m + offs_n[None, :]
+        tl.store(partial_ptrs + pid_k * partial_stride_split, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
+        arrived = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()
+            acc = tl.load(partial_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for split in tl.static_range(1, SPLIT_K):
+                acc += tl.load(partial_ptrs + split * partial_stride_split, mask=out_mask,
+                               other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counters_ptr + pid_n, 0)  # zero again for the next launch
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_up += tl.load(bias_ptr + N + offs_n, mask=n_mask,
+                                  other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc = _silu_times(acc, acc_up, x_ptr.dtype.element_ty)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def _reduce_splits_kernel(
-    partial_ptr, bias_ptr, out_ptr, N, partial_stride_split, partial_stride_m, out_stride_m,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    ptrs = partial_ptr + row * partial_stride_m + cols
-    acc = tl.load(ptrs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):  # in split order: deterministic
-        acc += tl.load(ptrs + split * partial_stride_split, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride_m + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    if x.shape[0] > MAX_M:
+        raise ValueError(f"{x.shape[0]} rows: the skinny GEMM serves at most {MAX_M}")
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("x needs a contiguous last dim and weight must be contiguous")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype}, weight {weight.dtype}")
+    if bias is not None and (bias.shape != weight.shape[:1] or not bias.is_contiguous()):
+        raise ValueError(f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            config: SkinnyConfig, gated: bool) -> None:
+    """One launch writing out [M, N] (N = weight rows, or half of them when gated)."""
+    m, k = x.shape
+    n = out.shape[1]
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    split_k = triton.cdiv(k, k_per_split)  # (may come out below config.split_k for small K)
+    num_tiles = triton.cdiv(n, config.block_n)
+    partial = counters = out  # unused without a split
+    if split_k > 1:
+        partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, num_tiles)
+    _skinny_gemm_kernel[(num_tiles, split_k)](
+        x, weight, bias if bias is not None else weight, out, partial, counters,
+        m, n, k, x.stride(0), weight.stride(0), n * weight.stride(0) if gated else 0,
+        out.stride(0),
+        partial.stride(0) if split_k > 1 else 0, partial.stride(1) if split_k > 1 else 0,
+        k_per_split,
+        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
+        FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated,
+        BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
+    """``serves`` for the fused gate_up + SwiGLU launch (``GATED_CONFIGS``)."""
+    return _serves(num_rows, weight, GATED_CONFIGS)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -137,18 +233,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 ) -> torch.Tensor:
     """x: [M, K] (M <= MAX_M, last dim contiguous), weight: [N, K] contiguous, bias: [N] or
     None -> [M, N] in x's dtype. ``config``: the launch (default: ``config_for(N, K)``)."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    _check_operands(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"{m} rows: the skinny GEMM serves at most {MAX_M}")
-    if x.stride(1) != 1 or not weight.is_contiguous():
-        raise ValueError("x needs a contiguous last dim and weight must be contiguous")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x is {x.dtype}, weight {weight.dtype}")
-    if bias is not None and (bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"bias {tuple(bias.shape)} must be contiguous [{n}]")
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype:
@@ -157,30 +244,28 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    config = config or config_for(n, k)
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(k, k_per_split)  # (may come out below config.split_k for small K)
-    even_k = k % config.block_k == 0
-    if split_k == 1:
-        target, stride_split, stride_m = out, 0, out.stride(0)
-    else:
-        target = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        stride_split, stride_m = target.stride(0), target.stride(1)
-    bias_arg = bias if bias is not None else weight
-    _skinny_gemm_kernel[(triton.cdiv(n, config.block_n), split_k)](
-        x, weight, bias_arg, target, m, n, k, x.stride(0), weight.stride(0), stride_split,
-        stride_m, k_per_split,
-        HAS_BIAS=bias is not None and split_k == 1, EVEN_K=even_k,
-        FP32_IEEE=x.dtype == torch.float32,
-        BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    if split_k > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _reduce_splits_kernel[(m, triton.cdiv(n, block))](
-            target, bias_arg, out, n, target.stride(0), target.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
-        )
+    _launch(x, weight, bias, out, config or config_for(n, k), gated=False)
+    return out
+
+
+def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None = None,
+                             config: SkinnyConfig | None = None) -> torch.Tensor:
+    """SwiGLU of a fused gate_up projection in one launch: x [M, K], weight [2 * d, K] (gate
+    rows then up rows), bias [2 * d] or None -> [M, d] = silu(gate) * up, rounded as
+    ``silu_and_mul(skinny_gemm(x, weight, bias))`` rounds it (bitwise the same).
+    ``config``: its block_n counts output columns (default: ``gated_config_for(2 * d, K)``)."""
+    _check_operands(x, weight, bias)
+    m, k = x.shape
+    d = weight.shape[0] // 2
+    if weight.shape[0] != 2 * d or k == 0:
+        raise ValueError(f"weight {tuple(weight.shape)}: needs an even number of rows and K > 0")
+    config = config or gated_config_for(2 * d, k)
+    if config.split_k != 1:
+        raise ValueError("the gated GEMM does not split K")
+    out = torch.empty(m, d, dtype=x.dtype, device=x.device)
+    if m > 0 and d > 0:
+        _launch(x, weight, bias, out, config, gated=True)
     return out
 
 

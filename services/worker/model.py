@@ -251,7 +251,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        h = ops.silu_and_mul(ops.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias))
+        h = ops.linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
         return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
 
 

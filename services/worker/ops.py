@@ -24,6 +24,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU of the fused gate_up projection: x [num_tokens, in_features], weight
+    [2 * intermediate_size, in_features] -> [num_tokens, intermediate_size]. Where the skinny
+    GEMM serves it, one launch with SwiGLU in its epilogue (bitwise the two ops)."""
+    if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1
+            and skinny_gemm.serves_gated(x.shape[0], weight)):
+        return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias)
+    return silu_and_mul(linear(x, weight, bias))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels import skinny_gemm as skinny_module
-from kernels.skinny_gemm import MAX_M, SkinnyConfig, config_for, skinny_gemm, skinny_gemm_ref
+from kernels.activation import silu_and_mul_ref
+from kernels.arrival_counters import arrival_counters
+from kernels.skinny_gemm import (MAX_M, SkinnyConfig, config_for, skinny_gemm, skinny_gemm_ref,
+                                 skinny_gemm_silu_and_mul)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -83,6 +86,56 @@ def test_half_precision(dtype):
                                    rtol=2e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
+@pytest.mark.parametrize("config", [DOT_SPLIT, WIDE_SPLIT], ids=["split3", "wide_split2"])
+def test_split_reduce_leaves_counters_zeroed(config):
+    """The last program of each column tile reduces in the same launch and zeroes its counter,
+    so back-to-back calls (and other kernels sharing the counters) start from zero."""
+    gen = torch.Generator(device=DEVICE).manual_seed(8)
+    weight = randn(37, 100, gen=gen)
+    for m in (1, 5):
+        x = randn(m, 100, gen=gen)
+        assert rel_err(skinny_gemm(x, weight, config=config), exact(x, weight)) < 1e-5
+        assert not arrival_counters(torch.device(DEVICE), 1).any()
+
+
+GATED = SkinnyConfig(block_n=16, block_k=32)
+
+
+@pytest.mark.parametrize("m,d,k", [(1, 32, 128), (3, 40, 96), (16, 24, 100)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_silu_and_mul_epilogue_matches_two_kernels(m, d, k, with_bias):
+    """The gated launch equals the GEMM then SwiGLU (odd d: masked columns; K tails)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(m * d + k)
+    x, weight = randn(m, k, gen=gen), randn(2 * d, k, gen=gen)
+    bias = randn(2 * d, gen=gen) if with_bias else None
+    fused = skinny_gemm_silu_and_mul(x, weight, bias, config=GATED)
+    assert fused.shape == (m, d) and not fused.isnan().any()
+    gate_up = exact(x, weight, bias)
+    assert rel_err(fused, silu_and_mul_ref(gate_up)) < 1e-5
+    # batch invariant: a row alone is bitwise the row in the batch
+    alone = skinny_gemm_silu_and_mul(x[-1:].clone(), weight, bias, config=GATED)
+    assert torch.equal(alone[0], fused[-1])
+
+
+def test_silu_and_mul_epilogue_half_precision_rounds_as_two_kernels():
+    """fp16: gate and up rounded before the SwiGLU, silu rounded before the product."""
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    x = randn(2, 64, gen=gen, dtype=torch.float16)
+    weight = randn(64, 64, gen=gen, dtype=torch.float16) / 8
+    fused = skinny_gemm_silu_and_mul(x, weight, config=GATED)
+    two_kernels = silu_and_mul_ref(skinny_gemm(x, weight, config=DOT))
+    torch.testing.assert_close(fused, two_kernels, rtol=2e-3, atol=1e-3)
+
+
+def test_silu_and_mul_epilogue_refuses_splits_and_odd_rows():
+    gen = torch.Generator(device=DEVICE).manual_seed(10)
+    x = randn(2, 64, gen=gen)
+    with pytest.raises(ValueError, match="split"):
+        skinny_gemm_silu_and_mul(x, randn(32, 64, gen=gen), config=DOT_SPLIT)
+    with pytest.raises(ValueError, match="even"):
+        skinny_gemm_silu_and_mul(x, randn(31, 64, gen=gen), config=GATED)
+
+
 def test_strided_rows_of_x():
     """x may be a row-strided view (the rows of a larger buffer)."""
     gen = torch.Generator(device=DEVICE).manual_seed(4)
@@ -150,6 +203,23 @@ def test_gpu_fp32_is_not_tf32(config):
     gen = torch.Generator(device="cuda").manual_seed(6)
     x, weight = randn(4, 4096, gen=gen, device="cuda"), randn(2048, 4096, gen=gen, device="cuda")
     assert rel_err(skinny_gemm(x, weight, config=config), exact(x, weight)) < 5e-6
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gate_up_silu_and_mul_is_the_two_kernels(dtype):
+    """The Llama-3.1-8B gate_up with SwiGLU in the epilogue: bitwise the GEMM then
+    kernels/activation.py at every M it serves, and batch invariant."""
+    from kernels.activation import silu_and_mul
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    weight = randn(28672, 4096, gen=gen, device="cuda", dtype=dtype) / 64
+    x = randn(MAX_M, 4096, gen=gen, device="cuda", dtype=dtype)
+    fused = skinny_gemm_silu_and_mul(x, weight)
+    assert torch.equal(fused, silu_and_mul(skinny_gemm(x, weight)))
+    for m in (1, 2, 3, 4):
+        assert torch.equal(skinny_gemm_silu_and_mul(x[:m], weight), fused[:m]), m
 
 
 @pytest.mark.gpu
