@@ -428,7 +428,9 @@ async def test_a_pin_past_its_deadline_is_a_miss_and_let_go(nats_url):
 async def test_a_request_keeps_its_place_in_line_through_its_lookup(nats_url):
     service, peers, shutdown = await running(nats_url, "answers", max_num_seqs=1)
     try:
-        await submit(peers.bus, "long", prompt_of(120_000, 5), max_tokens=60)
+        # long enough to run to the end of the test (the fake worker's steps take ~1 ms each: 60
+        # tokens could end before "first"'s lookup, and "first" would be admitted)
+        await submit(peers.bus, "long", prompt_of(120_000, 5), max_tokens=240)
         peers.lookup_delay_s = 0.03
         first = asyncio.create_task(submit(peers.bus, "first", prompt_of(130_000)))
         await eventually(lambda: len(peers.lookups) == 2)  # "long"'s, then "first"'s
