@@ -49,8 +49,6 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     sent_at_step: int = 0
     tier_hit: TierHit | None = None  # a pinned kvstore hit, until admission uses it
-    # the step loading its tier hit: it computes only once that step's result is back
-    loading_step: int | None = None
 
     @property
     def num_tokens(self) -> int:

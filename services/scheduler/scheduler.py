@@ -12,9 +12,9 @@ runs as n sibling requests that compute the prompt once (siblings.py).
 
 With a kvstore (docs/kvstore.md, kv_tier.py), a request may come with a pinned tier
 hit: admission loads the part beyond its GPU prefix into fresh blocks (beside the compute
-of the other requests in that step, if any: the request then computes from the first step
-planned after that step's result), and every block computed here is stored to the kvstore
-once (write-through).
+of the other requests in that step, if any: the request then computes from the next step
+planned, which the worker orders after the copy), and every block computed here is stored
+to the kvstore once (write-through).
 
 Steps may overlap: a step can be planned while earlier ones are still running on the
 worker, which feeds each sampled token into the next step itself. The scheduler counts
@@ -75,7 +75,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
-        self._loading: dict[int, list[Request]] = {}  # step id -> requests it loads blocks of
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
@@ -203,8 +202,6 @@ class Scheduler:
                 break
             if req not in self.running or req.reached_max_tokens:
                 continue  # preempted for an earlier request, or its last token is coming
-            if req.loading_step is not None:
-                continue  # its tier hit is still being loaded
             prefilling = req.is_prefilling
             num_new = min(req.num_tokens_at_worker - req.num_computed_tokens, budget)
             if prefilling:
@@ -243,9 +240,6 @@ class Scheduler:
         """Apply the tokens a step sampled; return the outputs to publish."""
         self.num_steps += 1
         self.kv_tier.step_done(plan.step_id)
-        for req in self._loading.pop(plan.step_id, ()):
-            if req.loading_step == plan.step_id:
-                req.loading_step = None  # its blocks are loaded: it computes from now on
         if plan.scheduled:  # (a step of loads alone says nothing of compute times)
             self.chunk_pacer.observe(plan, result.step_time_s)
         self._add_prompt_logprobs(plan, result)
@@ -282,7 +276,6 @@ class Scheduler:
         for req in list(self.requests.values()):
             self._finish(req)
         self._forget_ids = []
-        self._loading.clear()
         self.kv_tier.release_all_steps()
         return emitted
 
@@ -295,8 +288,10 @@ class Scheduler:
 
         A request with blocks to load, admitted into a step that computes other requests
         already, computes nothing in it: the worker copies its blocks beside that step's
-        forward, and it computes from the first step planned after that step's result, so
-        loads overlap the compute of other requests instead of delaying it. Into a step
+        forward, and it computes from the next step planned (even one planned before that
+        step's result: the worker makes a step wait on the device for loads still writing
+        blocks it reads), so loads overlap the compute of other requests instead of
+        delaying it, and the request waits for no round trip after its copy. Into a step
         with nothing else to compute, it computes at once, after its load (the worker
         queues that forward while the copy runs)."""
         if req.num_pending_tokens:
@@ -321,9 +316,7 @@ class Scheduler:
             req.num_cached_tokens = num_cached
         self.num_prefix_queries += req.num_tokens
         self.num_prefix_hits += len(hit_ids) * block_size
-        if loaded and scheduled:
-            req.loading_step = self._next_step_id
-            self._loading.setdefault(self._next_step_id, []).append(req)
+        if loaded and scheduled:  # it computes from the next plan (see the docstring)
             self._send_to_worker(req, new_requests)
             return 0
         self._schedule(req, num_new, [], new_requests, scheduled)
@@ -446,7 +439,6 @@ class Scheduler:
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
-        req.loading_step = None  # (the worker orders any later use of its blocks after the load)
         if req.known_to_worker:
             self._forget_ids.append(req.request_id)
             req.known_to_worker = False

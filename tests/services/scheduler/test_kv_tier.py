@@ -100,11 +100,12 @@ def test_tier_hit_loads_into_fresh_blocks_and_counts_as_computed():
     assert scheduler.kv_tier.num_tokens_loaded == {"host": 16, "disk": 0}
 
 
-def test_a_request_loading_beside_others_computes_only_after_the_loading_steps_result():
+def test_a_request_loading_beside_others_computes_from_the_next_plan():
     """Admitted into a step that computes another request, a loading request computes
-    nothing in it (its load runs beside that compute); with steps overlapped, the step
-    planned before the load step's result is back leaves it out too. (Alone in its step,
-    it computes at once: test_tier_hit_loads_into_fresh_blocks_and_counts_as_computed.)"""
+    nothing in it (its load runs beside that compute), and computes in the very next
+    plan, planned while the load step is still in flight (the worker orders that compute
+    after the copy on the device). (Alone in its step, it computes at once:
+    test_tier_hit_loads_into_fresh_blocks_and_counts_as_computed.)"""
     scheduler, worker = make_scheduler(kvstore=True), TierWorker(64)
     scheduler.add_request(request("b", 0, 4, prompt=prompt_tokens(5, base=7000),
                                   ignore_eos=True))
@@ -115,15 +116,15 @@ def test_a_request_loading_beside_others_computes_only_after_the_loading_steps_r
     assert [s.request_id for s in load_plan.scheduled] == ["b"] and load_plan.kv_loads
     assert [new.request_id for new in load_plan.new_requests] == ["b", "a"]
     next_plan = scheduler.schedule()  # planned while the load step is in flight
-    assert next_plan is None or "a" not in [s.request_id for s in next_plan.scheduled]
+    assert ("a", 2) in [(s.request_id, s.num_new_tokens) for s in next_plan.scheduled]
+    assert scheduler.kv_tier.num_pins_held == 1  # the copy may still run: pinned
     scheduler.update(load_plan, worker.execute(load_plan))
-    if next_plan is not None:
-        scheduler.update(next_plan, worker.execute(next_plan))
-    plan = scheduler.schedule()
-    assert ("a", 2) in [(s.request_id, s.num_new_tokens) for s in plan.scheduled]
-    scheduler.update(plan, worker.execute(plan))
+    assert scheduler.kv_tier.num_pins_held == 0
+    first = {e.output.request_id: e.output.new_token_ids for e in
+             scheduler.update(next_plan, worker.execute(next_plan))}
     outputs, _, _ = run_to_completion(scheduler, worker)
-    assert len(outputs["a"]) == 2 and len(outputs["b"]) >= 1
+    assert first["a"] + outputs["a"] == expected_tokens("a", 18, 3)
+    assert len(outputs["b"]) >= 1
 
 
 def test_cached_tokens_count_tier_hits():
