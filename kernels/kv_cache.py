@@ -4,6 +4,9 @@ Same semantics as ``write_kv_cache_ref`` in ``kernels/paged_attention.py`` (the 
 rule the reference does not have: a token whose slot is negative is skipped, so padding tokens of a
 CUDA-graph batch can carry slot -1 and write nothing.
 
+``rotary_and_write_kv_cache`` also rotates the token's query and key first (kernels/rotary.py's
+numerics): one launch a layer instead of two.
+
 One program per token copies all of its KV heads; key and value may be strided views (split from a
 fused qkv output) as long as head_dim is contiguous. The launcher never reads device data on the
 host, so it can be captured in a CUDA graph.
@@ -14,6 +17,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.paged_attention import write_kv_cache_ref
+from kernels.rotary import _check as _check_rotary
+from kernels.rotary import _cos_sin, _rotate_heads, _rotated_heads, apply_rotary_ref
 
 
 @triton.jit
@@ -43,15 +50,9 @@ def _write_kv_cache_kernel(
                  mask=mask)
 
 
-def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's keys and values into their slots (in place).
-
-    key, value: [num_tokens, num_kv_heads, head_dim] (head_dim contiguous; other strides free)
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (same strides)
-    slot_mapping: [num_tokens] int32 or int64, block_id * block_size + offset; < 0 means skip
-    """
-    num_tokens, num_kv_heads, head_dim = key.shape
+def _check_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+              value_cache: torch.Tensor) -> None:
+    _, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape or key_cache.shape != value_cache.shape:
         raise ValueError(f"shape mismatch: key {tuple(key.shape)}, value {tuple(value.shape)}, "
                          f"caches {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
@@ -62,6 +63,18 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         raise ValueError("key_cache and value_cache must have the same strides")
     if key.stride(-1) != 1 or value.stride(-1) != 1 or key_cache.stride(-1) != 1:
         raise ValueError("head_dim must be contiguous in key, value and the caches")
+
+
+def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's keys and values into their slots (in place).
+
+    key, value: [num_tokens, num_kv_heads, head_dim] (head_dim contiguous; other strides free)
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (same strides)
+    slot_mapping: [num_tokens] int32 or int64, block_id * block_size + offset; < 0 means skip
+    """
+    _check_kv(key, value, key_cache, value_cache)
+    num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     _write_kv_cache_kernel[(num_tokens,)](
@@ -72,3 +85,92 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_DIM=triton.next_power_of_2(head_dim),
     )
+
+
+@triton.jit
+def _rotary_write_kv_cache_kernel(
+    query_ptr, key_ptr, value_ptr, positions_ptr, cos_sin_cache_ptr,
+    key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    query_stride_token, query_stride_head, key_stride_token, key_stride_head,
+    value_stride_token, value_stride_head, cos_sin_stride,
+    cache_stride_block, cache_stride_offset, cache_stride_head,
+    num_heads, num_kv_heads, head_dim, block_size,
+    BLOCK_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):
+    """Program per token: rotate its query heads and key heads in place (as
+    ``_apply_rotary_kernel``), and write the rotated keys and the values to its slot."""
+    token = tl.program_id(0).to(tl.int64)
+    half = head_dim // 2
+    cos, sin = _cos_sin(positions_ptr, cos_sin_cache_ptr, cos_sin_stride, token, half, BLOCK_HALF)
+    # cos and sin rounded to the activation dtype, as HF does before the products
+    q_cos = cos.to(query_ptr.dtype.element_ty).to(tl.float32)
+    q_sin = sin.to(query_ptr.dtype.element_ty).to(tl.float32)
+    _rotate_heads(query_ptr, query_stride_token, query_stride_head, token, num_heads,
+                  q_cos, q_sin, half, BLOCK_HEADS, BLOCK_HALF)
+    k_cos = cos.to(key_ptr.dtype.element_ty).to(tl.float32)
+    k_sin = sin.to(key_ptr.dtype.element_ty).to(tl.float32)
+    key1, key2, half_mask = _rotated_heads(key_ptr, key_stride_token, key_stride_head, token,
+                                           num_kv_heads, k_cos, k_sin, half, BLOCK_KV_HEADS,
+                                           BLOCK_HALF)
+    kv_heads = tl.arange(0, BLOCK_KV_HEADS)[:, None]  # [BLOCK_KV_HEADS, 1]
+    half_dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+    key_first = key_ptr + token * key_stride_token + kv_heads * key_stride_head + half_dims
+    tl.store(key_first, key1, mask=half_mask)  # the rotated key in place too, as the two ops
+    tl.store(key_first + half, key2, mask=half_mask)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:  # a negative slot is a padding token: nothing is written to the cache
+        cache_row = ((slot // block_size) * cache_stride_block
+                     + (slot % block_size) * cache_stride_offset)
+        key_cache_first = key_cache_ptr + cache_row + kv_heads * cache_stride_head + half_dims
+        tl.store(key_cache_first, key1.to(key_cache_ptr.dtype.element_ty), mask=half_mask)
+        tl.store(key_cache_first + half, key2.to(key_cache_ptr.dtype.element_ty), mask=half_mask)
+        dims = tl.arange(0, BLOCK_DIM)[None, :]  # [1, BLOCK_DIM]
+        mask = (kv_heads < num_kv_heads) & (dims < head_dim)
+        value = tl.load(value_ptr + token * value_stride_token + kv_heads * value_stride_head
+                        + dims, mask=mask)
+        tl.store(value_cache_ptr + cache_row + kv_heads * cache_stride_head + dims,
+                 value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_and_write_kv_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                              key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor) -> None:
+    """``apply_rotary(query, key, ...)`` then ``write_kv_cache(key, value, ...)`` in one launch
+    (the same numbers: rotary's rounding, then an exact copy).
+
+    query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim]
+    (head_dim contiguous; e.g. views split from a fused qkv output); positions: [num_tokens];
+    cos_sin_cache: [max_positions, head_dim] fp32; caches and slot_mapping as in
+    ``write_kv_cache`` (a negative slot writes nothing)
+    """
+    _check_rotary(query, key, positions, cos_sin_cache)
+    _check_kv(key, value, key_cache, value_cache)
+    if query.stride(-1) != 1 or cos_sin_cache.stride(-1) != 1:
+        raise ValueError("head_dim must be contiguous in query and cos_sin_cache")
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if num_tokens == 0:
+        return
+    _rotary_write_kv_cache_kernel[(num_tokens,)](
+        query, key, value, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), cos_sin_cache.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        num_heads, num_kv_heads, head_dim, key_cache.shape[1],
+        BLOCK_HEADS=triton.next_power_of_2(num_heads),
+        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_DIM=triton.next_power_of_2(head_dim),
+        enable_fp_fusion=False,  # an FMA would skip the rounding of one product: not HF's numbers
+    )
+
+
+def rotary_and_write_kv_cache_ref(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                  positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                                  key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                  slot_mapping: torch.Tensor) -> None:
+    """Plain torch: the two reference ops."""
+    apply_rotary_ref(query, key, positions, cos_sin_cache)
+    write_kv_cache_ref(key, value, key_cache, value_cache, slot_mapping)

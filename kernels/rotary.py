@@ -20,9 +20,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_token, stride_head, token, num_heads, cos, sin, half,
-                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate all heads of one token in place. cos, sin: [1, BLOCK_HALF] fp32."""
+def _rotated_heads(x_ptr, stride_token, stride_head, token, num_heads, cos, sin, half,
+                   BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """All heads of one token, rotated, in x's dtype: (first half, second half), each
+    [BLOCK_HEADS, BLOCK_HALF], with the mask of real heads and dims. cos, sin: [1, BLOCK_HALF]
+    fp32, already rounded to x's dtype."""
     dtype = x_ptr.dtype.element_ty
     heads = tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
     dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
@@ -33,8 +35,32 @@ def _rotate_heads(x_ptr, stride_token, stride_head, token, num_heads, cos, sin, 
     # each product rounded to the activation dtype before the sum, as torch does
     out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
-    tl.store(first, out1.to(dtype), mask=mask)
-    tl.store(first + half, out2.to(dtype), mask=mask)
+    return out1.to(dtype), out2.to(dtype), mask
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_token, stride_head, token, num_heads, cos, sin, half,
+                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate all heads of one token in place. cos, sin: [1, BLOCK_HALF] fp32."""
+    out1, out2, mask = _rotated_heads(x_ptr, stride_token, stride_head, token, num_heads,
+                                      cos, sin, half, BLOCK_HEADS, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    first = x_ptr + token * stride_token + heads * stride_head + dims
+    tl.store(first, out1, mask=mask)
+    tl.store(first + half, out2, mask=mask)
+
+
+@triton.jit
+def _cos_sin(positions_ptr, cos_sin_cache_ptr, cache_stride, token, half,
+             BLOCK_HALF: tl.constexpr):
+    """cos and sin of the token's position, [1, BLOCK_HALF] fp32 each."""
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
+    cache_row = cos_sin_cache_ptr + position * cache_stride + dims
+    cos = tl.load(cache_row, mask=dims < half, other=0.0)
+    sin = tl.load(cache_row + half, mask=dims < half, other=0.0)
+    return cos, sin
 
 
 @triton.jit
@@ -45,12 +71,8 @@ def _apply_rotary_kernel(
     BLOCK_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
-    cache_row = cos_sin_cache_ptr + position * cache_stride + dims
+    cos, sin = _cos_sin(positions_ptr, cos_sin_cache_ptr, cache_stride, token, half, BLOCK_HALF)
     # cos and sin rounded to the activation dtype, as HF does before the products
-    cos = tl.load(cache_row, mask=dims < half, other=0.0)
-    sin = tl.load(cache_row + half, mask=dims < half, other=0.0)
     q_cos = cos.to(query_ptr.dtype.element_ty).to(tl.float32)
     q_sin = sin.to(query_ptr.dtype.element_ty).to(tl.float32)
     _rotate_heads(query_ptr, query_stride_token, query_stride_head, token, num_heads,

@@ -12,8 +12,8 @@ directory (``config.json`` + ``*.safetensors``, HF parameter names); q/k/v and g
 their biases) are fused at load time so each is one matmul. A directory marked as a dummy model
 (``shared.models.DUMMY_MARKER``) gets seeded random weights built on the target device instead.
 
-The compute ops (RMSNorm with the residual add fused, rotary, SiLU-and-mul, the KV write and
-paged attention) come from ``services/worker/ops.py``: Triton kernels on CUDA, their torch
+The compute ops (RMSNorm with the residual add fused, rotary with the KV write, the gate_up
+projection with SiLU-and-mul, paged attention) come from ``services/worker/ops.py``: Triton kernels on CUDA, their torch
 references on CPU.
 """
 
@@ -231,8 +231,9 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        ops.apply_rotary(q, k, positions, cos_sin_cache)  # in place
-        ops.write_kv_cache(k, v, self.key_cache, self.value_cache, slot_mapping)
+        # q and k rotated in place; k and v written to the cache
+        ops.rotary_and_write_kv_cache(q, k, v, positions, cos_sin_cache, self.key_cache,
+                                      self.value_cache, slot_mapping)
         return q
 
     def attend(self, q: torch.Tensor, metadata: AttentionMetadata,

@@ -62,6 +62,17 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
     op(key, value, key_cache, value_cache, slot_mapping)
 
 
+def rotary_and_write_kv_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                              key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              slot_mapping: torch.Tensor) -> None:
+    """apply_rotary then write_kv_cache (one kernel on CUDA): query [num_tokens, num_heads,
+    head_dim] and key are rotated in place; the rotated keys and the values go to their slots."""
+    op = (kv_cache.rotary_and_write_kv_cache if query.is_cuda
+          else kv_cache.rotary_and_write_kv_cache_ref)
+    op(query, key, value, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+
+
 def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
               metadata, scale: float,
               decode_context: cpu_attention.DecodeContext | None = None,
