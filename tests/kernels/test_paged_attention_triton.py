@@ -100,6 +100,19 @@ def test_split_kv_mixed_and_more_segments_than_blocks():
     assert rel_error(out, ref) < 1e-4
 
 
+def test_split_kv_merge_in_launch_leaves_counters_zeroed():
+    """The last segment of each (tile, kv head) merges in the same launch and zeroes its
+    counter; a bound far past every context (a graph's) leaves most segments empty."""
+    from kernels.arrival_counters import arrival_counters
+
+    seqs = [(300, 1), (17, 1), (1, 1), (129, 1)]
+    for num_segments in (4, 16):
+        out, ref, _ = run(seqs, 8, 2, num_segments=num_segments)
+        assert rel_error(out, ref) < 1e-4
+        assert not arrival_counters(torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                                    1).any()
+
+
 def test_a_short_chunk_after_a_long_context_splits_it():
     """A prefix-cache hit's last chunk (few queries, long context) runs split-KV unforced."""
     from kernels.paged_attention import CHUNK_CONFIG, PREFILL_CONFIG, choose_chunk_segments
