@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from functools import cache
+from typing import Annotated
+
+import msgspec
+
 from shared.messages import ErrorInfo
 
 
@@ -81,8 +86,18 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> list[i
     is not. An empty list is refused: nothing to run."""
     if not token_ids:
         raise InvalidRequest("the prompt is empty: it encodes to no tokens", param=param)
+    try:  # one pass in C (16k ids: ~0.2 ms; min() and max() took ~0.45 ms)
+        return msgspec.convert(token_ids, _vocabulary_ids(vocab_size), strict=True)
+    except msgspec.ValidationError:
+        pass  # the error below names the first id out of range
     if min(token_ids) < 0 or max(token_ids) >= vocab_size:
         bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise InvalidRequest(f"token id {bad} is out of range: the vocabulary has "
                              f"{vocab_size} tokens", param=param)
     return list(token_ids)
+
+
+@cache
+def _vocabulary_ids(vocab_size: int) -> type:
+    """The type of a list of ids inside a vocabulary, for msgspec.convert."""
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import msgspec
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -287,6 +288,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
 async def read_json(request: Request):
     body = await request.body()
+    try:  # msgspec first: a 16k-id prompt parses in ~0.4 ms instead of ~1.2 ms
+        payload = msgspec.json.decode(body)
+    except (ValueError, RecursionError):  # msgspec's errors: json's own message, as before
+        payload = _json_loads_or_400(body)
+    if not isinstance(payload, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    return payload
+
+
+def _json_loads_or_400(body: bytes):
+    """The body as the standard library reads it (it also takes what msgspec refuses:
+    NaN, Infinity, lone surrogate escapes, numbers out of a float's range), or the 400
+    that names why it is not JSON."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError:
@@ -295,8 +309,6 @@ async def read_json(request: Request):
         payload = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(payload, dict):
-        raise InvalidRequest("the request body must be a JSON object")
     return payload
 
 

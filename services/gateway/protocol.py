@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import structlog
-from pydantic import Field, StringConstraints, ValidationError, model_validator
+import msgspec
+from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from services.gateway.chat_params import (ChatMessageParam, PredictionContent, ResponseFormat,
                                           Tool, ToolChoice, tools_and_choice)
-from services.gateway.request_base import (OpenAIModel, ParameterError, only_null,
+from services.gateway.request_base import (OpenAIModel, ParameterError, exact_ints, only_null,
                                            only_schema, refuse_if)
 from shared.errors import InvalidRequest
 from shared.messages import GenerationDefaults, SamplingParams, StructuredSpec
@@ -39,6 +40,7 @@ MIN_REPETITION_PENALTY = 0.01  # logits are divided by it: smaller ones overflow
 INT32_LIMIT = 2**31  # counts and token ids fit an int32: anything larger is a 400, not an
 # overflow deeper in (msgpack carries at most 64 bits)
 TokenId = Annotated[int, Field(ge=0, lt=INT32_LIMIT)]
+_TOKEN_ID_CHECK = Annotated[int, msgspec.Meta(ge=0, lt=INT32_LIMIT)]  # the same bounds, in C
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^-?[0-9]+$")]
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
 # parameters whose value is a map: an error inside one names the parameter itself
@@ -168,6 +170,18 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = Field(default=None, json_schema_extra=only_schema(
         {"type": "string", "maxLength": 0}, "no insertion (fill-in-the-middle)"))
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _token_ids_at_once(cls, value: Any, validate):
+        """A valid token-id prompt is taken as checked in C: pydantic's union would first
+        try it as a list of strings, making an error per id (~3.5 ms for 16k ids). Anything
+        else goes through the union, so every error reads as before."""
+        if isinstance(value, list) and value:
+            token_ids = exact_ints(value, _TOKEN_ID_CHECK)
+            if token_ids is not None:
+                return token_ids
+        return validate(value)
 
     @model_validator(mode="after")
     def _check_completion(self):

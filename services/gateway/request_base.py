@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, model_validator
 
 
@@ -39,8 +40,20 @@ def _integral_as_int(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
         return int(value)
     if isinstance(value, list):
+        ints = exact_ints(value)
+        if ints is not None:  # a token-id prompt: nothing to convert (16k ids: 2 ms in Python)
+            return ints
         return [_integral_as_int(item) if not isinstance(item, dict) else item for item in value]
     return value
+
+
+def exact_ints(value: list, item_type: Any = int) -> list[int] | None:
+    """A copy of ``value`` when every item is an ``item_type`` (an int type, maybe with
+    msgspec bounds; bools and floats are not ints here), checked in C; else None."""
+    try:
+        return msgspec.convert(value, list[item_type], strict=True)
+    except msgspec.ValidationError:
+        return None
 
 
 class OpenAIModel(BaseModel):

@@ -83,3 +83,30 @@ def test_best_of_sequences_and_assistant_tool_calls():
     assistant, tool = req.messages[1].to_message(), req.messages[2].to_message()
     assert assistant.tool_calls[0].function.name == "get_weather" and assistant.content is None
     assert tool.tool_call_id == "call_1"
+
+
+# A token-id prompt is checked in C when every id is valid; anything else takes pydantic's
+# union, so its value and its error read exactly as they did before.
+@pytest.mark.parametrize("prompt, expected", [
+    ([1, 2, 3], [1, 2, 3]),
+    ([0, 2**31 - 1], [0, 2**31 - 1]),
+    ([1, 2.0], [1, 2]),  # an integral float is an integer
+    ([[1, 2.0], [3]], [[1, 2], [3]]),  # a batch of token-id prompts
+    (["a", "b"], ["a", "b"]),
+    (list(range(20_000)), list(range(20_000))),
+])
+def test_token_id_prompts_take_their_values(prompt, expected):
+    req = parse_request(CompletionRequest, {**COMPLETION, "prompt": prompt})
+    assert req.prompt == expected and all(type(t) is int for t in req.prompts[0]
+                                          if not isinstance(t, (str, list)))
+
+
+@pytest.mark.parametrize("prompt", [
+    [2**31], [-1], [1, True], [True], [1, 2.5], [1, "2"], [1, None], [1, [2]], [1, {"a": 1}],
+    [2**63], [[1, -1]], [3] * 16_000 + [-5], [1, "a", 2],
+])
+def test_invalid_token_id_prompts_keep_the_unions_error(prompt):
+    with pytest.raises(InvalidRequest) as error:
+        parse_request(CompletionRequest, {**COMPLETION, "prompt": prompt})
+    assert (error.value.message, error.value.param) == \
+        ("prompt.str: Input should be a valid string", "prompt.str")
