@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from functools import lru_cache
 
 SPEC_VERSION = b"flotilla-prefix-v1"
 ROOT_PARENT = bytes(32)  # the parent of a sequence's first block
@@ -41,11 +42,33 @@ def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str
 def extend_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], num_tokens: int,
                         block_size: int, extra_keys: Sequence[str]) -> None:
     """Append the keys of the full blocks among the first ``num_tokens`` tokens that
-    ``block_hashes`` does not have yet (in place)."""
-    for index in range(len(block_hashes), num_tokens // block_size):
-        parent = block_hashes[-1] if block_hashes else ROOT_PARENT
-        block_tokens = token_ids[index * block_size:(index + 1) * block_size]
-        block_hashes.append(block_hash(parent, block_tokens, extra_keys))
+    ``block_hashes`` does not have yet (in place).
+
+    ``block_hash``'s bytes, built for a run of blocks at once: the token ids packed in one
+    call and the extra keys' bytes once, so each block costs one slice, one join and one
+    SHA-256 (1,023 blocks of a 16k prompt: ~1.0 ms, ~1.7 ms block by block)."""
+    first, end = len(block_hashes), num_tokens // block_size
+    if end <= first:
+        return
+    tokens = token_ids[first * block_size:end * block_size]
+    packed = struct.pack(f"<{len(tokens)}I", *tokens)
+    count, tail = struct.pack("<I", block_size), _extra_keys_bytes(tuple(extra_keys))
+    parent = block_hashes[-1] if block_hashes else ROOT_PARENT
+    step, sha256, join, append = 4 * block_size, hashlib.sha256, b"".join, block_hashes.append
+    for start in range(0, len(packed), step):
+        parent = sha256(join((SPEC_VERSION, parent, count, packed[start:start + step],
+                              tail))).digest()
+        append(parent)
+
+
+@lru_cache(maxsize=256)
+def _extra_keys_bytes(extra_keys: tuple[str, ...]) -> bytes:
+    """u32le number of extra keys || for each: u32le byte length || UTF-8 bytes."""
+    parts = [struct.pack("<I", len(extra_keys))]
+    for key in extra_keys:
+        encoded = key.encode("utf-8")
+        parts += [struct.pack("<I", len(encoded)), encoded]
+    return b"".join(parts)
 
 
 def usable_block_hashes(token_ids: Sequence[int], block_size: int,

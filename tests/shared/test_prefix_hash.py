@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import random
 import struct
 
 import pytest
@@ -68,3 +69,23 @@ def test_usable_blocks_leave_out_the_last_tokens_block():
     extend_block_hashes(expected, list(range(9)), 8, 4, keys)
     assert usable_block_hashes(list(range(9)), 4, keys) == expected
     assert usable_block_hashes([], 4, keys) == []
+
+
+@pytest.mark.parametrize("block_size, extra", [
+    (16, [MODEL]), (4, [MODEL, "salt:tenant-a"]), (1, ["model:ünï"]), (3, []),
+])
+def test_a_run_of_blocks_gets_block_hashs_keys(block_size, extra):
+    """extend_block_hashes builds the bytes of many blocks at once: each key must be the
+    one block_hash gives block by block, from any starting point and in pieces."""
+    rng = random.Random(block_size)
+    tokens = [rng.randrange(0, 2**32) for _ in range(40 * block_size + 3)] + [0, 2**32 - 1]
+    expected, parent = [], ROOT_PARENT
+    for index in range(len(tokens) // block_size):
+        parent = block_hash(parent, tokens[index * block_size:(index + 1) * block_size], extra)
+        expected.append(parent)
+    at_once: list[bytes] = []
+    extend_block_hashes(at_once, tokens, len(tokens), block_size, extra)
+    in_pieces: list[bytes] = []
+    for num_tokens in (0, block_size - 1, 5 * block_size + 1, 5 * block_size + 2, len(tokens)):
+        extend_block_hashes(in_pieces, tuple(tokens), num_tokens, block_size, tuple(extra))
+    assert at_once == in_pieces == expected
