@@ -24,12 +24,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import takewhile
+from operator import is_not, itemgetter
 from typing import NamedTuple
 
 
 class HostBlock(NamedTuple):
     slot_id: int
     token_ids: tuple[int, ...]
+
+
+_is_held = partial(is_not, None)  # a block found by the hash (dict.get gives None if not)
+_slot_id, _token_ids = itemgetter(0), itemgetter(1)  # a HostBlock's fields, read in C
 
 
 @dataclass
@@ -88,6 +95,25 @@ class HostTier:
 
     def get(self, block_hash: bytes) -> HostBlock | None:
         return self._blocks.get(block_hash)
+
+    def leading_run(self, block_hashes: Sequence[bytes]) -> list[HostBlock]:
+        """The blocks of the leading hashes held here, up to the first that is not (one
+        pass in C: a 16k prompt's 1,023 blocks are looked up per request)."""
+        return list(takewhile(_is_held, map(self._blocks.get, block_hashes)))
+
+    def pinnable(self, run: list[HostBlock], room: int) -> tuple[list[int], list[tuple[int, ...]]]:
+        """The slots and token ids of the leading blocks of ``run`` that pins may take
+        with ``room`` slots left: the run ends at the first block not pinned yet that
+        finds no room (blocks pinned already need none)."""
+        slot_ids, token_ids = list(map(_slot_id, run)), list(map(_token_ids, run))
+        pin_counts = self._pin_counts
+        if list(map(pin_counts.__getitem__, slot_ids)).count(0) > room:
+            for index, slot_id in enumerate(slot_ids):
+                if not pin_counts[slot_id]:
+                    if not room:
+                        return slot_ids[:index], token_ids[:index]
+                    room -= 1
+        return slot_ids, token_ids
 
     def reserved_by(self, owner_id: str) -> set[int]:
         return set(self._reserved.get(owner_id, ()))

@@ -159,27 +159,20 @@ class KvStore:
             self.owners.touch(request.owner_id, now)
             if host.has_pin(request.pin_id):
                 raise ValueError(f"pin id {request.pin_id!r} is in use")
-        room = host.pin_room()
-        tiers: list[str] = []
+        run = host.leading_run(request.block_hashes)
+        tiers = [HOST] * len(run)
         slot_ids: list[int] = []
         token_ids: list[tuple[int, ...]] = []
-        for block_hash in request.block_hashes:
-            block = host.get(block_hash)
-            if block is not None:
-                tiers.append(HOST)
-                if pinning:
-                    if not host.is_pinned(block.slot_id):
-                        if not room:
-                            pinning = False
-                            continue
-                        room -= 1
-                    slot_ids.append(block.slot_id)
-                    token_ids.append(block.token_ids)
-            elif disk is not None and disk.contains(ns.name, block_hash):
-                tiers.append(DISK)
-                pinning = False
-            else:
-                break
+        if pinning and run:
+            slot_ids, token_ids = host.pinnable(run, host.pin_room())
+        if disk is not None:  # past the host run: disk hits, and host hits after them
+            for block_hash in request.block_hashes[len(run):]:
+                if host.get(block_hash) is not None:
+                    tiers.append(HOST)
+                elif disk.contains(ns.name, block_hash):
+                    tiers.append(DISK)
+                else:
+                    break
         host.pin_slots(request.pin_id, request.owner_id, slot_ids)
         return Lookup(tiers, slot_ids, token_ids)
 
