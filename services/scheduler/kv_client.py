@@ -35,6 +35,7 @@ from shared.bus import Bus
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
     KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest,
+    encode,
 )
 from shared.subjects import Subjects
 
@@ -56,6 +57,31 @@ Rep = TypeVar("Rep")
 
 def new_pin_id() -> str:
     return os.urandom(16).hex()  # unique as a uuid4, without building one per request
+
+
+def _with_encoded_token_ids(message_type: type) -> type:
+    """``message_type`` read with its ``token_ids`` (each pinned block's tokens) left
+    encoded: a 16k prompt's 1,023 blocks cost ~0.6 ms to decode into lists and ~0.35 ms to
+    compare slice by slice; their bytes compare with the request's own in ~0.15 ms."""
+    fields = []
+    for field in msgspec.structs.fields(message_type):
+        kind = msgspec.Raw if field.name == "token_ids" else field.type
+        if field.default is not msgspec.NODEFAULT:
+            default = field.default
+        elif field.default_factory is not msgspec.NODEFAULT:
+            default = field.default_factory()
+        else:
+            fields.append((field.name, kind))
+            continue
+        if field.name == "token_ids":
+            default = msgspec.Raw(encode(default))
+        fields.append((field.name, kind, default))
+    return msgspec.defstruct(message_type.__name__, fields, kw_only=True, frozen=True)
+
+
+LookupReply = _with_encoded_token_ids(KvLookupReply)
+PinReply = _with_encoded_token_ids(KvPinReply)
+_decode_blocks = msgspec.msgpack.Decoder(list[list[int]]).decode
 
 
 class KvClient:
@@ -89,7 +115,7 @@ class KvClient:
         try:
             lookup = await self._ask("lookup", KvLookupRequest(
                 namespace=self.namespace, block_hashes=block_hashes, owner_id=self.owner_id,
-                pin_id=pin_id), KvLookupReply, deadline_s)
+                pin_id=pin_id), LookupReply, deadline_s)
         finally:
             self._lookups_in_flight -= 1
         if lookup is None:  # it may have pinned the host run all the same: let go of it
@@ -102,7 +128,7 @@ class KvClient:
         looked_up = time.monotonic()
         pinned_by_lookup = lookup.pin_id == pin_id  # "": the kvstore predates such lookups
         if pinned_by_lookup and _serves(lookup, num_blocks):
-            pin: KvLookupReply | KvPinReply = lookup
+            pin = lookup
         else:
             if pinned_by_lookup and lookup.slot_ids:  # not the hit wanted: let go of it
                 await self.release([pin_id])
@@ -112,7 +138,7 @@ class KvClient:
             timeout = PIN_TIMEOUT_S if DISK in lookup.tiers[:num_blocks] else HOST_PIN_TIMEOUT_S
             pin = await self._ask("pin", KvPinRequest(
                 namespace=self.namespace, owner_id=self.owner_id, pin_id=pin_id,
-                block_hashes=block_hashes[:num_blocks]), KvPinReply, timeout)
+                block_hashes=block_hashes[:num_blocks]), PinReply, timeout)
             if pin is None:  # it may still have pinned them: let go of them anyway
                 await self.release([pin_id])
                 return None
@@ -129,14 +155,26 @@ class KvClient:
         return TierHit(pin_id, pin.store_id, query.num_gpu_blocks,
                        tuple(pin.slot_ids[:num_confirmed]), tuple(pin.tiers[:num_confirmed]))
 
-    def _num_confirmed(self, pin: KvPinReply | KvLookupReply, first_block: int,
-                       token_ids: Sequence[int]) -> int:
-        """Leading pinned blocks whose tokens are the request's (a hash alone is no proof)."""
+    def _num_confirmed(self, pin, first_block: int, token_ids: Sequence[int]) -> int:
+        """Leading pinned blocks whose tokens are the request's (a hash alone is no proof).
+        ``pin``: a LookupReply or PinReply (tokens still encoded), or a KvLookupReply or
+        KvPinReply."""
         if not isinstance(token_ids, list):
             token_ids = list(token_ids)  # a slice of a list is a list: compared as is
         count, size = 0, self.block_size
         start = first_block * size
-        for block_tokens in pin.token_ids[:len(pin.slot_ids)]:
+        pinned_tokens = pin.token_ids
+        if isinstance(pinned_tokens, msgspec.Raw):
+            num_pinned = len(pin.slot_ids)
+            wanted = token_ids[start:start + num_pinned * size]
+            # all of them alike, byte for byte: the common case, at once (msgspec has one
+            # msgpack encoding of these lists; the request's blocks are cut in C by zip
+            # over one iterator); else read and compared block by block
+            if len(wanted) == num_pinned * size and bytes(pinned_tokens) == encode(
+                    list(zip(*[iter(wanted)] * size))):
+                return num_pinned
+            pinned_tokens = _decode_blocks(pinned_tokens)
+        for block_tokens in pinned_tokens[:len(pin.slot_ids)]:
             if block_tokens != token_ids[start:start + size]:
                 break
             count += 1
@@ -186,7 +224,7 @@ class KvClient:
         await self.release([])
 
 
-def _serves(lookup: KvLookupReply, num_blocks: int) -> bool:
+def _serves(lookup: LookupReply, num_blocks: int) -> bool:
     """Whether the host blocks a lookup pinned are the hit worth loading: the blocks
     wanted lie within them, or are all host hits (then the pin cap cut the pin short, and
     a second pin would meet the same cap: what is pinned is used, maybe nothing). Pinned
