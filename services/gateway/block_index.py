@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from shared.messages import KvBlockEvent, SchedulerBlockEvent
 
 HOST, DISK = "host", "disk"
@@ -36,10 +38,22 @@ TIER_BITS = {HOST: 1, DISK: 2}
 MAX_HELD_EVENTS = 512  # per scheduler while its snapshot is fetched; past that, fetch again
 SNAPSHOT_RETRY_S = 5.0  # after a failed snapshot
 MAX_DROPPED_REMEMBERED = 1024  # scheduler ids whose late events are ignored
+HASH_BYTES = 32  # a block hash (shared/prefix_hash.py: SHA-256)
 
 
 def block_key(block_hash: bytes) -> int:
     return int.from_bytes(block_hash[:8], "little")
+
+
+def block_keys(block_hashes: Iterable[bytes]) -> list[int]:
+    """``block_key`` of each hash; SHA-256 keys (32 bytes) read as one array (a 16k
+    prompt's 1,023: ~0.02 ms instead of ~0.19 ms)."""
+    if not isinstance(block_hashes, (list, tuple)):
+        block_hashes = list(block_hashes)
+    joined = b"".join(block_hashes)
+    if len(joined) != HASH_BYTES * len(block_hashes):
+        return [block_key(block_hash) for block_hash in block_hashes]
+    return np.frombuffer(joined, dtype="<u8")[::HASH_BYTES // 8].tolist()
 
 
 @dataclass
@@ -119,7 +133,7 @@ class BlockIndex:
             return  # dropped meanwhile
         self._clear(source)
         bit = 1 << source.bit
-        for key in map(block_key, block_hashes):
+        for key in block_keys(block_hashes):
             mask = self._gpu.get(key, 0)
             if not mask & bit:
                 self._gpu[key] = mask | bit
@@ -184,13 +198,13 @@ class BlockIndex:
         if not bit:
             return outcome
         blocks = store.blocks.setdefault(event.namespace, {})
-        for key in map(block_key, event.removed_hashes):
+        for key in block_keys(event.removed_hashes):
             bits = blocks.get(key, 0) & ~bit
             if bits:
                 blocks[key] = bits
             else:
                 blocks.pop(key, None)
-        for key in map(block_key, event.stored_hashes):
+        for key in block_keys(event.stored_hashes):
             blocks[key] = blocks.get(key, 0) | bit
         return outcome
 
@@ -255,7 +269,7 @@ class BlockIndex:
 
     def _apply(self, source: _Scheduler, event: SchedulerBlockEvent) -> None:
         bit = 1 << source.bit
-        for key in map(block_key, event.removed_hashes):
+        for key in block_keys(event.removed_hashes):
             mask = self._gpu.get(key, 0)
             if mask & bit:
                 source.num_blocks -= 1
@@ -263,7 +277,7 @@ class BlockIndex:
                     del self._gpu[key]
                 else:
                     self._gpu[key] = mask & ~bit
-        for key in map(block_key, event.stored_hashes):
+        for key in block_keys(event.stored_hashes):
             mask = self._gpu.get(key, 0)
             if not mask & bit:
                 self._gpu[key] = mask | bit

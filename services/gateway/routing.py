@@ -46,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from services.gateway.block_index import DISK, HOST, BlockIndex, block_key
+from services.gateway.block_index import DISK, HOST, BlockIndex, block_keys
 from services.gateway.config import ROUTING_POLICIES
 from shared.messages import SchedulerStats
 from shared.prefix_hash import extra_keys, usable_block_hashes
@@ -289,8 +289,8 @@ class Router:
             block_size, model_name = spec
             if block_size <= 0:
                 continue
-            keys_by_spec[spec] = [block_key(h) for h in usable_block_hashes(
-                token_ids, block_size, extra_keys(model_name, cache_salt))]
+            keys_by_spec[spec] = block_keys(usable_block_hashes(
+                token_ids, block_size, extra_keys(model_name, cache_salt)))
             gpu_runs |= self.index.gpu_prefix_blocks(
                 [r.scheduler_id for r in replicas
                  if (r.stats.block_size, r.stats.model_name) == spec], keys_by_spec[spec])

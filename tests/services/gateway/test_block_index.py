@@ -158,3 +158,15 @@ def test_a_restarted_kvstore_or_a_gap_drops_the_nodes_entries():
     assert index.tier_run("n1", "ns", keys(4), 0) == ["disk"]
     assert index.on_kv_event(kv_event(1, "disk", stored=[4], store_id="k2")) == ""  # a repeat
     assert index.num_tier_blocks() == 1
+
+
+def test_block_keys_are_each_hashs_block_key():
+    import os
+
+    from services.gateway.block_index import block_key, block_keys
+
+    hashes = [os.urandom(32) for _ in range(1_023)]
+    assert block_keys(hashes) == [block_key(h) for h in hashes]
+    assert block_keys(iter(hashes[:3])) == [block_key(h) for h in hashes[:3]]
+    assert block_keys([b"\x01" * 9, b"\x02" * 40]) == [block_key(b"\x01" * 9), block_key(b"\x02" * 40)]
+    assert block_keys([]) == []
