@@ -8,7 +8,8 @@ contiguous in a slot.
 On CPU a copy is a plain copy, one per run of consecutive slots and blocks. On CUDA the arena
 is registered as pinned memory (copies are DMA and never block the host) and every copy goes
 through a device staging buffer laid out like the slots, so each host<->device transfer is
-one memcpy per run of consecutive slots and the scatter/gather of blocks stays on the device:
+one memcpy per run of consecutive slots and the scatter/gather of blocks stays on the device
+(``kernels/kv_blocks.py``: one program per layer piece of a block, at memory speed):
 
 - ``load`` runs on a load stream that waits on an event recorded after the work queued so
   far (a step still in flight may use the blocks' old contents), and records a done event.
@@ -35,6 +36,7 @@ import numpy as np
 import structlog
 import torch
 
+from kernels.kv_blocks import gather_blocks, scatter_blocks
 from shared.kv_arena import KvArena
 
 log = structlog.get_logger()
@@ -42,22 +44,9 @@ log = structlog.get_logger()
 MAX_STAGING_BYTES = 32 << 20  # per direction, on the device: copies are cut into chunks of this
 
 
-def runs(ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs of consecutive ids: (index in ``ids``, first id, length). A loop: the loads call
-    it per staging chunk of a few dozen ids, where numpy's overhead would cost more."""
-    found: list[tuple[int, int, int]] = []
-    for index, value in enumerate(ids):
-        if found and found[-1][1] + found[-1][2] == value:
-            first_index, first, length = found[-1]
-            found[-1] = (first_index, first, length + 1)
-        else:
-            found.append((index, value, 1))
-    return found
-
-
 def chunked_runs(ids: Sequence[int], chunk_size: int) -> list[list[tuple[int, int, int]]]:
-    """``runs`` of each chunk of ``chunk_size`` ids (index within the chunk, first id,
-    length), found in one pass over all of them."""
+    """Runs of consecutive ids within each chunk of ``chunk_size`` ids (index within the
+    chunk, first id, length), found in one pass over all of them."""
     if not len(ids):
         return []
     ids = np.asarray(ids, dtype=np.int64)  # [n]
@@ -199,16 +188,18 @@ class KvTiers:
         self._wait_for_stores_on(stream, block_ids)  # and copies out may still read them
         timing.start, timing.end = (torch.cuda.Event(enable_timing=True),
                                     torch.cuda.Event(enable_timing=True))
+        chunk = self.staging_blocks
         with torch.cuda.stream(stream):
             timing.start.record(stream)
-            for first in range(0, len(slot_ids), self.staging_blocks):
-                chunk_slots = slot_ids[first:first + self.staging_blocks]
-                chunk_blocks = block_ids[first:first + self.staging_blocks]
-                staging = self._load_staging[:len(chunk_slots)]  # [n, *slot_shape]
-                for index, slot_id, length in runs(chunk_slots):
+            device_block_ids = _device_ids(block_ids, self.device)  # one transfer for all chunks
+            for first, slot_runs in zip(range(0, len(slot_ids), chunk),
+                                        chunked_runs(slot_ids, chunk)):
+                num_blocks = min(chunk, len(slot_ids) - first)
+                staging = self._load_staging[:num_blocks]  # [n, *slot_shape]
+                for index, slot_id, length in slot_runs:
                     staging[index:index + length].copy_(self.slots[slot_id:slot_id + length],
                                                         non_blocking=True)
-                self._scatter(chunk_blocks, staging)
+                scatter_blocks(self.kv_cache, device_block_ids[first:first + num_blocks], staging)
             timing.end.record(stream)
         self.pending_loads.append(LoadCopy(frozenset(block_ids), timing.end))
         return timing
@@ -225,12 +216,6 @@ class KvTiers:
         for load in self.pending_loads:
             if not block_ids.isdisjoint(load.block_ids):
                 compute.wait_event(load.done)
-
-    def _scatter(self, block_ids: Sequence[int], staging: torch.Tensor) -> None:
-        if len(runs(block_ids)) == 1:  # one slice, no index tensor
-            self.blocks[block_ids[0]:block_ids[0] + len(block_ids)].copy_(staging)
-        else:
-            self.blocks.index_copy_(0, _device_ids(block_ids, self.device), staging)
 
     # ------------------------------------------------------------ stores
     def store(self, block_ids: Sequence[int], slot_ids: Sequence[int],
@@ -254,8 +239,7 @@ class KvTiers:
                                         chunked_runs(slot_ids, chunk)):
                 num_blocks = min(chunk, len(slot_ids) - first)
                 staging = self._store_staging[:num_blocks]  # [n, *slot_shape]
-                torch.index_select(self.blocks, 0, device_block_ids[first:first + num_blocks],
-                                   out=staging)
+                gather_blocks(self.kv_cache, device_block_ids[first:first + num_blocks], staging)
                 for index, slot_id, length in slot_runs:
                     self.slots[slot_id:slot_id + length].copy_(staging[index:index + length],
                                                                non_blocking=True)

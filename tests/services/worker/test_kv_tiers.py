@@ -11,7 +11,7 @@ import torch
 from kernels.paged_attention import allocate_kv_cache
 from services.worker import kv_offload
 from services.worker.kv_offload import BlocksToStore, Commit, KvOffload, commit_messages
-from services.worker.kv_tiers import KvTiers, chunked_runs, paired_runs, runs
+from services.worker.kv_tiers import KvTiers, chunked_runs, paired_runs
 from shared.kv_arena import KvArena
 from shared.messages import KvStoreRun
 
@@ -57,8 +57,7 @@ def test_blocks_stored_then_loaded_into_other_blocks_are_bit_identical(tmp_path,
 
 
 def test_runs_group_consecutive_ids():
-    assert runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
-    assert runs([]) == []
+    assert chunked_runs([4, 5, 6, 9, 10, 2], 10) == [[(0, 4, 3), (3, 9, 2), (5, 2, 1)]]
     # both consecutive: one copy per run
     assert paired_runs([4, 5, 6, 9, 10], [1, 2, 3, 7, 9]) == [(4, 1, 3), (9, 7, 1), (10, 9, 1)]
     assert paired_runs([], []) == [] and paired_runs([3], [8]) == [(3, 8, 1)]
@@ -85,7 +84,6 @@ def test_runs_found_at_once_equal_a_walk_over_the_ids(seed):
     ids = [rng.choice((-1, 1, 1, 1, 5)) for _ in range(num_ids)]  # steps: mostly consecutive
     ids = [sum(ids[:i + 1]) + 100 for i in range(num_ids)]
     others = [value + rng.choice((0, 0, 0, 1)) * 1000 for value in ids]
-    assert runs(ids) == naive_runs(ids)
     assert chunked_runs(ids, chunk) == [[(index, first, length) for index, first, length
                                          in naive_runs(ids[start:start + chunk])]
                                         for start in range(0, num_ids, chunk)]
