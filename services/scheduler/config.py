@@ -20,10 +20,15 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     step_timeout_s: float = 120.0  # a step taking longer means the worker is gone
     stats_interval_s: float = 0.5  # stats events at most this often (and as a heartbeat)
     kv_node_id: str = ""  # the node's kvstore (docs/kvstore.md); "": none
+    # tier hits loaded in one step, beyond its first: a step that reads loaded blocks waits for
+    # its whole copy, so smaller batches let loads and compute pipeline (0: no cap)
+    max_kv_load_mib_per_step: int = 1024
     shutdown_timeout: float = 30.0  # s; on SIGTERM: finish held requests this long, fail the rest
 
     __help__ = {
         "kv_node_id": "node id of the kvstore to use (empty: no kvstore)",
+        "max_kv_load_mib_per_step": "MiB of kvstore hits loaded in one step, past its first "
+                                    "hit (0: no cap)",
         "replica_id": "replica this scheduler drives (its worker uses the same id)",
         "max_num_seqs": "most requests running at once",
         "max_num_batched_tokens": "most tokens computed in one step",
@@ -46,5 +51,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
             raise ValueError("chunk_step_ratio must be 0 (off) or positive")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be 0 or more")
+        if self.max_kv_load_mib_per_step < 0:
+            raise ValueError("max_kv_load_mib_per_step must be 0 (no cap) or positive")
         if self.max_steps_in_flight < 1:
             raise ValueError("max_steps_in_flight must be at least 1")

@@ -63,7 +63,7 @@ class Emitted:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int,
                  max_model_len: int, eos_token_ids: list[int], model_name: str = "",
-                 kvstore: bool = False) -> None:
+                 kvstore: bool = False, block_bytes: int = 0) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -83,6 +83,11 @@ class Scheduler:
         self._next_step_id = 0
         self._forget_ids: list[str] = []  # the worker should drop these at the next step
         self._in_plan: set[str] = set()  # ids in the plan being built: never preempted
+        # blocks a plan loads past its first hit (block_bytes 0, unknown: no cap)
+        load_cap = config.max_kv_load_mib_per_step << 20
+        self._max_load_blocks = max(1, load_cap // block_bytes) if load_cap and block_bytes \
+            else None
+        self._num_load_blocks = 0  # in the plan being built
 
     # ------------------------------------------------------------ intake
     def add_request(self, request: GenerateRequest, *, tier_hit: TierHit | None = None,
@@ -192,6 +197,7 @@ class Scheduler:
         """Plan the next step, or None when there is nothing to compute now."""
         budget = self.config.max_num_batched_tokens
         self._in_plan = set()
+        self._num_load_blocks = 0
         new_requests: list[NewRequestData] = []
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -293,7 +299,9 @@ class Scheduler:
         blocks it reads), so loads overlap the compute of other requests instead of
         delaying it, and the request waits for no round trip after its copy. Into a step
         with nothing else to compute, it computes at once, after its load (the worker
-        queues that forward while the copy runs)."""
+        queues that forward while the copy runs). Past a plan's first hit, its loads are
+        capped (``max_kv_load_mib_per_step``): the step that computes loaded requests waits
+        for their whole copy, so hits go in batches that pipeline against compute."""
         if req.num_pending_tokens:
             return None  # preempted mid-step: its last token is still on the way
         block_size = self.block_manager.block_size
@@ -304,12 +312,16 @@ class Scheduler:
         num_missing = num_blocks_for(num_cached + num_new, block_size) - len(hit_ids)
         if not self.block_manager.can_allocate(num_missing, self.block_manager.num_evictable(hit_ids)):
             return None
+        if loaded and self._num_load_blocks and self._max_load_blocks is not None and \
+                self._num_load_blocks + len(loaded) > self._max_load_blocks:
+            return None  # the plan's loads are full: it loads in the next one
         self.waiting.remove(req)
         self.running.append(req)
         self.block_manager.reuse(hit_ids)
         new_ids = self.block_manager.allocate(num_missing)
         req.block_table = hit_ids + new_ids
         self._load_tier_hit(req, loaded, new_ids[:len(loaded)])
+        self._num_load_blocks += len(loaded)
         req.num_computed_tokens = num_cached
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.time()

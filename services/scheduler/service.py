@@ -292,7 +292,8 @@ class SchedulerService:
             self.core = Scheduler(self.config, num_blocks=info.num_blocks,
                                   block_size=info.block_size, max_model_len=info.max_model_len,
                                   eos_token_ids=info.eos_token_ids, model_name=info.model_name,
-                                  kvstore=self.kv is not None)
+                                  kvstore=self.kv is not None,
+                                  block_bytes=info.kv_cache_bytes // max(info.num_blocks, 1))
             self._worker_id = info.worker_id
             self._bus_epoch = self.bus.num_disconnects  # attached over the link as it is now
             self._worker_link = None

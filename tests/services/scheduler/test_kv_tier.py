@@ -19,11 +19,11 @@ from tests.services.scheduler.test_scheduler import (
 
 
 def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, kvstore=False,
-                   **config) -> Scheduler:
+                   block_bytes=0, **config) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              **config)
     return Scheduler(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=512,
-                     eos_token_ids=[EOS], model_name="m", kvstore=kvstore)
+                     eos_token_ids=[EOS], model_name="m", kvstore=kvstore, block_bytes=block_bytes)
 
 
 class TierWorker(FakeWorker):
@@ -125,6 +125,38 @@ def test_a_request_loading_beside_others_computes_from_the_next_plan():
     outputs, _, _ = run_to_completion(scheduler, worker)
     assert first["a"] + outputs["a"] == expected_tokens("a", 18, 3)
     assert len(outputs["b"]) >= 1
+
+
+def test_a_steps_loads_are_capped_past_its_first_hit():
+    """With --max-kv-load-mib-per-step, a plan loads hits up to the cap (its first hit
+    always): the next hits load in the next plans, in their order, so a step that reads
+    loaded blocks waits for a smaller copy."""
+    # 1 MiB blocks, a 5 MiB cap: a hit of 4 blocks fits, a second one does not
+    scheduler, worker = make_scheduler(kvstore=True, block_bytes=1 << 20,
+                                       max_kv_load_mib_per_step=5), TierWorker(64)
+    prompts = {name: prompt_tokens(18, base=base) for name, base in
+               (("a", 5000), ("b", 6000), ("c", 7000))}
+    for name, prompt in prompts.items():
+        scheduler.add_request(request(name, 0, 2, prompt=prompt, ignore_eos=True),
+                              tier_hit=worker.pin(prompt, 0, 4, pin_id=f"p-{name}"))
+    loaded_per_plan = []
+    outputs, _, plans = run_to_completion(scheduler, worker, max_steps=50)
+    for plan in plans:
+        if plan.kv_loads:
+            loaded_per_plan.append([len(load.block_ids) for load in plan.kv_loads])
+    assert loaded_per_plan == [[4], [4], [4]]
+    for name, prompt in prompts.items():
+        assert outputs[name] == expected_tokens(name, 18, 2)
+
+
+def test_the_load_cap_never_holds_back_a_lone_hit():
+    scheduler, worker = make_scheduler(kvstore=True, block_bytes=1 << 20,
+                                       max_kv_load_mib_per_step=1), TierWorker(64)
+    prompt = prompt_tokens(18)
+    scheduler.add_request(request("a", 0, 2, prompt=prompt, ignore_eos=True),
+                          tier_hit=worker.pin(prompt, 0, 4))
+    plan = scheduler.schedule()
+    assert [len(load.block_ids) for load in plan.kv_loads] == [4]
 
 
 def test_cached_tokens_count_tier_hits():
