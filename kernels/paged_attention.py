@@ -35,13 +35,9 @@ The Triton kernel (``paged_attention``; design notes above ``_paged_attention_ke
   grid, ``num_tokens // BLOCK_Q + num_seqs + 1``, bounds the tile count; spare programs exit.
 - split-KV (flash-decoding): when few (sequence, kv head) programs would leave SMs idle, each
   sequence's context is cut into ``num_segments`` equal BLOCK_N-aligned pieces, one program each,
-  writing an unnormalised partial output with its running max and sum; the last segment of a
-  (tile, kv head) to finish (an arrival counter, ``kernels/arrival_counters.py``) merges them
-  with their log-sum-exp weights, in segment order, in the same launch (a separate combine
-  kernel cost 32 launches a Llama-3.1-8B decode step). Segments wholly past the tile's context
-  (a graph sized for a longer one) exit at once and are left out of the merge. The count comes
-  from host ints only (num_seqs, num_kv_heads, max_seq_len, SM count): see
-  ``choose_num_segments``.
+  writing an unnormalised partial output with its running max and sum; ``_combine_segments_kernel``
+  merges them with their log-sum-exp weights. The count comes from host ints only (num_seqs,
+  num_kv_heads, max_seq_len, SM count): see ``choose_num_segments``.
 - ``num_decodes`` (a host int from the scheduler, which puts decodes first) lets a mixed batch run
   as two launches: the decodes with 16-row tiles (and split-KV), the chunks with 128-row tiles, so
   decodes don't waste 7/8 of a prefill-sized tile and chunks keep their K/V reuse.
@@ -59,8 +55,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.arrival_counters import arrival_counters
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -242,11 +236,13 @@ DECODE_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=
 CHUNK_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)  # TUNE
 PREFILL_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)  # TUNE
 TARGET_PROGRAMS_PER_SM = 2  # TUNE: split contexts until a decode launch has this many per SM
-MIN_SEGMENT_LEN = 256  # TUNE: never split a context into pieces shorter than this (tokens)
+MIN_SEGMENT_LEN = 64  # TUNE: never split a context into pieces shorter than this (tokens)
+# (256 left a batch-1 decode graph bounded at ~1.2k tokens 4 segments of 256 keys: 9.8 us a layer
+# with the combine on the H200 at a 1k context, against 6.6 with 16 segments of 64.)
 MAX_SEGMENTS = 64  # TUNE: and never into more pieces than this (a power of 2)
 SPLIT_CHUNK_MIN_CONTEXT_RATIO = 4  # a chunk launch splits only with this much more context than queries
 SEQ_CHUNK = 256  # sequences scanned per vector load when a program looks for its sequence
-COMBINE_UNROLL = 4  # segments whose partials the merge loads at once
+COMBINE_NUM_WARPS = 4
 LOG2E = 1.4426950408889634
 
 
@@ -386,7 +382,7 @@ def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, 
 
 def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, block_tables,
             seq_lens, query_start_loc, num_tokens, max_query_len, num_segments, config) -> None:
-    """One kernel launch over a contiguous run of sequences (split-KV merged inside).
+    """One kernel launch over a contiguous run of sequences (and the combine, if split).
 
     num_tokens: a bound on the tokens of these sequences (grid and scratch size).
     """
@@ -402,7 +398,7 @@ def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, b
     one_tile_per_seq = max_query_len <= block_q
     num_tiles = num_seqs if one_tile_per_seq else num_tokens // block_q + num_seqs + 1
     head_dim_p2 = _padded_head_dim(head_dim)
-    part_acc = part_max = part_sum = counters = out  # unused unless split
+    part_acc = part_max = part_sum = out  # unused unless split
     if num_segments > 1:
         numel = workspace_numel(num_tokens, num_heads, head_dim, num_segments)
         if workspace is None:
@@ -413,19 +409,23 @@ def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, b
         part_acc = workspace[:num_rows * head_dim_p2]
         part_max = workspace[num_rows * head_dim_p2:num_rows * (head_dim_p2 + 1)]
         part_sum = workspace[num_rows * (head_dim_p2 + 1):numel]
-        counters = arrival_counters(query.device, num_tiles * num_kv_heads)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_segments)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        part_acc, part_max, part_sum, counters, scale * LOG2E, num_seqs,
+        part_acc, part_max, part_sum, scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         ONE_TILE_PER_SEQ=one_tile_per_seq, SEQ_CHUNK=SEQ_CHUNK, NUM_SEGMENTS=num_segments,
-        COMBINE_UNROLL=COMBINE_UNROLL,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages)
+    if num_segments > 1:
+        _combine_segments_kernel[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc, num_seqs,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, NUM_SEGMENTS=num_segments,
+            num_warps=COMBINE_NUM_WARPS)
 
 
 @triton.jit
@@ -500,18 +500,17 @@ def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_pt
 # each new combination would compile another variant in the middle of serving.
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq", "block_tables_ptr", "seq_lens_ptr",
                                "query_start_loc_ptr", "part_acc_ptr", "part_max_ptr",
-                               "part_sum_ptr", "counters_ptr"])
+                               "part_sum_ptr"])
 def _paged_attention_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counters_ptr,
-        qk_scale, num_seqs,
+        query_start_loc_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_seqs,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
         stride_bt_seq,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr, COMBINE_UNROLL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Program (tile, kv_head, segment): BLOCK_Q queries of one sequence x the GROUP query heads
     of kv_head (row r: query tile_first + r // GROUP, head kv_head * GROUP + r % GROUP), over
     its segment of the context (all of it unless split)."""
@@ -549,9 +548,6 @@ def _paged_attention_kernel(
         seg_end = kv_end
     else:  # equal BLOCK_N-aligned pieces of this sequence's context
         seg_len = tl.cdiv(tl.cdiv(seq_len, NUM_SEGMENTS), BLOCK_N) * BLOCK_N
-        num_active = tl.cdiv(kv_end, seg_len)  # segments holding some of the tile's context
-        if segment >= num_active:  # wholly past the tile's context: the merge skips it
-            return
         seg_start = segment * seg_len
         seg_end = tl.minimum(seg_start + seg_len, kv_end)
 
@@ -579,49 +575,34 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:  # partial row [token - first token of the launch, head, segment]
         num_heads = tl.num_programs(1) * GROUP
-        first_rows = ((tokens - tl.load(query_start_loc_ptr)) * num_heads + heads) * NUM_SEGMENTS
-        part_rows = first_rows + segment
+        part_rows = ((tokens - tl.load(query_start_loc_ptr)) * num_heads + heads) * NUM_SEGMENTS
+        part_rows += segment
         acc_ptrs = part_acc_ptr + part_rows[:, None] * HEAD_DIM_P2 + offs_d[None, :]
         tl.store(acc_ptrs, acc, mask=row_ok[:, None])
         tl.store(part_max_ptr + part_rows, m_i, mask=row_ok)
         tl.store(part_sum_ptr + part_rows, l_i, mask=row_ok)
-        tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-        counter_ptr = counters_ptr + tile * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_active - 1:  # the last segment to finish merges them all
-            tl.debug_barrier()
-            out = _merge_segments(part_acc_ptr, part_max_ptr, part_sum_ptr, first_rows, row_ok,
-                                  num_active, BLOCK_M, HEAD_DIM_P2, NUM_SEGMENTS, COMBINE_UNROLL)
-            o_ptrs = (out_ptr + (tokens * stride_o_tok + heads * stride_o_head)[:, None]
-                      + offs_d[None, :])
-            tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & d_ok[None, :])
-            tl.atomic_xchg(counter_ptr, 0)  # zero again for the next launch
 
 
-@triton.jit
-def _merge_segments(part_acc_ptr, part_max_ptr, part_sum_ptr, first_rows, row_ok, num_active,
-                    BLOCK_M: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-                    NUM_SEGMENTS: tl.constexpr, COMBINE_UNROLL: tl.constexpr):
-    """The tile's rows merged over their first num_active segments' partials (written by other
-    programs: read from L2), each weighted by exp2(its max - the row's max), in segment order.
-    first_rows: [BLOCK_M] partial row of segment 0 -> [BLOCK_M, HEAD_DIM_P2] fp32."""
-    segments = tl.arange(0, NUM_SEGMENTS)[None, :]  # [1, NUM_SEGMENTS]
-    seg_ok = row_ok[:, None] & (segments < num_active)  # [BLOCK_M, NUM_SEGMENTS]
-    seg_rows = first_rows[:, None] + segments
-    seg_max = tl.load(part_max_ptr + seg_rows, mask=seg_ok, other=-1.0e30, cache_modifier=".cg")
-    weights = tl.exp2(seg_max - tl.max(seg_max, axis=1)[:, None])  # [BLOCK_M, NUM_SEGMENTS]
-    seg_sum = tl.load(part_sum_ptr + seg_rows, mask=seg_ok, other=0.0, cache_modifier=".cg")
-    total = tl.sum(seg_sum * weights, axis=1)  # [BLOCK_M]
+@triton.jit(do_not_specialize=["num_seqs", "query_start_loc_ptr", "part_acc_ptr", "part_max_ptr",
+                               "part_sum_ptr"])
+def _combine_segments_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                             query_start_loc_ptr, num_seqs, stride_o_tok, stride_o_head,
+                             HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+                             NUM_SEGMENTS: tl.constexpr):
+    """Program (token of the launch, head): merge the segments' partial outputs, each weighted by
+    exp2(its max - the overall max); empty segments (max -1e30, sum 0) weigh nothing."""
+    token_in_launch = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(query_start_loc_ptr) + token_in_launch
+    if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding rows past the last sequence
+        return
+    rows = (token_in_launch.to(tl.int64) * tl.num_programs(1) + head) * NUM_SEGMENTS
+    rows += tl.arange(0, NUM_SEGMENTS)  # [NUM_SEGMENTS]
+    seg_max = tl.load(part_max_ptr + rows)
+    weights = tl.exp2(seg_max - tl.max(seg_max, axis=0))
+    total = tl.sum(tl.load(part_sum_ptr + rows) * weights, axis=0)
     offs_d = tl.arange(0, HEAD_DIM_P2)
-    out = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
-    for first in range(0, num_active, COMBINE_UNROLL):
-        for j in tl.static_range(COMBINE_UNROLL):  # independent loads, issued together
-            segment = first + j
-            rows = first_rows + segment  # [BLOCK_M]
-            ok = row_ok & (rows - first_rows < num_active)
-            acc = tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM_P2 + offs_d[None, :],
-                          mask=ok[:, None], other=0.0, cache_modifier=".cg")
-            weight = tl.sum(tl.where(segments == segment, weights, 0.0), axis=1)  # [BLOCK_M]
-            out += acc * weight[:, None]
-    return out / tl.where(total > 0, total, 1.0)[:, None]
+    acc = tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM_P2 + offs_d[None, :])
+    out = tl.sum(acc * weights[:, None], axis=0) / total  # [HEAD_DIM_P2]
+    o_ptrs = out_ptr + token.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -14,10 +14,10 @@ tail of one launch. This kernel is a plain weight stream.
 - **batch invariant and deterministic**: a row's result depends only on that row. The launch
   config is chosen per (N, K) alone, never per M, and M is no constexpr nor specialized on:
   every M runs the same compiled kernel, and a tensor-core product computes each output from its
-  own row and column. With ``split_k`` > 1 each split writes an fp32 partial and the last
-  program of its column tile to arrive (an arrival counter, ``kernels/arrival_counters.py``)
-  adds them in split order: the same sums whichever program is last, in the same launch (a
-  separate reduce kernel cost 64 launches a Llama-3.1-8B decode step).
+  own row and column. With ``split_k`` > 1 each split writes an fp32 partial and
+  ``_reduce_splits_kernel`` adds them in split order; no atomics anywhere. (Reducing in the
+  same launch, by the last program of each column tile to arrive at a counter, was tried: on
+  the H200 it cost o_proj 0.3 us more than the second launch saved and a decode step 0.05 ms.)
 - ``skinny_gemm_silu_and_mul``: the gate_up projection with SwiGLU in its epilogue (a program
   takes the gate rows of its columns and the matching up rows), rounded as the two kernels
   round it: one launch instead of two.
@@ -36,8 +36,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.arrival_counters import arrival_counters
 
 MAX_M = 16  # most rows of x the kernel serves (x is padded to this many)
 
@@ -64,10 +62,11 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 
 
 # The fused gate_up + SwiGLU launch (``skinny_gemm_silu_and_mul``), keyed by the gate_up weight's
-# (2 * d, K); block_n counts output columns, so a program streams 2 * block_n weight rows, as
-# many as the plain gate_up config's 32. TUNE
+# (2 * d, K); block_n counts output columns (a program streams 2 * block_n weight rows). H200,
+# 2026-11-23, M = 1, µs against gate_up (32, 128) + silu_and_mul's 57.3 in the same run: (32, 128)
+# 56.8, (64, 128) 56.7, (16, 128) 64.8, (32, 256, 4 stages) 63.5, (32, 128, 8 warps) 81.1. TUNE
 GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (28672, 4096): SkinnyConfig(16, 128, max_m=4),
+    (28672, 4096): SkinnyConfig(32, 128, max_m=4),
 }
 
 
@@ -109,7 +108,7 @@ def _silu_times(gate, up, dtype: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counters_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr,
     M, N, K, x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
     partial_stride_m, k_per_split,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FP32_IEEE: tl.constexpr,
@@ -157,23 +156,10 @@ def _skinny_gemm_kernel(
         x_ptrs += BLOCK_K
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * out_stride_m + offs_n[None, :]
-    if SPLIT_K > 1:
-        # each split stores an fp32 partial; the last program of the column tile to arrive
-        # adds all of them in split order (the same sums whichever arrives last: deterministic)
-        partial_ptrs = partial_ptr + offs_m[:, None] * partial_stride_m + offs_n[None, :]
-        tl.store(partial_ptrs + pid_k * partial_stride_split, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the arrival is counted
-        arrived = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            tl.debug_barrier()
-            acc = tl.load(partial_ptrs, mask=out_mask, other=0.0, cache_modifier=".cg")
-            for split in tl.static_range(1, SPLIT_K):
-                acc += tl.load(partial_ptrs + split * partial_stride_split, mask=out_mask,
-                               other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counters_ptr + pid_n, 0)  # zero again for the next launch
+    if SPLIT_K > 1:  # an fp32 partial per split; _reduce_splits_kernel adds them
+        partial_ptrs = (partial_ptr + pid_k * partial_stride_split
+                        + offs_m[:, None] * partial_stride_m + offs_n[None, :])
+        tl.store(partial_ptrs, acc, mask=out_mask)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
@@ -183,6 +169,23 @@ def _skinny_gemm_kernel(
         if GATED:
             acc = _silu_times(acc, acc_up, x_ptr.dtype.element_ty)
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    partial_ptr, bias_ptr, out_ptr, N, partial_stride_split, partial_stride_m, out_stride_m,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    ptrs = partial_ptr + row * partial_stride_m + cols
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):  # in split order: deterministic
+        acc += tl.load(ptrs + split * partial_stride_split, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride_m + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -206,21 +209,26 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     split_k = triton.cdiv(k, k_per_split)  # (may come out below config.split_k for small K)
     num_tiles = triton.cdiv(n, config.block_n)
-    partial = counters = out  # unused without a split
+    partial = out  # unused without a split
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, num_tiles)
     _skinny_gemm_kernel[(num_tiles, split_k)](
-        x, weight, bias if bias is not None else weight, out, partial, counters,
+        x, weight, bias if bias is not None else weight, out, partial,
         m, n, k, x.stride(0), weight.stride(0), n * weight.stride(0) if gated else 0,
         out.stride(0),
         partial.stride(0) if split_k > 1 else 0, partial.stride(1) if split_k > 1 else 0,
         k_per_split,
-        HAS_BIAS=bias is not None, EVEN_K=k % config.block_k == 0,
-        FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated,
-        BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        HAS_BIAS=bias is not None and split_k == 1, EVEN_K=k % config.block_k == 0,
+        FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if split_k > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _reduce_splits_kernel[(m, triton.cdiv(n, block))](
+            partial, bias if bias is not None else weight, out, n, partial.stride(0),
+            partial.stride(1), out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
+        )
 
 
 def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
