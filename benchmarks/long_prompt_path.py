@@ -18,8 +18,8 @@ a real kvstore process over a real nats-server, one at a time, as ``KvClient.fin
 makes it: milliseconds per hit (median, p90) and the CPU time of each side per hit.
 
 ``e2e``: the whole stack (gateway, tokenizer, scheduler, worker, kvstore, nats-server) with
-a tiny long-context model (random weights; ``.devmodels/dummy-tiny-llama-32k`` is the
-tiny-llama preset with max_position_embeddings 32,768), so the forward is small and a
+a tiny long-context model (random weights; ``.devmodels/dummy-tiny-llama-32k``, made on
+first use: the tiny-llama preset with max_position_embeddings 32,768), so the forward is small and a
 cached prompt's TTFT is nearly all control path. One 16k-token prompt is computed once
 (recompute: long on a CPU, its attention is quadratic); then each rep sends it again (a
 worker-cache hit), then short fresh prompts until the worker's cache has evicted it, then
@@ -340,6 +340,7 @@ async def e2e(args) -> dict:
     from cli.stack import Stack, StackOptions, flags, free_port
     from shared.models import resolve_model
 
+    ensure_long_model(Path(args.model))
     model_name = resolve_model(args.model).name
     log_dir = Path(tempfile.mkdtemp(prefix="flotilla-longprompt-"))
     length = args.prompt_len
@@ -403,6 +404,24 @@ async def e2e(args) -> dict:
     return {"ttft_median_ms": medians, "ttft_recompute_ms": cold["ttft_s"] * 1e3,
             "timeline_median_ms": timeline, "runs": runs, "logs": str(log_dir),
             "outputs_identical": all(r["same_text"] for r in runs["host"])}
+
+
+def ensure_long_model(path: Path, max_position_embeddings: int = 32_768) -> None:
+    """The tiny-llama preset (random weights, the default tokenizer) with a context long
+    enough for the prompt, made at ``path`` unless something is there already."""
+    import shutil
+
+    from shared.models import resolve_model
+
+    if path.exists():
+        return
+    staging = path.with_name(path.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(resolve_model("dummy:tiny-llama").path, staging)
+    config = json.loads((staging / "config.json").read_text())
+    config["max_position_embeddings"] = max_position_embeddings
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    staging.rename(path)
 
 
 async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> dict:
