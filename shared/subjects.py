@@ -75,7 +75,8 @@ class Subjects:
     # kvstore: one per node, addressed by node id; the worker and scheduler of a replica use
     # the worker's node's
     def kvstore(self, node_id: str, verb: str) -> str:
-        """verbs: attach, reserve, commit, lookup, pin, release, stats, keepalive, health.
+        """verbs: attach, reserve, commit, lookup, pin, release, stats, keepalive, health,
+        blocks_snapshot (every block hash in its tiers: BlockSnapshotRequest).
         A node id may be a Kubernetes node name: its dots (subject token separators)
         become underscores, on every side alike."""
         return self._addressed("kvstore", node_id.replace(".", "_"), verb)

@@ -65,6 +65,16 @@ class DiskTier:
             changes, self._changes = self._changes, []
         return changes
 
+    def take_changes_and_index(self) -> tuple[list[tuple[str, bool, bytes]], dict[str, list[bytes]]]:
+        """``take_changes`` and, taken under the same lock, every block indexed by
+        namespace: the index is exactly what those changes (and all before) leave."""
+        index: dict[str, list[bytes]] = {}
+        with self._lock:
+            changes, self._changes = self._changes, []
+            for namespace, block_hash in self._entries:
+                index.setdefault(namespace, []).append(block_hash)
+        return changes, index
+
     def _add(self, key: Key, size: int) -> None:
         """Under the lock."""
         self._entries[key] = size

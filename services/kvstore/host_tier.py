@@ -93,6 +93,10 @@ class HostTier:
     def num_reserved(self) -> int:
         return self._num_reserved
 
+    def block_hashes(self) -> list[bytes]:
+        """Every indexed block's hash (least recently used first)."""
+        return list(self._blocks)
+
     def get(self, block_hash: bytes) -> HostBlock | None:
         return self._blocks.get(block_hash)
 

@@ -1,16 +1,19 @@
 """The kvstore's NATS edge (docs/kvstore.md). Addressed by node: every verb is served on
 ``Subjects.kvstore(node_id, verb)``.
 
-- attach, reserve, lookup, pin, stats: requests with a reply;
+- attach, reserve, lookup, pin, stats, blocks_snapshot: requests with a reply;
 - commit and release: served as requests that answer ``Empty``, so a caller may publish
   them (fire and forget, the worker's way) or ask and wait to know they were applied;
 - keepalive: a plain subscription.
 
 A lookup may pin the leading run of host hits (``KvLookupRequest.pin_id``): the
 scheduler's one round trip for a host hit. Pins are handled concurrently (a disk read
-runs in a thread; lookups and other pins go on meanwhile); each other verb in order. Block events are batched every
-``event_interval_s``; silent owners are expired every second. Arena files live under
-``kv_shm_dir`` and are removed at exit; those of earlier kvstores of this node at start.
+runs in a thread; lookups and other pins go on meanwhile); each other verb in order.
+Block events are batched every ``event_interval_s``; blocks_snapshot drains them first,
+then pages out every indexed hash per namespace and tier (shared/block_snapshots.py),
+for the gateways' routing index. Silent owners are expired every second. Arena files
+live under ``kv_shm_dir`` and are removed at exit; those of earlier kvstores of this node
+at start.
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ from services.kvstore.disk_writer import DiskWriter, WriteJob
 from services.kvstore.metrics import KvStoreMetrics
 from services.kvstore.rate import RateMeter
 from services.kvstore.store import DISK, HOST, KvStore, Namespace, num_host_slots, slot_nbytes_of
+from shared.block_snapshots import KeptSnapshots
 from shared.bus import Bus
 from shared.errors import InvalidRequest, ServiceUnavailable
 from shared.kv_arena import KvArena
 from shared.messages import (
-    Empty, HealthReply, KvAttachReply, KvAttachRequest, KvCommitRequest, KvKeepAlive,
+    BlockSnapshotReply, BlockSnapshotRequest, Empty, HealthReply, KvAttachReply, KvAttachRequest, KvCommitRequest, KvKeepAlive,
     KvLookupReply, KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest,
-    KvReserveReply, KvReserveRequest, KvStatsReply,
+    KvBlockEvent, KvReserveReply, KvReserveRequest, KvStatsReply,
 )
 from shared.runtime import freeze_startup_objects
 from shared.subjects import Subjects
@@ -106,6 +110,8 @@ class KvStoreService:
         self.disk_read_speed = RateMeter()
         self._loop = asyncio.get_running_loop()
         self._arena_locks: list[int] = []  # file descriptors, locked until we exit
+        self._snapshots = KeptSnapshots()
+        self._publishing = asyncio.Lock()  # events go out in seq order, snapshots between
         self.log = log.bind(node_id=config.node_id, store_id=self.store_id)
 
     def _subject(self, verb: str) -> str:
@@ -120,6 +126,7 @@ class KvStoreService:
         await serve(s("pin"), KvPinRequest, self._on_pin, concurrent=True)
         await serve(s("release"), KvReleaseRequest, self._on_release)
         await serve(s("stats"), Empty, self._on_stats)
+        await serve(s("blocks_snapshot"), BlockSnapshotRequest, self._on_blocks_snapshot)
         await self.bus.subscribe(s("keepalive"), KvKeepAlive, self._on_keepalive)
         await serve(s("health"), Empty, self._on_health)  # this node's (its probe)
         await serve(self.subjects.health("kvstore"), Empty, self._on_health,
@@ -282,6 +289,23 @@ class KvStoreService:
         return KvStatsReply(store_id=self.store_id, node_id=self.config.node_id,
                             tiers=self.store.tier_stats())
 
+    async def _on_blocks_snapshot(self, request: BlockSnapshotRequest) -> BlockSnapshotReply:
+        """A page of every block hash in the tiers, per namespace and tier (routing: a
+        gateway that missed events, or started after blocks were stored). Offset 0 takes a
+        new snapshot: pending events are drained and published first, so it is exactly the
+        state after the seq it reports."""
+        now = time.monotonic()
+        if request.offset == 0:
+            async with self._publishing:
+                events, seq, parts = self.store.snapshot(time.time())
+                self._snapshots.keep(seq, parts, now)
+                await self._send_events(events)
+            self.log.info("kv_block_snapshot_taken", seq=seq,
+                          num_hashes=sum(len(part.block_hashes) for part in parts))
+        else:
+            seq = request.snapshot_seq
+        return self._snapshots.page(self.store_id, seq, request.offset, now)
+
     async def _on_health(self, _: Empty) -> HealthReply:
         return HealthReply(service="kvstore", instance_id=self.config.instance_id,
                            detail={"node_id": self.config.node_id, "store_id": self.store_id,
@@ -298,7 +322,11 @@ class KvStoreService:
                 self.metrics.set_tiers(self.store.tier_stats())
 
     async def _publish_events(self) -> None:
-        for event in self.store.collect_events(time.time()):
+        async with self._publishing:
+            await self._send_events(self.store.collect_events(time.time()))
+
+    async def _send_events(self, events: list[KvBlockEvent]) -> None:
+        for event in events:
             try:
                 await self.bus.publish(self.subjects.kvstore_blocks, event)
             except ServiceUnavailable:  # NATS is down: the seq gap tells subscribers

@@ -23,7 +23,7 @@ from services.kvstore.host_tier import HostBlock, HostTier
 from services.kvstore.owners import OwnerClock
 from shared.kv_arena import KvArena
 from shared.messages import (
-    KvBlockEvent, KvCommitRequest, KvLayout, KvLookupRequest, KvPinReply, KvPinRequest,
+    BlockSnapshotPart, KvBlockEvent, KvCommitRequest, KvLayout, KvLookupRequest, KvPinReply, KvPinRequest,
     KvTierStats,
 )
 
@@ -281,12 +281,33 @@ class KvStore:
 
     # ------------------------------------------------------------ reporting
     def collect_events(self, now: float) -> list[KvBlockEvent]:
+        return self._collect(now, None)
+
+    def snapshot(self, now: float) -> tuple[list[KvBlockEvent], int, list[BlockSnapshotPart]]:
+        """Drain the pending changes into events and take every indexed hash per namespace
+        and tier: (the events to publish, the seq of the last of them (or of the last event
+        before, when none was pending), the parts). The parts are exactly the state those
+        events leave: the disk's index is read under the same lock as its last changes."""
+        disk_index: dict[str, list[bytes]] = {}
+        events = self._collect(now, disk_index)
+        parts = [BlockSnapshotPart(namespace=name, tier=HOST, block_hashes=ns.host.block_hashes())
+                 for name, ns in sorted(self.namespaces.items()) if ns.host.num_blocks]
+        parts += [BlockSnapshotPart(namespace=name, tier=DISK, block_hashes=hashes)
+                  for name, hashes in sorted(disk_index.items())]
+        return events, self.events.seq, parts
+
+    def _collect(self, now: float, disk_index: dict[str, list[bytes]] | None) -> list[KvBlockEvent]:
         for ns in self.namespaces.values():
             stored, removed = ns.host.changes.take()
             self.events.add(ns.name, HOST, stored, removed)
         if self.disk is not None:
+            if disk_index is None:
+                changes = self.disk.take_changes()
+            else:
+                changes, index = self.disk.take_changes_and_index()
+                disk_index.update(index)
             by_namespace: dict[str, tuple[list[bytes], list[bytes]]] = defaultdict(lambda: ([], []))
-            for namespace, stored, block_hash in self.disk.take_changes():
+            for namespace, stored, block_hash in changes:
                 by_namespace[namespace][0 if stored else 1].append(block_hash)
             for namespace, (stored_hashes, removed_hashes) in by_namespace.items():
                 self.events.add(namespace, DISK, stored_hashes, removed_hashes)

@@ -25,6 +25,7 @@ from services.scheduler.block_manager import BlockManager
 from services.scheduler.kv_client import KvClient
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tiering import TierSpeeds
+from shared.block_snapshots import MAX_HASHES_PER_PAGE, MAX_SNAPSHOTS_KEPT, SNAPSHOT_TTL_S
 from shared.bus import Bus
 from shared.errors import InvalidRequest, ServiceUnavailable
 from shared.messages import (
@@ -36,9 +37,6 @@ log = structlog.get_logger()
 
 PUBLISH_INTERVAL_S = 0.05
 MAX_HASHES_PER_EVENT = 2000  # ~70 KB of hashes
-MAX_HASHES_PER_PAGE = 16_000  # ~550 KB: under NATS's default 1 MB payload
-SNAPSHOT_TTL_S = 10.0  # a reader pages one snapshot within this
-MAX_SNAPSHOTS_KEPT = 4
 
 
 class BlockEventPublisher:
