@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import structlog
 import msgspec
+import structlog
 from pydantic import Field, StringConstraints, ValidationError, field_validator, model_validator
 
 from services.gateway.chat_params import (ChatMessageParam, PredictionContent, ResponseFormat,
