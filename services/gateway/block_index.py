@@ -17,10 +17,15 @@ Entries are only ever taken from an unbroken run of a source's events:
 - A scheduler dropped (its heartbeat lost, or a new instance of its replica seen: a
   restart is a new scheduler id, its epoch) loses its entries, and its late events are
   ignored: no request is routed by the blocks of a cache that is gone.
-- A kvstore's events apply in seq order per store_id. A new store_id for a node (the
-  kvstore restarted) drops the old one's entries. The kvstore has no snapshot verb: after
-  a gap its node's entries are dropped and rebuilt from the events that follow, so they
-  may miss blocks (routing under-counts those hits) but never keep a removed one.
+- A kvstore's events apply in seq order from 1 per store_id, and a node's entries follow
+  one store_id at a time. A gap, or a first event past 1, empties the node's entries and
+  asks for the kvstore's snapshot (its host and disk tiers per namespace); events
+  arriving meanwhile are held and applied on top, as for a scheduler. A node named by a
+  scheduler's stats but not heard of yet (this gateway started after the kvstore stored
+  blocks, and it has been quiet since) asks for one too; so does such stats after a
+  failed snapshot, once SNAPSHOT_RETRY_S has passed. A new store_id for a node (the
+  kvstore restarted) drops the old one's entries, and the old one's late events and
+  snapshot are ignored.
 """
 
 from __future__ import annotations
@@ -28,16 +33,17 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-from shared.messages import KvBlockEvent, SchedulerBlockEvent
+from shared.messages import BlockSnapshotPart, KvBlockEvent, SchedulerBlockEvent
 
 HOST, DISK = "host", "disk"
 TIER_BITS = {HOST: 1, DISK: 2}
-MAX_HELD_EVENTS = 512  # per scheduler while its snapshot is fetched; past that, fetch again
+MAX_HELD_EVENTS = 512  # per scheduler or kvstore while its snapshot is fetched; past that, fetch again
 SNAPSHOT_RETRY_S = 5.0  # after a failed snapshot
-MAX_DROPPED_REMEMBERED = 1024  # scheduler ids whose late events are ignored
+MAX_DROPPED_REMEMBERED = 1024  # scheduler (and store) ids whose late events are ignored
 HASH_BYTES = 32  # a block hash (shared/prefix_hash.py: SHA-256)
 
 
@@ -70,11 +76,27 @@ class _Scheduler:
 
 @dataclass
 class _Store:
-    """One kvstore process (store_id) of a node."""
+    """One kvstore process (store_id) of a node; store_id "" while only the node is known
+    (named by a scheduler's stats) and its first snapshot is awaited."""
 
     store_id: str
-    seq: int
+    seq: int = 0  # the last event applied
     blocks: dict[str, dict[int, int]] = field(default_factory=dict)  # namespace -> key -> tier bits
+    synced: bool = True  # its entries are exactly what its events 1..seq left
+    fetching: bool = False  # a snapshot is under way: events are held
+    held: list[KvBlockEvent] = field(default_factory=list)
+    held_overflow: bool = False
+    retry_at: float = 0.0  # no snapshot asked for before this
+
+
+class KvEventOutcome(NamedTuple):
+    reset: str  # "" (in step), "restart" (a new store_id: the old one's entries dropped),
+    # "gap" (events missed: the node's entries dropped) or "late" (first heard of past seq 1)
+    fetch: bool  # the caller should fetch the node's snapshot now (then call
+    # load_kv_snapshot or kv_snapshot_failed with the store_id kv_store_id gives now)
+
+
+_IN_STEP = KvEventOutcome("", False)
 
 
 class BlockIndex:
@@ -85,6 +107,7 @@ class BlockIndex:
         self._next_bit = 0
         self._dropped: OrderedDict[str, None] = OrderedDict()
         self._stores: dict[str, _Store] = {}  # node id -> its kvstore
+        self._dropped_stores: OrderedDict[str, None] = OrderedDict()  # restarted: ignored
 
     # ------------------------------------------------------------ GPU tier: events
     def on_scheduler_event(self, event: SchedulerBlockEvent, now: float) -> bool:
@@ -169,44 +192,114 @@ class BlockIndex:
     def resync_all(self) -> None:
         """This gateway's own link to NATS dropped: any source may have lost events."""
         for source in self._schedulers.values():
-            if not source.fetching:
+            if source.fetching:  # its snapshot may predate what was lost: load, then ask again
+                source.held_overflow = True
+            else:
                 self._clear(source)
                 source.synced, source.retry_at = False, 0.0
         for store in self._stores.values():
-            store.blocks.clear()
+            if store.fetching:
+                store.held_overflow = True
+            else:
+                store.blocks.clear()
+                store.synced, store.retry_at = False, 0.0
 
     def is_synced(self, scheduler_id: str) -> bool:
         source = self._schedulers.get(scheduler_id)
         return source is not None and source.synced and not source.fetching
 
     # ------------------------------------------------------------ kvstore tiers: events
-    def on_kv_event(self, event: KvBlockEvent) -> str:
-        """Apply one kvstore event; returns what happened to the node's entries: "" (in
-        step), "restart" (a new store_id: the old one's dropped) or "gap" (dropped)."""
+    def on_kv_event(self, event: KvBlockEvent, now: float = 0.0) -> KvEventOutcome:
+        """Apply one kvstore event (a node's entries follow one store_id at a time)."""
+        if event.store_id in self._dropped_stores:
+            return _IN_STEP  # a late event of a kvstore that restarted since
         store = self._stores.get(event.node_id)
-        outcome = ""
-        if store is None or store.store_id != event.store_id:
-            outcome = "restart" if store is not None else ""
-            store = self._stores[event.node_id] = _Store(event.store_id, event.seq - 1)
-        elif event.seq <= store.seq:
-            return ""
-        elif event.seq != store.seq + 1:
+        reset = ""
+        if store is None or (store.store_id != event.store_id
+                             and not (store.fetching and not store.store_id)):
+            retry_at = 0.0
+            if store is not None and store.store_id:
+                reset = "restart"
+                self._drop_store_id(store.store_id)
+            elif store is not None:  # only the node was known, its snapshot failed
+                retry_at = store.retry_at
+            store = self._stores[event.node_id] = _Store(event.store_id, retry_at=retry_at)
+        if store.fetching:
+            self._hold(store, event)
+            return KvEventOutcome(reset, False)
+        if store.synced:
+            if event.seq <= store.seq:
+                return KvEventOutcome(reset, False)  # already applied
+            if event.seq == store.seq + 1:
+                self._apply_kv(store, event)
+                return KvEventOutcome(reset, False)
+            reset = reset or ("gap" if store.seq else "late")
             store.blocks.clear()
-            outcome = "gap"
-        store.seq = event.seq
-        bit = TIER_BITS.get(event.tier, 0)
-        if not bit:
-            return outcome
-        blocks = store.blocks.setdefault(event.namespace, {})
-        for key in block_keys(event.removed_hashes):
-            bits = blocks.get(key, 0) & ~bit
-            if bits:
-                blocks[key] = bits
-            else:
-                blocks.pop(key, None)
-        for key in block_keys(event.stored_hashes):
-            blocks[key] = blocks.get(key, 0) | bit
-        return outcome
+            store.synced = False
+        return KvEventOutcome(reset, self._start_kv_fetch(store, now, [event]))
+
+    def on_kv_node_seen(self, node_id: str, now: float) -> bool:
+        """A scheduler's stats name this kvstore node: one not heard of yet (this gateway
+        started after it stored blocks, or it has been idle since), or out of step after a
+        failed snapshot, needs a snapshot. True when the caller should fetch it now."""
+        store = self._stores.get(node_id)
+        if store is None:
+            store = self._stores[node_id] = _Store("", synced=False)
+        if store.synced or store.fetching:
+            return False
+        return self._start_kv_fetch(store, now, [])
+
+    def kv_store_id(self, node_id: str) -> str | None:
+        """The store_id the node's entries follow ("" while only the node is known)."""
+        store = self._stores.get(node_id)
+        return store.store_id if store is not None else None
+
+    def load_kv_snapshot(self, node_id: str, asked_store_id: str, source_id: str, seq: int,
+                         parts: Iterable[BlockSnapshotPart], now: float) -> bool:
+        """A kvstore snapshot arrived: store ``source_id``'s tiers after its event ``seq``,
+        asked for while the node followed ``asked_store_id``; the events held meanwhile
+        apply on top. Ignored (False) when the node has moved on since (a restart seen in
+        its events). A snapshot of another store than asked (the kvstore restarted and no
+        event told yet) replaces the node's store. A gap among the held events (or more
+        than could be held) leaves it out of step: the next event or stats asks anew."""
+        store = self._stores.get(node_id)
+        if store is None or store.store_id != asked_store_id or not store.fetching:
+            return False
+        held, overflow = store.held, store.held_overflow
+        if source_id != store.store_id:
+            if store.store_id:
+                self._drop_store_id(store.store_id)
+            store = self._stores[node_id] = _Store(source_id)
+        store.blocks.clear()
+        for part in parts:
+            bit = TIER_BITS.get(part.tier, 0)
+            if bit:
+                blocks = store.blocks.setdefault(part.namespace, {})
+                for key in block_keys(part.block_hashes):
+                    blocks[key] = blocks.get(key, 0) | bit
+        store.seq, store.synced, store.fetching = seq, True, False
+        store.held, store.held_overflow = [], False
+        held = sorted((e for e in held if e.store_id == source_id), key=lambda e: e.seq)
+        for event in held:
+            if event.seq == store.seq + 1:
+                self._apply_kv(store, event)
+            elif event.seq > store.seq + 1:
+                break
+        if overflow or (held and held[-1].seq > store.seq):
+            store.blocks.clear()
+            store.synced, store.retry_at = False, now
+        return True
+
+    def kv_snapshot_failed(self, node_id: str, asked_store_id: str, now: float) -> None:
+        """The node's entries stay empty; no snapshot is asked for SNAPSHOT_RETRY_S."""
+        store = self._stores.get(node_id)
+        if store is not None and store.store_id == asked_store_id and store.fetching:
+            store.fetching, store.held, store.held_overflow = False, [], False
+            store.retry_at = now + SNAPSHOT_RETRY_S
+
+    def is_kv_synced(self, node_id: str) -> bool:
+        store = self._stores.get(node_id)
+        return store is not None and store.synced and not store.fetching
 
     # ------------------------------------------------------------ reads
     def gpu_prefix_blocks(self, scheduler_ids: Sequence[str], keys: Sequence[int]) -> dict[str, int]:
@@ -283,6 +376,38 @@ class BlockIndex:
                 self._gpu[key] = mask | bit
                 source.num_blocks += 1
         source.seq = event.seq
+
+    def _start_kv_fetch(self, store: _Store, now: float, held: list[KvBlockEvent]) -> bool:
+        if now < store.retry_at:
+            return False
+        store.fetching, store.held, store.held_overflow = True, held, False
+        return True
+
+    def _hold(self, store: _Store, event: KvBlockEvent) -> None:
+        if len(store.held) < MAX_HELD_EVENTS:
+            store.held.append(event)
+        else:
+            store.held_overflow = True
+
+    def _drop_store_id(self, store_id: str) -> None:
+        self._dropped_stores[store_id] = None
+        while len(self._dropped_stores) > MAX_DROPPED_REMEMBERED:
+            self._dropped_stores.popitem(last=False)
+
+    def _apply_kv(self, store: _Store, event: KvBlockEvent) -> None:
+        store.seq = event.seq
+        bit = TIER_BITS.get(event.tier, 0)
+        if not bit:
+            return
+        blocks = store.blocks.setdefault(event.namespace, {})
+        for key in block_keys(event.removed_hashes):
+            bits = blocks.get(key, 0) & ~bit
+            if bits:
+                blocks[key] = bits
+            else:
+                blocks.pop(key, None)
+        for key in block_keys(event.stored_hashes):
+            blocks[key] = blocks.get(key, 0) | bit
 
     def _clear(self, source: _Scheduler) -> None:
         """Remove every entry of this scheduler (a full pass: only on a gap or a drop)."""

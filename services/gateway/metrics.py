@@ -40,8 +40,9 @@ class GatewayMetrics:
             "Prompt tokens the chosen replica was expected to find cached, by tier",
             ["tier"], registry=r)
         self.routing_snapshots = Counter(
-            "flotilla_routing_block_snapshots", "Scheduler block snapshots fetched for the "
-            "routing index, by outcome (loaded, failed)", ["outcome"], registry=r)
+            "flotilla_routing_block_snapshots", "Block snapshots fetched for the routing "
+            "index, by outcome: a scheduler's loaded, failed; a kvstore's kv_loaded, kv_failed, "
+            "kv_stale (its node moved to a restarted kvstore meanwhile)", ["outcome"], registry=r)
         self.routing_index_blocks = Gauge(
             "flotilla_routing_index_blocks", "Blocks in the routing index: gpu (distinct "
             "blocks held by some replica) and kvstore (distinct blocks in some node's tiers)",

@@ -1,12 +1,13 @@
 """The gateway's block index driven by events alone: leading runs only, per-scheduler
 seq (a gap or a late join asks for a snapshot, events meanwhile held and applied on
 top), a dropped or restarted scheduler's entries gone for good, and the kvstore's host
-and disk tiers per node (a restart or a gap drops them)."""
+and disk tiers per node (a gap or a late join asks for the kvstore's snapshot, the same
+way; a restart drops the old store's entries)."""
 
 from __future__ import annotations
 
 from services.gateway.block_index import SNAPSHOT_RETRY_S, BlockIndex, block_key
-from shared.messages import KvBlockEvent, SchedulerBlockEvent
+from shared.messages import BlockSnapshotPart, KvBlockEvent, SchedulerBlockEvent
 
 
 def h(index: int) -> bytes:
@@ -129,6 +130,13 @@ def test_our_own_link_drop_resyncs_every_source():
     assert index.gpu_prefix_blocks(["a"], keys(1)) == {"a": 0}
     assert index.tier_run("n1", "ns", keys(1), 0) == []
     assert index.on_scheduler_stats("a", 1, now=0.0)
+    assert index.on_kv_node_seen("n1", now=0.0)  # the kvstore's snapshot too
+    # a snapshot under way when the link dropped may miss what was lost: loaded, then asked again
+    index.resync_all()
+    index.load_kv_snapshot("n1", "k1", "k1", 1, [BlockSnapshotPart(tier="host", namespace="ns",
+                                                                   block_hashes=[h(1)])], now=1.0)
+    assert not index.is_kv_synced("n1") and index.tier_run("n1", "ns", keys(1), 0) == []
+    assert index.on_kv_node_seen("n1", now=1.0)
 
 
 def test_kvstore_tiers_per_node_host_before_disk_as_a_leading_run():
@@ -145,19 +153,111 @@ def test_kvstore_tiers_per_node_host_before_disk_as_a_leading_run():
     assert index.tier_run("n1", "ns", keys(1, 2), 0) == []
 
 
-def test_a_restarted_kvstore_or_a_gap_drops_the_nodes_entries():
+def part(tier: str, *indexes: int, namespace: str = "ns") -> BlockSnapshotPart:
+    return BlockSnapshotPart(namespace=namespace, tier=tier, block_hashes=[h(i) for i in indexes])
+
+
+def test_a_kvstore_gap_empties_the_node_asks_a_snapshot_and_applies_held_events_on_top():
     index = BlockIndex()
-    assert index.on_kv_event(kv_event(5, "host", stored=[1])) == ""  # joined late: fine
-    assert index.on_kv_event(kv_event(6, "host", stored=[2])) == ""
+    assert index.on_kv_event(kv_event(1, "host", stored=[1]), now=0.0) == ("", False)
+    assert index.on_kv_event(kv_event(2, "host", stored=[2]), now=0.0) == ("", False)
     assert index.tier_run("n1", "ns", keys(1, 2), 0) == ["host", "host"]
-    assert index.on_kv_event(kv_event(9, "host", stored=[3])) == "gap"  # 7, 8 missed
-    assert index.tier_run("n1", "ns", keys(1, 2), 0) == []
-    assert index.tier_run("n1", "ns", keys(3), 0) == ["host"]
-    assert index.on_kv_event(kv_event(1, "disk", stored=[4], store_id="k2")) == "restart"
-    assert index.tier_run("n1", "ns", keys(3), 0) == []
+    assert index.on_kv_event(kv_event(5, "host", stored=[3]), now=0.0) == ("gap", True)  # 3, 4
+    assert index.tier_run("n1", "ns", keys(1), 0) == [] and not index.is_kv_synced("n1")
+    # held while the snapshot is fetched: one it covers, two after it (one repeated)
+    assert index.on_kv_event(kv_event(7, "disk", stored=[9]), now=0.1) == ("", False)
+    assert index.on_kv_event(kv_event(6, "host", removed=[2]), now=0.1) == ("", False)
+    assert index.on_kv_event(kv_event(7, "disk", stored=[9]), now=0.1) == ("", False)
+    assert index.tier_run("n1", "ns", keys(9), 0) == []  # held, not applied yet
+    # the state after seq 5: 1, 2, 3 on the host, 1 on disk too, one block in another namespace
+    assert index.kv_store_id("n1") == "k1"
+    assert index.load_kv_snapshot("n1", "k1", "k1", 5, [
+        part("host", 1, 2, 3), part("disk", 1), part("disk", 8, namespace="other")], now=0.2)
+    assert index.is_kv_synced("n1")
+    assert index.tier_run("n1", "ns", keys(1, 3, 9), 0) == ["host", "host", "disk"]
+    assert index.tier_run("n1", "ns", keys(2), 0) == []  # removed by the held seq 6
+    assert index.tier_run("n1", "other", keys(8), 0) == ["disk"]
+    assert index.on_kv_event(kv_event(8, "host", stored=[4]), now=0.3) == ("", False)
+    assert index.tier_run("n1", "ns", keys(4), 0) == ["host"]  # then events, in step
+
+
+def test_a_late_joiner_asks_the_kvstore_for_a_snapshot_from_an_event_or_a_schedulers_stats():
+    index = BlockIndex()
+    assert index.on_kv_event(kv_event(5, "host", stored=[1]), now=0.0) == ("late", True)
+    assert index.tier_run("n1", "ns", keys(1), 0) == []  # held until the snapshot
+    index.load_kv_snapshot("n1", "k1", "k1", 4, [part("host", 7)], now=0.1)
+    assert index.tier_run("n1", "ns", keys(7, 1), 0) == ["host", "host"]
+    assert not index.on_kv_node_seen("n1", now=0.2)  # known and in step: nothing to ask
+    # a node known only from a scheduler's stats (its kvstore quiet since this gateway
+    # started): its snapshot names the store, whose later events follow
+    assert index.on_kv_node_seen("n2", now=0.0)
+    assert not index.on_kv_node_seen("n2", now=0.1)  # under way already
+    assert index.kv_store_id("n2") == ""
+    held = kv_event(4, "host", stored=[3], store_id="k9", node="n2")
+    assert index.on_kv_event(held, now=0.1) == ("", False)
+    assert index.load_kv_snapshot("n2", "", "k9", 3, [part("disk", 1, 2)], now=0.2)
+    assert index.kv_store_id("n2") == "k9"
+    assert index.tier_run("n2", "ns", keys(1, 2, 3), 0) == ["disk", "disk", "host"]
+
+
+def test_a_failed_kvstore_snapshot_leaves_the_node_empty_and_is_asked_again_later():
+    index = BlockIndex()
+    index.on_kv_event(kv_event(1, "host", stored=[1]), now=0.0)
+    assert index.on_kv_event(kv_event(3, "host", stored=[2]), now=0.0).fetch
+    index.kv_snapshot_failed("n1", "k1", now=1.0)
+    assert index.tier_run("n1", "ns", keys(1), 0) == [] and not index.is_kv_synced("n1")
+    assert index.on_kv_event(kv_event(4, "host", stored=[3]), now=1.1) == ("", False)  # too soon
+    assert not index.on_kv_node_seen("n1", now=1.0 + SNAPSHOT_RETRY_S - 0.1)
+    assert index.tier_run("n1", "ns", keys(3), 0) == []  # never applied out of step
+    assert index.on_kv_node_seen("n1", now=1.0 + SNAPSHOT_RETRY_S)  # stats ask again
+    index.load_kv_snapshot("n1", "k1", "k1", 4, [part("host", 1, 2, 3)], now=7.0)
+    assert index.tier_run("n1", "ns", keys(1, 2, 3), 0) == ["host"] * 3
+    # an unknown node whose kvstore is dead: failed, then a first event waits out the delay
+    assert index.on_kv_node_seen("n2", now=0.0)
+    index.kv_snapshot_failed("n2", "", now=0.0)
+    assert index.on_kv_event(kv_event(2, "host", stored=[1], node="n2"), now=1.0) == ("late", False)
+    assert index.on_kv_event(kv_event(3, "host", stored=[1], node="n2"),
+                             now=SNAPSHOT_RETRY_S) == ("", True)
+
+
+def test_a_gap_among_the_held_events_or_too_many_leaves_the_node_out_of_step():
+    from services.gateway.block_index import MAX_HELD_EVENTS
+
+    index = BlockIndex()
+    assert index.on_kv_event(kv_event(3, "host", stored=[1]), now=0.0).fetch
+    index.on_kv_event(kv_event(6, "host", stored=[2]), now=0.0)  # 5 never comes
+    index.load_kv_snapshot("n1", "k1", "k1", 3, [part("host", 1)], now=1.0)
+    assert index.tier_run("n1", "ns", keys(1), 0) == [] and not index.is_kv_synced("n1")
+    assert index.on_kv_event(kv_event(7, "host"), now=1.0).fetch  # asks again at once
+    for seq in range(8, 8 + MAX_HELD_EVENTS + 1):
+        index.on_kv_event(kv_event(seq, "host", stored=[seq]), now=1.0)
+    index.load_kv_snapshot("n1", "k1", "k1", 7, [part("host", 1)], now=2.0)
+    assert not index.is_kv_synced("n1") and index.num_tier_blocks() == 0
+
+
+def test_a_restarted_kvstore_drops_the_old_ones_entries_its_late_events_and_its_snapshot():
+    index = BlockIndex()
+    index.on_kv_event(kv_event(1, "host", stored=[1]), now=0.0)
+    assert index.on_kv_event(kv_event(4, "host", stored=[2]), now=0.0) == ("gap", True)
+    assert index.on_kv_event(kv_event(1, "disk", stored=[4], store_id="k2"),
+                             now=0.1) == ("restart", False)
     assert index.tier_run("n1", "ns", keys(4), 0) == ["disk"]
-    assert index.on_kv_event(kv_event(1, "disk", stored=[4], store_id="k2")) == ""  # a repeat
+    # the old store's snapshot, asked before the restart, comes late: ignored
+    assert not index.load_kv_snapshot("n1", "k1", "k1", 4, [part("host", 1, 2, 3)], now=0.2)
+    assert index.tier_run("n1", "ns", keys(1), 0) == []
+    assert index.on_kv_event(kv_event(5, "host", stored=[1]), now=0.3) == ("", False)  # k1's
+    assert index.tier_run("n1", "ns", keys(1), 0) == [] and index.kv_store_id("n1") == "k2"
+    assert index.on_kv_event(kv_event(1, "disk", stored=[4], store_id="k2")) == ("", False)
     assert index.num_tier_blocks() == 1
+    # a snapshot answered by a newer store than asked (restarted, no event yet) replaces it
+    assert index.on_kv_event(kv_event(3, "host", stored=[5], store_id="k2"), now=1.0).fetch
+    index.on_kv_event(kv_event(9, "host", stored=[6], store_id="k2"), now=1.0)  # held, k2's
+    assert index.load_kv_snapshot("n1", "k2", "k3", 2, [part("host", 7)], now=1.1)
+    assert index.kv_store_id("n1") == "k3" and index.is_kv_synced("n1")
+    assert index.tier_run("n1", "ns", keys(7), 0) == ["host"]
+    assert index.tier_run("n1", "ns", keys(4), 0) == index.tier_run("n1", "ns", keys(6), 0) == []
+    assert index.on_kv_event(kv_event(3, "host", stored=[8], store_id="k2"), now=1.2) == ("", False)
+    assert index.tier_run("n1", "ns", keys(8), 0) == []
 
 
 def test_block_keys_are_each_hashs_block_key():
