@@ -135,3 +135,34 @@ def test_a_restarted_replica_is_not_routed_to_by_its_stale_entries(stack, model_
     assert gateway_metric(stack, "flotilla_routing_expected_hit_tokens_total") == expected_hits
     assert gateway_metric(stack, "flotilla_routing_decisions_total",
                           'reason="load"') == load_decisions + 1
+
+
+@pytest.fixture(scope="module")
+def kv_stack(tmp_path_factory, model_files):
+    """One replica with its node's kvstore (host tier only)."""
+    stack = start_stack(tmp_path_factory.mktemp("routing-kv-logs"), replicas=1,
+                        kv_node_id=f"routingkv{random.randrange(1 << 30)}",
+                        service_args={"worker": ["--kv-cache-memory", "128MiB"],
+                                      "kvstore": ["--kv-host-memory", "64MiB"],
+                                      "gateway": ["--routing", "kv"]})
+    yield stack
+    stack.stop()
+
+
+def test_a_gateway_started_after_blocks_were_stored_learns_them_from_the_kvstore(
+        kv_stack, model_name):
+    def indexed_tier_blocks() -> float:
+        return gateway_metric(kv_stack, "flotilla_routing_index_blocks", 'tier="kvstore"')
+
+    complete(kv_stack, model_name, [*PREFIXES["a"], 1, 2])  # its full blocks go to the host tier
+    assert wait_for(lambda: indexed_tier_blocks() >= PREFIX_TOKENS // BLOCK_SIZE, 30), \
+        indexed_tier_blocks()
+    held = indexed_tier_blocks()
+
+    kv_stack.stop_service("gateway")  # the kvstore stays quiet from now on: no event will come
+    kv_stack.start_service("gateway")
+    kv_stack.wait_ready(120)
+    # learnt from the kvstore's snapshot, asked when a scheduler's stats named its node
+    assert wait_for(lambda: indexed_tier_blocks() == held, 30), (indexed_tier_blocks(), held)
+    assert gateway_metric(kv_stack, "flotilla_routing_block_snapshots_total",
+                          'outcome="kv_loaded"') >= 1
