@@ -17,7 +17,8 @@ kvstore messages.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import TierHit
@@ -52,20 +53,27 @@ class KvTierLedger:
         return range(num_gpu_blocks - hit.first_block_index, max(end, 0))
 
     def load(self, hit: TierHit, used: range, block_ids: list[int], step_id: int,
-             block_content: Callable[[int], tuple[bytes, list[int]]]) -> None:
+             block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> None:
         """Plan loading the ``used`` slots of ``hit`` into ``block_ids`` in step
-        ``step_id``; ``block_content(block index)`` gives each block's hash and tokens."""
+        ``step_id``; ``block_hashes`` and ``token_ids`` are the request's (from its first
+        block)."""
         if not used:
             self.release(hit)
             return
         self._loads.append(KvLoad([hit.slot_ids[i] for i in used], block_ids, hit.store_id))
         self._pins_after_step.setdefault(step_id, []).append(hit.pin_id)
         block_size = self.block_manager.block_size
-        for slot_index, block_id in zip(used, block_ids):
-            block_hash, token_ids = block_content(hit.first_block_index + slot_index)
-            self.block_manager.cache_block(block_id, block_hash, token_ids, from_kvstore=True)
-            tier = hit.tiers[slot_index] if slot_index < len(hit.tiers) else "host"
-            self.num_tokens_loaded[tier] = self.num_tokens_loaded.get(tier, 0) + block_size
+        first = hit.first_block_index + used.start  # the first loaded block's index
+        end = first + len(used)
+        # each block's tokens as a tuple, cut lazily (a 16k-token hit: 1,023 blocks)
+        block_tokens = zip(*[iter(token_ids[first * block_size:end * block_size])] * block_size)
+        cache_block = self.block_manager.cache_block
+        for block_id, block_hash, tokens in zip(block_ids, block_hashes[first:end], block_tokens):
+            cache_block(block_id, block_hash, tokens, from_kvstore=True)
+        tiers = list(hit.tiers[used.start:used.stop])
+        tiers += ["host"] * (len(used) - len(tiers))  # (a hit may name no tiers: host)
+        for tier, count in Counter(tiers).items():
+            self.num_tokens_loaded[tier] = self.num_tokens_loaded.get(tier, 0) + count * block_size
 
     def release(self, hit: TierHit | None) -> None:
         if hit is not None:

@@ -350,12 +350,8 @@ class Scheduler:
         hit, req.tier_hit = req.tier_hit, None
         if hit is None:
             return
-        block_size, token_ids = self.block_manager.block_size, req.all_token_ids
-
-        def block_content(index: int) -> tuple[bytes, list[int]]:
-            return req.block_hashes[index], token_ids[index * block_size:(index + 1) * block_size]
-
-        self.kv_tier.load(hit, used, block_ids, self._next_step_id, block_content)
+        self.kv_tier.load(hit, used, block_ids, self._next_step_id, req.block_hashes,
+                          req.all_token_ids)
 
     def _store_target(self, forget_ids: list[str]) -> Callable[[str, int, int], bool]:
         """Whether the worker, running the plan that forgets ``forget_ids``, finds block
