@@ -78,8 +78,10 @@ class TierSpeeds:
         if self.prefill_tokens_per_s is None:
             return len(tiers)  # not measured: load, and learn
         best_count, best_saving, saving = 0, 0.0, 0.0
+        saving_by_tier = {tier: self.block_saving_s(tier, block_bytes, block_size)
+                          for tier in set(tiers)}  # (once per tier, not per block)
         for count, tier in enumerate(tiers, start=1):
-            saving += self.block_saving_s(tier, block_bytes, block_size)
+            saving += saving_by_tier[tier]
             if saving > best_saving:
                 best_count, best_saving = count, saving
         return best_count
