@@ -21,7 +21,8 @@ from services.gateway.metrics import GatewayMetrics
 from shared.bus import Bus
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
-    BlockSnapshotPart, BlockSnapshotReply, BlockSnapshotRequest, KvBlockEvent, SchedulerBlockEvent, SchedulerStats,
+    BlockSnapshotPart, BlockSnapshotReply, BlockSnapshotRequest, KvBlockEvent, SchedulerBlockEvent,
+    SchedulerStats,
 )
 from shared.subjects import Subjects
 

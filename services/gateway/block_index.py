@@ -41,7 +41,8 @@ from shared.messages import BlockSnapshotPart, KvBlockEvent, SchedulerBlockEvent
 
 HOST, DISK = "host", "disk"
 TIER_BITS = {HOST: 1, DISK: 2}
-MAX_HELD_EVENTS = 512  # per scheduler or kvstore while its snapshot is fetched; past that, fetch again
+# per scheduler or kvstore while its snapshot is fetched; past that, fetch again
+MAX_HELD_EVENTS = 512
 SNAPSHOT_RETRY_S = 5.0  # after a failed snapshot
 MAX_DROPPED_REMEMBERED = 1024  # scheduler (and store) ids whose late events are ignored
 HASH_BYTES = 32  # a block hash (shared/prefix_hash.py: SHA-256)

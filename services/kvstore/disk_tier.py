@@ -65,7 +65,8 @@ class DiskTier:
             changes, self._changes = self._changes, []
         return changes
 
-    def take_changes_and_index(self) -> tuple[list[tuple[str, bool, bytes]], dict[str, list[bytes]]]:
+    def take_changes_and_index(self
+                               ) -> tuple[list[tuple[str, bool, bytes]], dict[str, list[bytes]]]:
         """``take_changes`` and, taken under the same lock, every block indexed by
         namespace: the index is exactly what those changes (and all before) leave."""
         index: dict[str, list[bytes]] = {}

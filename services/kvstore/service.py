@@ -39,9 +39,9 @@ from shared.bus import Bus
 from shared.errors import InvalidRequest, ServiceUnavailable
 from shared.kv_arena import KvArena
 from shared.messages import (
-    BlockSnapshotReply, BlockSnapshotRequest, Empty, HealthReply, KvAttachReply, KvAttachRequest, KvCommitRequest, KvKeepAlive,
-    KvLookupReply, KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest,
-    KvBlockEvent, KvReserveReply, KvReserveRequest, KvStatsReply,
+    BlockSnapshotReply, BlockSnapshotRequest, Empty, HealthReply, KvAttachReply, KvAttachRequest,
+    KvBlockEvent, KvCommitRequest, KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply,
+    KvPinRequest, KvReleaseRequest, KvReserveReply, KvReserveRequest, KvStatsReply,
 )
 from shared.runtime import freeze_startup_objects
 from shared.subjects import Subjects

@@ -23,8 +23,8 @@ from services.kvstore.host_tier import HostBlock, HostTier
 from services.kvstore.owners import OwnerClock
 from shared.kv_arena import KvArena
 from shared.messages import (
-    BlockSnapshotPart, KvBlockEvent, KvCommitRequest, KvLayout, KvLookupRequest, KvPinReply, KvPinRequest,
-    KvTierStats,
+    BlockSnapshotPart, KvBlockEvent, KvCommitRequest, KvLayout, KvLookupRequest, KvPinReply,
+    KvPinRequest, KvTierStats,
 )
 
 log = structlog.get_logger()
