@@ -256,6 +256,9 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     disk_read_bytes_per_s: float = 0.0
     block_bytes: int = 0  # KV bytes of one block
     block_event_seq: int = 0  # the last SchedulerBlockEvent seq published (0: none yet)
+    # what one more decoding sequence adds to each step, in prompt tokens' compute (the
+    # slope of decode-only step time over batch size x prefill speed; 0: not measured yet)
+    decode_seq_cost_tokens: float = 0.0
 
 
 class SchedulerBlockEvent(Struct, frozen=True, kw_only=True):

@@ -10,13 +10,13 @@
               + host hits x block bytes / host load speed
               + disk hits x block bytes x (1 / disk read speed + 1 / host load speed)
               + queued prefill tokens / prefill speed
-              + load x DECODE_COST_TOKENS x (1 + output tokens) / prefill speed
+              + load x decode cost x (1 + output tokens) / prefill speed
 
   The last term is the replica's other requests sharing every step of this one, its
   prefill and each of its decode steps (output tokens: the request's max_tokens, or the
   mean output of this gateway's finished requests if smaller). It is what makes a short
   cached prefix on a busier replica lose to an idle replica: a hit saves its tokens once,
-  one more stream costs DECODE_COST_TOKENS on each of the request's steps.
+  one more stream costs the decode cost (below) on each of the request's steps.
 
   Hits count only as a leading run of the prompt's blocks: the GPU cache's run, then the
   replica's node kvstore's run after it (every replica of a node shares its kvstore), each
@@ -26,10 +26,17 @@
   otherwise the least loaded is (kv is least-loaded, by its own load count, wherever
   the cache decides nothing).
 
+  The decode cost per stream (in prompt tokens) is each replica's measured one (the slope
+  of its decode step time over batch size, services/scheduler/tiering.py), else the
+  fleet's mean, else DECODE_COST_TOKENS.
+
   Saturation valve: a session leaves its replica once that one's load exceeds the least
   loaded one's by at least T = max(saturation_margin, saturation_ratio x the fleet's
   mean load) (with few requests in flight one request of imbalance counts, with many a
-  proportionate share); no replica is chosen for what it holds at T + 1 or more.
+  proportionate share); no replica is chosen for what it holds at T + 1 + W or more,
+  where W is the requests its hit over the least loaded one's is worth (hit tokens /
+  (decode cost x (1 + output tokens)), rounded down: 0 for a short prefix, so a hot
+  short prefix spreads at T + 1).
 
   Sessions: a request naming a session (``prompt_cache_key``, else ``user``; within its
   cache salt) goes to the replica its session last went to while that one is ready and
@@ -57,7 +64,8 @@ GPU = "gpu"
 # difference), the valve turned a request away from the replica its cache or session
 # favoured, or round-robin's turn
 CACHE, SESSION, LOAD, SATURATED, TURN = "cache", "session", "load", "saturated", "turn"
-DECODE_COST_TOKENS = 16.0  # another request's share of a step, in prompt tokens' compute
+DECODE_COST_TOKENS = 16.0  # another request's share of a step, in prompt tokens' compute,
+# until some replica measures its own
 DEFAULT_OUTPUT_TOKENS = 128.0  # a request's expected output until this gateway has seen some end
 OUTPUT_MEAN_WEIGHT = 0.05  # of each finished request in the running mean of output tokens
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0  # until some replica measures it
@@ -240,10 +248,16 @@ class Router:
                    now: float, output_tokens: float) -> Decision:
         estimates = self.estimates(replicas, token_ids, cache_salt, output_tokens)
         threshold = self.saturation_threshold(replicas)
-        # A holder may run one request further ahead than a session's replica: placing a
-        # new conversation on its tenant's prefix saves that prefix's prefill now, while
-        # keeping a session on a busier replica only defers the move that rebalances it.
-        open_ = [r for r in replicas if r.load - least_loaded.load < threshold + 1]
+        hits = {sid: e.num_hit_tokens for sid, e in estimates.items()}
+        # A holder may run further ahead than a session's replica: one request, plus as many
+        # as its hit over the least loaded one's is worth (each costs the measured decode
+        # cost on every step of this request). Placing a new conversation on its tenant's
+        # prefix saves that prefill now; keeping a session on a busier replica only defers
+        # the move that rebalances it. A short prefix is worth no extra request, so a hot
+        # one still spreads.
+        request_tokens = self.decode_cost_tokens(replicas) * (1 + output_tokens)
+        open_ = [r for r in replicas if r.load - least_loaded.load < threshold + 1 + int(
+            max(0, hits[r.scheduler_id] - hits[least_loaded.scheduler_id]) // request_tokens)]
         best = min(replicas, key=lambda r: (estimates[r.scheduler_id].seconds, r.load))
         sticky_id = self.sessions.get((cache_salt or "", session), now) if session else None
         sticky = next((r for r in replicas if r.scheduler_id == sticky_id), None)
@@ -252,7 +266,6 @@ class Router:
         else:
             if sticky is not None:  # it saturated: the session leaves it
                 open_ = [r for r in open_ if r is not sticky]
-            hits = {sid: e.num_hit_tokens for sid, e in estimates.items()}
             chosen = min(open_, key=lambda r: (estimates[r.scheduler_id].seconds, r.load))
             fewest = min(open_, key=lambda r: (r.load, estimates[r.scheduler_id].seconds))
             if hits[chosen.scheduler_id] <= hits[fewest.scheduler_id]:
@@ -300,6 +313,7 @@ class Router:
                                     DEFAULT_HOST_LOAD_BYTES_PER_S)
         disk_speed = _mean_measured([r.stats.disk_read_bytes_per_s for r in replicas],
                                     DEFAULT_DISK_READ_BYTES_PER_S)
+        decode_cost = self.decode_cost_tokens(replicas)
         estimates = {}
         for replica in replicas:
             stats = replica.stats
@@ -311,13 +325,21 @@ class Router:
                 replica, len(token_ids), output_tokens, gpu_run, tiers,
                 stats.prefill_tokens_per_s or prefill_speed,
                 stats.host_load_bytes_per_s or host_speed,
-                stats.disk_read_bytes_per_s or disk_speed)
+                stats.disk_read_bytes_per_s or disk_speed,
+                stats.decode_seq_cost_tokens or decode_cost)
         return estimates
+
+    @staticmethod
+    def decode_cost_tokens(replicas: Sequence[Replica]) -> float:
+        """One more stream's cost per step, in prompt tokens: the mean of the replicas'
+        measured figures, else DECODE_COST_TOKENS."""
+        return _mean_measured([r.stats.decode_seq_cost_tokens for r in replicas],
+                              DECODE_COST_TOKENS)
 
 
 def _estimate(replica: Replica, num_tokens: int, output_tokens: float, gpu_blocks: int,
               tiers: list[str], prefill_speed: float, host_speed: float,
-              disk_speed: float) -> _Estimate:
+              disk_speed: float, decode_cost_tokens: float = DECODE_COST_TOKENS) -> _Estimate:
     stats = replica.stats
     block_size, block_bytes = stats.block_size, stats.block_bytes
     recompute_s = block_size / prefill_speed
@@ -331,7 +353,7 @@ def _estimate(replica: Replica, num_tokens: int, output_tokens: float, gpu_block
         load_s += block_load_s
     num_compute = max(0, num_tokens - sum(hits.values()))
     # the replica's other requests share its prefill step(s) and each decode step
-    shared_steps = replica.load * DECODE_COST_TOKENS * (1 + output_tokens)
+    shared_steps = replica.load * decode_cost_tokens * (1 + output_tokens)
     seconds = (num_compute + replica.queued_prefill_tokens + shared_steps) / prefill_speed \
         + load_s
     return _Estimate(seconds, {tier: n for tier, n in hits.items() if n}, num_compute)

@@ -141,4 +141,5 @@ def routing_stats(core: Scheduler | None, speeds: TierSpeeds, kv: KvClient | Non
         host_load_bytes_per_s=speeds.host_load_bytes_per_s or 0.0,
         disk_read_bytes_per_s=speeds.disk_read_bytes_per_s or 0.0,
         block_bytes=worker.kv_cache_bytes // worker.num_blocks if worker and worker.num_blocks
-        else 0, block_event_seq=block_event_seq)
+        else 0, block_event_seq=block_event_seq,
+        decode_seq_cost_tokens=speeds.decode_seq_cost_tokens or 0.0)

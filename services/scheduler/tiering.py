@@ -9,6 +9,10 @@ saves ``block_size / prefill`` seconds of compute and costs ``block_bytes / host
 that saves the most is used, if it saves anything at all: a hit is never used when
 recomputing it is measured faster.
 
+Also measured here for routing (docs/routing.md): what one more decoding sequence adds to a
+decode step, as the slope of step time over batch size (running moments of decode-only
+steps), reported in prompt tokens' compute.
+
 Until a speed is measured, it is assumed to favour loading (the hit is used, and using it
 measures it): an unknown prefill speed makes every hit worth it, an unknown load or read
 speed costs nothing. So the first hits are loaded, and the policy learns from them.
@@ -20,6 +24,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 EWMA_WEIGHT = 0.3  # of the newest sample in each running mean
+# Decode cost: running moments of (sequences, step time) over decode-only steps; the slope
+# is read once batch sizes have varied by about a sequence (a fixed size shows no slope).
+DECODE_MOMENT_WEIGHT = 0.05
+MIN_DECODE_SIZE_VARIANCE = 0.25
 # A step counts as a prefill sample when it computed at least this many prompt tokens
 # and they were most of its tokens (decodes cost more per token and would bias it).
 MIN_PREFILL_SAMPLE_TOKENS = 32
@@ -38,6 +46,8 @@ class TierSpeeds:
     host_load_bytes_per_s: float | None = None
     disk_read_bytes_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
+    # running means over decode-only steps: sequences, seconds, sequences², sequences x seconds
+    decode_moments: tuple[float, float, float, float] | None = None
 
     def observe_load(self, bytes_per_s: float) -> None:
         if bytes_per_s > 0:
@@ -59,6 +69,38 @@ class TierSpeeds:
         if (num_prompt_tokens >= MIN_PREFILL_SAMPLE_TOKENS and compute_s > 0
                 and num_prompt_tokens >= MIN_PREFILL_SHARE * num_tokens):
             self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, num_tokens / compute_s)
+        if num_prompt_tokens == 0 and num_tokens > 0 and load_bytes == 0 and step_time_s > 0:
+            self._observe_decode(num_tokens, step_time_s)
+
+    def _observe_decode(self, num_seqs: int, step_time_s: float) -> None:
+        sample = (num_seqs, step_time_s, num_seqs * num_seqs, num_seqs * step_time_s)
+        if self.decode_moments is None:
+            self.decode_moments = tuple(float(x) for x in sample)
+            return
+        w = DECODE_MOMENT_WEIGHT
+        self.decode_moments = tuple((1 - w) * mean + w * x
+                                    for mean, x in zip(self.decode_moments, sample))
+
+    @property
+    def decode_seq_s(self) -> float | None:
+        """Seconds one more sequence adds to a decode step (the least-squares slope of
+        step time over batch size); None until batch sizes have varied, or if the slope
+        is not positive (noise)."""
+        if self.decode_moments is None:
+            return None
+        mean_n, mean_t, mean_nn, mean_nt = self.decode_moments
+        variance = mean_nn - mean_n * mean_n
+        if variance < MIN_DECODE_SIZE_VARIANCE:
+            return None
+        slope = (mean_nt - mean_n * mean_t) / variance
+        return slope if slope > 0 else None
+
+    @property
+    def decode_seq_cost_tokens(self) -> float | None:
+        """``decode_seq_s`` in prompt tokens' compute (routing prices load with it)."""
+        if self.decode_seq_s is None or not self.prefill_tokens_per_s:
+            return None
+        return self.decode_seq_s * self.prefill_tokens_per_s
 
     # ------------------------------------------------------------ the decision
     def block_saving_s(self, tier: str, block_bytes: int, block_size: int) -> float:

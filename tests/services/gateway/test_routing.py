@@ -194,29 +194,61 @@ def test_the_saturation_threshold_follows_the_fleets_mean_load():
 def test_the_saturation_valve_turns_a_hot_prefix_away():
     index = BlockIndex()
     holds(index, "a", HASHES)
-    # a short answer: the cost prefers the holder (64 hit tokens against its streams);
-    # with few in flight a holder may run one request ahead (a session's replica none)
+    # a short answer: one more stream costs 16 x 2 = 32 tokens, so the 64 hit tokens are
+    # worth 2 requests: with few in flight (T = 1) the holder may run 1 + 1 + 2 ahead
     one_more = [Replica(stats("a", waiting=1)), Replica(stats("b"))]
     decision = router(index).choose(one_more, PROMPT, max_tokens=1)
     assert (decision.scheduler_id, decision.reason) == ("a", CACHE)
-    two_more = [Replica(stats("a", waiting=2)), Replica(stats("b", queued=100))]
-    decision = router(index).choose(two_more, PROMPT, max_tokens=1)
+    three_more = [Replica(stats("a", waiting=3)), Replica(stats("b", queued=100))]
+    assert router(index).choose(three_more, PROMPT, max_tokens=1).scheduler_id == "a"
+    four_more = [Replica(stats("a", waiting=4)), Replica(stats("b", queued=100))]
+    decision = router(index).choose(four_more, PROMPT, max_tokens=1)
     assert (decision.scheduler_id, decision.reason) == ("b", SATURATED)
-    assert router(index, saturation_margin=2).choose(two_more, PROMPT,
+    assert router(index, saturation_margin=2).choose(four_more, PROMPT,
                                                      max_tokens=1).scheduler_id == "a"
     # the gateway's own count of requests sent counts as load
-    assert router(index).choose([Replica(stats("a"), num_sent=2),
+    assert router(index).choose([Replica(stats("a"), num_sent=4),
                                  Replica(stats("b", queued=100))],
                                 PROMPT, max_tokens=1).scheduler_id == "b"
-    # 30 in flight: the holder may run 5 ahead (half the mean of 10), not 6
+    # 30 in flight: the holder may run 5 + 1 + 2 ahead (T = half the mean of 10), not 8
     def fleet(holder_load):
         others = (30 - holder_load) // 2
         return [Replica(stats("a", waiting=holder_load)),
                 Replica(stats("b", waiting=others, queued=5000)),
                 Replica(stats("c", waiting=30 - holder_load - others, queued=5000))]
-    assert router(index).choose(fleet(12), PROMPT, max_tokens=1).scheduler_id == "a"
-    decision = router(index).choose(fleet(14), PROMPT, max_tokens=1)
+    assert router(index).choose(fleet(14), PROMPT, max_tokens=1).scheduler_id == "a"
+    decision = router(index).choose(fleet(15), PROMPT, max_tokens=1)
     assert decision.scheduler_id != "a" and decision.reason == SATURATED
+
+
+def test_a_short_hit_buys_a_holder_no_extra_request():
+    """The valve's slack is what the hit over the least loaded replica's is worth: one
+    block (4 tokens) against 32 a stream is worth none, so the holder closes at T + 1."""
+    index = BlockIndex()
+    holds(index, "a", HASHES[:1])
+    two_more = [Replica(stats("a", waiting=2)), Replica(stats("b", queued=100))]
+    decision = router(index).choose(two_more, PROMPT, max_tokens=1)
+    assert (decision.scheduler_id, decision.reason) == ("b", SATURATED)
+    holds(index, "b", HASHES[:1])  # the least loaded holds as much: no slack either
+    holds(index, "a", HASHES[1:], seq=2)
+    assert router(index).choose(two_more, PROMPT, max_tokens=1).scheduler_id == "a"
+
+
+def test_a_measured_decode_cost_prices_load():
+    """Replicas that measured one more stream's cost per step use it (the fleet's mean
+    for those that did not): cheap streams let a busier holder win, dear ones do not."""
+    index = BlockIndex()
+    holds(index, "a", HASHES)
+    # a 24-token answer: at the default 16 a stream costs 400 tokens, outweighing the hit
+    def fleet(cost):
+        return [Replica(stats("a", waiting=1, decode_seq_cost_tokens=cost)),
+                Replica(stats("b", decode_seq_cost_tokens=cost))]
+    assert router(index).choose(fleet(0.0), PROMPT, max_tokens=24).scheduler_id == "b"
+    assert router(index).choose(fleet(2.0), PROMPT, max_tokens=24).scheduler_id == "a"
+    assert router(index).choose(fleet(30.0), PROMPT, max_tokens=24).scheduler_id == "b"
+    assert Router.decode_cost_tokens(fleet(0.0)) == routing.DECODE_COST_TOKENS
+    mixed = [Replica(stats("a", decode_seq_cost_tokens=2.0)), Replica(stats("b"))]
+    assert Router.decode_cost_tokens(mixed) == 2.0
 
 
 def test_a_session_leaves_a_replica_one_request_busier_at_low_concurrency():

@@ -102,3 +102,23 @@ def test_learning_turns_loading_off_once_recompute_is_faster():
                         num_prompt_tokens=MIN_PREFILL_SAMPLE_TOKENS * 100, step_time_s=0.01)
     speeds.observe_load(1e8)  # 10 ms per block vs 0.05 ms to recompute it
     assert speeds.num_blocks_worth_loading(tiers, BLOCK_BYTES, BLOCK_SIZE) == 0
+
+
+def test_the_decode_cost_is_the_slope_of_decode_steps_over_batch_size():
+    speeds = TierSpeeds()
+    assert speeds.decode_seq_s is None and speeds.decode_seq_cost_tokens is None
+    for _ in range(50):  # one size only: no slope to read
+        speeds.observe_step(4, 0, 0.060)
+    assert speeds.decode_seq_s is None
+    for _ in range(40):  # 50 ms + 10 ms a sequence
+        for num_seqs in (1, 2, 3, 4, 5):
+            speeds.observe_step(num_seqs, 0, 0.050 + 0.010 * num_seqs)
+    assert speeds.decode_seq_s == pytest.approx(0.010, rel=0.05)
+    assert speeds.decode_seq_cost_tokens is None  # no prefill speed yet
+    speeds.observe_step(200, 200, 0.5)  # 400 prompt tokens/s
+    assert speeds.decode_seq_cost_tokens == pytest.approx(4.0, rel=0.05)
+    # steps with prompt tokens or loads are no decode samples
+    moments = speeds.decode_moments
+    speeds.observe_step(8, 0, 5.0, load_bytes=1000, load_bytes_per_s=1e3)
+    speeds.observe_step(300, 290, 1.0)
+    assert speeds.decode_moments == moments
