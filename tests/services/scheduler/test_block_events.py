@@ -144,5 +144,6 @@ def test_routing_stats_count_queued_prefill_and_name_the_keys():
     assert fields | {"num_queued_prefill_tokens": 0} == dict(
         block_size=BLOCK_SIZE, model_name="m", kv_node_id="", kv_namespace="",
         num_queued_prefill_tokens=0, prefill_tokens_per_s=500.0, host_load_bytes_per_s=0.0,
-        disk_read_bytes_per_s=0.0, block_bytes=1000, block_event_seq=7)
+        disk_read_bytes_per_s=0.0, block_bytes=1000, block_event_seq=7,
+        decode_seq_cost_tokens=0.0)  # no decode steps seen yet
     assert routing_stats(None, TierSpeeds(), None, None, 0)["block_size"] == 0
