@@ -31,12 +31,12 @@
   fleet's mean, else DECODE_COST_TOKENS.
 
   Saturation valve: a session leaves its replica once that one's load exceeds the least
-  loaded one's by at least T = max(saturation_margin, saturation_ratio x the fleet's
-  mean load) (with few requests in flight one request of imbalance counts, with many a
-  proportionate share); no replica is chosen for what it holds at T + 1 + W or more,
-  where W is the requests its hit over the least loaded one's is worth (hit tokens /
-  (decode cost x (1 + output tokens)), rounded down: 0 for a short prefix, so a hot
-  short prefix spreads at T + 1).
+  loaded one's by at least T + W, T = max(saturation_margin, saturation_ratio x the
+  fleet's mean load) (with few requests in flight one request of imbalance counts, with
+  many a proportionate share); no replica is chosen for what it holds at T + 1 + W or
+  more. W is the requests the replica's hit over the least loaded one's is worth (hit
+  tokens / (decode cost x (1 + output tokens)), rounded down: 0 for a short prefix, so a
+  hot short prefix spreads at T + 1).
 
   Sessions: a request naming a session (``prompt_cache_key``, else ``user``; within its
   cache salt) goes to the replica its session last went to while that one is ready and
@@ -249,19 +249,24 @@ class Router:
         estimates = self.estimates(replicas, token_ids, cache_salt, output_tokens)
         threshold = self.saturation_threshold(replicas)
         hits = {sid: e.num_hit_tokens for sid, e in estimates.items()}
-        # A holder may run further ahead than a session's replica: one request, plus as many
-        # as its hit over the least loaded one's is worth (each costs the measured decode
-        # cost on every step of this request). Placing a new conversation on its tenant's
-        # prefix saves that prefill now; keeping a session on a busier replica only defers
-        # the move that rebalances it. A short prefix is worth no extra request, so a hot
-        # one still spreads.
+        # Slack W: the requests a replica's hit over the least loaded one's is worth (each
+        # costs the decode cost on every step of this request). A short prefix is worth
+        # none, so a hot one still spreads; a conversation's history or a tenant's prefix
+        # outweighs the imbalance its recompute elsewhere would fix.
         request_tokens = self.decode_cost_tokens(replicas) * (1 + output_tokens)
-        open_ = [r for r in replicas if r.load - least_loaded.load < threshold + 1 + int(
-            max(0, hits[r.scheduler_id] - hits[least_loaded.scheduler_id]) // request_tokens)]
+
+        def slack(replica: Replica) -> int:
+            return int(max(0, hits[replica.scheduler_id] - hits[least_loaded.scheduler_id])
+                       // request_tokens)
+
+        # A holder may run one request further ahead than a session's replica: placing a
+        # new conversation on its tenant's prefix saves that prefill now, while keeping a
+        # session on a busier replica only defers the move that rebalances it.
+        open_ = [r for r in replicas if r.load - least_loaded.load < threshold + 1 + slack(r)]
         best = min(replicas, key=lambda r: (estimates[r.scheduler_id].seconds, r.load))
         sticky_id = self.sessions.get((cache_salt or "", session), now) if session else None
         sticky = next((r for r in replicas if r.scheduler_id == sticky_id), None)
-        if sticky is not None and sticky.load - least_loaded.load < threshold:
+        if sticky is not None and sticky.load - least_loaded.load < threshold + slack(sticky):
             chosen, reason = sticky, SESSION
         else:
             if sticky is not None:  # it saturated: the session leaves it

@@ -272,6 +272,20 @@ def test_a_session_leaves_a_replica_one_request_busier_at_low_concurrency():
     assert (decision.scheduler_id, decision.reason) == ("a", SESSION)
 
 
+def test_a_session_stays_by_what_its_cached_history_is_worth():
+    """A session leaves its replica at T + W: with a short answer (32 tokens a stream)
+    its 64 cached tokens are worth 2 requests of imbalance, so at T = 1 it stays while its
+    replica runs 1 or 2 more than the least loaded, and leaves at 3."""
+    index = BlockIndex()
+    holds(index, "a", HASHES)
+    route = router(index)
+    for extra, expected in ((1, ("a", SESSION)), (2, ("a", SESSION)), (3, ("b", SATURATED))):
+        route.sessions.put(("", "u1"), "a", now=0.0)
+        replicas = [Replica(stats("a", waiting=extra)), Replica(stats("b"))]
+        decision = route.choose(replicas, PROMPT, session="u1", now=1.0, max_tokens=1)
+        assert (decision.scheduler_id, decision.reason) == expected, extra
+
+
 def test_a_session_sticks_until_its_replica_saturates_or_goes():
     index = BlockIndex()
     route = router(index)
