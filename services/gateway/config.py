@@ -52,7 +52,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "routing": "which replica gets a request: kv (where its prefix is cached, priced "
                    "against load), least-loaded or round-robin (docs/routing.md)",
         "routing_saturation_margin": "kv: a session leaves its replica once that one has "
-                                     "this many more requests than the least loaded one (a "
+                                     "this many more requests than the least loaded one, "
+                                     "plus what its cached prefix is worth in requests (a "
                                      "replica holding the prompt's prefix: one more)",
         "routing_saturation_ratio": "kv: ... or this share of the replicas' mean load more, "
                                     "if that is larger",
