@@ -163,16 +163,19 @@ def tier_delta(before: SchedulerStats | None, after: SchedulerStats | None) -> d
 # ------------------------------------------------------------------ requests
 async def stream_one(client: httpx.AsyncClient, model: str, prompt: list[int],
                      max_tokens: int) -> dict:
-    """One streaming completion: TTFT (first chunk with a choice), text, usage."""
+    """One streaming completion: TTFT (first chunk with a choice), text, usage, and wall
+    clock stamps (sent, response headers: the submit was answered, first token) to set
+    against the services' logs."""
     # encoded before the clock starts: a 16k-id body takes the client ~1.5 ms to encode,
     # which is no part of the server's time to first token
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
                        "temperature": 0.0, "ignore_eos": True, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
-    started = time.perf_counter()
-    first, parts, usage = None, [], None
+    sent_at, started = time.time(), time.perf_counter()
+    first, first_at, parts, usage = None, None, [], None
     async with client.stream("POST", "/v1/completions", content=body,
                              headers={"content-type": "application/json"}) as response:
+        headers_at = time.time()
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
         async for line in response.aiter_lines():
@@ -182,7 +185,8 @@ async def stream_one(client: httpx.AsyncClient, model: str, prompt: list[int],
             if "error" in payload:
                 raise RuntimeError(f"error event: {payload['error']}")
             if payload.get("choices"):
-                first = first or time.perf_counter()
+                if first is None:
+                    first, first_at = time.perf_counter(), time.time()
                 parts.append(payload["choices"][0]["text"])
             if payload.get("usage"):
                 usage = payload["usage"]
@@ -190,7 +194,8 @@ async def stream_one(client: httpx.AsyncClient, model: str, prompt: list[int],
         raise RuntimeError(f"stream ended without a token or usage ({len(parts)} chunks)")
     return {"ttft_s": first - started, "latency_s": time.perf_counter() - started,
             "text": "".join(parts), "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+            "sent_at": sent_at, "headers_at": headers_at, "first_token_at": first_at}
 
 
 class Clients:

@@ -335,7 +335,7 @@ async def _kvhit(args, result: dict, nats_url: str, node_id: str, kvstore_pid: i
 # ------------------------------------------------------------------ e2e
 async def e2e(args) -> dict:
     import httpx
-    from kvstore_tiers import Probe, prompt_ids, tier_delta
+    from kvstore_tiers import Probe, prompt_ids, stream_one, tier_delta
 
     from cli.stack import Stack, StackOptions, flags, free_port
     from shared.models import resolve_model
@@ -422,34 +422,6 @@ def ensure_long_model(path: Path, max_position_embeddings: int = 32_768) -> None
     config["max_position_embeddings"] = max_position_embeddings
     (staging / "config.json").write_text(json.dumps(config, indent=2))
     staging.rename(path)
-
-
-async def stream_one(client, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streaming completion (as kvstore_tiers.stream_one) with wall-clock stamps: sent,
-    response headers (the submit was answered), first token."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    sent_at, started = time.time(), time.perf_counter()
-    first, headers_at, parts, usage = None, None, [], None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        headers_at = time.time()
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            payload = json.loads(line[6:])
-            if payload.get("choices"):
-                if first is None:
-                    first, first_at = time.perf_counter(), time.time()
-                parts.append(payload["choices"][0]["text"])
-            if payload.get("usage"):
-                usage = payload["usage"]
-    if first is None or usage is None:
-        raise RuntimeError(f"stream ended without a token or usage ({len(parts)} chunks)")
-    return {"ttft_s": first - started, "text": "".join(parts), "sent_at": sent_at,
-            "headers_at": headers_at, "first_token_at": first_at,
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
 
 
 def _log_lines(path: Path, event: str) -> list[tuple[float, dict]]:
@@ -561,6 +533,8 @@ async def profile_hits(args, stack, client, model_name: str, prefix: list[int]) 
     """py-spy (raw collapsed stacks, idle frames left out) on each service while the prompt
     is sent ``--profile-requests`` more times, each a worker-cache hit."""
     import subprocess
+
+    from kvstore_tiers import stream_one
 
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
