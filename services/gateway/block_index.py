@@ -118,10 +118,7 @@ class BlockIndex:
         if source is None:
             return False
         if source.fetching:
-            if len(source.held) < MAX_HELD_EVENTS:
-                source.held.append(event)
-            else:
-                source.held_overflow = True
+            self._hold(source, event)
             return False
         if source.synced:
             if event.seq <= source.seq:
@@ -237,7 +234,7 @@ class BlockIndex:
             reset = reset or ("gap" if store.seq else "late")
             store.blocks.clear()
             store.synced = False
-        return KvEventOutcome(reset, self._start_kv_fetch(store, now, [event]))
+        return KvEventOutcome(reset, self._start_fetch(store, now, [event]))
 
     def on_kv_node_seen(self, node_id: str, now: float) -> bool:
         """A scheduler's stats name this kvstore node: one not heard of yet (this gateway
@@ -248,7 +245,7 @@ class BlockIndex:
             store = self._stores[node_id] = _Store("", synced=False)
         if store.synced or store.fetching:
             return False
-        return self._start_kv_fetch(store, now, [])
+        return self._start_fetch(store, now, [])
 
     def kv_store_id(self, node_id: str) -> str | None:
         """The store_id the node's entries follow ("" while only the node is known)."""
@@ -355,7 +352,10 @@ class BlockIndex:
             source = self._schedulers[scheduler_id] = _Scheduler(bit)
         return source
 
-    def _start_fetch(self, source: _Scheduler, now: float, held: list[SchedulerBlockEvent]) -> bool:
+    @staticmethod
+    def _start_fetch(source: _Scheduler | _Store, now: float, held: list) -> bool:
+        """A scheduler's or kvstore's snapshot is to be fetched now (False: not before its
+        retry time); ``held``: the events to apply on top of it."""
         if now < source.retry_at:
             return False
         source.fetching, source.held, source.held_overflow = True, held, False
@@ -378,17 +378,13 @@ class BlockIndex:
                 source.num_blocks += 1
         source.seq = event.seq
 
-    def _start_kv_fetch(self, store: _Store, now: float, held: list[KvBlockEvent]) -> bool:
-        if now < store.retry_at:
-            return False
-        store.fetching, store.held, store.held_overflow = True, held, False
-        return True
-
-    def _hold(self, store: _Store, event: KvBlockEvent) -> None:
-        if len(store.held) < MAX_HELD_EVENTS:
-            store.held.append(event)
+    @staticmethod
+    def _hold(source: _Scheduler | _Store, event: SchedulerBlockEvent | KvBlockEvent) -> None:
+        """An event that came while the source's snapshot is fetched (applied on top)."""
+        if len(source.held) < MAX_HELD_EVENTS:
+            source.held.append(event)
         else:
-            store.held_overflow = True
+            source.held_overflow = True
 
     def _drop_store_id(self, store_id: str) -> None:
         self._dropped_stores[store_id] = None
