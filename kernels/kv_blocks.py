@@ -9,11 +9,6 @@ buffer (a store), ``scatter_blocks`` the reverse (a load). One program copies on
 (32 KiB for Llama-3.1-8B) in wide words, so the copy runs at memory speed; torch's
 ``index_select``/``index_copy_`` on the permuted view indexed element by element and took
 SM time from the forward running beside them.
-
-``load_slots`` reads a load's blocks straight from the host arena (registered as pinned, so
-the GPU reads it over the link) into the cache: no staging buffer and no copy engine, one
-launch for the whole load, and a bounded number of programs (each loops over pieces) so it
-leaves most SMs to a forward running beside it.
 """
 
 from __future__ import annotations
@@ -45,38 +40,7 @@ def _copy_pieces_kernel(
             tl.store(cache + offs, tl.load(staging + offs, mask=mask), mask=mask)
 
 
-@triton.jit
-def _load_slots_kernel(
-    cache_ptr, slots_ptr, slot_ids_ptr, block_ids_ptr, num_cache_blocks, num_tasks,
-    PIECE_WORDS: tl.constexpr, NUM_PIECES: tl.constexpr, BLOCK_WORDS: tl.constexpr,
-):
-    # task = row * NUM_PIECES + piece; programs stride over the tasks
-    for task in tl.range(tl.program_id(0), num_tasks, tl.num_programs(0)):
-        row = task // NUM_PIECES  # int32 is enough: offsets below widen with the int64 ids
-        piece = task % NUM_PIECES
-        slot_id = tl.load(slot_ids_ptr + row).to(tl.int64)
-        block_id = tl.load(block_ids_ptr + row).to(tl.int64)
-        cache = cache_ptr + (piece * num_cache_blocks + block_id) * PIECE_WORDS
-        slot = slots_ptr + (slot_id * NUM_PIECES + piece) * PIECE_WORDS
-        for start in tl.range(0, PIECE_WORDS, BLOCK_WORDS):
-            offs = start + tl.arange(0, BLOCK_WORDS)
-            mask = offs < PIECE_WORDS
-            tl.store(cache + offs, tl.load(slot + offs, mask=mask), mask=mask)
-
-
-class _HostPointer:
-    """A registered host buffer as a Triton pointer argument: Triton takes any object with
-    ``data_ptr()`` and ``dtype``; a CPU tensor itself would be refused on CUDA."""
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.dtype = tensor.dtype
-        self._ptr = tensor.data_ptr()
-
-    def data_ptr(self) -> int:
-        return self._ptr
-
-
-def _words(kv_cache: torch.Tensor, staging: torch.Tensor, num_rows: int
+def _words(kv_cache: torch.Tensor, staging: torch.Tensor, block_ids: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Both buffers as words (int64 where a piece allows it), and the piece's shape."""
     num_layers, two, num_cache_blocks = kv_cache.shape[:3]
@@ -86,8 +50,8 @@ def _words(kv_cache: torch.Tensor, staging: torch.Tensor, num_rows: int
             staging.dtype != kv_cache.dtype:
         raise ValueError(f"staging {tuple(staging.shape)} {staging.dtype} does not hold blocks "
                          f"of the cache {tuple(kv_cache.shape)} {kv_cache.dtype}")
-    if staging.shape[0] < num_rows:
-        raise ValueError(f"{num_rows} blocks for {staging.shape[0]} staging rows")
+    if staging.shape[0] < block_ids.numel():
+        raise ValueError(f"{block_ids.numel()} blocks for {staging.shape[0]} staging rows")
     piece_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
     word = torch.int64 if piece_bytes % 8 == 0 else torch.int16 if piece_bytes % 2 == 0 \
         else torch.uint8
@@ -99,8 +63,7 @@ def _launch(kv_cache: torch.Tensor, staging: torch.Tensor, block_ids: torch.Tens
             to_staging: bool) -> None:
     if block_ids.numel() == 0:
         return
-    cache_words, staging_words, piece_words, num_pieces = _words(kv_cache, staging,
-                                                                block_ids.numel())
+    cache_words, staging_words, piece_words, num_pieces = _words(kv_cache, staging, block_ids)
     block_words = min(MAX_WORDS, triton.next_power_of_2(piece_words))
     _copy_pieces_kernel[(block_ids.numel(), num_pieces)](
         cache_words, staging_words, block_ids, kv_cache.shape[2],
@@ -117,36 +80,6 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torc
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
     """Block ``block_ids[i]`` of every layer = staging[i] (the reverse of gather_blocks)."""
     _launch(kv_cache, staging, block_ids, to_staging=False)
-
-
-def load_slots(kv_cache: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
-               block_ids: torch.Tensor, max_programs: int = 0) -> None:
-    """Block ``block_ids[i]`` of every layer = slots[slot_ids[i]], read from host memory.
-
-    slots [num_slots, num_layers, 2, block_size, num_kv_heads, head_dim] on the host,
-    registered with CUDA (cudaHostRegister: the GPU reads it through unified addressing);
-    slot_ids, block_ids [n] int64 on the cache's device; max_programs bounds the grid
-    (0: one program per piece)."""
-    n = block_ids.numel()
-    if slot_ids.numel() != n:
-        raise ValueError(f"{slot_ids.numel()} slots for {n} blocks")
-    if n == 0:
-        return
-    cache_words, slot_words, piece_words, num_pieces = _words(kv_cache, slots, 0)
-    block_words = min(MAX_WORDS, triton.next_power_of_2(piece_words))
-    num_tasks = n * num_pieces
-    num_programs = min(num_tasks, max_programs) if max_programs > 0 else num_tasks
-    host_slots = _HostPointer(slot_words) if kv_cache.is_cuda and not slots.is_cuda \
-        else slot_words
-    _load_slots_kernel[(num_programs,)](
-        cache_words, host_slots, slot_ids, block_ids, kv_cache.shape[2], num_tasks,
-        PIECE_WORDS=piece_words, NUM_PIECES=num_pieces, BLOCK_WORDS=block_words, num_warps=8)
-
-
-def load_slots_ref(kv_cache: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
-                   block_ids: torch.Tensor) -> None:
-    kv_cache.permute(2, 0, 1, 3, 4, 5)[block_ids.long()] = \
-        slots[slot_ids.long().cpu()].to(kv_cache.device)
 
 
 def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor,

@@ -7,13 +7,9 @@ registered the way the worker does it (services/worker/kv_tiers.py):
 - ``raw``: one big host->device copy from the registered arena, and the same from
   cudaHostAlloc'd memory (the link's ceiling), and one 2 MiB copy per block;
 - ``load``/``store``: ``KvTiers.load`` / ``KvTiers.store`` of N blocks, random slots into
-  random blocks (the worst case: no runs), for each staging size given;
-- ``direct``: ``KvTiers.load`` reading the arena from a kernel (no staging, no copy
-  engine), for each program count given, and what such a load and a staged one cost a
-  stand-in forward (bf16 GEMMs through the 8B's shapes) running beside them.
+  random blocks (the worst case: no runs), for each staging size given.
 
-    python3 benchmarks/gpu/kv_copy.py --num-blocks 1024 --staging-mib 32,128 \
-        --direct-programs 66,132,264,0
+    python3 benchmarks/gpu/kv_copy.py --num-blocks 1024 --staging-mib 32,128
 """
 
 from __future__ import annotations
@@ -55,73 +51,6 @@ def _gbps(num_bytes: int, ms: float) -> float:
     return round(num_bytes / ms / 1e6, 1)
 
 
-def _stand_in_forward(rows: int = 16) -> callable:
-    """bf16 GEMMs through Llama-3.1-8B's 32 layers at ``rows`` tokens (a short chunk's
-    forward, weight-bound like prefix16k's 16-token step)."""
-    weights = [torch.randn(n, 4096, dtype=torch.bfloat16, device="cuda") / 64
-               for n in (6144, 4096, 28672)] + \
-        [torch.randn(4096, 14336, dtype=torch.bfloat16, device="cuda") / 64]
-    x = torch.randn(rows, 4096, dtype=torch.bfloat16, device="cuda")
-
-    def forward() -> None:
-        for _ in range(32):
-            torch.nn.functional.linear(x, weights[0])
-            torch.nn.functional.linear(x, weights[1])
-            torch.nn.functional.linear(torch.nn.functional.linear(x, weights[2])[:, :14336],
-                                       weights[3])
-    return forward
-
-
-def _direct_loads(args, kv_cache, path, slot_ids, block_ids, other_blocks, num_bytes) -> dict:
-    results: dict = {}
-    blocks = kv_cache.permute(2, 0, 1, 3, 4, 5)
-    forward = _stand_in_forward()
-    forward()
-    results["forward_alone"] = _timed(forward, args.repeats)
-    staged = KvTiers(kv_cache, KvArena.attach(path))
-    for programs in [int(x) for x in args.direct_programs.split(",")]:
-        tiers = KvTiers(kv_cache, KvArena.attach(path), direct_load_programs=programs or 1 << 30)
-        kv_cache.normal_()
-        tiers.store(block_ids, slot_ids)
-        tiers.synchronize()
-        tiers.completed()
-        tiers.load(slot_ids, other_blocks)
-        torch.cuda.synchronize()
-        name = f"direct_{programs or 'all'}"
-        results[f"round_trip_equal_{name}"] = bool(torch.equal(blocks[block_ids],
-                                                                blocks[other_blocks]))
-        timings = []
-        t = _timed(lambda: timings.append(tiers.load(slot_ids, block_ids)), args.repeats)
-        torch.cuda.synchronize()
-        load_ms = sorted(timing.start.elapsed_time(timing.end) for timing in timings)
-        t["device_ms"] = load_ms[len(load_ms) // 2]
-        results[f"load_{name}"] = {**t, "GB/s": _gbps(num_bytes, t["device_ms"])}
-        results[f"forward_beside_load_{name}"] = _beside(tiers, forward, slot_ids, block_ids,
-                                                         args.repeats)
-        tiers.close()
-    results["forward_beside_load_staged"] = _beside(staged, forward, slot_ids, block_ids,
-                                                    args.repeats)
-    staged.close()
-    return results
-
-
-def _beside(tiers: KvTiers, forward, slot_ids, block_ids, repeats: int) -> dict:
-    """The stand-in forward's time while a load runs on the load stream, and the load's."""
-    forward_ms, load_ms = [], []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        timing = tiers.load(slot_ids, block_ids)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        forward()
-        end.record()
-        torch.cuda.synchronize()
-        forward_ms.append(start.elapsed_time(end))
-        load_ms.append(timing.start.elapsed_time(timing.end))
-    return {"forward_ms": sorted(forward_ms)[len(forward_ms) // 2],
-            "load_ms": sorted(load_ms)[len(load_ms) // 2]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-blocks", type=int, default=1024, help="blocks per copy")
@@ -129,8 +58,6 @@ def main() -> None:
     parser.add_argument("--num-cache-blocks", type=int, default=4096)
     parser.add_argument("--staging-mib", default="32,128")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--direct-programs", default="",
-                        help="program counts of direct loads to time (0: one per piece)")
     parser.add_argument("--arena-dir", default="/dev/shm")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
@@ -203,9 +130,6 @@ def main() -> None:
         t = _timed(store, args.repeats)
         results[f"store_staging_{staging_mib}MiB"] = {**t, "GB/s": _gbps(num_bytes, t["host_ms"])}
         tiers.close()
-    if args.direct_programs:
-        results.update(_direct_loads(args, kv_cache, path, slot_ids, block_ids, other_blocks,
-                                     num_bytes))
     arena.close()
     arena.unlink()
     print(json.dumps(results, indent=1))

@@ -25,16 +25,10 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
     kv_node_id: str = ""  # the node's kvstore (docs/kvstore.md); "": none
-    # CUDA: loads from the kvstore's pinned arena read by a kernel with at most this many
-    # programs (kernels/kv_blocks.py load_slots); 0: staging chunks through the copy engine
-    kv_direct_load_programs: int = 0
     shutdown_timeout: float = 30.0  # s; on SIGTERM: serve steps until none came for 1 s, at most this
 
     __help__ = {
         "kv_node_id": "node id of the kvstore to use (empty: no kvstore)",
-        "kv_direct_load_programs": "CUDA: kvstore loads read the pinned host arena from a "
-                                   "kernel of at most this many programs (0: through "
-                                   "staging buffers and the copy engine)",
         "replica_id": "replica this worker serves (its scheduler uses the same id)",
         "device": "auto, cpu, cuda or cuda:N",
         "dtype": "auto, float32, bfloat16 or float16",
@@ -62,9 +56,6 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
                              f"{self.gpu_memory_utilization}")
         if self.overlap_steps not in ("auto", "on", "off"):
             raise ValueError(f"overlap_steps must be auto, on or off, not {self.overlap_steps!r}")
-        if self.kv_direct_load_programs < 0:
-            raise ValueError(f"kv_direct_load_programs must be >= 0, not "
-                             f"{self.kv_direct_load_programs}")
         if self.max_graph_tokens < 0:
             raise ValueError(f"max_graph_tokens must be >= 0, not {self.max_graph_tokens}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:

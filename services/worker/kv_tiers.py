@@ -36,7 +36,7 @@ import numpy as np
 import structlog
 import torch
 
-from kernels.kv_blocks import gather_blocks, load_slots, scatter_blocks
+from kernels.kv_blocks import gather_blocks, scatter_blocks
 from shared.kv_arena import KvArena
 
 log = structlog.get_logger()
@@ -117,8 +117,7 @@ class KvTiers:
     """The copies between one KV cache and one mapped arena."""
 
     def __init__(self, kv_cache: torch.Tensor, arena: KvArena, arena_inode: int | None = None,
-                 max_staging_bytes: int = MAX_STAGING_BYTES,
-                 direct_load_programs: int = 0) -> None:
+                 max_staging_bytes: int = MAX_STAGING_BYTES) -> None:
         self.kv_cache = kv_cache
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], a view of the cache
         self.blocks = kv_cache.permute(2, 0, 1, 3, 4, 5)
@@ -137,7 +136,6 @@ class KvTiers:
             .view(arena.num_slots, *self.slot_shape)
         self.device = kv_cache.device
         self.pinned = False
-        self.direct_load_programs = direct_load_programs
         self.pending: deque[StoreCopy] = deque()  # in copy order (the copy stream is FIFO)
         self.pending_loads: deque[LoadCopy] = deque()  # in load order (the load stream is FIFO)
         self._copy_stream: torch.cuda.Stream | None = None
@@ -193,14 +191,6 @@ class KvTiers:
         chunk = self.staging_blocks
         with torch.cuda.stream(stream):
             timing.start.record(stream)
-            if self.pinned and self.direct_load_programs > 0:
-                # [2, n]: slot ids, block ids, in one transfer
-                device_ids = _device_ids([*slot_ids, *block_ids], self.device).view(2, -1)
-                load_slots(self.kv_cache, self.slots, device_ids[0], device_ids[1],
-                           max_programs=self.direct_load_programs)
-                timing.end.record(stream)
-                self.pending_loads.append(LoadCopy(frozenset(block_ids), timing.end))
-                return timing
             device_block_ids = _device_ids(block_ids, self.device)  # one transfer for all chunks
             for first, slot_runs in zip(range(0, len(slot_ids), chunk),
                                         chunked_runs(slot_ids, chunk)):

@@ -265,8 +265,7 @@ class WorkerService:
             if arena.store_id != reply.store_id:
                 raise ValueError(f"the arena belongs to kvstore {arena.store_id!r}, not "
                                  f"{reply.store_id!r}")
-            tiers = KvTiers(self.runner.kv_cache, arena, arena_inode=inode,
-                            direct_load_programs=self.config.kv_direct_load_programs)
+            tiers = KvTiers(self.runner.kv_cache, arena, arena_inode=inode)
         except Exception:
             arena.close()
             raise

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_blocks import gather_blocks, gather_blocks_ref, load_slots, load_slots_ref, \
-    scatter_blocks, scatter_blocks_ref
+from kernels.kv_blocks import gather_blocks, gather_blocks_ref, scatter_blocks, scatter_blocks_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -58,24 +57,6 @@ def test_a_round_trip_moves_blocks():
         assert torch.equal(kv_cache[:, :, dst], kv_cache[:, :, src])
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("max_programs", [0, 4])
-def test_load_slots_equals_the_reference(shape, max_programs):
-    # the slots stay on the host (on CUDA the kernel reads them through the link: the GPU
-    # test below registers them; under the interpreter they are plain CPU tensors)
-    kv_cache, _ = cache_and_staging(shape, num_blocks=9, num_rows=1, seed=2)
-    slots = cache_and_staging(shape, num_blocks=1, num_rows=7, seed=3)[1].cpu()
-    expected = kv_cache.clone()
-    slot_ids = torch.tensor([6, 0, 3, 3], device=DEVICE)  # a slot may feed two blocks
-    block_ids = torch.tensor([2, 8, 0, 5], device=DEVICE)
-    load_slots_ref(expected, slots, slot_ids, block_ids)
-    if DEVICE == "cuda":
-        pytest.skip("the host slots must be registered on CUDA: test_load_slots_on_the_gpu")
-    load_slots(kv_cache, slots, slot_ids, block_ids, max_programs=max_programs)
-    assert torch.equal(kv_cache, expected)
-    assert torch.equal(kv_cache[:, :, 8], slots[0])
-
-
 def test_staging_of_another_layout_is_refused():
     kv_cache, staging = cache_and_staging(SHAPES[0], num_blocks=4, num_rows=2)
     with pytest.raises(ValueError, match="does not hold blocks"):
@@ -94,25 +75,3 @@ def test_llama_8b_blocks_on_the_gpu():
     gather_blocks_ref(kv_cache, block_ids, expected)
     gather_blocks(kv_cache, block_ids, staging)
     assert torch.equal(staging, expected)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("max_programs", [0, 132])
-def test_load_slots_on_the_gpu(max_programs):
-    """Llama-3.1-8B blocks read by the kernel from registered host memory."""
-    shape = (32, 16, 8, 128, torch.bfloat16)
-    kv_cache, _ = cache_and_staging(shape, num_blocks=64, num_rows=1)
-    slots = torch.randn(40, 32, 2, 16, 8, 128).to(torch.bfloat16)
-    nbytes = slots.numel() * slots.element_size()
-    assert int(torch.cuda.cudart().cudaHostRegister(slots.data_ptr(), nbytes, 0)) == 0
-    try:
-        slot_ids = torch.randperm(40, device=DEVICE)[:24]
-        block_ids = torch.randperm(64, device=DEVICE)[:24]
-        expected = kv_cache.clone()
-        load_slots_ref(expected, slots, slot_ids, block_ids)
-        load_slots(kv_cache, slots, slot_ids, block_ids, max_programs=max_programs)
-        torch.cuda.synchronize()
-        assert torch.equal(kv_cache, expected)
-    finally:
-        torch.cuda.cudart().cudaHostUnregister(slots.data_ptr())

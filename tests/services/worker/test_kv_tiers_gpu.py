@@ -40,7 +40,7 @@ def arena_dir():
 
 
 def setup(arena_dir: Path, dtype: torch.dtype, num_slots: int = 48,
-          max_staging_bytes: int = 1 << 20, direct_load_programs: int = 0) -> KvTiers:
+          max_staging_bytes: int = 1 << 20) -> KvTiers:
     # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     cache = allocate_kv_cache(SHAPE["num_layers"], SHAPE["num_blocks"], SHAPE["block_size"],
                               SHAPE["num_kv_heads"], SHAPE["head_dim"], dtype,
@@ -48,15 +48,12 @@ def setup(arena_dir: Path, dtype: torch.dtype, num_slots: int = 48,
     cache.copy_(torch.randn(cache.shape, device="cuda"))
     slot_nbytes = cache[:, :, 0].numel() * cache.element_size()
     arena = KvArena.create(arena_dir / "arena", num_slots, slot_nbytes, "store-1")
-    return KvTiers(cache, arena, max_staging_bytes=max_staging_bytes,
-                   direct_load_programs=direct_load_programs)
+    return KvTiers(cache, arena, max_staging_bytes=max_staging_bytes)
 
 
-@pytest.mark.parametrize("direct_load_programs", [0, 8])  # staging chunks; read by a kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_round_trip_through_pinned_arena_is_bit_identical(arena_dir, dtype,
-                                                          direct_load_programs):
-    tiers = setup(arena_dir, dtype, direct_load_programs=direct_load_programs)
+def test_round_trip_through_pinned_arena_is_bit_identical(arena_dir, dtype):
+    tiers = setup(arena_dir, dtype)
     assert tiers.pinned
     assert tiers.staging_blocks < 20  # several chunks
     cache = tiers.kv_cache
@@ -107,10 +104,8 @@ def test_a_store_reads_the_values_from_before_the_next_write(arena_dir):
     tiers.close()
 
 
-@pytest.mark.parametrize("direct_load_programs", [0, 8])
-def test_a_load_runs_after_the_work_before_it_and_before_the_work_that_waits_for_it(
-        arena_dir, direct_load_programs):
-    tiers = setup(arena_dir, torch.float32, direct_load_programs=direct_load_programs)
+def test_a_load_runs_after_the_work_before_it_and_before_the_work_that_waits_for_it(arena_dir):
+    tiers = setup(arena_dir, torch.float32)
     values = torch.randn((3, *tiers.slot_shape))
     tiers.slots[[8, 9, 12]] = values
     torch.cuda._sleep(100_000_000)  # the compute stream is busy: the load must queue behind
