@@ -149,11 +149,13 @@ class KvTiers:
                     self._unpin = weakref.finalize(self, _unregister, self.slots.data_ptr())
                 self._copy_stream = torch.cuda.Stream(self.device)
                 self._load_stream = torch.cuda.Stream(self.device)
+                self._scatter_stream = torch.cuda.Stream(self.device)
                 self.staging_blocks = max(1, max_staging_bytes // self.slot_nbytes)
                 shape = (self.staging_blocks, *self.slot_shape)
-                with torch.cuda.stream(self._load_stream):  # used on the load stream only
-                    self._load_staging = torch.empty(shape, dtype=kv_cache.dtype,
-                                                     device=self.device)
+                with torch.cuda.stream(self._load_stream):  # persistent: never freed
+                    # two buffers: the link fills one while the other is scattered
+                    self._load_staging = [torch.empty(shape, dtype=kv_cache.dtype,
+                                                      device=self.device) for _ in range(2)]
                 with torch.cuda.stream(self._copy_stream):  # used on the copy stream only
                     self._store_staging = torch.empty(shape, dtype=kv_cache.dtype,
                                                       device=self.device)
@@ -188,18 +190,34 @@ class KvTiers:
         self._wait_for_stores_on(stream, block_ids)  # and copies out may still read them
         timing.start, timing.end = (torch.cuda.Event(enable_timing=True),
                                     torch.cuda.Event(enable_timing=True))
-        chunk = self.staging_blocks
+        chunk, scatter_stream = self.staging_blocks, self._scatter_stream
+        # Chunk k is copied (copy engine, load stream) into buffer k % 2 once chunk k - 2's
+        # scatter (a kernel, scatter stream) is done with it, so the link never waits for a
+        # scatter: on the H200 one buffer cost a 1,024-block load ~2.5 ms (44.7 ms against
+        # 42.2 without staging).
+        scattered: list[torch.cuda.Event | None] = [None, None]
         with torch.cuda.stream(stream):
             timing.start.record(stream)
             device_block_ids = _device_ids(block_ids, self.device)  # one transfer for all chunks
-            for first, slot_runs in zip(range(0, len(slot_ids), chunk),
-                                        chunked_runs(slot_ids, chunk)):
+            device_block_ids.record_stream(scatter_stream)
+            for number, (first, slot_runs) in enumerate(zip(range(0, len(slot_ids), chunk),
+                                                            chunked_runs(slot_ids, chunk))):
                 num_blocks = min(chunk, len(slot_ids) - first)
-                staging = self._load_staging[:num_blocks]  # [n, *slot_shape]
+                staging = self._load_staging[number % 2][:num_blocks]  # [n, *slot_shape]
+                if scattered[number % 2] is not None:
+                    stream.wait_event(scattered[number % 2])
                 for index, slot_id, length in slot_runs:
                     staging[index:index + length].copy_(self.slots[slot_id:slot_id + length],
                                                         non_blocking=True)
-                scatter_blocks(self.kv_cache, device_block_ids[first:first + num_blocks], staging)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+                scatter_stream.wait_event(copied)
+                with torch.cuda.stream(scatter_stream):
+                    scatter_blocks(self.kv_cache, device_block_ids[first:first + num_blocks],
+                                   staging)
+                    scattered[number % 2] = torch.cuda.Event()
+                    scattered[number % 2].record(scatter_stream)
+            stream.wait_stream(scatter_stream)  # the load ends with its last scatter
             timing.end.record(stream)
         self.pending_loads.append(LoadCopy(frozenset(block_ids), timing.end))
         return timing
