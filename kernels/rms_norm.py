@@ -9,10 +9,6 @@ Rows are normalized over the last dim; any leading shape works, so the same kern
 per-head q/k norm of Qwen3 on ``[num_tokens, num_heads, head_dim]`` (also a strided view split
 from a fused qkv output). One program per row: a row of up to ``MAX_SINGLE_PASS`` elements is
 held in registers; longer rows take two passes over ``LOOP_BLOCK``-sized chunks.
-
-``rstd_of_rows`` and ``normed_tile`` are the same numerics as pieces another kernel calls:
-the skinny GEMM (kernels/skinny_gemm.py) normalizes its x on the fly with them, so a decode
-step's norm costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -76,54 +72,6 @@ def _rms_norm_kernel(
             weight = tl.load(weight_ptr + start + cols, mask=mask, other=0.0)
             out = weight.to(tl.float32) * normed.to(tl.float32)
             tl.store(out_row + start + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def rstd_of_rows(
-    x_ptr, residual_ptr, sum_ptr, num_rows, hidden_size, x_stride, residual_stride, sum_stride,
-    eps, sum_cols, HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-):
-    """1 / rms of the first ``num_rows`` rows of x (+ residual, rounded to x's dtype), as
-    ``_rms_norm_kernel`` computes it up to the order of the sum of squares: [BLOCK_ROWS] fp32,
-    0 past num_rows. One row at a time, ``BLOCK_SIZE`` columns a pass. With a residual, the
-    first ``sum_cols`` columns of each rounded sum are written to ``sum_ptr`` (hidden_size: all
-    of them, 0: none)."""
-    offs_rows = tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_SIZE)
-    rstd = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
-    for row in range(0, num_rows):
-        sum_squares = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
-        for start in range(0, hidden_size, BLOCK_SIZE):
-            mask = start + cols < hidden_size
-            x = tl.load(x_ptr + row * x_stride + start + cols, mask=mask, other=0.0)
-            x = x.to(tl.float32)
-            if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + row * residual_stride + start + cols, mask=mask,
-                            other=0.0)
-                summed = (x + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                tl.store(sum_ptr + row * sum_stride + start + cols, summed,
-                         mask=start + cols < sum_cols)
-                x = summed.to(tl.float32)
-            sum_squares += x * x
-        row_rstd = tl.rsqrt(tl.sum(sum_squares, axis=0) / hidden_size + eps)
-        rstd = tl.where(offs_rows == row, row_rstd, rstd)
-    return rstd
-
-
-@triton.jit
-def normed_tile(x, residual_ptrs, weight_ptrs, rstd, mask, col_mask,
-                HAS_RESIDUAL: tl.constexpr):
-    """A [rows, cols] tile of the norm's output, rounded as ``_rms_norm_kernel`` rounds it:
-    x (+ the residual tile, rounded to x's dtype) times ``rstd`` [rows], rounded, times the
-    weight [cols] (loaded at ``weight_ptrs``, ``col_mask``), rounded. ``mask``: the tile's."""
-    values = x.to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(residual_ptrs, mask=mask, other=0.0)
-        values = (values + r.to(tl.float32)).to(x.dtype).to(tl.float32)
-    normed = (values * rstd[:, None]).to(x.dtype)  # HF: cast before the weight multiply
-    weight = tl.load(weight_ptrs, mask=col_mask, other=0.0)
-    return (weight.to(tl.float32)[None, :] * normed.to(tl.float32)).to(x.dtype)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:

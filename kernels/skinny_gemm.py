@@ -21,12 +21,6 @@ tail of one launch. This kernel is a plain weight stream.
 - ``skinny_gemm_silu_and_mul``: the gate_up projection with SwiGLU in its epilogue (a program
   takes the gate rows of its columns and the matching up rows), rounded as the two kernels
   round it: one launch instead of two.
-- ``rms_norm_skinny_gemm``: the RMSNorm before a projection (residual add included), fused
-  into it: each program first walks x (+ residual) for every row's 1 / rms (the whole row is
-  needed before any column), then normalizes its x tiles as it loads them, rounded as
-  kernels/rms_norm.py rounds them. It saves the norm's launch; the first pass is redone by
-  every program and its rows are walked one by one, so the worker fuses only up to
-  ``NORM_MAX_M`` rows.
 - CUDA-graph capturable: the grid and the scratch depend on shapes only.
 
 ``CONFIGS`` holds the configs swept on the H200 for the Llama-3.1-8B shapes
@@ -43,17 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import silu_and_mul_ref
-from kernels.rms_norm import normed_tile, rms_norm_ref, rstd_of_rows
-
 MAX_M = 16  # most rows of x the kernel serves (x is padded to this many)
-NORM_BLOCK = 4096  # columns of a row the fused RMSNorm's first pass holds at a time
-# most rows the worker fuses the RMSNorm at: every program's first pass walks them one by one,
-# so each row costs a dependent round trip before the weight stream starts. TUNE
-NORM_MAX_M = 4
-# weight tiles (of BLOCK_K) each fused program asks L2 for before its first pass over x (0:
-# none; a power of two). TUNE
-NORM_PREFETCH_TILES = 0
 
 
 @dataclass(frozen=True)
@@ -122,33 +106,18 @@ def _silu_times(gate, up, dtype: tl.constexpr):
     return silu.to(tl.float32) * up.to(dtype).to(tl.float32)
 
 
-@triton.jit
-def _prefetch_l2(w_ptr, rows, w_stride, up_offset, cols, GATED: tl.constexpr):
-    """Ask L2 for the weight's lines at [rows, cols] (and the up rows): nothing waits on it."""
-    ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_stride + cols[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-    if GATED:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [ptrs + up_offset], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, norm_weight_ptr, residual_ptr, sum_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr,
     M, N, K, x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
-    partial_stride_m, k_per_split, residual_stride, sum_stride, eps,
+    partial_stride_m, k_per_split,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FP32_IEEE: tl.constexpr,
     SPLIT_K: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    PREFETCH_K: tl.constexpr, LINE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (column tile, K split). N counts output columns: with GATED, W holds 2N rows
     (gate then up) and a program multiplies the gate rows of its columns and the matching up
-    rows, then writes silu(gate) * up. With NORM, x is first RMS-normalized (after adding the
-    residual): every program takes each row's 1 / rms over all of K, then normalizes its
-    tiles of x as it loads them; program (0, 0) writes x + residual to ``sum_ptr``."""
+    rows, then writes silu(gate) * up."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -158,38 +127,20 @@ def _skinny_gemm_kernel(
     n_mask = offs_n < N
     k_start = pid_k * k_per_split
     k_end = tl.minimum(K, k_start + k_per_split)
-    if NORM:
-        if PREFETCH_K > 0:  # the first weight tiles on their way to L2 during the first pass
-            _prefetch_l2(w_ptr, tl.minimum(offs_n, N - 1), w_stride, up_offset,
-                         tl.minimum(k_start + tl.arange(0, PREFETCH_K // LINE) * LINE, K - 1),
-                         GATED=GATED)
-        rstd = rstd_of_rows(x_ptr, residual_ptr, sum_ptr, M, K, x_stride, residual_stride,
-                            sum_stride, eps, (pid_n + pid_k == 0).to(tl.int32) * K,
-                            HAS_RESIDUAL=HAS_RESIDUAL, BLOCK_ROWS=BLOCK_M,
-                            BLOCK_SIZE=NORM_BLOCK)  # [BLOCK_M] fp32
     # [BLOCK_N, BLOCK_K] weight tile (and, gated, the up rows N further on) and
     # [BLOCK_M, BLOCK_K] rows of x, K contiguous
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * w_stride + (k_start + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m[:, None] * x_stride + (k_start + offs_k)[None, :]
-    # (NORM: the same tiles of the residual and the norm's weight)
-    residual_ptrs = residual_ptr + offs_m[:, None] * residual_stride + (k_start + offs_k)[None, :]
-    norm_weight_ptrs = norm_weight_ptr + k_start + offs_k
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
-        k_mask = (k + offs_k) < k_end
         if EVEN_K:
             w_mask = n_mask[:, None]
-            x_mask = m_mask[:, None]
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
         else:
+            k_mask = (k + offs_k) < k_end
             w_mask = n_mask[:, None] & k_mask[None, :]
-            x_mask = m_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        if NORM:
-            x = normed_tile(x, residual_ptrs, norm_weight_ptrs, rstd, x_mask, k_mask,
-                            HAS_RESIDUAL=HAS_RESIDUAL)
-            residual_ptrs += BLOCK_K
-            norm_weight_ptrs += BLOCK_K
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if FP32_IEEE:  # (fp32 in full precision, as cuBLAS's default; not tf32)
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
@@ -250,17 +201,8 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")
 
 
-@dataclass(frozen=True)
-class _Norm:
-    """The RMSNorm a launch applies to x first (``rms_norm_skinny_gemm``)."""
-    weight: torch.Tensor  # [K]
-    eps: float
-    residual: torch.Tensor | None  # [M, K], added to x first; the sum goes to ``sum``
-    sum: torch.Tensor | None  # [M, K]
-
-
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            config: SkinnyConfig, gated: bool, norm: _Norm | None = None) -> None:
+            config: SkinnyConfig, gated: bool) -> None:
     """One launch writing out [M, N] (N = weight rows, or half of them when gated)."""
     m, k = x.shape
     n = out.shape[1]
@@ -270,22 +212,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     partial = out  # unused without a split
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    residual = x if norm is None or norm.residual is None else norm.residual
-    total = x if norm is None or norm.sum is None else norm.sum
     _skinny_gemm_kernel[(num_tiles, split_k)](
         x, weight, bias if bias is not None else weight, out, partial,
-        weight if norm is None else norm.weight, residual, total,
         m, n, k, x.stride(0), weight.stride(0), n * weight.stride(0) if gated else 0,
         out.stride(0),
         partial.stride(0) if split_k > 1 else 0, partial.stride(1) if split_k > 1 else 0,
-        k_per_split, residual.stride(0), total.stride(0), 0.0 if norm is None else norm.eps,
+        k_per_split,
         HAS_BIAS=bias is not None and split_k == 1, EVEN_K=k % config.block_k == 0,
-        FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated,
-        NORM=norm is not None, HAS_RESIDUAL=norm is not None and norm.residual is not None,
-        NORM_BLOCK=min(NORM_BLOCK, triton.next_power_of_2(k)),
-        PREFETCH_K=NORM_PREFETCH_TILES * config.block_k if norm is not None and x.is_cuda else 0,
-        LINE=128 // x.element_size(),
-        BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split_k > 1:
@@ -341,74 +275,6 @@ def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     if m > 0 and d > 0:
         _launch(x, weight, bias, out, config, gated=True)
     return out
-
-
-def serves_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                weight: torch.Tensor, silu_and_mul: bool = False) -> bool:
-    """Whether the worker should fuse the RMSNorm before a projection into it
-    (``rms_norm_skinny_gemm``): CUDA, at most ``NORM_MAX_M`` rows where the skinny GEMM serves
-    the projection (``serves``, or ``serves_gated`` for the SwiGLU launch), and x, the residual
-    and both weights of one dtype (the norm's output is then in x's dtype, as the GEMM needs)."""
-    if not x.is_cuda or x.dim() != 2 or x.stride(1) != 1 or x.shape[0] > NORM_MAX_M:
-        return False
-    if (norm_weight.shape != x.shape[1:] or not norm_weight.is_contiguous()
-            or not x.dtype == norm_weight.dtype == weight.dtype):
-        return False
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                 or residual.stride(1) != 1):
-        return False
-    return (serves_gated if silu_and_mul else serves)(x.shape[0], weight)
-
-
-def rms_norm_skinny_gemm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         residual: torch.Tensor | None = None, silu_and_mul: bool = False,
-                         config: SkinnyConfig | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The RMSNorm (after the residual add) and the projection after it, in one launch:
-    ``rms_norm(x, norm_weight, eps, residual)`` (kernels/rms_norm.py) then ``skinny_gemm``, or
-    ``skinny_gemm_silu_and_mul`` with ``silu_and_mul``.
-
-    x, residual: [M, K] (M <= MAX_M, last dim contiguous); norm_weight: [K]; all of weight's
-    dtype. -> (out [M, N] (N = weight rows, half of them with silu_and_mul), x + residual).
-    x + residual is a new tensor (x itself without a residual): residual is not written in
-    place, since every program reads it. Equal to the two kernels up to the order of the sum
-    of squares in the norm; batch invariant (each row's norm is its own)."""
-    _check_operands(x, weight, bias)
-    m, k = x.shape
-    if norm_weight.shape != (k,) or not norm_weight.is_contiguous() or k == 0:
-        raise ValueError(f"norm_weight {tuple(norm_weight.shape)} must be contiguous [{k}], K > 0")
-    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1
-                                 or residual.dtype != x.dtype):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x")
-    if norm_weight.dtype != x.dtype:
-        raise ValueError(f"norm_weight is {norm_weight.dtype}, x {x.dtype}")
-    n = weight.shape[0] // 2 if silu_and_mul else weight.shape[0]
-    if silu_and_mul:
-        config = config or gated_config_for(weight.shape[0], k)
-        if weight.shape[0] != 2 * n or config.split_k != 1:
-            raise ValueError("the gated GEMM needs an even number of weight rows and no split")
-    total = None if residual is None else torch.empty_like(x)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m > 0 and n > 0:
-        _launch(x, weight, bias, out, config or config_for(n, k), gated=silu_and_mul,
-                norm=_Norm(norm_weight, eps, residual, total))
-    elif total is not None:
-        torch.add(x, residual, out=total)
-    return out, x if total is None else total
-
-
-def rms_norm_skinny_gemm_ref(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                             weight: torch.Tensor, bias: torch.Tensor | None = None,
-                             residual: torch.Tensor | None = None, silu_and_mul: bool = False
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch: rms_norm_ref, then skinny_gemm_ref (and silu_and_mul_ref)."""
-    if residual is None:
-        total, h = x, rms_norm_ref(x, norm_weight, eps)
-    else:
-        h, total = rms_norm_ref(x, norm_weight, eps, residual.clone())
-    out = skinny_gemm_ref(h, weight, bias)
-    return (silu_and_mul_ref(out) if silu_and_mul else out), total
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -12,9 +12,8 @@ directory (``config.json`` + ``*.safetensors``, HF parameter names); q/k/v and g
 their biases) are fused at load time so each is one matmul. A directory marked as a dummy model
 (``shared.models.DUMMY_MARKER``) gets seeded random weights built on the target device instead.
 
-The compute ops (RMSNorm with the residual add fused, and at decode sizes into the qkv and gate_up
-projections after it; rotary with the KV write, the gate_up projection with SiLU-and-mul, paged
-attention) come from ``services/worker/ops.py``: Triton kernels on CUDA, their torch
+The compute ops (RMSNorm with the residual add fused, rotary with the KV write, the gate_up
+projection with SiLU-and-mul, paged attention) come from ``services/worker/ops.py``: Triton kernels on CUDA, their torch
 references on CPU.
 """
 
@@ -219,16 +218,13 @@ class Attention(nn.Module):
         self.value_cache: torch.Tensor | None = None
         self.decode_context: DecodeContext | None = None  # CPU: the decode rows' context, kept
 
-    def project(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                positions: torch.Tensor, cos_sin_cache: torch.Tensor, slot_mapping: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, residual [num_tokens, hidden_size] -> (the rotated queries of norm(x + residual)
-        [num_tokens, num_heads, head_dim], x + residual); the keys and values are written to
-        the cache. The norm runs in the qkv projection's launch where ops can fuse it. Reads
-        no host-side metadata, so a CUDA graph can hold it (``cuda_graphs.PiecewiseGraphs``)."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                slot_mapping: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, hidden_size] -> the rotated queries [num_tokens, num_heads, head_dim];
+        the keys and values are written to the cache. Reads no host-side metadata, so a CUDA
+        graph can hold it (``cuda_graphs.PiecewiseGraphs``)."""
         num_tokens = x.shape[0]
-        qkv, residual = ops.rms_norm_linear(x, residual, norm.weight, norm.eps,
-                                            self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -238,7 +234,7 @@ class Attention(nn.Module):
         # q and k rotated in place; k and v written to the cache
         ops.rotary_and_write_kv_cache(q, k, v, positions, cos_sin_cache, self.key_cache,
                                       self.value_cache, slot_mapping)
-        return q, residual
+        return q
 
     def attend(self, q: torch.Tensor, metadata: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -255,14 +251,9 @@ class MLP(nn.Module):
                                       bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x, residual [num_tokens, hidden_size] -> (the MLP of norm(x + residual),
-        x + residual); the norm runs in the gate_up launch where ops can fuse it."""
-        h, residual = ops.rms_norm_linear(x, residual, norm.weight, norm.eps,
-                                          self.gate_up_proj.weight, self.gate_up_proj.bias,
-                                          silu_and_mul=True)
-        return ops.linear(h, self.down_proj.weight, self.down_proj.bias), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        h = ops.linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -287,8 +278,11 @@ class DecoderLayer(nn.Module):
                          positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (queries [num_tokens, num_heads, head_dim], the residual stream)."""
-        return self.self_attn.project(x, residual, self.input_layernorm, positions,
-                                      cos_sin_cache, slot_mapping)
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        return self.self_attn.project(h, positions, cos_sin_cache, slot_mapping), residual
 
     def after_attention(self, attention_out: torch.Tensor, residual: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +290,8 @@ class DecoderLayer(nn.Module):
         stream before it)."""
         o_proj = self.self_attn.o_proj
         h = ops.linear(attention_out.flatten(1), o_proj.weight, o_proj.bias)  # [num_tokens, hidden]
-        return self.mlp(h, residual, self.post_attention_layernorm)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):

@@ -35,24 +35,6 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     return silu_and_mul(linear(x, weight, bias))
 
 
-def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                    eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    silu_and_mul: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm (after adding the residual) then a projection: x, residual [num_tokens, dim] ->
-    (linear(norm(x + residual)), x + residual), or ``linear_silu_and_mul`` of it with
-    ``silu_and_mul``; without a residual, (linear(norm(x)), x). Where the skinny GEMM serves
-    the projection at a few rows (``skinny_gemm.serves_norm``), one launch with the norm fused
-    in (x + residual then comes back in a new tensor); everything else, the two ops."""
-    if skinny_gemm.serves_norm(x, residual, norm_weight, weight, silu_and_mul):
-        return skinny_gemm.rms_norm_skinny_gemm(x, norm_weight, eps, weight, bias, residual,
-                                                silu_and_mul)
-    if residual is None:
-        residual, h = x, rms_norm(x, norm_weight, eps)
-    else:
-        h, residual = rms_norm(x, norm_weight, eps, residual)
-    return (linear_silu_and_mul if silu_and_mul else linear)(h, weight, bias), residual
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
