@@ -2,25 +2,8 @@
 (metadata only; the KV bytes live in the worker).
 
 A block is in exactly one place: in use (ref_count > 0), cached and evictable
-(ref_count 0 with a hash: its KV is kept for a later prefix hit), or free (ref_count 0,
-no hash).
-
-Eviction is a segmented LRU. An evictable block waits in one of two segments, each
-least recently freed first:
-
-- **probation**: blocks no prefix hit has taken since they were cached (a one-off
-  prompt, the tail a conversation's next turn never came back for);
-- **protected**: blocks a prefix hit of a later request took (``reuse``), or that were
-  loaded from the kvstore for one: a tenant's system prompt, a conversation's history.
-
-An allocation evicts from probation first, and from protected only when probation is
-empty. So a block that has been shared once outlives any number of blocks that never
-were: a burst of one-off prompts cannot flush the prefixes that every request of a
-tenant hits, where plain LRU kept whatever was freed last. Protected holds at most
-``PROTECTED_SHARE`` of the blocks; past that its least recently freed block goes back to
-probation (as the most recently freed there) and must be hit again to return, so a
-prefix nobody hits any more ages out. A sequence is freed tail first, so within a
-segment its tail is evicted before its prefix. Each step is O(1) per block.
+(ref_count 0 with a hash: its KV is kept for a later prefix hit, least recently freed
+evicted first), or free (ref_count 0, no hash).
 
 Once ``keep_journal()`` is called, the hashes that become findable (``cache_block``) and
 that stop being findable (an allocation evicting a cached block) are journaled until
@@ -34,8 +17,6 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-PROTECTED_SHARE = 0.8  # of the blocks, at most, evictable in the protected segment
-
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
@@ -48,20 +29,15 @@ class Block:
     block_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()  # confirms a hash hit token by token
     from_kvstore: bool = False  # cached by a load from the kvstore: never stored back
-    reused: bool = False  # taken by a prefix hit since cached: protected once evictable
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int,
-                 protected_share: float = PROTECTED_SHARE) -> None:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_block_ids: deque[int] = deque(range(num_blocks))
-        # evictable cached blocks, oldest first: never reused, then reused (see above)
-        self._probation: OrderedDict[int, None] = OrderedDict()
-        self._protected: OrderedDict[int, None] = OrderedDict()
-        self._max_protected = int(protected_share * num_blocks)
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         # block hash -> findable now? (the last change wins); None: no journal kept
         self._journal: dict[bytes, bool] | None = None
@@ -69,7 +45,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can take: free ones and evictable cached ones."""
-        return len(self._free_block_ids) + len(self._probation) + len(self._protected)
+        return len(self._free_block_ids) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
@@ -78,11 +54,6 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
-
-    @property
-    def num_protected_blocks(self) -> int:
-        """Evictable blocks in the protected segment."""
-        return len(self._protected)
 
     def cached_hashes(self) -> list[bytes]:
         """Every findable block's hash."""
@@ -125,35 +96,25 @@ class BlockManager:
         return hit_ids
 
     def num_evictable(self, block_ids: Sequence[int]) -> int:
-        blocks = self.blocks
-        return sum(1 for block_id in block_ids
-                   if blocks[block_id].ref_count == 0 and blocks[block_id].block_hash is not None)
+        return sum(1 for block_id in block_ids if block_id in self._evictable)
 
     def reuse(self, block_ids: Sequence[int]) -> None:
-        """Take a reference on cached blocks (a prefix hit): they are protected once
-        evictable again."""
+        """Take a reference on cached blocks (a prefix hit)."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:  # evictable: leaves its segment
-                if block_id in self._probation:
-                    del self._probation[block_id]
-                else:
-                    del self._protected[block_id]
-            block.ref_count += 1
-            block.reused = True
+            self._evictable.pop(block_id, None)
+            self.blocks[block_id].ref_count += 1
 
     def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int], *,
                     from_kvstore: bool = False) -> bool:
         """Make a full, computed (or loaded) block findable by its hash; True if it was
         not cached before. If another block already holds the same content, keep that
-        one: this block is freed normally later. A block loaded from the kvstore was a
-        prefix hit there: protected once evictable."""
+        one: this block is freed normally later."""
         block = self.blocks[block_id]
         if block.block_hash is not None or block_hash in self._cached:
             return False
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
-        block.from_kvstore = block.reused = from_kvstore
+        block.from_kvstore = from_kvstore
         self._cached[block_hash] = block_id
         if self._journal is not None:
             self._journal[block_hash] = True
@@ -171,24 +132,16 @@ class BlockManager:
         for _ in range(num_blocks):
             if self._free_block_ids:
                 block_id = self._free_block_ids.popleft()
-            else:
-                block_id = self._evict()
+            else:  # evict the least recently freed cached block
+                block_id, _ = self._evictable.popitem(last=False)
+                block = self.blocks[block_id]
+                del self._cached[block.block_hash]
+                if self._journal is not None:
+                    self._journal[block.block_hash] = False
+                block.block_hash, block.token_ids, block.from_kvstore = None, (), False
             self.blocks[block_id].ref_count = 1
             block_ids.append(block_id)
         return block_ids
-
-    def _evict(self) -> int:
-        """The least recently freed cached block of probation, else of protected,
-        forgotten."""
-        segment = self._probation or self._protected
-        block_id, _ = segment.popitem(last=False)
-        block = self.blocks[block_id]
-        del self._cached[block.block_hash]
-        if self._journal is not None:
-            self._journal[block.block_hash] = False
-        block.block_hash, block.token_ids = None, ()
-        block.from_kvstore = block.reused = False
-        return block_id
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block. Freed in reverse, so a sequence's tail
@@ -198,13 +151,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count > 0:
                 continue
-            if block.block_hash is None:
-                self._free_block_ids.append(block_id)
-            elif not block.reused:
-                self._probation[block_id] = None
+            if block.block_hash is not None:
+                self._evictable[block_id] = None
             else:
-                self._protected[block_id] = None
-                if len(self._protected) > self._max_protected:  # the oldest ages out
-                    demoted, _ = self._protected.popitem(last=False)
-                    self.blocks[demoted].reused = False
-                    self._probation[demoted] = None
+                self._free_block_ids.append(block_id)
