@@ -73,6 +73,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     # The result JSON goes to $OUT.
     kvstore) python3 benchmarks/kvstore_tiers.py --device cuda --model $M/dummy-llama-3.1-8b \
         --parts "${KV_PARTS:-prefix16k}" ${KV_ARGS:-} 2>&1 | tail -60;;
+    # issue 14's three GPU targets in one call (~8 minutes on a fresh machine: run it alone);
+    # prefix16k first, since it is the shortest and the closest to its target
+    kvstore-accept) for part in prefix16k offload prefill512; do
+          echo "--- $part $(date +%T)"
+          python3 benchmarks/kvstore_tiers.py --device cuda --model $M/dummy-llama-3.1-8b \
+              --parts $part --time-budget-s 200 2>&1 | grep -v "^\[prefill512\] [0-9]" | tail -12
+        done;;
     *) echo "unknown stage $stage";;
   esac
 done
