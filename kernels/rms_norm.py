@@ -22,6 +22,26 @@ LOOP_BLOCK = 4096  # chunk of the two-pass loop for longer rows
 
 
 @triton.jit
+def add_rms_norm_row(x, residual_row, weight_ptr, out_row, cols, mask, hidden_size, eps,
+                     HAS_RESIDUAL: tl.constexpr, X_DTYPE: tl.constexpr):
+    """The single-pass norm of one row held in registers: x [BLOCK_SIZE] fp32 (values of
+    ``X_DTYPE``, the norm's input dtype), masked past hidden_size; with HAS_RESIDUAL, the sum
+    x + residual is rounded to the residual's dtype and written back first. Also the tail of
+    kernels/skinny_gemm.py's split reduce, so that path rounds bitwise as this kernel: launch
+    both with ``single_pass_launch``'s block and warps (the sum of squares' order follows them)."""
+    if HAS_RESIDUAL:
+        r = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
+        summed = (x + r).to(residual_row.dtype.element_ty)
+        tl.store(residual_row + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
+    normed = (x * rstd).to(X_DTYPE)  # HF: cast before the weight multiply
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_row + cols, out.to(out_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, weight_ptr, residual_ptr, out_ptr,
     x_stride_0, x_stride_1, residual_stride_0, residual_stride_1, out_stride_0, out_stride_1,
@@ -38,16 +58,8 @@ def _rms_norm_kernel(
     if SINGLE_PASS:
         mask = cols < hidden_size
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(residual_row + cols, mask=mask, other=0.0).to(tl.float32)
-            summed = (x + r).to(residual_ptr.dtype.element_ty)
-            tl.store(residual_row + cols, summed, mask=mask)
-            x = summed.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
-        normed = (x * rstd).to(x_ptr.dtype.element_ty)  # HF: cast before the weight multiply
-        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        out = weight.to(tl.float32) * normed.to(tl.float32)
-        tl.store(out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+        add_rms_norm_row(x, residual_row, weight_ptr, out_row, cols, mask, hidden_size, eps,
+                         HAS_RESIDUAL, x_ptr.dtype.element_ty)
     else:
         # pass 1: the residual sum (written back) and the sum of squares
         sum_squares = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
@@ -72,6 +84,16 @@ def _rms_norm_kernel(
             weight = tl.load(weight_ptr + start + cols, mask=mask, other=0.0)
             out = weight.to(tl.float32) * normed.to(tl.float32)
             tl.store(out_row + start + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_warps(block_size: int) -> int:
+    return min(max(block_size // 256, 1), 16)
+
+
+def single_pass_launch(hidden_size: int) -> tuple[int, int]:
+    """(BLOCK_SIZE, num_warps) of a single-pass row (hidden_size <= MAX_SINGLE_PASS)."""
+    block_size = triton.next_power_of_2(hidden_size)
+    return block_size, _num_warps(block_size)
 
 
 def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -118,14 +140,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     num_outer, num_inner = x_rows.shape[:2]
     if x.numel() > 0:
         single_pass = hidden_size <= MAX_SINGLE_PASS
-        block_size = triton.next_power_of_2(hidden_size) if single_pass else LOOP_BLOCK
+        if single_pass:
+            block_size, num_warps = single_pass_launch(hidden_size)
+        else:
+            block_size, num_warps = LOOP_BLOCK, _num_warps(LOOP_BLOCK)
         _rms_norm_kernel[(num_outer, num_inner)](
             x_rows, weight, residual_rows, out_rows,
             x_rows.stride(0), x_rows.stride(1), residual_rows.stride(0), residual_rows.stride(1),
             out_rows.stride(0), out_rows.stride(1),
             hidden_size, eps,
             HAS_RESIDUAL=residual is not None, SINGLE_PASS=single_pass, BLOCK_SIZE=block_size,
-            num_warps=min(max(block_size // 256, 1), 16),
+            num_warps=num_warps,
         )
     return out if residual is None else (out, residual)
 

@@ -21,6 +21,11 @@ tail of one launch. This kernel is a plain weight stream.
 - ``skinny_gemm_silu_and_mul``: the gate_up projection with SwiGLU in its epilogue (a program
   takes the gate rows of its columns and the matching up rows), rounded as the two kernels
   round it: one launch instead of two.
+- ``skinny_gemm_add_rms_norm``: a projection with K split (o_proj, down) followed by the
+  decoder's residual add and RMSNorm: its reduce takes one program per row, adds the row to
+  the residual and normalizes it with kernels/rms_norm.py's code, launched as that kernel
+  launches a row, so the result is bitwise the two ops' and the norm's own launch goes. The
+  worker takes it only with ``NORM_IN_REDUCE`` on (``serves_add_rms_norm``).
 - CUDA-graph capturable: the grid and the scratch depend on shapes only.
 
 ``CONFIGS`` holds the configs swept on the H200 for the Llama-3.1-8B shapes
@@ -37,7 +42,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.rms_norm import MAX_SINGLE_PASS, add_rms_norm_row, single_pass_launch
+
 MAX_M = 16  # most rows of x the kernel serves (x is padded to this many)
+# issue 15: the residual add and RMSNorm after o_proj and down in their split-K reduce
+# (``serves_add_rms_norm``). Off until measured on the GPU: the reduce then runs one program per
+# row instead of four (BENCHMARKS.md, issue 15, "RMSNorm in the split-K reduce"). TUNE
+NORM_IN_REDUCE = False
 
 
 @dataclass(frozen=True)
@@ -188,6 +199,30 @@ def _reduce_splits_kernel(
     tl.store(out_ptr + row * out_stride_m + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _reduce_splits_add_rms_norm_kernel(
+    partial_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr, N, eps,
+    partial_stride_split, partial_stride_m, residual_stride_m, out_stride_m,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One program per row: the splits added in split order and rounded to the projection's
+    dtype (as ``_reduce_splits_kernel`` stores them), then that row added to the residual (in
+    place) and normalized by kernels/rms_norm.py's own single-pass code into out."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    ptrs = partial_ptr + row * partial_stride_m + cols
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):  # in split order: deterministic
+        acc += tl.load(ptrs + split * partial_stride_split, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty  # the projection's (and the norm's) dtype
+    add_rms_norm_row(acc.to(dtype).to(tl.float32), residual_ptr + row * residual_stride_m,
+                     norm_weight_ptr, out_ptr + row * out_stride_m, cols, mask, N, eps,
+                     True, dtype)
+
+
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
@@ -201,13 +236,21 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")
 
 
+def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
+    """(K per split, number of splits): whole BLOCK_K tiles per split, so the number may come
+    out below config.split_k for a small K."""
+    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            config: SkinnyConfig, gated: bool) -> None:
-    """One launch writing out [M, N] (N = weight rows, or half of them when gated)."""
+            config: SkinnyConfig, gated: bool, norm: tuple | None = None) -> None:
+    """One launch writing out [M, N] (N = weight rows, or half of them when gated), and the
+    reduce when K is split. With ``norm`` = (residual, norm_weight, eps) (split K only) the
+    reduce adds each row to the residual, in place, and writes its RMSNorm to out instead."""
     m, k = x.shape
     n = out.shape[1]
-    k_per_split = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    split_k = triton.cdiv(k, k_per_split)  # (may come out below config.split_k for small K)
+    k_per_split, split_k = _split(k, config)
     num_tiles = triton.cdiv(n, config.block_n)
     partial = out  # unused without a split
     if split_k > 1:
@@ -219,16 +262,40 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         partial.stride(0) if split_k > 1 else 0, partial.stride(1) if split_k > 1 else 0,
         k_per_split,
         HAS_BIAS=bias is not None and split_k == 1, EVEN_K=k % config.block_k == 0,
-        FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split_k > 1:
+    if split_k > 1 and norm is not None:
+        residual, norm_weight, eps = norm
+        block, num_warps = single_pass_launch(n)  # as kernels/rms_norm.py launches a row
+        _reduce_splits_add_rms_norm_kernel[(m,)](
+            partial, bias if bias is not None else weight, residual, norm_weight, out, n, eps,
+            partial.stride(0), partial.stride(1), residual.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=num_warps,
+        )
+    elif split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_splits_kernel[(m, triton.cdiv(n, block))](
             partial, bias if bias is not None else weight, out, n, partial.stride(0),
             partial.stride(1), out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
         )
+
+
+def serves_add_rms_norm(num_rows: int, weight: torch.Tensor, residual: torch.Tensor,
+                        norm_weight: torch.Tensor) -> bool:
+    """Whether the worker should run a projection, its residual add and the RMSNorm after it
+    as ``skinny_gemm_add_rms_norm``: ``NORM_IN_REDUCE`` on, a shape and row count ``serves``
+    takes whose config splits K, a row the norm holds in registers, one dtype and device."""
+    if not NORM_IN_REDUCE or not serves(num_rows, weight):
+        return False
+    n, k = weight.shape
+    return (_split(k, config_for(n, k))[1] > 1 and n <= MAX_SINGLE_PASS
+            and residual.shape == (num_rows, n) and residual.stride(1) == 1
+            and norm_weight.shape == (n,) and norm_weight.is_contiguous()
+            and residual.dtype == norm_weight.dtype == weight.dtype
+            and residual.device == norm_weight.device == weight.device)
 
 
 def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
@@ -254,6 +321,34 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     _launch(x, weight, bias, out, config or config_for(n, k), gated=False)
     return out
+
+
+def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                             config: SkinnyConfig | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(skinny_gemm(x, weight, bias), norm_weight, eps, residual)`` with the add and the
+    norm in the split-K reduce, bitwise the same: x [M, K], weight [N, K], residual [M, N]
+    (last dim contiguous; ``residual += y`` in place), norm_weight [N], all of x's dtype ->
+    (normed [M, N], residual). ``config`` (default ``config_for(N, K)``) must split K and N be
+    at most kernels/rms_norm.py's MAX_SINGLE_PASS."""
+    _check_operands(x, weight, bias)
+    m, k = x.shape
+    n = weight.shape[0]
+    config = config or config_for(n, k)
+    if k == 0 or _split(k, config)[1] < 2:
+        raise ValueError(f"the norm runs in the split reduce: {config} does not split K = {k}")
+    if n > MAX_SINGLE_PASS:
+        raise ValueError(f"{n} columns: the norm holds at most {MAX_SINGLE_PASS} in one pass")
+    if residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != x.dtype:
+        raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with a contiguous last dim")
+    if (norm_weight.shape != (n,) or not norm_weight.is_contiguous()
+            or norm_weight.dtype != x.dtype):
+        raise ValueError(f"norm_weight must be contiguous [{n}] {x.dtype}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m > 0 and n > 0:
+        _launch(x, weight, bias, out, config, gated=False, norm=(residual, norm_weight, eps))
+    return out, residual
 
 
 def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
