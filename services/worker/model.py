@@ -14,7 +14,9 @@ their biases) are fused at load time so each is one matmul. A directory marked a
 
 The compute ops (RMSNorm with the residual add fused, rotary with the KV write, the gate_up
 projection with SiLU-and-mul, paged attention) come from ``services/worker/ops.py``: Triton kernels on CUDA, their torch
-references on CPU.
+references on CPU. Each residual add is fused into the norm after it, and a layer ends with the
+next layer's input norm: o_proj and down go through ``ops.linear_add_rms_norm``, which at decode
+sizes can do the add and the norm in the projection's split-K reduce (``ops.norm_in_reduce``).
 """
 
 from __future__ import annotations
@@ -265,33 +267,45 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin_cache: torch.Tensor, metadata: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: this layer's input minus the residual stream so far (the whole input when
-        residual is None) -> (the MLP's output, the residual stream before it): each add is
-        fused into the next norm."""
+                cos_sin_cache: torch.Tensor, metadata: AttentionMetadata, normed: bool = False,
+                next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``before_attention``, attention, ``after_attention``: (x, residual) as they take
+        and return them."""
         q, residual = self.before_attention(x, residual, positions, cos_sin_cache,
-                                            metadata.slot_mapping)
-        return self.after_attention(self.self_attn.attend(q, metadata), residual)
+                                            metadata.slot_mapping, normed)
+        return self.after_attention(self.self_attn.attend(q, metadata), residual, next_norm)
 
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
                          positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (queries [num_tokens, num_heads, head_dim], the residual stream)."""
-        if residual is None:
+                         slot_mapping: torch.Tensor, normed: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input minus the residual stream so far (the whole input when
+        residual is None), or with ``normed`` this layer's input norm of the stream (the
+        previous layer's ``after_attention`` applied it) -> (queries [num_tokens, num_heads,
+        head_dim], the residual stream)."""
+        if normed:
+            h = x
+        elif residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
         return self.self_attn.project(h, positions, cos_sin_cache, slot_mapping), residual
 
-    def after_attention(self, attention_out: torch.Tensor, residual: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    def after_attention(self, attention_out: torch.Tensor, residual: torch.Tensor,
+                        next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """attention_out [num_tokens, num_heads, head_dim] -> (the MLP's output, the residual
-        stream before it)."""
-        o_proj = self.self_attn.o_proj
-        h = ops.linear(attention_out.flatten(1), o_proj.weight, o_proj.bias)  # [num_tokens, hidden]
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        stream before it); with ``next_norm`` (the next layer's input norm, or the final one),
+        (next_norm of the stream after this layer, that stream). Both adds are written into
+        ``residual`` in place."""
+        o_proj, norm = self.self_attn.o_proj, self.post_attention_layernorm
+        h, residual = ops.linear_add_rms_norm(attention_out.flatten(1), o_proj.weight,
+                                              o_proj.bias, residual, norm.weight, norm.eps)
+        if next_norm is None:
+            return self.mlp(h), residual
+        mlp = self.mlp
+        h = ops.linear_silu_and_mul(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        return ops.linear_add_rms_norm(h, mlp.down_proj.weight, mlp.down_proj.bias, residual,
+                                       next_norm.weight, next_norm.eps)
 
 
 class Transformer(nn.Module):
@@ -331,9 +345,19 @@ class Transformer(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> logits [num_sampled, vocab_size] (fp32)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.cos_sin_cache, metadata)
+        # Each layer ends with the next one's input norm; the last one with the final norm
+        # only where down's reduce carries it (elsewhere ``logits`` normalizes just the
+        # sampled rows)
+        final_norm = self.norm if ops.norm_in_reduce(
+            x.shape[0], self.layers[-1].mlp.down_proj.weight, x, self.norm.weight) else None
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final_norm]
+        residual, normed = None, False
+        for layer, next_norm in zip(self.layers, next_norms, strict=True):
+            x, residual = layer(x, residual, positions, self.cos_sin_cache, metadata, normed,
+                                next_norm)
+            normed = next_norm is not None
+        if normed:
+            return self.head(x[metadata.logits_indices])
         return self.logits(x, residual, metadata.logits_indices)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, indices: torch.Tensor
@@ -341,8 +365,13 @@ class Transformer(nn.Module):
         """The last layer's (x, residual) [num_tokens, hidden_size] -> logits of the rows
         ``indices`` [num_sampled, vocab_size] (fp32)."""
         x, _ = self.norm(x[indices], residual[indices])  # [num_sampled, hidden_size]
+        return self.head(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final-normed rows [num_sampled, hidden_size] -> logits [num_sampled, vocab_size]
+        (fp32)."""
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(x, head_weight).float()  # [num_sampled, vocab_size]
+        return ops.linear(x, head_weight).float()
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:

@@ -43,6 +43,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return op(x, weight, eps, residual)
 
 
+def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection into the residual stream and the RMSNorm after it: x [num_tokens,
+    in_features] -> (norm(linear(x) + residual), linear(x) + residual), the sum written into
+    residual [num_tokens, out_features] in place. Where ``norm_in_reduce`` holds, the add and
+    the norm run in the skinny GEMM's split-K reduce (bitwise the two ops, one launch less);
+    everywhere else, the two ops."""
+    if x.dim() == 2 and x.stride(1) == 1 and norm_in_reduce(x.shape[0], weight, residual,
+                                                            norm_weight):
+        return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps)
+    return rms_norm(linear(x, weight, bias), norm_weight, eps, residual)
+
+
+def norm_in_reduce(num_tokens: int, weight: torch.Tensor, residual: torch.Tensor,
+                   norm_weight: torch.Tensor) -> bool:
+    """Whether ``linear_add_rms_norm`` of num_tokens rows takes the one-reduce path: CUDA,
+    ``skinny_gemm.NORM_IN_REDUCE`` on, and a size the skinny GEMM splits K at (o_proj and down
+    at decode batch sizes); see ``skinny_gemm.serves_add_rms_norm``."""
+    return residual.is_cuda and skinny_gemm.serves_add_rms_norm(num_tokens, weight, residual,
+                                                                 norm_weight)
+
+
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,
                  cos_sin_cache: torch.Tensor) -> None:
     """Rotate query [num_tokens, num_heads, head_dim] and key [.., num_kv_heads, ..] in place."""
