@@ -26,9 +26,11 @@
   otherwise the least loaded is (kv is least-loaded, by its own load count, wherever
   the cache decides nothing).
 
-  The decode cost per stream (in prompt tokens) is each replica's measured one (the slope
-  of its decode step time over batch size, services/scheduler/tiering.py), else the
-  fleet's mean, else DECODE_COST_TOKENS.
+  The decode cost per stream (in prompt tokens) is one figure for the whole fleet: the
+  median of the replicas' figures, each its measured one (the slope of its decode step
+  time over batch size, services/scheduler/tiering.py) or DECODE_COST_TOKENS where not
+  measured. A slope from a few dozen steps is noisy (0.1 to 40 tokens on the 2-core CPU,
+  median 2 to 4): one replica's outlier must not price every replica, nor its own.
 
   Saturation valve: a session leaves its replica once that one's load exceeds the least
   loaded one's by at least T + W, T = max(saturation_margin, saturation_ratio x the
@@ -64,8 +66,9 @@ GPU = "gpu"
 # difference), the valve turned a request away from the replica its cache or session
 # favoured, or round-robin's turn
 CACHE, SESSION, LOAD, SATURATED, TURN = "cache", "session", "load", "saturated", "turn"
-DECODE_COST_TOKENS = 16.0  # another request's share of a step, in prompt tokens' compute,
-# until some replica measures its own
+DECODE_COST_TOKENS = 4.0  # another request's share of a step, in prompt tokens' compute,
+# where a replica has not measured its own: ~4.5 for SmolLM2 on the CPU (docs/routing.md), less
+# on a GPU, whose decode steps cost about the same with 1 or 30 streams
 DEFAULT_OUTPUT_TOKENS = 128.0  # a request's expected output until this gateway has seen some end
 OUTPUT_MEAN_WEIGHT = 0.05  # of each finished request in the running mean of output tokens
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0  # until some replica measures it
@@ -331,15 +334,18 @@ class Router:
                 stats.prefill_tokens_per_s or prefill_speed,
                 stats.host_load_bytes_per_s or host_speed,
                 stats.disk_read_bytes_per_s or disk_speed,
-                stats.decode_seq_cost_tokens or decode_cost)
+                decode_cost)
         return estimates
 
     @staticmethod
     def decode_cost_tokens(replicas: Sequence[Replica]) -> float:
-        """One more stream's cost per step, in prompt tokens: the mean of the replicas'
-        measured figures, else DECODE_COST_TOKENS."""
-        return _mean_measured([r.stats.decode_seq_cost_tokens for r in replicas],
-                              DECODE_COST_TOKENS)
+        """One more stream's cost per step, in prompt tokens, for every replica: the median
+        of each replica's measured figure, or DECODE_COST_TOKENS where it has none."""
+        figures = sorted(r.stats.decode_seq_cost_tokens or DECODE_COST_TOKENS for r in replicas)
+        if not figures:
+            return DECODE_COST_TOKENS
+        middle = len(figures) // 2
+        return figures[middle] if len(figures) % 2 else (figures[middle - 1] + figures[middle]) / 2
 
 
 def _estimate(replica: Replica, num_tokens: int, output_tokens: float, gpu_blocks: int,

@@ -31,6 +31,11 @@ def stats(scheduler_id: str, *, running: int = 0, waiting: int = 0, queued: int 
         host_load_bytes_per_s=host, block_bytes=1000, **fields)
 
 
+def dear_streams(scheduler_id: str, **fields) -> SchedulerStats:
+    """Stats of a replica that measured one more stream at 16 prompt tokens a step."""
+    return stats(scheduler_id, decode_seq_cost_tokens=16.0, **fields)
+
+
 def holds(index: BlockIndex, scheduler_id: str, hashes: list[bytes], seq: int = 1) -> None:
     index.on_scheduler_event(SchedulerBlockEvent(scheduler_id=scheduler_id, replica_id="0",
                                                  seq=seq, stored_hashes=hashes), now=0.0)
@@ -194,8 +199,10 @@ def test_the_saturation_threshold_follows_the_fleets_mean_load():
 def test_the_saturation_valve_turns_a_hot_prefix_away():
     index = BlockIndex()
     holds(index, "a", HASHES)
-    # a short answer: one more stream costs 16 x 2 = 32 tokens, so the 64 hit tokens are
-    # worth 2 requests: with few in flight (T = 1) the holder may run 1 + 1 + 2 ahead
+    # a short answer: one more stream costs 16 x 2 = 32 tokens (the replicas measured 16),
+    # so the 64 hit tokens are worth 2 requests: with few in flight (T = 1) the holder may
+    # run 1 + 1 + 2 ahead
+    stats = dear_streams
     one_more = [Replica(stats("a", waiting=1)), Replica(stats("b"))]
     decision = router(index).choose(one_more, PROMPT, max_tokens=1)
     assert (decision.scheduler_id, decision.reason) == ("a", CACHE)
@@ -239,7 +246,7 @@ def test_a_measured_decode_cost_prices_load():
     for those that did not): cheap streams let a busier holder win, dear ones do not."""
     index = BlockIndex()
     holds(index, "a", HASHES)
-    # a 24-token answer: at the default 16 a stream costs 400 tokens, outweighing the hit
+    # a 24-token answer: at the default 4 a stream costs 100 tokens, outweighing the hit (64)
     def fleet(cost):
         return [Replica(stats("a", waiting=1, decode_seq_cost_tokens=cost)),
                 Replica(stats("b", decode_seq_cost_tokens=cost))]
@@ -247,8 +254,27 @@ def test_a_measured_decode_cost_prices_load():
     assert router(index).choose(fleet(2.0), PROMPT, max_tokens=24).scheduler_id == "a"
     assert router(index).choose(fleet(30.0), PROMPT, max_tokens=24).scheduler_id == "b"
     assert Router.decode_cost_tokens(fleet(0.0)) == routing.DECODE_COST_TOKENS
+    # one figure for the fleet: the median, a replica that measured none counting the default
     mixed = [Replica(stats("a", decode_seq_cost_tokens=2.0)), Replica(stats("b"))]
-    assert Router.decode_cost_tokens(mixed) == 2.0
+    assert Router.decode_cost_tokens(mixed) == (2.0 + routing.DECODE_COST_TOKENS) / 2
+
+
+def test_one_replicas_outlying_decode_cost_prices_nobody():
+    """A slope from a few dozen steps is noisy: one replica reading 40 tokens a stream
+    (the others 2) neither prices its own load nor the fleet's; the median does."""
+    index = BlockIndex()
+    holds(index, "a", HASHES)
+    replicas = [Replica(stats("a", waiting=1, decode_seq_cost_tokens=40.0)),
+                Replica(stats("b", decode_seq_cost_tokens=2.0)),
+                Replica(stats("c", decode_seq_cost_tokens=2.0))]
+    assert Router.decode_cost_tokens(replicas) == 2.0
+    decision = router(index).choose(replicas, PROMPT, max_tokens=24)
+    assert (decision.scheduler_id, decision.reason) == ("a", CACHE)
+    # the same outlier on an idle replica does not make the holder dear either
+    replicas = [Replica(stats("a", waiting=1, decode_seq_cost_tokens=2.0)),
+                Replica(stats("b", decode_seq_cost_tokens=40.0)),
+                Replica(stats("c", decode_seq_cost_tokens=2.0))]
+    assert router(index).choose(replicas, PROMPT, max_tokens=24).scheduler_id == "a"
 
 
 def test_a_session_leaves_a_replica_one_request_busier_at_low_concurrency():
@@ -276,6 +302,7 @@ def test_a_session_stays_by_what_its_cached_history_is_worth():
     """A session leaves its replica at T + W: with a short answer (32 tokens a stream)
     its 64 cached tokens are worth 2 requests of imbalance, so at T = 1 it stays while its
     replica runs 1 or 2 more than the least loaded, and leaves at 3."""
+    stats = dear_streams  # measured 16 tokens a stream
     index = BlockIndex()
     holds(index, "a", HASHES)
     route = router(index)
