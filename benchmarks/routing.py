@@ -12,7 +12,11 @@ wait until every replica is ready, run ``flotilla bench serve --dataset-name mul
 with the case's flags and one seed (the same texts for every policy; only the generated
 replies, sent back as each next turn's assistant message, come from the server), stop
 the stack. Then one table per case (TTFT p50/p90/p99, req/s, tok/s, hit rates, routing
-decisions) with kv's ratios to least-loaded, and JSON in --out.
+decisions) with kv's ratios to least-loaded, and JSON in --out. During each run a passive
+NATS subscriber (BusObserver) also counts what only the schedulers know: the block hashes
+each replica's GPU cache evicted, and the decode cost their stats carried; with the
+requests that found nothing cached ("cold"), that tells a miss the routing chose from one
+an eviction caused.
 
 Cases:
   multi-tenant          6 tenants x 3 conversations x 4 turns, 800-token system prompts,
@@ -36,14 +40,18 @@ theirs at once, and no case runs more than 24 conversations).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import os
 import platform
 import shlex
 import signal
+import re
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from functools import cache
@@ -55,6 +63,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cli.stack import free_port  # noqa: E402
+from shared.messages import SchedulerBlockEvent, SchedulerStats, decode  # noqa: E402
+from shared.subjects import Subjects  # noqa: E402
 
 POLICIES = ("kv", "least-loaded", "round-robin")
 STOP_TIMEOUT_S = 40.0  # the serve's --shutdown-timeout (5) + its children's own exit
@@ -299,6 +309,82 @@ def stop_stack(process: subprocess.Popen) -> None:
     process.wait()
 
 
+# ------------------------------------------------------------------ the bus
+class BusObserver:
+    """Listens on the stack's NATS during a run, as a gateway does, and keeps what the
+    schedulers publish that the bench cannot see: each replica's block hashes stored in
+    and evicted from its GPU prefix cache (SchedulerBlockEvent) and the decode cost its
+    stats carry (0: not measured). Passive: it publishes nothing."""
+
+    def __init__(self, nats_log: Path, namespace: str = "flotilla") -> None:
+        self.nats_log = nats_log
+        self.subjects = Subjects(namespace)
+        self.blocks: dict[str, list[int]] = {}  # replica id -> [stored, evicted]
+        self.decode_costs: dict[str, list[float]] = {}  # replica id -> each stats' figure
+        self.error = ""
+        self._loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> BusObserver:
+        self._thread.start()
+        self._ready.wait(15.0)
+        return self
+
+    def stop(self) -> dict:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10.0)
+        costs = {replica: [c for c in figures if c > 0]
+                 for replica, figures in sorted(self.decode_costs.items())}
+        return {"error": self.error,
+                "blocks": {replica: {"stored": stored, "evicted": evicted}
+                           for replica, (stored, evicted) in sorted(self.blocks.items())},
+                "decode_cost_tokens": {
+                    replica: {"num_stats": len(self.decode_costs[replica]),
+                              "num_measured": len(measured),
+                              **({"min": min(measured), "median": statistics.median(measured),
+                                  "max": max(measured)} if measured else {})}
+                    for replica, measured in costs.items()}}
+
+    def _run(self) -> None:
+        try:
+            self._loop.run_until_complete(self._listen())
+        except Exception as exc:  # a diagnostic: the run goes on without it
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._ready.set()
+
+    async def _listen(self) -> None:
+        import nats
+
+        self._stop = asyncio.Event()
+        match = re.search(r"Listening for client connections on (\S+)",
+                          self.nats_log.read_text())
+        if match is None:
+            raise RuntimeError(f"no client address in {self.nats_log}")
+        client = await nats.connect(f"nats://{match.group(1)}", name="routing-bench-observer")
+
+        async def on_blocks(msg) -> None:
+            event = decode(msg.data, SchedulerBlockEvent)
+            counts = self.blocks.setdefault(event.replica_id, [0, 0])
+            counts[0] += len(event.stored_hashes)
+            counts[1] += len(event.removed_hashes)
+
+        async def on_stats(msg) -> None:
+            stats = decode(msg.data, SchedulerStats)
+            self.decode_costs.setdefault(stats.replica_id, []).append(
+                stats.decode_seq_cost_tokens)
+
+        await client.subscribe(self.subjects.scheduler_blocks, cb=on_blocks)
+        await client.subscribe(self.subjects.scheduler_stats, cb=on_stats)
+        await client.flush()
+        self._ready.set()
+        await self._stop.wait()
+        await client.close()
+
+
 # ------------------------------------------------------------------ one run
 def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 0,
                name: str = "") -> dict:
@@ -312,6 +398,7 @@ def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 
     process = start_stack(command, base_url, args.replicas, args.start_timeout,
                           args.out / "logs" / f"{name}.serve.log")
     print(f"[{name}] ready in {time.monotonic() - started:.0f} s", flush=True)
+    observer = BusObserver(args.out / "logs" / name / "nats.log").start()
     result_json = args.out / f"{name}.json"
     bench = bench_command(args, case, base_url, result_json)
     print(f"[{name}] $ {shlex.join(bench[1:])}", flush=True)
@@ -320,6 +407,7 @@ def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 
         completed = subprocess.run(bench, cwd=ROOT, capture_output=True, text=True)
     finally:
         load_after, cpu_after = load_average(), service_cpu_seconds(process.pid)
+        schedulers = observer.stop()
         stop_stack(process)
     service_cpu = {kind: round(cpu_after[kind] - cpu_before.get(kind, 0.0), 2)
                    for kind in cpu_after}
@@ -335,7 +423,11 @@ def run_policy(args: argparse.Namespace, case: Case, policy: str, repeat: int = 
             "load_average_before": load_before, "load_average_after": load_after,
             "service_cpu_s": service_cpu, "summary": run_["summary"], "turns": run_["turns"],
             "server_prefix_cache": run_["server_prefix_cache"],
-            "server_counters": run_["server_counters"], "dataset": run_["dataset"]}
+            "server_counters": run_["server_counters"], "dataset": run_["dataset"],
+            "schedulers": schedulers,
+            "num_cold": sum(1 for r in run_["requests"] if not r.get("num_cached_tokens")),
+            "cold": [(r["conversation_id"], r["turn"]) for r in run_["requests"]
+                     if not r.get("num_cached_tokens")]}
 
 
 # ------------------------------------------------------------------ the table
@@ -348,8 +440,29 @@ def row_figures(result: dict) -> dict:
             "out_tok_s": s["output_throughput"], "total_tok_s": s["total_token_throughput"],
             "hit_rate": s["prefix_cache_hit_rate"], "scheduler_hit_rate": server.get("hit_rate"),
             "failed": s["failed"] + s["outstanding"], "replica_split": replica_split(server),
+            "num_cold": result.get("num_cold"), "evicted": evicted(result),
+            "decode_cost": decode_cost(result),
             "decisions": {key.split("reason=")[-1]: int(value)
                           for key, value in decisions.items() if value}}
+
+
+def evicted(result: dict) -> str:
+    """Block hashes each replica's GPU cache evicted during the run (the bus observer)."""
+    blocks = (result.get("schedulers") or {}).get("blocks") or {}
+    return "/".join(str(figures["evicted"]) for figures in blocks.values()) or "n/a"
+
+
+def decode_cost(result: dict) -> str:
+    """The schedulers' measured decode cost (tokens a stream), median over every stats
+    message that carried one, and the share of stats that did."""
+    costs = (result.get("schedulers") or {}).get("decode_cost_tokens") or {}
+    medians = [c["median"] for c in costs.values() if c.get("num_measured")]
+    num_stats = sum(c["num_stats"] for c in costs.values())
+    num_measured = sum(c["num_measured"] for c in costs.values())
+    if not num_stats:
+        return "n/a"
+    return (f"{statistics.median(medians):.1f}" if medians else "-") + \
+        f"({num_measured / num_stats:.0%})"
 
 
 def replica_split(server: dict) -> str:
@@ -378,7 +491,7 @@ def case_table(case: Case, results: list[dict]) -> str:
     lines = [f"## {case.name}: {case.what}",
              f"{'policy':<16}{'TTFT p50':>9}{'p90':>8}{'p99':>8}{'TPOT p50':>9}{'req/s':>7}"
              f"{'out tok/s':>10}{'tot tok/s':>10}{'hit':>7}{'sched':>7}{'fail':>5}{'load':>6}"
-             f"{'gw cpu':>7}"
+             f"{'gw cpu':>7}{'cold':>5}  {'evicted':<14}{'dc':<10}"
              f"  {'split':<12}decisions"]
     repeats = len({r["repeat"] for r in results})
     runs: dict[str, list[dict]] = {}
@@ -394,10 +507,14 @@ def case_table(case: Case, results: list[dict]) -> str:
                      f"{_num(f['out_tok_s'], 10, 1)}{_num(f['total_tok_s'], 10, 1)}"
                      f"{_pct(f['hit_rate']):>7}{_pct(f['scheduler_hit_rate']):>7}"
                      f"{f['failed']:>5}{load:>6.1f}{_num(gateway_cpu, 7, 1)}"
+                     f"{_num(f['num_cold'], 5)}  {f['evicted']:<14}{f['decode_cost']:<10}"
                      f"  {f['replica_split']:<12}{decisions}")
     lines.append("(TTFT, TPOT in ms over all turns; hit = usage cached/prompt tokens; sched = the "
                  "schedulers' counters, worker cache + kvstore tiers; load = the 1-minute load "
                  "average around the run; gw cpu = the gateway's CPU seconds during the bench; "
+                 "cold = requests that found nothing cached; evicted = block hashes each "
+                 "replica's GPU cache evicted; dc = the schedulers' measured decode cost, tokens "
+                 "a stream (median; in parentheses the share of stats that carried one); "
                  "split = each replica's share of the prompt tokens; decisions = the gateway's "
                  "routing reasons)")
     medians = {policy: {key: _median([f[key] for f in figures])
