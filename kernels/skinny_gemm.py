@@ -183,6 +183,19 @@ def _skinny_gemm_kernel(
 
 
 @triton.jit
+def _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split, partial_stride_m,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Row ``row``'s columns ``cols`` of the split-K partials summed (fp32), plus the bias."""
+    ptrs = partial_ptr + row * partial_stride_m + cols
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for split in tl.static_range(1, SPLIT_K):  # in split order: deterministic
+        acc += tl.load(ptrs + split * partial_stride_split, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _reduce_splits_kernel(
     partial_ptr, bias_ptr, out_ptr, N, partial_stride_split, partial_stride_m, out_stride_m,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
@@ -190,12 +203,8 @@ def _reduce_splits_kernel(
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    ptrs = partial_ptr + row * partial_stride_m + cols
-    acc = tl.load(ptrs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):  # in split order: deterministic
-        acc += tl.load(ptrs + split * partial_stride_split, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    acc = _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
+                      partial_stride_m, HAS_BIAS, SPLIT_K)
     tl.store(out_ptr + row * out_stride_m + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -211,12 +220,8 @@ def _reduce_splits_add_rms_norm_kernel(
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    ptrs = partial_ptr + row * partial_stride_m + cols
-    acc = tl.load(ptrs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):  # in split order: deterministic
-        acc += tl.load(ptrs + split * partial_stride_split, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    acc = _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
+                      partial_stride_m, HAS_BIAS, SPLIT_K)
     dtype = out_ptr.dtype.element_ty  # the projection's (and the norm's) dtype
     add_rms_norm_row(acc.to(dtype).to(tl.float32), residual_ptr + row * residual_stride_m,
                      norm_weight_ptr, out_ptr + row * out_stride_m, cols, mask, N, eps,
