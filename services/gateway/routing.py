@@ -51,6 +51,7 @@ with more than one ready replica.
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -341,11 +342,8 @@ class Router:
     def decode_cost_tokens(replicas: Sequence[Replica]) -> float:
         """One more stream's cost per step, in prompt tokens, for every replica: the median
         of each replica's measured figure, or DECODE_COST_TOKENS where it has none."""
-        figures = sorted(r.stats.decode_seq_cost_tokens or DECODE_COST_TOKENS for r in replicas)
-        if not figures:
-            return DECODE_COST_TOKENS
-        middle = len(figures) // 2
-        return figures[middle] if len(figures) % 2 else (figures[middle - 1] + figures[middle]) / 2
+        figures = [r.stats.decode_seq_cost_tokens or DECODE_COST_TOKENS for r in replicas]
+        return statistics.median(figures) if figures else DECODE_COST_TOKENS
 
 
 def _estimate(replica: Replica, num_tokens: int, output_tokens: float, gpu_blocks: int,
