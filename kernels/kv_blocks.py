@@ -9,6 +9,10 @@ buffer (a store), ``scatter_blocks`` the reverse (a load). One program copies on
 (32 KiB for Llama-3.1-8B) in wide words, so the copy runs at memory speed; torch's
 ``index_select``/``index_copy_`` on the permuted view indexed element by element and took
 SM time from the forward running beside them.
+
+``layers=(first, end)`` moves layers [first, end) only, with staging rows ``[end - first, 2,
+block_size, ...]``: a load in layer groups (kv_tiers.py) scatters each group as it lands. The
+cache's layers [first, end) are a contiguous slice of it, so the kernel is the same one.
 """
 
 from __future__ import annotations
@@ -71,23 +75,39 @@ def _launch(kv_cache: torch.Tensor, staging: torch.Tensor, block_ids: torch.Tens
         TO_STAGING=to_staging, num_warps=8)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
-    """staging[i] = block ``block_ids[i]`` of every layer; block_ids [n] int64 on the device,
-    staging [>= n, num_layers, 2, block_size, num_kv_heads, head_dim]."""
-    _launch(kv_cache, staging, block_ids, to_staging=True)
+def layer_slice(kv_cache: torch.Tensor, layers: tuple[int, int] | None) -> torch.Tensor:
+    """The cache's layers [first, end) (all with None): [end - first, 2, num_blocks, ...],
+    contiguous since the cache is layer-major."""
+    if layers is None:
+        return kv_cache
+    first, end = layers
+    if not 0 <= first < end <= kv_cache.shape[0]:
+        raise ValueError(f"layers [{first}, {end}) outside the cache's {kv_cache.shape[0]}")
+    return kv_cache[first:end]
 
 
-def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor) -> None:
-    """Block ``block_ids[i]`` of every layer = staging[i] (the reverse of gather_blocks)."""
-    _launch(kv_cache, staging, block_ids, to_staging=False)
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor,
+                  layers: tuple[int, int] | None = None) -> None:
+    """staging[i] = block ``block_ids[i]`` of every layer (of ``layers`` [first, end));
+    block_ids [n] int64 on the device, staging [>= n, num_layers (end - first), 2,
+    block_size, num_kv_heads, head_dim]."""
+    _launch(layer_slice(kv_cache, layers), staging, block_ids, to_staging=True)
 
 
-def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                      staging: torch.Tensor) -> None:
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor,
+                   layers: tuple[int, int] | None = None) -> None:
+    """Block ``block_ids[i]`` of every layer (of ``layers``) = staging[i] (the reverse of
+    gather_blocks)."""
+    _launch(layer_slice(kv_cache, layers), staging, block_ids, to_staging=False)
+
+
+def gather_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor,
+                      layers: tuple[int, int] | None = None) -> None:
     n = block_ids.numel()
-    staging[:n] = kv_cache.permute(2, 0, 1, 3, 4, 5)[block_ids.long()]
+    staging[:n] = layer_slice(kv_cache, layers).permute(2, 0, 1, 3, 4, 5)[block_ids.long()]
 
 
-def scatter_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                       staging: torch.Tensor) -> None:
-    kv_cache.permute(2, 0, 1, 3, 4, 5)[block_ids.long()] = staging[:block_ids.numel()]
+def scatter_blocks_ref(kv_cache: torch.Tensor, block_ids: torch.Tensor, staging: torch.Tensor,
+                       layers: tuple[int, int] | None = None) -> None:
+    layer_slice(kv_cache, layers).permute(2, 0, 1, 3, 4, 5)[block_ids.long()] = \
+        staging[:block_ids.numel()]

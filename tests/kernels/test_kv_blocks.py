@@ -1,5 +1,6 @@
 """gather_blocks / scatter_blocks (Triton) against their references: whole blocks of every
-layer between the layer-major cache and block-major staging rows, bit for bit."""
+layer (or of a layer range) between the layer-major cache and block-major staging rows, bit
+for bit."""
 
 from __future__ import annotations
 
@@ -47,6 +48,50 @@ def test_scatter_equals_the_reference_and_leaves_other_blocks(shape):
     scatter_blocks(kv_cache, block_ids, staging)
     assert torch.equal(kv_cache, expected)
     assert torch.equal(kv_cache[:, :, 1], staging[1])
+
+
+@pytest.mark.parametrize("layers", [(0, 2), (1, 3), (3, 4), (0, 4)])
+@pytest.mark.parametrize("shape", [(4, *SHAPES[0][1:]), (4, *SHAPES[1][1:])])
+def test_scatter_of_a_layer_range_writes_those_layers_only(shape, layers):
+    """Staging rows of layers [first, end) land in those layers of the blocks; every other
+    layer and block keeps its values."""
+    first, end = layers
+    kv_cache, _ = cache_and_staging(shape, num_blocks=9, num_rows=1, seed=2)
+    staging = torch.randn(4, end - first, *kv_cache.shape[1:2], *kv_cache.shape[3:],
+                          generator=torch.Generator(device=DEVICE).manual_seed(3),
+                          device=DEVICE).to(kv_cache.dtype)  # [4, end - first, 2, ...]
+    original = kv_cache.clone()
+    expected = kv_cache.clone()
+    block_ids = torch.tensor([8, 2, 5], device=DEVICE)  # 3 of 4 rows: the last is not used
+    scatter_blocks_ref(expected, block_ids, staging, layers=layers)
+    scatter_blocks(kv_cache, block_ids, staging, layers=layers)
+    assert torch.equal(kv_cache, expected)
+    assert torch.equal(kv_cache[first:end, :, 2], staging[1])
+    others = [layer for layer in range(4) if not first <= layer < end]
+    assert torch.equal(kv_cache[others], original[others])
+    untouched = [b for b in range(9) if b not in (8, 2, 5)]
+    assert torch.equal(kv_cache[:, :, untouched], original[:, :, untouched])
+
+
+def test_gather_of_a_layer_range_equals_the_reference():
+    kv_cache, _ = cache_and_staging((5, *SHAPES[0][1:]), num_blocks=6, num_rows=1, seed=4)
+    staging = torch.zeros(3, 2, *kv_cache.shape[1:2], *kv_cache.shape[3:], dtype=kv_cache.dtype,
+                          device=DEVICE)  # [3, 2 layers, 2, ...]
+    expected = staging.clone()
+    block_ids = torch.tensor([4, 0, 3], device=DEVICE)
+    gather_blocks_ref(kv_cache, block_ids, expected, layers=(2, 4))
+    gather_blocks(kv_cache, block_ids, staging, layers=(2, 4))
+    assert torch.equal(staging, expected)
+    assert torch.equal(staging[0], kv_cache[2:4, :, 4])
+
+
+def test_a_layer_range_outside_the_cache_is_refused():
+    kv_cache, staging = cache_and_staging(SHAPES[0], num_blocks=4, num_rows=2)
+    for layers in [(1, 1), (2, 3), (-1, 1)]:
+        with pytest.raises(ValueError, match="outside the cache"):
+            scatter_blocks(kv_cache, torch.tensor([0], device=DEVICE), staging, layers=layers)
+    with pytest.raises(ValueError, match="does not hold blocks"):  # rows of 2 layers, range of 1
+        scatter_blocks(kv_cache, torch.tensor([0], device=DEVICE), staging, layers=(0, 1))
 
 
 def test_a_round_trip_moves_blocks():
