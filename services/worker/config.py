@@ -25,10 +25,17 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
     kv_node_id: str = ""  # the node's kvstore (docs/kvstore.md); "": none
+    # CUDA: loads from the kvstore copy layer groups in turn; a forward's layer waits for its
+    # own group only (kv_load_groups.py). 1: the whole load first. Not measured on a GPU yet
+    kv_load_layer_groups: int = 1
     shutdown_timeout: float = 30.0  # s; on SIGTERM: serve steps until none came for 1 s, at most this
 
     __help__ = {
         "kv_node_id": "node id of the kvstore to use (empty: no kvstore)",
+        "kv_load_layer_groups": "CUDA: copy each load from the kvstore in this many layer "
+                                "groups, so a forward's first layers run while later ones "
+                                "still load (1: the whole load first; not measured on a GPU "
+                                "yet)",
         "replica_id": "replica this worker serves (its scheduler uses the same id)",
         "device": "auto, cpu, cuda or cuda:N",
         "dtype": "auto, float32, bfloat16 or float16",
@@ -58,5 +65,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
             raise ValueError(f"overlap_steps must be auto, on or off, not {self.overlap_steps!r}")
         if self.max_graph_tokens < 0:
             raise ValueError(f"max_graph_tokens must be >= 0, not {self.max_graph_tokens}")
+        if self.kv_load_layer_groups < 1:
+            raise ValueError(f"kv_load_layer_groups must be at least 1, not "
+                             f"{self.kv_load_layer_groups}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")

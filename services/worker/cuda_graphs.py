@@ -21,10 +21,12 @@ in the shared pool, and at 1,024 sequences with a 128k vocabulary those outputs 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import structlog
 import torch
 
-from services.worker.model import AttentionMetadata, Transformer
+from services.worker.model import AttentionMetadata, Transformer, wait_events
 
 log = structlog.get_logger()
 
@@ -210,8 +212,10 @@ class PiecewiseGraphs:
         return smallest_bucket(self.buckets, num_tokens)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            metadata: AttentionMetadata) -> torch.Tensor:
-        """One step of ``num_tokens`` <= the largest bucket -> logits [num_sampled, vocab_size]."""
+            metadata: AttentionMetadata,
+            layer_waits: Sequence[Sequence[torch.cuda.Event]] | None = None) -> torch.Tensor:
+        """One step of ``num_tokens`` <= the largest bucket -> logits [num_sampled, vocab_size].
+        ``layer_waits``: per layer, events its attention waits for (between the pieces)."""
         num_tokens = input_ids.shape[0]
         bucket = self.bucket_for(num_tokens)
         assert bucket is not None
@@ -225,8 +229,10 @@ class PiecewiseGraphs:
         else:
             pieces = self._pieces(bucket)
         query, attention_out = self.query[:num_tokens], self.attention_out[:num_tokens]
-        for layer, piece in zip(self.model.layers, pieces):
+        for index, (layer, piece) in enumerate(zip(self.model.layers, pieces)):
             piece()
+            if layer_waits is not None:
+                wait_events(layer_waits[index])
             layer.self_attn.attend(query, metadata, out=attention_out)
         pieces[-1]()
         return self.model.logits(self.hidden[:num_tokens], self.residual[:num_tokens],

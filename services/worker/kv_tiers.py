@@ -15,7 +15,10 @@ one memcpy per run of consecutive slots and the scatter/gather of blocks stays o
   far (a step still in flight may use the blocks' old contents), and records a done event.
   It runs beside the step queued after it: the scheduler plans a loading request's compute
   for a later step, and any step whose chunks touch blocks still loading first makes the
-  compute stream wait on that load (``wait_for_loads``), so nothing reads a half-loaded block;
+  compute stream wait on that load (``wait_for_loads``), so nothing reads a half-loaded block.
+  With ``num_load_groups`` G > 1 (CUDA) it copies the blocks in G layer groups, one after
+  the other, with an event per group (``kv_load_groups.py``): a forward that can wait
+  between layers waits before each layer's attention for its group only;
 - ``store`` runs on a copy stream that waits on an event recorded after the work queued so
   far (the forward that computed the blocks), and records a done event. Until that event
   has passed, any later write into those blocks (a forward, a load) first makes the compute
@@ -37,6 +40,10 @@ import structlog
 import torch
 
 from kernels.kv_blocks import gather_blocks, scatter_blocks
+from services.worker.cuda_copy import memcpy_2d
+from services.worker.kv_load_groups import (
+    LoadChunk, LoadCopy, group_copies, layer_groups, load_chunks, load_waits,
+)
 from shared.kv_arena import KvArena
 
 log = structlog.get_logger()
@@ -80,6 +87,7 @@ class LoadTiming:
     seconds: float = 0.0  # CPU: measured at once
     start: torch.cuda.Event | None = None
     end: torch.cuda.Event | None = None
+    group_ends: tuple[torch.cuda.Event, ...] = ()  # per layer group (G > 1), timed too
 
     def bytes_per_s(self) -> float:
         """0 when unknown (CUDA events not complete yet: never waits for them)."""
@@ -89,14 +97,6 @@ class LoadTiming:
                 return 0.0
             seconds = self.start.elapsed_time(self.end) / 1e3
         return self.num_bytes / seconds if seconds > 0 else 0.0
-
-
-@dataclass
-class LoadCopy:
-    """Blocks being written by a load on the load stream."""
-
-    block_ids: frozenset[int]
-    done: torch.cuda.Event
 
 
 @dataclass
@@ -117,7 +117,7 @@ class KvTiers:
     """The copies between one KV cache and one mapped arena."""
 
     def __init__(self, kv_cache: torch.Tensor, arena: KvArena, arena_inode: int | None = None,
-                 max_staging_bytes: int = MAX_STAGING_BYTES) -> None:
+                 max_staging_bytes: int = MAX_STAGING_BYTES, num_load_groups: int = 1) -> None:
         self.kv_cache = kv_cache
         # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], a view of the cache
         self.blocks = kv_cache.permute(2, 0, 1, 3, 4, 5)
@@ -135,6 +135,10 @@ class KvTiers:
         self.slots = torch.from_numpy(arena.slots()).view(kv_cache.dtype) \
             .view(arena.num_slots, *self.slot_shape)
         self.device = kv_cache.device
+        self.num_layers = kv_cache.shape[0]
+        # layers [first, end) per load group; one group on CPU, where a load is a plain copy
+        self.load_groups = layer_groups(self.num_layers, num_load_groups
+                                        if self.device.type == "cuda" else 1)
         self.pinned = False
         self.pending: deque[StoreCopy] = deque()  # in copy order (the copy stream is FIFO)
         self.pending_loads: deque[LoadCopy] = deque()  # in load order (the load stream is FIFO)
@@ -152,6 +156,14 @@ class KvTiers:
                 self._scatter_stream = torch.cuda.Stream(self.device)
                 self.staging_blocks = max(1, max_staging_bytes // self.slot_nbytes)
                 shape = (self.staging_blocks, *self.slot_shape)
+                if len(self.load_groups) > 1:
+                    self._memcpy_2d = memcpy_2d()  # RuntimeError when it cannot be bound
+                    self._group_of_layer = tuple(group for group, (first, end)
+                                                 in enumerate(self.load_groups)
+                                                 for _ in range(first, end))
+                    # a staging buffer holds as many blocks of the largest group as bytes allow
+                    largest = max(end - first for first, end in self.load_groups)
+                    self.group_staging_blocks = self.staging_blocks * self.num_layers // largest
                 with torch.cuda.stream(self._load_stream):  # persistent: never freed
                     # two buffers: the link fills one while the other is scattered
                     self._load_staging = [torch.empty(shape, dtype=kv_cache.dtype,
@@ -190,50 +202,85 @@ class KvTiers:
         self._wait_for_stores_on(stream, block_ids)  # and copies out may still read them
         timing.start, timing.end = (torch.cuda.Event(enable_timing=True),
                                     torch.cuda.Event(enable_timing=True))
-        chunk, scatter_stream = self.staging_blocks, self._scatter_stream
+        scatter_stream, groups = self._scatter_stream, self.load_groups
+        grouped = len(groups) > 1
+        chunk = self.group_staging_blocks if grouped else self.staging_blocks
+        chunks = load_chunks(chunked_runs(slot_ids, chunk), chunk, len(slot_ids), len(groups))
         # Chunk k is copied (copy engine, load stream) into buffer k % 2 once chunk k - 2's
         # scatter (a kernel, scatter stream) is done with it, so the link never waits for a
         # scatter: on the H200 one buffer cost a 1,024-block load ~2.5 ms (44.7 ms against
         # 42.2 without staging).
         scattered: list[torch.cuda.Event | None] = [None, None]
+        group_ends: list[torch.cuda.Event] = []
         with torch.cuda.stream(stream):
             timing.start.record(stream)
             device_block_ids = _device_ids(block_ids, self.device)  # one transfer for all chunks
             device_block_ids.record_stream(scatter_stream)
-            for number, (first, slot_runs) in enumerate(zip(range(0, len(slot_ids), chunk),
-                                                            chunked_runs(slot_ids, chunk))):
-                num_blocks = min(chunk, len(slot_ids) - first)
-                staging = self._load_staging[number % 2][:num_blocks]  # [n, *slot_shape]
-                if scattered[number % 2] is not None:
-                    stream.wait_event(scattered[number % 2])
-                for index, slot_id, length in slot_runs:
-                    staging[index:index + length].copy_(self.slots[slot_id:slot_id + length],
-                                                        non_blocking=True)
+            for number, part in enumerate(chunks):
+                if scattered[part.buffer] is not None:
+                    stream.wait_event(scattered[part.buffer])
+                if grouped:
+                    staging = self._copy_group(part, stream)  # [n, group's layers, 2, ...]
+                else:
+                    staging = self._load_staging[part.buffer][:part.num_blocks]  # [n, *slot_shape]
+                    for index, slot_id, length in part.slot_runs:
+                        staging[index:index + length].copy_(self.slots[slot_id:slot_id + length],
+                                                            non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(stream)
                 scatter_stream.wait_event(copied)
                 with torch.cuda.stream(scatter_stream):
-                    scatter_blocks(self.kv_cache, device_block_ids[first:first + num_blocks],
-                                   staging)
-                    scattered[number % 2] = torch.cuda.Event()
-                    scattered[number % 2].record(scatter_stream)
+                    scatter_blocks(self.kv_cache,
+                                   device_block_ids[part.first:part.first + part.num_blocks],
+                                   staging, layers=groups[part.group] if grouped else None)
+                    scattered[part.buffer] = torch.cuda.Event()
+                    scattered[part.buffer].record(scatter_stream)
+                    if grouped and (number + 1 == len(chunks)
+                                    or chunks[number + 1].group != part.group):
+                        group_ends.append(torch.cuda.Event(enable_timing=True))  # (benchmarks)
+                        group_ends[-1].record(scatter_stream)
             stream.wait_stream(scatter_stream)  # the load ends with its last scatter
             timing.end.record(stream)
-        self.pending_loads.append(LoadCopy(frozenset(block_ids), timing.end))
+        timing.group_ends = tuple(group_ends)
+        self.pending_loads.append(LoadCopy(frozenset(block_ids), timing.end, timing.group_ends,
+                                           self._group_of_layer if grouped else ()))
         return timing
 
-    def wait_for_loads(self, block_ids: Iterable[int]) -> None:
-        """Before the compute stream touches ``block_ids`` (reads or writes): it waits for the
-        loads still writing any of them (a device-side wait; nothing waits on the host)."""
+    def _copy_group(self, part: LoadChunk, stream: torch.cuda.Stream) -> torch.Tensor:
+        """Queue the copy of ``part``'s group of layers from its slots into its staging
+        buffer, one 2D copy per run of consecutive slots -> the staging rows [n, the
+        group's layers, 2, block_size, num_kv_heads, head_dim]."""
+        first, end = self.load_groups[part.group]
+        layer_nbytes = self.slot_nbytes // self.num_layers
+        staging = self._load_staging[part.buffer].view(-1)[
+            :part.num_blocks * (end - first) * layer_nbytes // self.kv_cache.element_size()
+        ].view(part.num_blocks, end - first, *self.slot_shape[1:])
+        staging_ptr, slots_ptr = staging.data_ptr(), self.slots.data_ptr()
+        for copy in group_copies(part.slot_runs, (first, end), layer_nbytes, self.slot_nbytes):
+            self._memcpy_2d(staging_ptr + copy.dst_offset, copy.dst_pitch,
+                            slots_ptr + copy.src_offset, copy.src_pitch, copy.width, copy.height,
+                            stream.cuda_stream)
+        return staging
+
+    def wait_for_loads(self, block_ids: Iterable[int], written_block_ids: Iterable[int] | None
+                       = None, by_layer: bool = False) -> list[list[torch.cuda.Event]] | None:
+        """Before the compute stream touches ``block_ids`` (reads or writes; of which it
+        writes ``written_block_ids``, None: maybe all): it waits for the loads still writing
+        any of them (a device-side wait; nothing waits on the host). With ``by_layer`` (the
+        forward waits between its layers), grouped loads it writes nothing of are left to
+        the forward: per layer, the events its attention must wait on (None: none)."""
         while self.pending_loads and self.pending_loads[0].done.query():
             self.pending_loads.popleft()
         if not self.pending_loads:
-            return
+            return None
         block_ids = set(block_ids)
+        written = block_ids if written_block_ids is None else set(written_block_ids)
+        whole, per_layer = load_waits(self.pending_loads, block_ids, written, self.num_layers,
+                                      by_layer)
         compute = torch.cuda.current_stream(self.device)
-        for load in self.pending_loads:
-            if not block_ids.isdisjoint(load.block_ids):
-                compute.wait_event(load.done)
+        for event in whole:
+            compute.wait_event(event)
+        return per_layer
 
     # ------------------------------------------------------------ stores
     def store(self, block_ids: Sequence[int], slot_ids: Sequence[int],

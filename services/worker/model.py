@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,11 +269,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, metadata: AttentionMetadata, normed: bool = False,
-                next_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``before_attention``, attention, ``after_attention``: (x, residual) as they take
-        and return them."""
+                next_norm: RMSNorm | None = None, kv_ready: Sequence[torch.cuda.Event] = ()
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``before_attention``, attention (after ``kv_ready``), ``after_attention``: (x,
+        residual) as they take and return them."""
         q, residual = self.before_attention(x, residual, positions, cos_sin_cache,
                                             metadata.slot_mapping, normed)
+        if kv_ready:
+            wait_events(kv_ready)
         return self.after_attention(self.self_attn.attend(q, metadata), residual, next_norm)
 
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
@@ -342,8 +346,11 @@ class Transformer(nn.Module):
                                               else DecodeContext(context_bytes))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] -> logits [num_sampled, vocab_size] (fp32)."""
+                metadata: AttentionMetadata,
+                layer_waits: Sequence[Sequence[torch.cuda.Event]] | None = None) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] -> logits [num_sampled, vocab_size] (fp32).
+        ``layer_waits``: per layer, events its attention waits for (KV blocks loading in
+        layer groups, kv_tiers.py)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         # Each layer ends with the next one's input norm; the last one with the final norm
         # only where down's reduce carries it (elsewhere ``logits`` normalizes just the
@@ -352,9 +359,9 @@ class Transformer(nn.Module):
             x.shape[0], self.layers[-1].mlp.down_proj.weight, x, self.norm.weight) else None
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final_norm]
         residual, normed = None, False
-        for layer, next_norm in zip(self.layers, next_norms, strict=True):
+        for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
             x, residual = layer(x, residual, positions, self.cos_sin_cache, metadata, normed,
-                                next_norm)
+                                next_norm, layer_waits[index] if layer_waits is not None else ())
             normed = next_norm is not None
         if normed:
             return self.head(x[metadata.logits_indices])
@@ -372,6 +379,12 @@ class Transformer(nn.Module):
         (fp32)."""
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return ops.linear(x, head_weight).float()
+
+
+def wait_events(events: Sequence[torch.cuda.Event]) -> None:
+    """The current stream waits on the device for ``events`` (none: no call at all)."""
+    for event in events:
+        torch.cuda.current_stream().wait_event(event)
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:

@@ -34,6 +34,7 @@ import torch
 
 from kernels.paged_attention import allocate_kv_cache
 from services.worker.config import WorkerConfig
+from services.worker.cuda_copy import check_memcpy_2d
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from services.worker.kv_offload import BlocksToStore, KvOffload, recompute_unusable_loads
 from services.worker.kv_tiers import LoadTiming
@@ -282,6 +283,8 @@ class ModelRunner:
         self._mixed_graphs: PiecewiseGraphs | None = None
         if self._device.type == "cuda":
             warm_up_attention(self.model, self.block_size)
+            if config.kv_load_layer_groups > 1:  # fail now, not at the first load
+                check_memcpy_2d(self._device)
         if self._device.type == "cuda" and not config.enforce_eager:
             self._graphs = DecodeGraphs(self.model, config.max_num_seqs,
                                         -(-self.max_model_len // self.block_size),
@@ -426,9 +429,10 @@ class ModelRunner:
         if len({s.request_id for s in plan.scheduled}) != len(plan.scheduled):
             raise ValueError(f"step {plan.step_id} schedules a request twice")
         chunks = [self._chunk(scheduled) for scheduled in plan.scheduled]
-        kv_load, late_stores = None, []
+        kv_load, late_stores, layer_waits = None, [], None
         if kv is not None:
-            kv_load, late_stores = self._kv_before_forward(kv, plan, chunks, finished)
+            kv_load, late_stores, layer_waits = self._kv_before_forward(kv, plan, chunks,
+                                                                        finished)
         sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
         states = [self._requests[request_id] for request_id in sampled_ids]
         sampled_token_ids: list[int] = []
@@ -442,7 +446,8 @@ class ModelRunner:
                     chunks, self.block_size, self._device, layout, self._staging)
                 self._fill_pending_inputs(chunks, input_ids)
                 logits = self._forward(input_ids, positions, metadata,
-                                       all_sample=len(sampled_ids) == len(chunks))
+                                       all_sample=len(sampled_ids) == len(chunks),
+                                       layer_waits=layer_waits)
                 if late_stores:  # the blocks this step completes, copied out behind it
                     kv.store(late_stores)
                 sample_rows = layout.sample_rows
@@ -488,24 +493,34 @@ class ModelRunner:
                           kv_load_bytes_per_s=kv_load.bytes_per_s() if kv_load else 0.0)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 metadata: AttentionMetadata, all_sample: bool) -> torch.Tensor:
+                 metadata: AttentionMetadata, all_sample: bool,
+                 layer_waits: list[list[torch.cuda.Event]] | None = None) -> torch.Tensor:
         """-> logits [num_logit_rows, vocab_size]: a decode graph when every sequence has one
-        query and samples, piecewise graphs for other steps that fit them, else eagerly."""
-        if self._graphs is not None and metadata.max_query_len == 1 and all_sample \
-                and self._graphs.bucket_for(len(input_ids)) is not None:
+        query and samples, piecewise graphs for other steps that fit them, else eagerly.
+        ``layer_waits``: per layer, the load events its attention waits for (never with a
+        decode graph, which cannot wait between layers)."""
+        if self._takes_decode_graph(len(input_ids), metadata.max_query_len, all_sample):
+            assert layer_waits is None, "a decode graph cannot wait between its layers"
             return self._graphs.run(input_ids, positions, metadata)
         if self._mixed_graphs is not None \
                 and self._mixed_graphs.bucket_for(len(input_ids)) is not None:
-            return self._mixed_graphs.run(input_ids, positions, metadata)
-        return self.model(input_ids, positions, metadata)
+            return self._mixed_graphs.run(input_ids, positions, metadata, layer_waits)
+        return self.model(input_ids, positions, metadata, layer_waits)
+
+    def _takes_decode_graph(self, num_tokens: int, max_query_len: int, all_sample: bool) -> bool:
+        return self._graphs is not None and max_query_len == 1 and all_sample \
+            and self._graphs.bucket_for(num_tokens) is not None
 
     def _kv_before_forward(self, kv: KvOffload, plan: StepPlan, chunks: list[SequenceChunk],
                            finished: dict[str, RequestState]
-                           ) -> tuple[LoadTiming | None, list[BlocksToStore]]:
+                           ) -> tuple[LoadTiming | None, list[BlocksToStore],
+                                      list[list[torch.cuda.Event]] | None]:
         """Load the plan's blocks, copy out its stores of blocks complete already (before
         this step may write their ids again), and order the forward after the copies still
-        reading blocks it writes. Returns the loads' timing and the stores of blocks this
-        step completes (copied out after its forward)."""
+        reading blocks it writes and the loads still writing blocks it touches. Returns the
+        loads' timing, the stores of blocks this step completes (copied out after its
+        forward), and per layer the load events its attention waits for (loads in layer
+        groups, when the forward can wait between layers; None: none)."""
         kv_load = None
         if plan.kv_loads:
             kv_load = kv.load(plan.kv_loads)
@@ -528,16 +543,24 @@ class ModelRunner:
 
             stores = kv.resolve_stores(plan.kv_stores, lookup)
             kv.store([run for run in stores if run.computed_before])
+        written = None
+        if kv.tiers.has_pending or kv.tiers.pending_loads:
+            written = [block_id for chunk in chunks for block_id in chunk.block_table[
+                chunk.start // self.block_size:
+                (chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1]]
         if kv.tiers.has_pending:
-            kv.tiers.wait_for_stores(
-                block_id for chunk in chunks for block_id in chunk.block_table[
-                    chunk.start // self.block_size:
-                    (chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1])
+            kv.tiers.wait_for_stores(written)
+        layer_waits = None
         if kv.tiers.pending_loads:  # blocks still loading that this step reads or writes
-            kv.tiers.wait_for_loads(
-                block_id for chunk in chunks for block_id in chunk.block_table[
-                    :(chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1])
-        return kv_load, [run for run in stores if not run.computed_before]
+            by_layer = bool(chunks) and not self._takes_decode_graph(
+                sum(len(chunk.token_ids) for chunk in chunks),
+                max(len(chunk.token_ids) for chunk in chunks),
+                all(chunk.sample for chunk in chunks))
+            layer_waits = kv.tiers.wait_for_loads(
+                (block_id for chunk in chunks for block_id in chunk.block_table[
+                    :(chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1]),
+                written, by_layer=by_layer)
+        return kv_load, [run for run in stores if not run.computed_before], layer_waits
 
     def _forget_decode_contexts(self, loads: list[KvLoad]) -> None:
         """CPU: blocks written from outside the model must be gathered again by the decode

@@ -265,7 +265,8 @@ class WorkerService:
             if arena.store_id != reply.store_id:
                 raise ValueError(f"the arena belongs to kvstore {arena.store_id!r}, not "
                                  f"{reply.store_id!r}")
-            tiers = KvTiers(self.runner.kv_cache, arena, arena_inode=inode)
+            tiers = KvTiers(self.runner.kv_cache, arena, arena_inode=inode,
+                            num_load_groups=self.config.kv_load_layer_groups)
         except Exception:
             arena.close()
             raise

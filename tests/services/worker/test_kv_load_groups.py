@@ -1,0 +1,295 @@
+"""Loads in layer groups on CPU (kv_load_groups.py): the group split; the chunks issued (one
+group: exactly the chunks of an ungrouped load); the 2D copies, run by a memcpy2D stand-in
+and scattered by the Triton kernel (interpreter), give the blocks a plain load gives; which
+loads a step waits for whole and which per layer; and the waits reach the eager model and
+the piecewise pieces before each layer's attention. The device side is in
+test_kv_tiers_gpu.py (pytest -m gpu)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels.kv_blocks import scatter_blocks
+from kernels.paged_attention import allocate_kv_cache
+from kernels.rotary import build_cos_sin_cache
+from services.worker import cuda_graphs, model as model_module
+from services.worker.cuda_graphs import PiecewiseGraphs
+from services.worker.kv_load_groups import (
+    Copy2D, LoadCopy, group_copies, layer_groups, load_chunks, load_waits,
+)
+from services.worker.kv_tiers import chunked_runs
+from services.worker.model import ModelConfig, Transformer, compute_inv_freq, random_weights
+from services.worker.runner import SequenceChunk, build_step_inputs
+
+
+def test_layers_split_into_even_groups_in_order():
+    assert layer_groups(32, 1) == [(0, 32)]
+    assert layer_groups(32, 4) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert layer_groups(5, 2) == [(0, 2), (2, 5)]
+    assert layer_groups(6, 4) == [(0, 1), (1, 3), (3, 4), (4, 6)]
+    assert layer_groups(3, 8) == [(0, 1), (1, 2), (2, 3)]  # at most one group a layer
+    with pytest.raises(ValueError):
+        layer_groups(4, 0)
+
+
+def ungrouped_chunks(slot_ids: list[int], chunk: int) -> list[tuple]:
+    """What KvTiers.load issued before groups: (buffer, first, num_blocks, runs) per chunk."""
+    return [(number % 2, first, min(chunk, len(slot_ids) - first), runs)
+            for number, (first, runs) in enumerate(zip(range(0, len(slot_ids), chunk),
+                                                       chunked_runs(slot_ids, chunk)))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_group_issues_the_chunks_of_an_ungrouped_load(seed):
+    rng = random.Random(seed)
+    slot_ids = list(range(40, 40 + rng.randint(1, 30))) + rng.sample(range(200), rng.randint(0, 40))
+    chunk = rng.choice([1, 3, 16, 100])
+    chunks = load_chunks(chunked_runs(slot_ids, chunk), chunk, len(slot_ids), 1)
+    assert [(c.buffer, c.first, c.num_blocks, c.slot_runs) for c in chunks] == \
+        ungrouped_chunks(slot_ids, chunk)
+    assert {c.group for c in chunks} == {0}
+
+
+def test_groups_go_one_after_the_other_and_buffers_alternate_across_them():
+    slot_ids = list(range(10))
+    chunks = load_chunks(chunked_runs(slot_ids, 4), 4, 10, 3)
+    assert [(c.group, c.first, c.num_blocks, c.buffer) for c in chunks] == [
+        (0, 0, 4, 0), (0, 4, 4, 1), (0, 8, 2, 0),
+        (1, 0, 4, 1), (1, 4, 4, 0), (1, 8, 2, 1),
+        (2, 0, 4, 0), (2, 4, 4, 1), (2, 8, 2, 0)]
+    assert chunks[5].slot_runs == [(0, 8, 2)]
+
+
+def test_a_groups_copy_is_its_bytes_of_each_slot_of_a_run():
+    # 4 layers of 100 bytes: slots of 400; layers [1, 3) of slots 7, 8, 9 into rows 2..4
+    assert group_copies([(2, 7, 3), (0, 20, 1)], (1, 3), 100, 400) == [
+        Copy2D(dst_offset=400, dst_pitch=200, src_offset=7 * 400 + 100, src_pitch=400,
+               width=200, height=3),
+        Copy2D(dst_offset=0, dst_pitch=200, src_offset=20 * 400 + 100, src_pitch=400,
+               width=200, height=1)]
+
+
+def memcpy_2d(dst: torch.Tensor, src: torch.Tensor, copy: Copy2D) -> None:
+    """cudaMemcpy2D on flat uint8 tensors, refusing any byte outside either."""
+    assert copy.width <= copy.dst_pitch and copy.width <= copy.src_pitch
+    for row in range(copy.height):
+        d, s = copy.dst_offset + row * copy.dst_pitch, copy.src_offset + row * copy.src_pitch
+        assert 0 <= d and d + copy.width <= dst.numel() and 0 <= s and s + copy.width <= src.numel()
+        dst[d:d + copy.width] = src[s:s + copy.width]
+
+
+NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 6, 40, 4, 2, 8
+
+
+def grouped_load(cache: torch.Tensor, slots: torch.Tensor, slot_ids: list[int],
+                 block_ids: list[int], num_groups: int, staging_blocks: int) -> None:
+    """KvTiers.load's grouped path with the 2D copy emulated: the same chunks, views and
+    scatters, on CPU (two staging buffers of ``staging_blocks`` slots)."""
+    groups = layer_groups(NUM_LAYERS, num_groups)
+    slot_nbytes = slots[0].numel() * slots.element_size()
+    layer_nbytes = slot_nbytes // NUM_LAYERS
+    largest = max(end - first for first, end in groups)
+    chunk = staging_blocks * NUM_LAYERS // largest
+    buffers = [torch.zeros(staging_blocks, *slots.shape[1:], dtype=slots.dtype)
+               for _ in range(2)]
+    slot_bytes = slots.view(-1).view(torch.uint8)
+    ids = torch.tensor(block_ids)
+    for part in load_chunks(chunked_runs(slot_ids, chunk), chunk, len(slot_ids), len(groups)):
+        first, end = groups[part.group]
+        staging = buffers[part.buffer].view(-1)[
+            :part.num_blocks * (end - first) * layer_nbytes // slots.element_size()
+        ].view(part.num_blocks, end - first, *slots.shape[2:])
+        for copy in group_copies(part.slot_runs, (first, end), layer_nbytes, slot_nbytes):
+            memcpy_2d(buffers[part.buffer].view(-1).view(torch.uint8), slot_bytes, copy)
+        scatter_blocks(cache, ids[part.first:part.first + part.num_blocks], staging,
+                       layers=(first, end))
+
+
+@pytest.mark.parametrize("num_groups", [1, 2, 4, 6])
+@pytest.mark.parametrize("slots_kind", ["consecutive", "random"])
+def test_a_grouped_load_gives_the_blocks_a_plain_load_gives(num_groups, slots_kind):
+    rng = random.Random(num_groups)
+    slots = torch.randn(30, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                        generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    slot_ids = list(range(3, 26)) if slots_kind == "consecutive" else rng.sample(range(30), 23)
+    block_ids = rng.sample(range(NUM_BLOCKS), 23)
+    # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    cache = allocate_kv_cache(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                              torch.bfloat16, torch.device("cpu"))
+    expected = cache.clone()
+    expected.permute(2, 0, 1, 3, 4, 5)[block_ids] = slots[slot_ids]
+    grouped_load(cache, slots, slot_ids, block_ids, num_groups, staging_blocks=3)
+    assert torch.equal(cache.view(torch.int16), expected.view(torch.int16))
+
+
+class Event:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def grouped(block_ids, name: str, groups_of_layers=(0, 0, 1, 1, 1, 2)) -> LoadCopy:
+    num_groups = max(groups_of_layers) + 1
+    return LoadCopy(frozenset(block_ids), Event(f"{name}.done"),
+                    tuple(Event(f"{name}.{g}") for g in range(num_groups)), groups_of_layers)
+
+
+def names(per_layer):
+    return None if per_layer is None else [[e.name for e in events] for events in per_layer]
+
+
+def test_a_step_reading_a_grouped_load_waits_per_layer_at_each_groups_first_layer():
+    whole, per_layer = load_waits([grouped({1, 2, 3}, "a")], {2, 9}, {9}, 6, by_layer=True)
+    assert whole == []
+    assert names(per_layer) == [["a.0"], [], ["a.1"], [], [], ["a.2"]]
+
+
+def test_whole_loads_are_waited_for_where_per_layer_waits_cannot_serve():
+    a, b = grouped({1, 2}, "a"), grouped({5}, "b")
+    # a decode graph (no per-layer waits): the whole load
+    assert [e.name for e in load_waits([a], {1}, set(), 6, by_layer=False)[0]] == ["a.done"]
+    # the step writes a loading block (its K/V goes in before the layer's attention)
+    whole, per_layer = load_waits([a, b], {1, 5}, {5}, 6, by_layer=True)
+    assert [e.name for e in whole] == ["b.done"] and names(per_layer)[0] == ["a.0"]
+    # an ungrouped load
+    plain = LoadCopy(frozenset({7}), Event("c.done"))
+    assert [e.name for e in load_waits([plain], {7}, set(), 6, by_layer=True)[0]] == ["c.done"]
+    # loads of other blocks: nothing
+    assert load_waits([a, b, plain], {30}, {30}, 6, by_layer=True) == ([], None)
+
+
+def test_two_loads_read_by_one_step_add_up_per_layer():
+    a, b = grouped({1}, "a"), grouped({2}, "b", groups_of_layers=(0, 0, 0, 1, 1, 1))
+    _, per_layer = load_waits([a, b], {1, 2}, set(), 6, by_layer=True)
+    assert names(per_layer) == [["a.0", "b.0"], [], ["a.1"], ["b.1"], [], ["a.2"]]
+
+
+CONFIG = dict(architectures=["LlamaForCausalLM"], vocab_size=96, hidden_size=64,
+              intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128)
+
+
+def tiny_model() -> Transformer:
+    config = ModelConfig.from_dict(CONFIG)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.load_state_dict(random_weights(model, torch.device("cpu"), torch.float32, seed=3),
+                          strict=True, assign=True)
+    model.inv_freq = compute_inv_freq(config)
+    model.cos_sin_cache = build_cos_sin_cache(model.inv_freq, config.max_position_embeddings)
+    model.bind_kv_cache(allocate_kv_cache(3, 8, 4, 2, 16, torch.float32, "cpu"))
+    return model.eval()
+
+
+@pytest.mark.parametrize("mode", ["eager", "pieces"])
+@torch.inference_mode()
+def test_each_layers_waits_come_right_before_its_attention(monkeypatch, mode):
+    model = tiny_model()
+    calls = []
+    monkeypatch.setattr(model_module, "wait_events", lambda events: calls.append(list(events)))
+    monkeypatch.setattr(cuda_graphs, "wait_events", lambda events: calls.append(list(events)))
+    for index, layer in enumerate(model.layers):
+        attend = layer.self_attn.attend
+
+        def recorded(*args, index=index, attend=attend, **kwargs):
+            calls.append(f"attend {index}")
+            return attend(*args, **kwargs)
+        layer.self_attn.attend = recorded
+    chunks = [SequenceChunk(token_ids=[5, 6, 7, 8, 9], start=0, block_table=[3, 1], sample=True)]
+    input_ids, positions, metadata = build_step_inputs(chunks, 4, torch.device("cpu"))
+    run = model if mode == "eager" else PiecewiseGraphs(model, 16, torch.device("cpu"),
+                                                        use_graphs=False).run
+    expected = run(input_ids, positions, metadata)
+    calls.clear()
+    logits = run(input_ids, positions, metadata, [["e0"], [], ["e2a", "e2b"]])
+    waits = [call for call in calls if call != []]  # the eager layers' empty waits
+    assert waits == [["e0"], "attend 0", "attend 1", ["e2a", "e2b"], "attend 2"]
+    torch.testing.assert_close(logits, expected)
+    calls.clear()
+    run(input_ids, positions, metadata)  # no waits: none called
+    assert [call for call in calls if call != []] == ["attend 0", "attend 1", "attend 2"]
+
+
+class FakeTiers:
+    """Loads pending on 'the device': records what the runner asks to wait for."""
+
+    has_pending = False  # no stores
+
+    def __init__(self) -> None:
+        self.pending_loads = ["a load"]
+        self.asked = []
+
+    def wait_for_loads(self, block_ids, written_block_ids, by_layer):
+        self.asked.append((sorted(set(block_ids)), sorted(written_block_ids), by_layer))
+        return [["group 0"], []] if by_layer else None
+
+
+class FakeOffload:
+    def __init__(self) -> None:
+        self.tiers = FakeTiers()
+
+    def end_submit(self) -> None:
+        pass
+
+
+class FakeDecodeGraphs:
+    """Takes every decode-shaped step (as the real ones would), run eagerly."""
+
+    def __init__(self, model) -> None:
+        self.model, self.num_runs = model, 0
+
+    def bucket_for(self, num_seqs: int) -> int:
+        return num_seqs
+
+    def run(self, input_ids, positions, metadata):
+        self.num_runs += 1
+        return self.model(input_ids, positions, metadata)
+
+
+@pytest.fixture(scope="module")
+def dummy_model(tmp_path_factory):
+    import json
+    import shutil
+
+    from shared.models import DUMMY_MARKER, PRESETS_DIR, ModelFiles
+    path = tmp_path_factory.mktemp("tiny-llama")
+    shutil.copy(PRESETS_DIR / "tiny-llama.json", path / "config.json")
+    config = json.loads((path / "config.json").read_text())
+    config["eos_token_id"] = None
+    (path / "config.json").write_text(json.dumps(config))
+    (path / DUMMY_MARKER).write_text("random weights\n")
+    return ModelFiles(name="tiny-llama", path=path)
+
+
+def test_the_runner_hands_per_layer_waits_to_the_forward_except_to_a_decode_graph(
+        dummy_model, monkeypatch):
+    from services.worker.config import WorkerConfig
+    from services.worker.runner import ModelRunner
+    from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+
+    runner = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+                                      kv_load_layer_groups=2), dummy_model)
+    offload = FakeOffload()
+    runner.attach_kv(offload)
+    waited = []  # the non-empty waits (the eager layers call it with none too)
+    monkeypatch.setattr(model_module, "wait_events",
+                        lambda events: waited.append(list(events)) if events else None)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # blocks 4 (loading: computed as far as the scheduler knows) and 9 (this step's tokens)
+    new = NewRequestData("r", list(range(100, 120)), greedy, [4, 9], 16)
+    runner.execute(StepPlan(0, [new], [ScheduledRequest("r", 4)]))
+    assert offload.tiers.asked == [([4, 9], [9], True)]
+    assert waited == [["group 0"]]  # layer 0's attention waits; layer 1 has nothing more
+    runner._graphs = FakeDecodeGraphs(runner.model)
+    waited.clear()
+    runner.execute(StepPlan(1, [], [ScheduledRequest("r", 1)]))
+    assert offload.tiers.asked[1] == ([4, 9], [9], False)  # a decode graph: the whole load
+    assert runner._graphs.num_runs == 1 and waited == []
+    offload.tiers.pending_loads = []
+    runner.execute(StepPlan(2, [], [ScheduledRequest("r", 1)]))
+    assert len(offload.tiers.asked) == 2  # nothing loading: nothing asked
