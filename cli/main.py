@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--kv-disk-size", default=None, help="disk tier size (default 16GiB)")
     kv.add_argument("--kv-node-id", default="local",
                     help="this node's kvstore id (workers and schedulers use it)")
+    kv.add_argument("--kv-load-layer-groups", default=None,
+                    help="CUDA workers copy each load from the kvstore in this many layer "
+                    "groups, so a forward's first layers run while later ones still load "
+                    "(default 1: the whole load first; not measured on a GPU yet)")
     serve.add_argument("--cache-dir", default="~/.cache/flotilla", help="converted-model cache")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--log-dir", type=Path, default=None,
@@ -76,6 +80,7 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
                                        chunk_step_ratio=args.chunk_step_ratio,
                                        max_steps_in_flight=args.max_steps_in_flight)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
+    service_args["worker"] += flags(kv_load_layer_groups=args.kv_load_layer_groups)
     service_args["gateway"] = flags(api_key=args.api_key, routing=args.routing)
     service_args["kvstore"] = flags(kv_host_memory=args.kv_host_memory,
                                     kv_disk_dir=args.kv_disk_dir, kv_disk_size=args.kv_disk_size)

@@ -3,8 +3,12 @@ node id given to every worker and scheduler, its flags passed through; --no-kvst
 
 from __future__ import annotations
 
+import pytest
+
 from cli.main import build_parser, serve_options
 from cli.stack import Stack, StackOptions
+from services.worker.config import WorkerConfig
+from shared.config import load_config
 
 
 def command(stack: Stack, name: str) -> list[str]:
@@ -48,3 +52,20 @@ def test_defaults_leave_the_sizes_to_the_kvstore_and_name_the_node():
     assert value(kvstore, "--kv-host-memory") is None and value(kvstore, "--node-id") == "gpu-node-7"
     assert value(command(stack, "scheduler"), "--kv-node-id") == "gpu-node-7"
     assert StackOptions().kvstore  # the integration tests' stacks run one too
+
+
+def test_kv_load_layer_groups_reach_every_worker_and_parse():
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--replicas", "2",
+                                      "--kv-load-layer-groups", "4"])
+    stack = Stack(serve_options(args))
+    for name in ("worker", "worker-1"):
+        worker = command(stack, name)
+        assert value(worker, "--kv-load-layer-groups") == "4"
+        flags = worker[worker.index("services.worker") + 1:]
+        assert load_config(WorkerConfig, flags, environ={}).kv_load_layer_groups == 4
+    assert "--kv-load-layer-groups" not in command(stack, "scheduler")
+    default = Stack(serve_options(build_parser().parse_args(["serve", "--device", "cpu"])))
+    assert "--kv-load-layer-groups" not in command(default, "worker")
+    assert load_config(WorkerConfig, [], environ={}).kv_load_layer_groups == 1
+    with pytest.raises(SystemExit, match="kv_load_layer_groups must be at least 1"):
+        load_config(WorkerConfig, ["--kv-load-layer-groups", "0"], environ={})
