@@ -80,6 +80,20 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
           python3 benchmarks/kvstore_tiers.py --device cuda --model $M/dummy-llama-3.1-8b \
               --parts $part --time-budget-s 200 2>&1 | grep -v "^\[prefill512\] [0-9]" | tail -12
         done;;
+    # issue 14, loads in layer groups (--kv-load-layer-groups, docs/kvstore.md): the GPU tests,
+    # the copy alone for G = 1, 2, 4, 8 (KV_GROUPS_COPY_ARGS: more kv_copy.py flags), and
+    # prefix16k with G = ${KV_GROUPS:-4} (one G per call: each run takes minutes)
+    kv-groups-tests) python3 -m pytest -q -m gpu tests/services/worker/test_kv_load_groups_gpu.py \
+        tests/services/worker/test_cuda_copy.py tests/services/worker/test_kv_tiers_gpu.py \
+        tests/kernels/test_kv_blocks.py -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -30;;
+    kv-groups-copy) python3 benchmarks/gpu/kv_copy.py --load-groups 1,2,4,8 \
+        --out "$OUT/kv_copy_groups.json" ${KV_GROUPS_COPY_ARGS:-} 2>&1 | tail -40;;
+    prefix16k-groups) for g in ${KV_GROUPS:-4}; do
+          echo "--- G=$g $(date +%T)"
+          python3 benchmarks/kvstore_tiers.py --device cuda --model $M/dummy-llama-3.1-8b \
+              --parts prefix16k --worker-args "--kv-load-layer-groups $g" ${KV_ARGS:-} 2>&1 | tail -12
+          mv "$OUT/kvstore_tiers_cuda_prefix16k.json" "$OUT/kvstore_tiers_cuda_prefix16k_G$g.json"
+        done;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -8,8 +8,15 @@ registered the way the worker does it (services/worker/kv_tiers.py):
   cudaHostAlloc'd memory (the link's ceiling), and one 2 MiB copy per block;
 - ``load``/``store``: ``KvTiers.load`` / ``KvTiers.store`` of N blocks, random slots into
   random blocks (the worst case: no runs), for each staging size given.
+- ``--load-groups 1,2,4,8`` (instead of the above): a load of ``--group-blocks`` (1,023, a
+  16k-token prefix) from consecutive and from random slots in G layer groups: load ms, GB/s,
+  host ms to issue it, ms until group 0 has landed; and a stand-in forward (per layer a
+  GEMM reading ~one Llama-3.1-8B layer of weights for 16 tokens, and a read of the layer's
+  loaded K/V) whose layer l waits for its group only, as the worker's forward does: the end
+  to end ms of load + forward, against load + forward alone (``hidden_ms``).
 
     python3 benchmarks/gpu/kv_copy.py --num-blocks 1024 --staging-mib 32,128
+    python3 benchmarks/gpu/kv_copy.py --load-groups 1,2,4,8
 """
 
 from __future__ import annotations
@@ -51,6 +58,90 @@ def _gbps(num_bytes: int, ms: float) -> float:
     return round(num_bytes / ms / 1e6, 1)
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def stand_in_forward(kv_cache: torch.Tensor, device_block_ids: torch.Tensor,
+                     weight: torch.Tensor, x: torch.Tensor, layer_waits) -> None:
+    """Per layer: wait for its load group (``layer_waits``, None: no wait), read its K/V of
+    the loaded blocks (as attention would) and a [16, hidden] x [hidden, N] GEMM."""
+    for layer in range(kv_cache.shape[0]):
+        if layer_waits is not None:
+            for event in layer_waits[layer]:
+                torch.cuda.current_stream().wait_event(event)
+        kv = kv_cache[layer].index_select(1, device_block_ids)  # [2, n, block_size, ...]
+        x = (x @ weight)[:, :x.shape[1]] + kv.view(-1)[:x.shape[1]]  # [16, hidden]
+
+
+def measure_groups(args, kv_cache: torch.Tensor, path: Path, num_slots: int,
+                   slot_nbytes: int) -> dict:
+    """--load-groups: per G and slot order, the load alone and load + stand-in forward."""
+    device = kv_cache.device
+    n = args.group_blocks
+    rng = random.Random(1)
+    block_ids = rng.sample(range(kv_cache.shape[2]), n)
+    device_block_ids = torch.tensor(block_ids, device=device)
+    orders = {"consecutive": list(range(n)), "random": rng.sample(range(num_slots), n)}
+    # ~one Llama-3.1-8B layer of weights (218M parameters), read by a 16-token GEMM
+    weight = torch.randn(4096, args.stand_in_cols, dtype=kv_cache.dtype, device=device)
+    x = torch.randn(16, 4096, dtype=kv_cache.dtype, device=device)
+    blocks = kv_cache.permute(2, 0, 1, 3, 4, 5)  # [num_blocks, layers, 2, block_size, ...]
+    # every (slot, layer) its own int32 value, so a byte from the wrong slot or layer shows
+    arena = KvArena.attach(path)
+    slots = torch.from_numpy(arena.slots()).view(kv_cache.dtype) \
+        .view(num_slots, *blocks.shape[1:]).view(torch.int32)  # [num_slots, layers, 2, ...]
+    num_layers = kv_cache.shape[0]
+    pattern = torch.arange(num_slots, dtype=torch.int32)[:, None] * 64 \
+        + torch.arange(num_layers, dtype=torch.int32)  # [num_slots, layers]
+    slots.copy_(pattern.view(num_slots, num_layers, 1, 1, 1, 1).expand_as(slots))
+    del slots
+    arena.close()
+    results: dict = {}
+    forward_ms = []
+    for _ in range(args.repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        stand_in_forward(kv_cache, device_block_ids, weight, x, None)
+        end.record()
+        torch.cuda.synchronize()
+        forward_ms.append(start.elapsed_time(end))
+    results["forward_alone_ms"] = round(_median(forward_ms), 3)
+    for num_groups in [int(g) for g in args.load_groups.split(",")]:
+        tiers = KvTiers(kv_cache, KvArena.attach(path), max_staging_bytes=args.group_staging_mib
+                        << 20, num_load_groups=num_groups)
+        for order, slot_ids in orders.items():
+            kv_cache.zero_()
+            tiers.load(slot_ids, block_ids)  # correctness (and warm-up)
+            torch.cuda.synchronize()
+            equal = bool(torch.equal(blocks[block_ids].cpu().view(torch.int16),
+                                     tiers.slots[slot_ids].view(torch.int16)))
+            rows = {"load_ms": [], "host_ms": [], "group0_ms": [], "end_to_end_ms": []}
+            for _ in range(args.repeats):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                timing = tiers.load(slot_ids, block_ids)
+                rows["host_ms"].append((time.perf_counter() - started) * 1e3)
+                layer_waits = tiers.wait_for_loads(block_ids, (), by_layer=True)
+                stand_in_forward(kv_cache, device_block_ids, weight, x, layer_waits)
+                done = torch.cuda.Event(enable_timing=True)
+                done.record()
+                torch.cuda.synchronize()
+                rows["load_ms"].append(timing.start.elapsed_time(timing.end))
+                rows["group0_ms"].append(timing.start.elapsed_time(
+                    timing.group_ends[0] if timing.group_ends else timing.end))
+                rows["end_to_end_ms"].append(timing.start.elapsed_time(done))
+            row = {name: round(_median(values), 3) for name, values in rows.items()}
+            row["GB/s"] = _gbps(n * slot_nbytes, row["load_ms"])
+            row["hidden_ms"] = round(row["load_ms"] + results["forward_alone_ms"]
+                                     - row["end_to_end_ms"], 3)
+            row["round_trip_equal"] = equal
+            results[f"groups_{len(tiers.load_groups)}_{order}"] = row
+            print(f"G={len(tiers.load_groups)} {order}: {row}", flush=True)
+        tiers.close()
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-blocks", type=int, default=1024, help="blocks per copy")
@@ -60,6 +151,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--arena-dir", default="/dev/shm")
     parser.add_argument("--out", default="")
+    parser.add_argument("--load-groups", default="",
+                        help="e.g. 1,2,4,8: measure loads in layer groups instead (above)")
+    parser.add_argument("--group-blocks", type=int, default=1023,
+                        help="--load-groups: blocks per load (a 16k-token prefix)")
+    parser.add_argument("--group-staging-mib", type=int, default=32,
+                        help="--load-groups: staging per buffer (the worker's: 32)")
+    parser.add_argument("--stand-in-cols", type=int, default=53248,
+                        help="--load-groups: the stand-in GEMM's width (4096 x 53248: ~one "
+                        "Llama-3.1-8B layer of weights)")
     args = parser.parse_args()
 
     device = torch.device("cuda")
@@ -84,7 +184,9 @@ def main() -> None:
     other_blocks = rng.sample(range(half, args.num_cache_blocks), n)
     blocks = kv_cache.permute(2, 0, 1, 3, 4, 5)  # [num_blocks, layers, 2, block_size, ...]
 
-    for staging_mib in [int(x) for x in args.staging_mib.split(",")]:
+    if args.load_groups:
+        results |= measure_groups(args, kv_cache, path, args.num_slots, slot_nbytes)
+    for staging_mib in [] if args.load_groups else [int(x) for x in args.staging_mib.split(",")]:
         tiers = KvTiers(kv_cache, KvArena.attach(path), max_staging_bytes=staging_mib << 20)
         results["pinned"] = tiers.pinned
         # correctness first: blocks stored, then loaded into other blocks, are equal
