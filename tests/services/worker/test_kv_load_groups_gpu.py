@@ -52,6 +52,7 @@ def filled_arena(arena_dir: Path, num_slots: int) -> Path:
     arena = KvArena.create(arena_dir / "arena", num_slots, slot_nbytes, "store-1")
     slots = torch.from_numpy(arena.slots()).view(torch.bfloat16)
     slots.copy_(torch.randn(slots.shape, generator=torch.Generator().manual_seed(0)))
+    del slots  # (the mapping closes only once no view is left)
     arena.close()
     return arena_dir / "arena"
 
