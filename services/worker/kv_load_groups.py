@@ -27,6 +27,13 @@ def layer_groups(num_layers: int, num_groups: int) -> list[tuple[int, int]]:
             for group in range(num_groups)]
 
 
+def group_chunk_blocks(staging_blocks: int, groups: list[tuple[int, int]]) -> int:
+    """Blocks of a group that a staging buffer of ``staging_blocks`` whole blocks holds (of
+    the largest group: every group's chunks are the same)."""
+    largest = max(end - first for first, end in groups)
+    return staging_blocks * groups[-1][1] // largest
+
+
 @dataclass(frozen=True)
 class LoadChunk:
     """One staging buffer's worth of a load: blocks [first, first + num_blocks) of the load's

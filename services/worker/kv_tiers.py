@@ -42,7 +42,7 @@ import torch
 from kernels.kv_blocks import gather_blocks, scatter_blocks
 from services.worker.cuda_copy import memcpy_2d
 from services.worker.kv_load_groups import (
-    LoadChunk, LoadCopy, group_copies, layer_groups, load_chunks, load_waits,
+    LoadChunk, LoadCopy, group_chunk_blocks, group_copies, layer_groups, load_chunks, load_waits,
 )
 from shared.kv_arena import KvArena
 
@@ -161,9 +161,9 @@ class KvTiers:
                     self._group_of_layer = tuple(group for group, (first, end)
                                                  in enumerate(self.load_groups)
                                                  for _ in range(first, end))
-                    # a staging buffer holds as many blocks of the largest group as bytes allow
-                    largest = max(end - first for first, end in self.load_groups)
-                    self.group_staging_blocks = self.staging_blocks * self.num_layers // largest
+                    # a staging buffer holds as many blocks of a group as bytes allow
+                    self.group_staging_blocks = group_chunk_blocks(self.staging_blocks,
+                                                                   self.load_groups)
                 with torch.cuda.stream(self._load_stream):  # persistent: never freed
                     # two buffers: the link fills one while the other is scattered
                     self._load_staging = [torch.empty(shape, dtype=kv_cache.dtype,

@@ -1,13 +1,15 @@
 """Loads in layer groups on CPU (kv_load_groups.py): the group split; the chunks issued (one
-group: exactly the chunks of an ungrouped load); the 2D copies, run by a memcpy2D stand-in
-and scattered by the Triton kernel (interpreter), give the blocks a plain load gives; which
-loads a step waits for whole and which per layer; and the waits reach the eager model and
-the piecewise pieces before each layer's attention. The device side is in
-test_kv_tiers_gpu.py (pytest -m gpu)."""
+group: exactly the chunks of an ungrouped load); KvTiers' 2D copies of a group (memmove on
+the real pointers standing in for cudaMemcpy2DAsync), scattered by the Triton kernel
+(interpreter), give the blocks a plain load gives; which loads a step waits for whole and
+which per layer; and the waits reach the eager model, the piecewise pieces and the runner's
+forward before each layer's attention. The device side: test_kv_load_groups_gpu.py."""
 
 from __future__ import annotations
 
+import ctypes
 import random
+import types
 
 import pytest
 import torch
@@ -18,11 +20,12 @@ from kernels.rotary import build_cos_sin_cache
 from services.worker import cuda_graphs, model as model_module
 from services.worker.cuda_graphs import PiecewiseGraphs
 from services.worker.kv_load_groups import (
-    Copy2D, LoadCopy, group_copies, layer_groups, load_chunks, load_waits,
+    Copy2D, LoadCopy, group_chunk_blocks, group_copies, layer_groups, load_chunks, load_waits,
 )
-from services.worker.kv_tiers import chunked_runs
+from services.worker.kv_tiers import KvTiers, chunked_runs
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq, random_weights
 from services.worker.runner import SequenceChunk, build_step_inputs
+from shared.kv_arena import KvArena
 
 
 def test_layers_split_into_even_groups_in_order():
@@ -72,57 +75,59 @@ def test_a_groups_copy_is_its_bytes_of_each_slot_of_a_run():
                width=200, height=1)]
 
 
-def memcpy_2d(dst: torch.Tensor, src: torch.Tensor, copy: Copy2D) -> None:
-    """cudaMemcpy2D on flat uint8 tensors, refusing any byte outside either."""
-    assert copy.width <= copy.dst_pitch and copy.width <= copy.src_pitch
-    for row in range(copy.height):
-        d, s = copy.dst_offset + row * copy.dst_pitch, copy.src_offset + row * copy.src_pitch
-        assert 0 <= d and d + copy.width <= dst.numel() and 0 <= s and s + copy.width <= src.numel()
-        dst[d:d + copy.width] = src[s:s + copy.width]
-
-
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 6, 40, 4, 2, 8
 
 
-def grouped_load(cache: torch.Tensor, slots: torch.Tensor, slot_ids: list[int],
-                 block_ids: list[int], num_groups: int, staging_blocks: int) -> None:
-    """KvTiers.load's grouped path with the 2D copy emulated: the same chunks, views and
-    scatters, on CPU (two staging buffers of ``staging_blocks`` slots)."""
-    groups = layer_groups(NUM_LAYERS, num_groups)
-    slot_nbytes = slots[0].numel() * slots.element_size()
-    layer_nbytes = slot_nbytes // NUM_LAYERS
-    largest = max(end - first for first, end in groups)
-    chunk = staging_blocks * NUM_LAYERS // largest
-    buffers = [torch.zeros(staging_blocks, *slots.shape[1:], dtype=slots.dtype)
-               for _ in range(2)]
-    slot_bytes = slots.view(-1).view(torch.uint8)
+def memmove_2d(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+               stream: int) -> None:
+    """cudaMemcpy2DAsync's stand-in on host pointers."""
+    assert width <= dst_pitch and width <= src_pitch and stream == 7
+    for row in range(height):
+        ctypes.memmove(dst + row * dst_pitch, src + row * src_pitch, width)
+
+
+def grouped_load(tiers: KvTiers, slot_ids: list[int], block_ids: list[int], num_groups: int,
+                 staging_blocks: int) -> None:
+    """KvTiers.load's grouped path on CPU: its chunks, its ``_copy_group`` (the 2D copies
+    by memmove on the real pointers) into two staging buffers, the layer-range scatter."""
+    tiers.load_groups = layer_groups(NUM_LAYERS, num_groups)
+    tiers._memcpy_2d = memmove_2d
+    tiers._load_staging = [torch.full((staging_blocks, *tiers.slot_shape), float("nan"),
+                                      dtype=tiers.kv_cache.dtype) for _ in range(2)]
+    chunk = group_chunk_blocks(staging_blocks, tiers.load_groups)
     ids = torch.tensor(block_ids)
-    for part in load_chunks(chunked_runs(slot_ids, chunk), chunk, len(slot_ids), len(groups)):
-        first, end = groups[part.group]
-        staging = buffers[part.buffer].view(-1)[
-            :part.num_blocks * (end - first) * layer_nbytes // slots.element_size()
-        ].view(part.num_blocks, end - first, *slots.shape[2:])
-        for copy in group_copies(part.slot_runs, (first, end), layer_nbytes, slot_nbytes):
-            memcpy_2d(buffers[part.buffer].view(-1).view(torch.uint8), slot_bytes, copy)
-        scatter_blocks(cache, ids[part.first:part.first + part.num_blocks], staging,
-                       layers=(first, end))
+    for part in load_chunks(chunked_runs(slot_ids, chunk), chunk, len(slot_ids),
+                            len(tiers.load_groups)):
+        staging = tiers._copy_group(part, types.SimpleNamespace(cuda_stream=7))
+        assert staging.data_ptr() == tiers._load_staging[part.buffer].data_ptr()
+        scatter_blocks(tiers.kv_cache, ids[part.first:part.first + part.num_blocks], staging,
+                       layers=tiers.load_groups[part.group])
 
 
-@pytest.mark.parametrize("num_groups", [1, 2, 4, 6])
+def test_a_staging_buffer_holds_a_chunk_of_the_largest_group():
+    assert group_chunk_blocks(16, [(0, 32)]) == 16
+    assert group_chunk_blocks(16, layer_groups(32, 4)) == 64
+    assert group_chunk_blocks(3, layer_groups(6, 4)) == 9  # groups of 1 and 2 layers
+
+
+@pytest.mark.parametrize("num_groups", [2, 4, 6])
 @pytest.mark.parametrize("slots_kind", ["consecutive", "random"])
-def test_a_grouped_load_gives_the_blocks_a_plain_load_gives(num_groups, slots_kind):
+def test_a_grouped_load_gives_the_blocks_a_plain_load_gives(tmp_path, num_groups, slots_kind):
     rng = random.Random(num_groups)
-    slots = torch.randn(30, NUM_LAYERS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                        generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    slot_ids = list(range(3, 26)) if slots_kind == "consecutive" else rng.sample(range(30), 23)
-    block_ids = rng.sample(range(NUM_BLOCKS), 23)
+    slot_nbytes = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
+    arena = KvArena.create(tmp_path / "arena", 30, slot_nbytes, "store-1")
     # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
     cache = allocate_kv_cache(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
                               torch.bfloat16, torch.device("cpu"))
+    tiers = KvTiers(cache, arena)
+    tiers.slots.copy_(torch.randn(tiers.slots.shape, generator=torch.Generator().manual_seed(1)))
+    slot_ids = list(range(3, 26)) if slots_kind == "consecutive" else rng.sample(range(30), 23)
+    block_ids = rng.sample(range(NUM_BLOCKS), 23)
     expected = cache.clone()
-    expected.permute(2, 0, 1, 3, 4, 5)[block_ids] = slots[slot_ids]
-    grouped_load(cache, slots, slot_ids, block_ids, num_groups, staging_blocks=3)
+    expected.permute(2, 0, 1, 3, 4, 5)[block_ids] = tiers.slots[slot_ids]
+    grouped_load(tiers, slot_ids, block_ids, num_groups, staging_blocks=3)
     assert torch.equal(cache.view(torch.int16), expected.view(torch.int16))
+    tiers.close()
 
 
 class Event:
