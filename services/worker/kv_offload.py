@@ -178,13 +178,13 @@ class KvOffload:
         return self.target_free_slots - num_free if num_free < low_water else 0
 
     # ------------------------------------------------------------ a step (forward thread)
-    def load(self, loads: Sequence[KvLoad]) -> LoadTiming:
+    def load(self, loads: Sequence[KvLoad], *, in_layer_groups: bool = True) -> LoadTiming:
         if not self.tiers.arena_is_current():
             raise ValueError("the kvstore's arena was replaced (the kvstore restarted): loads "
                              "are refused until the worker re-attaches to it")
         slot_ids = [slot_id for load in loads for slot_id in load.slot_ids]
         block_ids = [block_id for load in loads for block_id in load.block_ids]
-        timing = self.tiers.load(slot_ids, block_ids)
+        timing = self.tiers.load(slot_ids, block_ids, in_layer_groups=in_layer_groups)
         self.num_loaded += len(block_ids)
         return timing
 

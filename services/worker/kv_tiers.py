@@ -181,10 +181,13 @@ class KvTiers:
             return False
 
     # ------------------------------------------------------------ loads
-    def load(self, slot_ids: Sequence[int], block_ids: Sequence[int]) -> LoadTiming:
+    def load(self, slot_ids: Sequence[int], block_ids: Sequence[int], *,
+             in_layer_groups: bool = True) -> LoadTiming:
         """Copy slots into blocks after the work queued so far (CPU: now); on CUDA it runs
         beside whatever the compute stream runs next, which must ``wait_for_loads`` before
-        touching these blocks."""
+        touching these blocks. ``in_layer_groups``: in this tier's layer groups (if it has
+        more than one), else in one group (fewer copies: a load read only by a later step
+        gains nothing from groups)."""
         if len(slot_ids) != len(block_ids):
             raise ValueError(f"a load of {len(slot_ids)} slots into {len(block_ids)} blocks")
         self._check_ids(slot_ids, block_ids)
@@ -203,7 +206,7 @@ class KvTiers:
         timing.start, timing.end = (torch.cuda.Event(enable_timing=True),
                                     torch.cuda.Event(enable_timing=True))
         scatter_stream, groups = self._scatter_stream, self.load_groups
-        grouped = len(groups) > 1
+        grouped = len(groups) > 1 and in_layer_groups
         chunk = self.group_staging_blocks if grouped else self.staging_blocks
         chunks = load_chunks(chunked_runs(slot_ids, chunk), chunk, len(slot_ids), len(groups))
         # Chunk k is copied (copy engine, load stream) into buffer k % 2 once chunk k - 2's

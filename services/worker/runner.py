@@ -522,8 +522,20 @@ class ModelRunner:
         forward), and per layer the load events its attention waits for (loads in layer
         groups, when the forward can wait between layers; None: none)."""
         kv_load = None
+        # per chunk: the blocks it reads (its context) and those it writes (its new tokens)
+        read = [chunk.block_table[:(chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1]
+                for chunk in chunks]
+        by_layer = bool(chunks) and not self._takes_decode_graph(
+            sum(len(chunk.token_ids) for chunk in chunks),
+            max(len(chunk.token_ids) for chunk in chunks),
+            all(chunk.sample for chunk in chunks))
         if plan.kv_loads:
-            kv_load = kv.load(plan.kv_loads)
+            # Layer groups pay only when this step's forward reads the blocks (it then runs
+            # its first layers under the copy of the later ones); a load read by a later step
+            # goes in one group: G times fewer copies to issue (random slots: one per block).
+            loaded = {block_id for load in plan.kv_loads for block_id in load.block_ids}
+            read_now = by_layer and any(not loaded.isdisjoint(ids) for ids in read)
+            kv_load = kv.load(plan.kv_loads, in_layer_groups=read_now)
             self._forget_decode_contexts(plan.kv_loads)
         stores: list[BlocksToStore] = []
         if plan.kv_stores:
@@ -552,14 +564,8 @@ class ModelRunner:
             kv.tiers.wait_for_stores(written)
         layer_waits = None
         if kv.tiers.pending_loads:  # blocks still loading that this step reads or writes
-            by_layer = bool(chunks) and not self._takes_decode_graph(
-                sum(len(chunk.token_ids) for chunk in chunks),
-                max(len(chunk.token_ids) for chunk in chunks),
-                all(chunk.sample for chunk in chunks))
             layer_waits = kv.tiers.wait_for_loads(
-                (block_id for chunk in chunks for block_id in chunk.block_table[
-                    :(chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1]),
-                written, by_layer=by_layer)
+                (block_id for ids in read for block_id in ids), written, by_layer=by_layer)
         return kv_load, [run for run in stores if not run.computed_before], layer_waits
 
     def _forget_decode_contexts(self, loads: list[KvLoad]) -> None:

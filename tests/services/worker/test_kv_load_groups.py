@@ -298,3 +298,44 @@ def test_the_runner_hands_per_layer_waits_to_the_forward_except_to_a_decode_grap
     offload.tiers.pending_loads = []
     runner.execute(StepPlan(2, [], [ScheduledRequest("r", 1)]))
     assert len(offload.tiers.asked) == 2  # nothing loading: nothing asked
+
+
+class RecordingOffload(FakeOffload):
+    """Records how each plan's loads were asked for (nothing is copied)."""
+
+    store_id = "store"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiers.pending_loads = []
+        self.tiers.arena_is_current = lambda: True
+        self.loads = []
+
+    def load(self, loads, *, in_layer_groups):
+        self.loads.append(([b for load in loads for b in load.block_ids], in_layer_groups))
+
+    def resolve_stores(self, runs, lookup):
+        return []
+
+
+def test_a_load_goes_in_layer_groups_only_when_this_steps_forward_reads_it(dummy_model):
+    from services.worker.config import WorkerConfig
+    from services.worker.runner import ModelRunner
+    from shared.messages import KvLoad, NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+
+    runner = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+                                      kv_load_layer_groups=2), dummy_model)
+    offload = RecordingOffload()
+    runner.attach_kv(offload)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    # "a" computes 4 tokens after its loaded block 4 in this step: the forward reads it
+    new_a = NewRequestData("a", list(range(100, 120)), greedy, [4, 9], 16)
+    runner.execute(StepPlan(0, [new_a], [ScheduledRequest("a", 4)],
+                            kv_loads=[KvLoad([0], [4], "store")]))
+    # "b" runs a prompt of its own beside "c", which only loads block 6 in this step (it
+    # computes from a later one)
+    new_b = NewRequestData("b", list(range(200, 210)), greedy, [7], 0)
+    new_c = NewRequestData("c", list(range(300, 320)), greedy, [6, 8], 16)
+    runner.execute(StepPlan(1, [new_b, new_c], [ScheduledRequest("b", 10)],
+                            kv_loads=[KvLoad([1], [6], "store")]))
+    assert offload.loads == [([4], True), ([6], False)]
