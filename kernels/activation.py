@@ -11,17 +11,20 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 BLOCK_SIZE = 1024  # columns per program
 
 
 @triton.jit
 def _silu_and_mul_kernel(
     x_ptr, out_ptr, x_stride_row, out_stride_row, d,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
+    pdl.wait_then_launch_dependents(PDL)
     gate = tl.load(x_ptr + row * x_stride_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride_row + d + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)  # F.silu, rounded
@@ -55,7 +58,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         block = min(BLOCK_SIZE, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](
             x_rows, out_rows, x_rows.stride(0), out_rows.stride(0), d, BLOCK=block,
-            num_warps=4 if block >= 512 else 1,
+            num_warps=4 if block >= 512 else 1, **pdl.launch_options(),
         )
     return out
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.paged_attention import write_kv_cache_ref
 from kernels.rotary import _check as _check_rotary
 from kernels.rotary import _cos_sin, _rotate_heads, _rotated_heads, apply_rotary_ref
@@ -29,9 +30,10 @@ def _write_kv_cache_kernel(
     key_stride_token, key_stride_head, value_stride_token, value_stride_head,
     cache_stride_block, cache_stride_offset, cache_stride_head,
     num_kv_heads, head_dim, block_size,
-    BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    pdl.wait_then_launch_dependents(PDL)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:  # a negative slot is a padding token: nothing is read or written
         heads = tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
@@ -83,7 +85,7 @@ def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tens
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         num_kv_heads, head_dim, key_cache.shape[1],
         BLOCK_HEADS=triton.next_power_of_2(num_kv_heads),
-        BLOCK_DIM=triton.next_power_of_2(head_dim),
+        BLOCK_DIM=triton.next_power_of_2(head_dim), **pdl.launch_options(),
     )
 
 
@@ -96,11 +98,12 @@ def _rotary_write_kv_cache_kernel(
     cache_stride_block, cache_stride_offset, cache_stride_head,
     num_heads, num_kv_heads, head_dim, block_size,
     BLOCK_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_DIM: tl.constexpr,
+    BLOCK_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program per token: rotate its query heads and key heads in place (as
     ``_apply_rotary_kernel``), and write the rotated keys and the values to its slot."""
     token = tl.program_id(0).to(tl.int64)
+    pdl.wait_then_launch_dependents(PDL)
     half = head_dim // 2
     cos, sin = _cos_sin(positions_ptr, cos_sin_cache_ptr, cos_sin_stride, token, half, BLOCK_HALF)
     # cos and sin rounded to the activation dtype, as HF does before the products
@@ -164,6 +167,7 @@ def rotary_and_write_kv_cache(query: torch.Tensor, key: torch.Tensor, value: tor
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_DIM=triton.next_power_of_2(head_dim),
         enable_fp_fusion=False,  # an FMA would skip the rounding of one product: not HF's numbers
+        **pdl.launch_options(),
     )
 
 

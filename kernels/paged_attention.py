@@ -56,6 +56,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -419,13 +421,13 @@ def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, b
         BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         ONE_TILE_PER_SEQ=one_tile_per_seq, SEQ_CHUNK=SEQ_CHUNK, NUM_SEGMENTS=num_segments,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())
     if num_segments > 1:
         _combine_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, query_start_loc, num_seqs,
             out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, NUM_SEGMENTS=num_segments,
-            num_warps=COMBINE_NUM_WARPS)
+            num_warps=COMBINE_NUM_WARPS, **pdl.launch_options())
 
 
 @triton.jit
@@ -510,13 +512,14 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, kv_head, segment): BLOCK_Q queries of one sequence x the GROUP query heads
     of kv_head (row r: query tile_first + r // GROUP, head kv_head * GROUP + r % GROUP), over
     its segment of the context (all of it unless split)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
+    pdl.wait_then_launch_dependents(PDL)  # before the early return of spare programs
     if ONE_TILE_PER_SEQ:
         seq = tile
         tile_in_seq = 0
@@ -588,11 +591,12 @@ def _paged_attention_kernel(
 def _combine_segments_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
                              query_start_loc_ptr, num_seqs, stride_o_tok, stride_o_head,
                              HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-                             NUM_SEGMENTS: tl.constexpr):
+                             NUM_SEGMENTS: tl.constexpr, PDL: tl.constexpr):
     """Program (token of the launch, head): merge the segments' partial outputs, each weighted by
     exp2(its max - the overall max); empty segments (max -1e30, sum 0) weigh nothing."""
     token_in_launch = tl.program_id(0)
     head = tl.program_id(1)
+    pdl.wait_then_launch_dependents(PDL)  # before the early return of padding rows
     token = tl.load(query_start_loc_ptr) + token_in_launch
     if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding rows past the last sequence
         return

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 MAX_SINGLE_PASS = 8192  # longest row normalized from registers in one pass
 LOOP_BLOCK = 4096  # chunk of the two-pass loop for longer rows
 
@@ -47,6 +49,7 @@ def _rms_norm_kernel(
     x_stride_0, x_stride_1, residual_stride_0, residual_stride_1, out_stride_0, out_stride_1,
     hidden_size, eps,
     HAS_RESIDUAL: tl.constexpr, SINGLE_PASS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # rows are [dim 0, dim 1] of a [num_outer, num_inner, hidden_size] view
     outer = tl.program_id(0).to(tl.int64)
@@ -55,6 +58,7 @@ def _rms_norm_kernel(
     residual_row = residual_ptr + outer * residual_stride_0 + inner * residual_stride_1
     out_row = out_ptr + outer * out_stride_0 + inner * out_stride_1
     cols = tl.arange(0, BLOCK_SIZE)
+    pdl.wait_then_launch_dependents(PDL)
     if SINGLE_PASS:
         mask = cols < hidden_size
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -150,7 +154,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             out_rows.stride(0), out_rows.stride(1),
             hidden_size, eps,
             HAS_RESIDUAL=residual is not None, SINGLE_PASS=single_pass, BLOCK_SIZE=block_size,
-            num_warps=num_warps,
+            num_warps=num_warps, **pdl.launch_options(),
         )
     return out if residual is None else (out, residual)
 

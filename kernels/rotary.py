@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 @triton.jit
 def _rotated_heads(x_ptr, stride_token, stride_head, token, num_heads, cos, sin, half,
@@ -69,8 +71,10 @@ def _apply_rotary_kernel(
     query_stride_token, query_stride_head, key_stride_token, key_stride_head, cache_stride,
     num_heads, num_kv_heads, half,
     BLOCK_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    pdl.wait_then_launch_dependents(PDL)
     cos, sin = _cos_sin(positions_ptr, cos_sin_cache_ptr, cache_stride, token, half, BLOCK_HALF)
     # cos and sin rounded to the activation dtype, as HF does before the products
     q_cos = cos.to(query_ptr.dtype.element_ty).to(tl.float32)
@@ -128,6 +132,7 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         enable_fp_fusion=False,  # an FMA would skip the rounding of one product: not HF's numbers
+        **pdl.launch_options(),
     )
 
 

@@ -27,6 +27,10 @@ tail of one launch. This kernel is a plain weight stream.
   launches a row, so the result is bitwise the two ops' and the norm's own launch goes. The
   worker takes it only with ``NORM_IN_REDUCE`` on (``serves_add_rms_norm``).
 - CUDA-graph capturable: the grid and the scratch depend on shapes only.
+- with ``kernels.pdl.PDL`` on, each launch (the reduce's too) is a programmatic dependent
+  launch: a program loads its first weight tile, then waits for the previous kernel, so in a
+  decode step the stream starts while the kernel before it drains (the prefetch above was
+  measured between back-to-back GEMMs only).
 
 ``CONFIGS`` holds the configs swept on the H200 for the Llama-3.1-8B shapes
 (``benchmarks/gpu/skinny_gemm.py --sweep``) and, per shape, the most rows at which it was
@@ -42,6 +46,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.rms_norm import MAX_SINGLE_PASS, add_rms_norm_row, single_pass_launch
 
 MAX_M = 16  # most rows of x the kernel serves (x is padded to this many)
@@ -117,6 +122,17 @@ def _silu_times(gate, up, dtype: tl.constexpr):
     return silu.to(tl.float32) * up.to(dtype).to(tl.float32)
 
 
+@triton.jit
+def _dot(x, w, acc, FP32_IEEE: tl.constexpr):
+    """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T on the tensor cores (fp32 in full
+    precision, as cuBLAS's default; not tf32)."""
+    if FP32_IEEE:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr,
@@ -124,11 +140,12 @@ def _skinny_gemm_kernel(
     partial_stride_m, k_per_split,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FP32_IEEE: tl.constexpr,
     SPLIT_K: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (column tile, K split). N counts output columns: with GATED, W holds 2N rows
     (gate then up) and a program multiplies the gate rows of its columns and the matching up
-    rows, then writes silu(gate) * up."""
+    rows, then writes silu(gate) * up. With PDL (kernels/pdl.py) it waits for the previous
+    kernel after loading its first weight tile."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -144,7 +161,27 @@ def _skinny_gemm_kernel(
     x_ptrs = x_ptr + offs_m[:, None] * x_stride + (k_start + offs_k)[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
+    k_loop = k_start
+    if PDL:  # the first tile, its weights loaded before the wait (no kernel writes weights)
+        if EVEN_K:
+            w_mask = n_mask[:, None]
+            x_mask = m_mask[:, None]
+        else:
+            k_mask = (k_start + offs_k) < k_end
+            w_mask = n_mask[:, None] & k_mask[None, :]
+            x_mask = m_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if GATED:
+            w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+        pdl.wait_then_launch_dependents(PDL)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        acc = _dot(x, w, acc, FP32_IEEE)
+        if GATED:
+            acc_up = _dot(x, w_up, acc_up, FP32_IEEE)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+        k_loop += BLOCK_K
+    for k in range(k_loop, k_end, BLOCK_K):
         if EVEN_K:
             w_mask = n_mask[:, None]
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
@@ -153,16 +190,10 @@ def _skinny_gemm_kernel(
             w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if FP32_IEEE:  # (fp32 in full precision, as cuBLAS's default; not tf32)
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        acc = _dot(x, w, acc, FP32_IEEE)
         if GATED:
             w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            if FP32_IEEE:
-                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+            acc_up = _dot(x, w_up, acc_up, FP32_IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out_mask = m_mask[:, None] & n_mask[None, :]
@@ -198,11 +229,12 @@ def _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split, pa
 @triton.jit
 def _reduce_splits_kernel(
     partial_ptr, bias_ptr, out_ptr, N, partial_stride_split, partial_stride_m, out_stride_m,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
+    pdl.wait_then_launch_dependents(PDL)
     acc = _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
                       partial_stride_m, HAS_BIAS, SPLIT_K)
     tl.store(out_ptr + row * out_stride_m + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -212,7 +244,7 @@ def _reduce_splits_kernel(
 def _reduce_splits_add_rms_norm_kernel(
     partial_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr, N, eps,
     partial_stride_split, partial_stride_m, residual_stride_m, out_stride_m,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per row: the splits added in split order and rounded to the projection's
     dtype (as ``_reduce_splits_kernel`` stores them), then that row added to the residual (in
@@ -220,6 +252,7 @@ def _reduce_splits_add_rms_norm_kernel(
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    pdl.wait_then_launch_dependents(PDL)
     acc = _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
                       partial_stride_m, HAS_BIAS, SPLIT_K)
     dtype = out_ptr.dtype.element_ty  # the projection's (and the norm's) dtype
@@ -269,7 +302,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         HAS_BIAS=bias is not None and split_k == 1, EVEN_K=k % config.block_k == 0,
         FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )
     if split_k > 1 and norm is not None:
         residual, norm_weight, eps = norm
@@ -278,6 +311,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
             partial, bias if bias is not None else weight, residual, norm_weight, out, n, eps,
             partial.stride(0), partial.stride(1), residual.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=num_warps,
+            **pdl.launch_options(),
         )
     elif split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -285,6 +319,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
             partial, bias if bias is not None else weight, out, n, partial.stride(0),
             partial.stride(1), out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
+            **pdl.launch_options(),
         )
 
 
