@@ -178,7 +178,8 @@ def analyze_sass(cubin: bytes) -> dict | None:
         file.flush()
         sass = subprocess.run([str(nvdisasm), "-c", file.name], capture_output=True, text=True,
                               check=True).stdout
-    ops = [line.split("*/", 1)[1] for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4}\*/", line)]
+    ops = [line.split("*/", 1)[1] for line in sass.splitlines()
+           if re.match(r"\s*/\*[0-9a-f]{4,}\*/", line)]  # the instructions, in order
     first_wait = next((i for i, op in enumerate(ops) if "ACQBULK" in op), len(ops))
     before = ops[:first_wait]
     return {"waits": sum("ACQBULK" in op for op in ops),
