@@ -4,7 +4,8 @@
 
 ``--norm-in-reduce on|off`` sets ``kernels.skinny_gemm.NORM_IN_REDUCE`` (the residual add and
 RMSNorm after o_proj and down in their split-K reduce) before the engine is built; without it,
-the module's default.
+the module's default. ``--pdl on|off`` likewise sets ``kernels.pdl.PDL`` (programmatic dependent
+launch of the decode kernels, captured into the graphs).
 
 One request with a ``--context``-token prompt decodes ``--num-tokens`` tokens through the
 in-process engine (scheduler policy + worker runner, CUDA graphs unless --enforce-eager); the
@@ -22,7 +23,7 @@ import time
 import torch
 
 from common import build_engine, copy_bandwidth, device_name, hf_random_model, save
-from kernels import skinny_gemm
+from kernels import pdl, skinny_gemm
 from shared.messages import SamplingParams
 from shared.models import resolve_model
 
@@ -56,9 +57,14 @@ def main() -> None:
     parser.add_argument("--hf-tokens", type=int, default=32)
     parser.add_argument("--norm-in-reduce", choices=["on", "off"],
                         help="skinny_gemm.NORM_IN_REDUCE (default: the module's)")
+    parser.add_argument("--pdl", choices=["on", "off"],
+                        help="kernels.pdl.PDL, programmatic dependent launch (default: the "
+                        "module's)")
     args = parser.parse_args()
     if args.norm_in_reduce:
         skinny_gemm.NORM_IN_REDUCE = args.norm_in_reduce == "on"
+    if args.pdl:
+        pdl.PDL = args.pdl == "on"
 
     bandwidth = copy_bandwidth()
     engine = build_engine(args.model, max_model_len=args.context + args.num_tokens + 16,
@@ -89,7 +95,8 @@ def main() -> None:
               "cuda_graphs": not args.enforce_eager, "ms_per_token": ms_per_token,
               "runs_ms": runs, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms_per_token,
               "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes,
-              "graph_replay_ms": gpu_ms, "norm_in_reduce": skinny_gemm.NORM_IN_REDUCE}
+              "graph_replay_ms": gpu_ms, "norm_in_reduce": skinny_gemm.NORM_IN_REDUCE,
+              "pdl": pdl.PDL}
     if args.hf:
         del engine, model
         torch.cuda.empty_cache()
@@ -109,11 +116,14 @@ def main() -> None:
         hf_ms = (timed(1 + args.hf_tokens) - timed(1)) / args.hf_tokens * 1e3
         result |= {"hf_ms_per_token": hf_ms, "speedup_vs_hf": hf_ms / ms_per_token}
     suffix = f"_norm_in_reduce_{args.norm_in_reduce}" if args.norm_in_reduce else ""
+    suffix += f"_pdl_{args.pdl}" if args.pdl else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
     print(f"\nbatch-1 decode, ctx {args.context}"
-          f" (norm in reduce {'on' if skinny_gemm.NORM_IN_REDUCE else 'off'})"
+          f" (norm in reduce {'on' if skinny_gemm.NORM_IN_REDUCE else 'off'},"
+          f" PDL {'on' if pdl.PDL else 'off'})"
           f": {ms_per_token:.2f} ms/token; floor "
           f"{floor_ms:.2f} ms ({floor_ms / ms_per_token:.0%} of floor)"
+          + (f"; graph replay {gpu_ms:.3f} ms" if gpu_ms is not None else "")
           + (f"; HF {result['hf_ms_per_token']:.1f} ms" if args.hf else ""))
 
 
