@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -83,10 +84,10 @@ def compile_launch(kernel, args, kwargs):
     """triton.compile of one recorded launch for TARGET."""
     names = kernel.arg_names
     bound = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k not in OPTIONS}
-    constexprs = {name: bound[name] for name, param in zip(names, kernel.params)
-                  if param.is_constexpr}
-    signature = {name: "constexpr" if name in constexprs else _arg_type(bound[name])
-                 for name in names}
+    constexprs = {(i,): bound[name] for i, (name, param) in enumerate(zip(names, kernel.params))
+                  if param.is_constexpr}  # keyed by argument path, as every Triton 3.x takes
+    signature = {name: "constexpr" if (i,) in constexprs else _arg_type(bound[name])
+                 for i, name in enumerate(names)}
     options = {k: v for k, v in kwargs.items() if k in OPTIONS}
     # as the JIT specializes: 16-byte aligned pointers and ints divisible by 16 (ints equal to
     # 1 are not: close enough for where a wait sits)
