@@ -256,19 +256,6 @@ class FakeDecodeGraphs:
         return self.model(input_ids, positions, metadata)
 
 
-@pytest.fixture(scope="module")
-def dummy_model(tmp_path_factory):
-    import json
-    import shutil
-
-    from shared.models import DUMMY_MARKER, PRESETS_DIR, ModelFiles
-    path = tmp_path_factory.mktemp("tiny-llama")
-    shutil.copy(PRESETS_DIR / "tiny-llama.json", path / "config.json")
-    config = json.loads((path / "config.json").read_text())
-    config["eos_token_id"] = None
-    (path / "config.json").write_text(json.dumps(config))
-    (path / DUMMY_MARKER).write_text("random weights\n")
-    return ModelFiles(name="tiny-llama", path=path)
 
 
 def test_the_runner_hands_per_layer_waits_to_the_forward_except_to_a_decode_graph(

@@ -6,7 +6,6 @@ overlapped steps) that loads a prompt's blocks continues it with the uncached gr
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 import time
@@ -23,7 +22,7 @@ from services.worker.runner import ModelRunner
 from shared.kv_arena import KvArena
 from shared.messages import KvLoad, KvStoreRun, NewRequestData, SamplingParams, \
     ScheduledRequest, StepPlan
-from shared.models import DUMMY_MARKER, PRESETS_DIR, ModelFiles
+from shared.models import ModelFiles
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -118,15 +117,6 @@ def test_a_load_runs_after_the_work_before_it_and_before_the_work_that_waits_for
     tiers.close()
 
 
-@pytest.fixture(scope="module")
-def dummy_model(tmp_path_factory) -> ModelFiles:
-    path = tmp_path_factory.mktemp("tiny-llama")
-    shutil.copy(PRESETS_DIR / "tiny-llama.json", path / "config.json")
-    config = json.loads((path / "config.json").read_text())
-    config["eos_token_id"] = None
-    (path / "config.json").write_text(json.dumps(config))
-    (path / DUMMY_MARKER).write_text("random weights\n")
-    return ModelFiles(name="tiny-llama", path=path)
 
 
 def make_runner(model_files: ModelFiles) -> ModelRunner:

@@ -4,9 +4,6 @@ tokens independent of its batch."""
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 import torch
 
@@ -14,23 +11,12 @@ from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.messages import SamplingParams
-from shared.models import DUMMY_MARKER, PRESETS_DIR, ModelFiles
+from shared.models import ModelFiles
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.fixture(scope="module")
-def dummy_model(tmp_path_factory) -> ModelFiles:
-    """A 2-layer Llama with random weights: the preset's config and the dummy marker (the
-    runner needs no tokenizer)."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    shutil.copy(PRESETS_DIR / "tiny-llama.json", path / "config.json")
-    config = json.loads((path / "config.json").read_text())
-    config["eos_token_id"] = None
-    (path / "config.json").write_text(json.dumps(config))
-    (path / DUMMY_MARKER).write_text("random weights\n")
-    return ModelFiles(name="tiny-llama", path=path)
 
 
 def engine(model_files: ModelFiles, enforce_eager: bool, overlap_steps: str = "auto") -> Engine:
