@@ -235,7 +235,35 @@ class Bus:
             raise ServiceUnavailable(f"NATS connection unavailable: {exc!r}") from exc
 
     async def flush(self, timeout_s: float = 2.0) -> None:
-        await self._nc.flush(timeout=timeout_s)
+        """Return once NATS has processed everything sent before the call: subscriptions
+        (they answer from now on) and messages. nats-py's own ``flush`` cannot promise it:
+        its PING goes to the socket ahead of the commands still queued for its flusher task
+        (nats-py 2.16), so its PONG may come before a SUB sent earlier is read (seen: a
+        request right after a flushed subscribe answered "no responders"). A message to a
+        fresh inbox of ours, queued behind those commands, comes back only after them.
+        Raises ServiceUnavailable when the link is down or NATS does not answer in time."""
+        self._check_link("a flush")
+        arrived = asyncio.get_running_loop().create_future()
+
+        async def on_barrier(_: Msg) -> None:
+            if not arrived.done():
+                arrived.set_result(None)
+
+        try:
+            inbox = self._nc.new_inbox()
+            sub = await self._nc.subscribe(inbox, cb=on_barrier)
+            try:
+                await self._nc.publish(inbox, b"")
+                await asyncio.wait_for(arrived, timeout_s)
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except (nats.errors.Error, *_SEND_ERRORS):
+                    pass  # the link dropped: the subscription went with it
+        except asyncio.TimeoutError as exc:
+            raise ServiceUnavailable(f"NATS did not confirm a flush within {timeout_s:g}s") from exc
+        except _SEND_ERRORS as exc:
+            raise ServiceUnavailable(f"NATS connection unavailable: {exc!r}") from exc
 
     # ------------------------------------------------------------ server side
     async def serve(self, subject: str, request_type: type[Req],

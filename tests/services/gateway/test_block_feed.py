@@ -72,6 +72,7 @@ def test_a_late_joiner_and_a_missed_event_rebuild_from_a_paged_snapshot(nats_url
         manager = BlockManager(num_blocks=64, block_size=4)
         publisher = BlockEventPublisher(scheduler_bus, SUBJECTS, "s1", "0", lambda: manager)
         await publisher.start()
+        await scheduler_bus.flush()  # its snapshot handler answers from now on
         cache(manager, 0, 25)
         # events made before the gateway listens, never seen by it (publishing them here
         # raced the subscription below: 2 runs in 15 delivered them and no snapshot came)
