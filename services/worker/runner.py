@@ -521,14 +521,15 @@ class ModelRunner:
         loads' timing, the stores of blocks this step completes (copied out after its
         forward), and per layer the load events its attention waits for (loads in layer
         groups, when the forward can wait between layers; None: none)."""
-        kv_load = None
-        # per chunk: the blocks it reads (its context) and those it writes (its new tokens)
-        read = [chunk.block_table[:(chunk.start + len(chunk.token_ids) - 1) // self.block_size + 1]
-                for chunk in chunks]
-        by_layer = bool(chunks) and not self._takes_decode_graph(
-            sum(len(chunk.token_ids) for chunk in chunks),
-            max(len(chunk.token_ids) for chunk in chunks),
-            all(chunk.sample for chunk in chunks))
+        kv_load, read, by_layer = None, [], False
+        if plan.kv_loads or kv.tiers.pending_loads:  # (steps without loads skip this)
+            # per chunk, the blocks it reads (its context, its new tokens' blocks included)
+            read = [chunk.block_table[:(chunk.start + len(chunk.token_ids) - 1)
+                                      // self.block_size + 1] for chunk in chunks]
+            by_layer = bool(chunks) and not self._takes_decode_graph(
+                sum(len(chunk.token_ids) for chunk in chunks),
+                max(len(chunk.token_ids) for chunk in chunks),
+                all(chunk.sample for chunk in chunks))
         if plan.kv_loads:
             # Layer groups pay only when this step's forward reads the blocks (it then runs
             # its first layers under the copy of the later ones); a load read by a later step

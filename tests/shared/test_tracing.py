@@ -13,16 +13,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from shared import tracing
 from shared.bus import Bus
 from shared.messages import Empty, HealthReply
-from tests.nats_server import started_nats_server
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def nats_url(tmp_path):
-    server = started_nats_server(tmp_path / "nats.log")
-    yield server.url
-    server.stop()
 
 
 @pytest.fixture

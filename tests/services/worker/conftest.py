@@ -21,3 +21,4 @@ def dummy_model(tmp_path_factory) -> ModelFiles:
     (path / "config.json").write_text(json.dumps(config))
     (path / DUMMY_MARKER).write_text("random weights\n")
     return ModelFiles(name="tiny-llama", path=path)
+

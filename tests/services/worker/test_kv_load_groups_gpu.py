@@ -25,6 +25,7 @@ from shared.kv_arena import KvArena
 from shared.messages import KvLoad, KvStoreRun, NewRequestData, SamplingParams, \
     ScheduledRequest, StepPlan
 from shared.models import DUMMY_MARKER, PRESETS_DIR, ModelFiles
+from tests.services.worker.kv_arenas import offload_to_new_arena
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -170,12 +171,7 @@ def stored(six_layers, tmp_path_factory):
     prompt_r = torch.randint(5, 40_000, (70,), generator=gen).tolist()
     prompt_s = prompt_r[:64] + torch.randint(5, 40_000, (10,), generator=gen).tolist()
     writer = make_runner(six_layers)
-    slot_nbytes = writer.kv_cache[:, :, 0].numel() * writer.kv_cache.element_size()
-    KvArena.create(arena_dir / "arena", 16, slot_nbytes, "store-1").close()
-    offload = KvOffload(KvTiers(writer.kv_cache, KvArena.attach(arena_dir / "arena")),
-                        "store-1", writer.block_size)
-    writer.attach_kv(offload)
-    offload.slot_pool.add(range(16))
+    offload = offload_to_new_arena(writer, arena_dir / "arena")
     expected = run(writer, [("r", prompt_r, list(range(6)), 0)], 12, kv_stores=[
         KvStoreRun("r", 0, [0, 1, 2, 3], [b"0", b"1", b"2", b"3"])])
     expected |= run(writer, [("s", prompt_s, list(range(10, 16)), 0)], 12)

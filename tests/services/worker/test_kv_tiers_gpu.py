@@ -23,6 +23,7 @@ from shared.kv_arena import KvArena
 from shared.messages import KvLoad, KvStoreRun, NewRequestData, SamplingParams, \
     ScheduledRequest, StepPlan
 from shared.models import ModelFiles
+from tests.services.worker.kv_arenas import offload_to_new_arena
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -152,12 +153,7 @@ def greedy_run(runner: ModelRunner, token_ids: list[int], block_ids: list[int],
 def test_a_fresh_runner_continues_from_loaded_blocks(dummy_model, arena_dir, load_alone):
     prompt = torch.randint(5, 40_000, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     writer = make_runner(dummy_model)
-    slot_nbytes = writer.kv_cache[:, :, 0].numel() * writer.kv_cache.element_size()
-    KvArena.create(arena_dir / "arena", 16, slot_nbytes, "store-1").close()
-    offload = KvOffload(KvTiers(writer.kv_cache, KvArena.attach(arena_dir / "arena")),
-                        "store-1", writer.block_size)
-    writer.attach_kv(offload)
-    offload.slot_pool.add(range(16))
+    offload = offload_to_new_arena(writer, arena_dir / "arena")
     expected = greedy_run(writer, prompt, list(range(8)), 0, 20, kv_stores=[
         KvStoreRun("r", 0, [0, 1, 2, 3], [b"0", b"1", b"2", b"3"])])
     writer.flush()
