@@ -122,6 +122,7 @@ async def test_a_paged_snapshot_is_the_indexed_hashes_and_rebuilds_a_gateways_en
     gateway_bus = await Bus.connect(nats_url, name="gateway")
     service = KvStoreService(config, kv_bus, disk, KvStoreMetrics(), tmp_path / "shm")
     await service.start()
+    await kv_bus.flush()  # its subscriptions answer before the test's connection asks
     stop = asyncio.Event()
     running = asyncio.create_task(service.run(stop))
     events: list[KvBlockEvent] = []

@@ -93,6 +93,7 @@ async def setup(nats_url, tmp_path):
     kv_bus = await Bus.connect(nats_url, "kvstore")
     service = KvStoreService(config, kv_bus, disk, KvStoreMetrics(), tmp_path / "shm")
     await service.start()
+    await kv_bus.flush()  # its subscriptions answer before another connection asks
     bus = await Bus.connect(nats_url, "scheduler")
     attached = await bus.request(SUBJECTS.kvstore(NODE, "attach"), KvAttachRequest(
         owner_id="worker", layout=LAYOUT, itemsize=4), KvAttachReply)

@@ -177,6 +177,7 @@ async def running(nats_url: str, kvstore: str, _peers: dict | None = None, **con
     for name, value in (_peers or {}).items():
         setattr(peers, name, value)
     await peers.start()
+    await peer_bus.flush()  # the stand-ins answer before the scheduler's connection asks
     bus = await Bus.connect(nats_url, "scheduler")
     service = SchedulerService(SchedulerConfig(instance_id="s1", kv_node_id=NODE,
                                                stats_interval_s=0.05, **config), bus)

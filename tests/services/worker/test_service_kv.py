@@ -152,6 +152,7 @@ async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_
     client = await Bus.connect(nats_url, name="kvstore")
     kvstore = StandInKvStore(client, namespace, tmp_path, "store-1", commit_columns)
     await kvstore.start()
+    await client.flush()  # the worker's one attach at start must find it (WorkerInfo says so)
     service, bus = await start_worker(runner, nats_url, namespace)
     try:
         subjects = Subjects(namespace)
