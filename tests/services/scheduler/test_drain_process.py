@@ -108,7 +108,7 @@ async def test_sigterm_drains_the_scheduler_then_the_worker(tmp_path):
         await bus.request(SUBJECTS.scheduler_submit, generate("long", 2000), SubmitReply)
         await until(lambda: "long" in seen.by_request, 30, "the first output")
         first.send_signal(signal.SIGTERM)
-        await until(lambda: not seen.stats["s1"].worker_ready, 5, "stats saying it drains")
+        await until(lambda: not seen.stats["s1"].worker_ready, 30, "stats saying it drains")
         with pytest.raises(ServiceUnavailable):  # no scheduler takes new requests
             await bus.request(SUBJECTS.scheduler_submit, generate("late", 4), SubmitReply)
         last = await until(lambda: seen.finished("long"), 10, "the long request to end")
