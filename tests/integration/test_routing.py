@@ -88,17 +88,19 @@ def test_a_next_turn_goes_to_the_replica_holding_its_prefix(stack, model_name):
                           'reason="cache"') == cache_decisions + 2
 
 
+def hits_by_replica(stack) -> dict[str, float]:
+    return {replica_id: gateway_metric(stack, "flotilla_prefix_cache_hits_total",
+                                       f'replica_id="{replica_id}"') for replica_id in ("0", "1")}
+
+
 def settled_hits_by_replica(stack) -> dict[str, float]:
     """Prefix-cache hits (tokens) per replica, once the stats of earlier requests are in
     (they come every half second)."""
-    def hits() -> dict[str, float]:
-        return {replica_id: gateway_metric(stack, "flotilla_prefix_cache_hits_total",
-                                           f'replica_id="{replica_id}"') for replica_id in ("0", "1")}
-    last = hits()
+    last = hits_by_replica(stack)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         time.sleep(1.2)
-        now = hits()
+        now = hits_by_replica(stack)
         if now == last:
             return now
         last = now
@@ -110,6 +112,9 @@ def test_a_restarted_replica_is_not_routed_to_by_its_stale_entries(stack, model_
     before = settled_hits_by_replica(stack)
     reference, cached = complete(stack, model_name, tokens)
     assert cached >= PREFIX_TOKENS - BLOCK_SIZE
+    # this hit reaches the gateway with a later stats event: wait for it, not for a pause
+    assert wait_for(lambda: max(after - before[replica] for replica, after in
+                                hits_by_replica(stack).items()) >= cached, 30)
     after = settled_hits_by_replica(stack)
     (holder,) = [replica for replica in after if after[replica] > before[replica]]
     old_scheduler = stack.health()["replicas"][holder]["scheduler_id"]
