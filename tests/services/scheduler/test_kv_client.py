@@ -23,9 +23,8 @@ from shared.messages import (
     KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvPinRequest, KvStoredBlock,
 )
 from shared.subjects import Subjects
-from tests.nats_server import started_nats_server
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("unhurried_kvstore_calls")]
 
 SUBJECTS = Subjects()
 NODE = "client-test"
@@ -47,13 +46,6 @@ def tokens(i: int) -> list[int]:
 def prompt(blocks: list[int]) -> list[int]:
     """A request's tokens: the blocks', then one more (its last block is never a hit)."""
     return [t for i in blocks for t in tokens(i)] + [1]
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory):
-    server = started_nats_server(tmp_path_factory.mktemp("nats") / "nats.log")
-    yield server.url
-    server.stop()
 
 
 class Setup:
@@ -109,16 +101,6 @@ async def setup(nats_url, tmp_path):
     await bus.close()
     await kv_bus.close()
     await service.close()
-
-
-@pytest.fixture(autouse=True)
-def unhurried_kvstore_calls(monkeypatch):
-    """The product's deadlines for a lookup (50 ms) and a pin (200 ms of host hits, 1 s
-    with disk reads) are shorter than a loaded two-core machine may take to answer in this
-    one process: a hit would be a miss. The test of a deadline sets its own."""
-    monkeypatch.setattr(kv_client_module, "LOOKUP_TIMEOUT_S", 10.0)
-    monkeypatch.setattr(kv_client_module, "HOST_PIN_TIMEOUT_S", 10.0)
-    monkeypatch.setattr(kv_client_module, "PIN_TIMEOUT_S", 10.0)
 
 
 async def eventually(condition, timeout_s: float = 5.0) -> None:

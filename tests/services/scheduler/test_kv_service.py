@@ -22,11 +22,11 @@ from shared.messages import (
     StepResult, SubmitReply, WorkerInfo,
 )
 from shared.subjects import Subjects
-from tests.services.scheduler.test_drain_process import start_nats, stop
+from tests.services.scheduler.test_kv_client import eventually
 from tests.services.scheduler.test_kv_tier import TierWorker
 from tests.services.scheduler.test_scheduler import BLOCK_SIZE, EOS, expected_tokens
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("unhurried_kvstore_calls")]
 
 SUBJECTS = Subjects()
 NODE = "n1"
@@ -34,13 +34,6 @@ NAMESPACE = "ns1"
 NUM_BLOCKS = 64
 BLOCK_BYTES = 1000
 MODEL = "m"
-
-
-@pytest.fixture(scope="module")
-def nats_url(tmp_path_factory):
-    process, url = start_nats(tmp_path_factory.mktemp("nats"))
-    yield url
-    stop(process)
 
 
 class Peers:
@@ -160,23 +153,6 @@ class Peers:
         extend_block_hashes(block_hashes, prompt, len(prompt), BLOCK_SIZE, (f"model:{MODEL}",))
         for index, block_hash in enumerate(block_hashes):
             self.held[block_hash] = prompt[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]
-
-
-@pytest.fixture(autouse=True)
-def unhurried_kvstore_calls(monkeypatch):
-    """The product's deadlines for a lookup (50 ms) and a pin of host hits (200 ms) are
-    shorter than a loaded two-core machine may take to answer in this one process: a test
-    of what a hit does would see a miss. The tests of the deadlines set their own."""
-    monkeypatch.setattr(kv_client, "LOOKUP_TIMEOUT_S", 10.0)
-    monkeypatch.setattr(kv_client, "HOST_PIN_TIMEOUT_S", 10.0)
-    monkeypatch.setattr(kv_client, "PIN_TIMEOUT_S", 10.0)
-
-
-async def eventually(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.005)
 
 
 async def running(nats_url: str, kvstore: str, _peers: dict | None = None, **config):
