@@ -3,6 +3,7 @@
 torch.profiler table of the ops.
 
     .venv/bin/python benchmarks/cpu_decode_step.py [--num-seqs 16] [--context 256] [--profile]
+        [--dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--num-threads", type=int, default=0)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--dtype", default="auto", help="the worker's --dtype (auto: fp32 on CPU)")
     args = parser.parse_args()
     block_size = 16
     runner = ModelRunner(WorkerConfig(device="cpu", kv_cache_memory="256MiB",
-                                      block_size=block_size, num_threads=args.num_threads),
+                                      block_size=block_size, num_threads=args.num_threads,
+                                      dtype=args.dtype),
                          resolve_model("smollm2"))
     rng = random.Random(0)
     greedy = SamplingParams(temperature=0.0, max_tokens=args.steps + 1)
@@ -68,7 +71,7 @@ def main() -> None:
             for _ in range(args.steps - args.steps // 2):
                 step()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-    print(f"threads {torch.get_num_threads()} seqs {args.num_seqs} context {args.context}: "
+    print(f"dtype {args.dtype} threads {torch.get_num_threads()} seqs {args.num_seqs} context {args.context}: "
           f"decode step median {statistics.median(times) * 1e3:.1f} ms, "
           f"min {min(times) * 1e3:.1f} ms over {len(times)} steps")
 
