@@ -19,8 +19,9 @@ still what was copied. Anything else (a different table, a length that moved by 
 one, a new sequence) is gathered from the cache again.
 
 Prompt chunks (more than one query) and decodes that do not lead the batch go to the
-reference. The output equals the reference's: the same SDPA call over the same values, padded
-to the same length.
+reference. The output equals the reference's bit for bit: the same SDPA call over the same
+values, padded to the same length, with MKL in its reproducibility mode
+(shared/reproducible_cpu.py; without it, a row's last bit depends on its thread on some CPUs).
 """
 
 from __future__ import annotations
