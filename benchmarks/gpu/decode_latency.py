@@ -2,10 +2,10 @@
 
     python benchmarks/gpu/decode_latency.py --model dummy:llama-3.1-8b --context 1024 --hf
 
-``--norm-in-reduce on|off`` sets ``kernels.skinny_gemm.NORM_IN_REDUCE`` (the residual add and
-RMSNorm after o_proj and down in their split-K reduce) before the engine is built; without it,
-the module's default. ``--pdl on|off`` likewise sets ``kernels.pdl.PDL`` (programmatic dependent
-launch of the decode kernels, captured into the graphs).
+Both are the path: ``--norm-in-reduce off`` measures without the residual add and RMSNorm after
+o_proj and down in their split-K reduce (the two kernels instead), ``--pdl off`` without
+programmatic dependent launch of the decode kernels (``kernels.pdl.PDL``, captured into the
+graphs; on by default where the GPU has it), each set before the engine is built.
 
 One request with a ``--context``-token prompt decodes ``--num-tokens`` tokens through the
 in-process engine (scheduler policy + worker runner, CUDA graphs unless --enforce-eager); the
@@ -23,7 +23,8 @@ import time
 import torch
 
 from common import build_engine, copy_bandwidth, device_name, hf_random_model, save
-from kernels import pdl, skinny_gemm
+from kernels import pdl
+from services.worker import ops
 from shared.messages import SamplingParams
 from shared.models import resolve_model
 
@@ -56,15 +57,17 @@ def main() -> None:
     parser.add_argument("--hf", action="store_true", help="also time transformers generate()")
     parser.add_argument("--hf-tokens", type=int, default=32)
     parser.add_argument("--norm-in-reduce", choices=["on", "off"],
-                        help="skinny_gemm.NORM_IN_REDUCE (default: the module's)")
+                        help="off: the two kernels instead of the norm in the split-K reduce "
+                        "(default: on, the path)")
     parser.add_argument("--pdl", choices=["on", "off"],
-                        help="kernels.pdl.PDL, programmatic dependent launch (default: the "
-                        "module's)")
+                        help="kernels.pdl.PDL, programmatic dependent launch (default: on "
+                        "where the GPU has it)")
     args = parser.parse_args()
-    if args.norm_in_reduce:
-        skinny_gemm.NORM_IN_REDUCE = args.norm_in_reduce == "on"
+    if args.norm_in_reduce == "off":
+        ops.norm_in_reduce = lambda *_: False
     if args.pdl:
         pdl.PDL = args.pdl == "on"
+    norm_in_reduce = args.norm_in_reduce != "off"
 
     bandwidth = copy_bandwidth()
     engine = build_engine(args.model, max_model_len=args.context + args.num_tokens + 16,
@@ -95,8 +98,8 @@ def main() -> None:
               "cuda_graphs": not args.enforce_eager, "ms_per_token": ms_per_token,
               "runs_ms": runs, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms_per_token,
               "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes,
-              "graph_replay_ms": gpu_ms, "norm_in_reduce": skinny_gemm.NORM_IN_REDUCE,
-              "pdl": pdl.PDL}
+              "graph_replay_ms": gpu_ms, "norm_in_reduce": norm_in_reduce,
+              "pdl": pdl.enabled()}
     if args.hf:
         del engine, model
         torch.cuda.empty_cache()
@@ -119,8 +122,8 @@ def main() -> None:
     suffix += f"_pdl_{args.pdl}" if args.pdl else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
     print(f"\nbatch-1 decode, ctx {args.context}"
-          f" (norm in reduce {'on' if skinny_gemm.NORM_IN_REDUCE else 'off'},"
-          f" PDL {'on' if pdl.PDL else 'off'})"
+          f" (norm in reduce {'on' if norm_in_reduce else 'off'},"
+          f" PDL {'on' if pdl.enabled() else 'off'})"
           f": {ms_per_token:.2f} ms/token; floor "
           f"{floor_ms:.2f} ms ({floor_ms / ms_per_token:.0%} of floor)"
           + (f"; graph replay {gpu_ms:.3f} ms" if gpu_ms is not None else "")

@@ -94,13 +94,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
               --parts prefix16k --worker-args "--kv-load-layer-groups $g" ${KV_ARGS:-} 2>&1 | tail -12
           mv "$OUT/kvstore_tiers_cuda_prefix16k.json" "$OUT/kvstore_tiers_cuda_prefix16k_G$g.json"
         done;;
-    # issue 15 (b): the GPU tests of the switches built off (kernels.pdl.PDL,
-    # skinny_gemm.NORM_IN_REDUCE), then batch-1 decode with each setting of B_RUNS in turn
-    # (runs separated by "|"; default: PDL off/on twice; BENCHMARKS.md, issue 15)
+    # the GPU tests of PDL and the norm in the split-K reduce (both the path, each against
+    # the path without it), then batch-1 decode with each setting of B_RUNS in turn (runs
+    # separated by "|"; default: both off / both on (the default), twice, alternating)
     b-switch-tests) python3 -m pytest -q -m gpu tests/kernels/test_pdl.py tests/kernels/test_norm_in_reduce.py \
         tests/services/worker/test_model_pdl.py tests/services/worker/test_model_norm_in_reduce.py \
         -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -20;;
-    b-pairs) IFS='|' read -ra runs <<< "${B_RUNS:---pdl off|--pdl on|--pdl off|--pdl on}"
+    b-pairs) IFS='|' read -ra runs <<< "${B_RUNS:---pdl off --norm-in-reduce off|--pdl on --norm-in-reduce on|--pdl off --norm-in-reduce off|--pdl on --norm-in-reduce on}"
         for flags in "${runs[@]}"; do
           echo "--- $flags $(date +%T)"
           python3 benchmarks/gpu/decode_latency.py --model $M/dummy-llama-3.1-8b $flags 2>&1 \

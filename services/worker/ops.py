@@ -59,8 +59,8 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def norm_in_reduce(num_tokens: int, weight: torch.Tensor, residual: torch.Tensor,
                    norm_weight: torch.Tensor) -> bool:
-    """Whether ``linear_add_rms_norm`` of num_tokens rows takes the one-reduce path: CUDA,
-    ``skinny_gemm.NORM_IN_REDUCE`` on, and a size the skinny GEMM splits K at (o_proj and down
+    """Whether ``linear_add_rms_norm`` of num_tokens rows takes the one-reduce path: CUDA
+    and a size the skinny GEMM splits K at (o_proj and down
     at decode batch sizes); see ``skinny_gemm.serves_add_rms_norm``."""
     return residual.is_cuda and skinny_gemm.serves_add_rms_norm(num_tokens, weight, residual,
                                                                  norm_weight)

@@ -122,24 +122,21 @@ def test_refuses_what_it_cannot_serve(monkeypatch):
     assert MAX_SINGLE_PASS >= 4096  # the real limit holds the 8B's rows
 
 
-def test_the_worker_takes_it_only_with_the_switch_on_cuda(monkeypatch):
-    """serves_add_rms_norm: off by default; never for CPU tensors (the worker's CPU path is
-    the torch reference), nor for shapes without a split."""
+def test_the_worker_takes_it_only_on_cuda_with_a_split(monkeypatch):
+    """serves_add_rms_norm: never for CPU tensors (the worker's CPU path is the torch
+    reference), nor for shapes without a split."""
+    x, weight, _, residual, norm_weight = operands(2, 40, 64, seed=8, dtype=torch.float16)
+    assert not serves_add_rms_norm(2, weight, residual, norm_weight)  # no config for (40, 64)
     monkeypatch.setitem(skinny_module.CONFIGS, (40, 64), SkinnyConfig(16, 32, split_k=2,
                                                                       max_m=16))
-    x, weight, _, residual, norm_weight = operands(2, 40, 64, seed=8, dtype=torch.float16)
-    monkeypatch.setattr(skinny_module, "NORM_IN_REDUCE", False)
-    assert not serves_add_rms_norm(2, weight, residual, norm_weight)
-    monkeypatch.setattr(skinny_module, "NORM_IN_REDUCE", True)
     assert serves_add_rms_norm(2, weight, residual, norm_weight) == weight.is_cuda
 
 
 @pytest.mark.gpu
 @gpu
 def test_gpu_serves_the_decode_shapes_with_a_split(monkeypatch):
-    """With the switch on: o_proj and down of Llama-3.1-8B at 1..16 rows, bf16/fp16, one dtype;
+    """o_proj and down of Llama-3.1-8B at 1..16 rows, bf16/fp16, one dtype;
     not qkv, gate_up or the lm_head (no split), not 17 rows, not a mixed dtype."""
-    monkeypatch.setattr(skinny_module, "NORM_IN_REDUCE", True)
     for dtype in (torch.bfloat16, torch.float16):
         norm_weight = torch.ones(4096, device="cuda", dtype=dtype)
         for n, k in ((4096, 4096), (4096, 14336)):

@@ -98,11 +98,25 @@ def assert_on_equals_off(monkeypatch, op) -> Recorded:
     return record
 
 
-def test_launch_options_follow_the_switch(monkeypatch):
-    assert pdl.PDL is False  # off until measured
-    assert pdl.launch_options() == {"PDL": False, "launch_pdl": False}
-    monkeypatch.setattr(pdl, "PDL", True)
-    assert pdl.launch_options() == {"PDL": True, "launch_pdl": True}
+def test_launch_options_follow_the_device_unless_forced(monkeypatch):
+    assert pdl.PDL is None  # the device decides
+    supported = torch.cuda.is_available() and \
+        torch.cuda.get_device_capability() >= pdl.MIN_CAPABILITY
+    assert pdl.launch_options() == {"PDL": supported, "launch_pdl": supported}
+    for forced in (True, False):
+        monkeypatch.setattr(pdl, "PDL", forced)
+        assert pdl.launch_options() == {"PDL": forced, "launch_pdl": forced}
+
+
+def test_a_pre_hopper_gpu_launches_without_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for capability, expected in (((8, 0), False), ((8, 9), False), ((9, 0), True),
+                                 ((10, 0), True)):
+        pdl.device_supports_pdl.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert pdl.enabled() is expected
+    pdl.device_supports_pdl.cache_clear()
 
 
 @interpreted

@@ -182,9 +182,9 @@ def test_piecewise_pieces_with_the_norm_in_the_reduce_equal_the_eager_forward(mo
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_gpu_eager_and_graph_decodes_with_the_switch(monkeypatch, variant):
-    """bf16 on the GPU, the tiny shapes given split configs: with the switch on, eager steps
-    give bitwise the logits they give with it off, and so do decode steps replayed from CUDA
+def test_gpu_eager_and_graph_decodes_with_the_norm_in_the_reduce(monkeypatch, variant):
+    """bf16 on the GPU, the tiny shapes given split configs: with the norm in the reduce (the
+    path), eager steps give bitwise the logits of the two kernels, and so do decode steps replayed from CUDA
     graphs captured with it on against graphs captured with it off (graphs and eager steps
     are not compared: their attention launches are bounded differently)."""
     for shape in SPLIT_SHAPES:
@@ -195,8 +195,11 @@ def test_gpu_eager_and_graph_decodes_with_the_switch(monkeypatch, variant):
     monkeypatch.setattr(skinny_module, "skinny_gemm_add_rms_norm",
                         lambda *args, **kwargs: launches.append(1) or original(*args, **kwargs))
     results = {}
+    takes_the_reduce = ops.norm_in_reduce
     for switch in (False, True):
-        monkeypatch.setattr(skinny_module, "NORM_IN_REDUCE", switch)
+        # off: the two kernels, the path wherever the reduce cannot hold the norm
+        monkeypatch.setattr(ops, "norm_in_reduce",
+                            takes_the_reduce if switch else lambda *args: False)
         bind_cache(model, "cuda")
         results["eager", switch] = run_greedy(model, model, num_decodes=4, device="cuda")
         bind_cache(model, "cuda")
