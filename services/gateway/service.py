@@ -4,6 +4,7 @@ incremental detokenizer per sequence, see streams.py).
 
 Which scheduler gets a request is routing.py's choice (``--routing``, docs/routing.md);
 under ``kv`` it reads the block index that block_feed.py keeps from the block events.
+The HTTP app (app.py) is handed a started-up service by its caller (__main__.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from shared.messages import (
     GenerateRequest, HealthReply, OutputBatch, SamplingParams, SchedulerStats, SubmitReply,
     TokenizerInfo, choice_request_ids,
 )
+from shared.models import resolve_model
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -40,7 +42,22 @@ HEARTBEAT_CHECK_S = 1.0
 MIGRATION_RETRY_S = 0.5  # while no replica takes a moving request
 
 
+def load_tokenizer(model: str, cache_dir: str):
+    """The served model's tokenizer, for turning output tokens into text here."""
+    from transformers import AutoTokenizer  # heavy: only when a gateway starts
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model, cache_dir).path))
+
+
 class GatewayService:
+    @classmethod
+    async def connect(cls, config: GatewayConfig) -> GatewayService:
+        """A service with the served model's tokenizer and its own NATS connection (which
+        ``stop`` closes); ``start`` subscribes."""
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.model, config.cache_dir)
+        bus = await Bus.connect(config.nats_url, name=f"gateway-{config.instance_id}")
+        return cls(config, bus, GatewayMetrics(), tokenizer)
+
     def __init__(self, config: GatewayConfig, bus: Bus, metrics: GatewayMetrics,
                  tokenizer) -> None:
         self.config = config
@@ -86,8 +103,10 @@ class GatewayService:
                 self._lost(stream, lost)
 
     async def stop(self) -> None:
+        """Cancel the background tasks and close the bus."""
         for task in list(self._background):
             task.cancel()
+        await self.bus.close()
 
     # ------------------------------------------------------------ tokenizer calls
     async def tokenizer_info(self) -> TokenizerInfo:
@@ -182,6 +201,16 @@ class GatewayService:
 
     def is_ready(self, stats: SchedulerStats) -> bool:
         return self.replicas.is_ready(stats, time.monotonic())
+
+    def replica_readiness(self) -> dict[str, dict]:
+        """Each live replica's readiness and load, by replica id (for /health)."""
+        return {stats.replica_id: {
+            "scheduler_id": stats.scheduler_id, "ready": self.is_ready(stats),
+            "worker_ready": stats.worker_ready,
+            "seconds_since_step": round(self.seconds_since_step(stats.scheduler_id), 1),
+            "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+            "block_index_synced": self.index.is_synced(stats.scheduler_id)}
+            for stats in self.live_schedulers()}
 
     def _route(self, request: GenerateRequest, avoid: str = "",
                session: str | None = None) -> Decision | None:
