@@ -134,6 +134,7 @@ def test_the_api_key_guards_the_api_but_not_the_probes(service):
 def test_a_longer_answer_streams_every_delta(service):
     service.answer = [Delta(f"t{i} ", 1) for i in range(5)] + [Delta("", 0, "stop")]
     with TestClient(create_app(GatewayConfig(), service)) as client:
-        body = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 6}).json()
+        body = client.post("/v1/completions",
+                           json={"model": MODEL, "prompt": "x", "max_tokens": 6}).json()
     assert body["choices"][0]["text"] == "t0 t1 t2 t3 t4 "
     assert body["choices"][0]["finish_reason"] == "stop"
