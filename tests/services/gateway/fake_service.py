@@ -29,7 +29,8 @@ class Submitted:
 class FakeService:
     answer: list[Delta] = field(default_factory=lambda: [
         Delta("Hello", 1), Delta(" world", 1, "length")])
-    refuse: FlotillaError | None = None  # raised by submit when set
+    refuse: FlotillaError | None = None  # raised by submit once `accept` were taken
+    accept: int = 0
     replica_ready: bool = True
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     submitted: list[Submitted] = field(default_factory=list)
@@ -65,7 +66,7 @@ class FakeService:
                      stop: list[str], *, priority: int = 0, cache_salt: str | None = None,
                      n: int = 1, session: str | None = None
                      ) -> tuple[str, list[RequestStream]]:
-        if self.refuse is not None:
+        if self.refuse is not None and len(self.submitted) >= self.accept:
             raise self.refuse
         request_id = f"r{len(self.submitted)}"
         self.submitted.append(Submitted(prompt_token_ids, sampling, stop, n, session))

@@ -83,6 +83,13 @@ def test_a_refused_submit_is_an_openai_error(client, service):
     assert reply.json()["error"]["message"] == "no scheduler is ready"
 
 
+def test_a_batch_whose_later_prompt_is_refused_releases_the_earlier_ones(client, service):
+    service.refuse, service.accept = ServiceUnavailable("queue full"), 1
+    reply = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", "b"]})
+    assert reply.status_code == 503
+    assert len(service.submitted) == 1 and service.released == ["r0"]
+
+
 def test_a_prompt_too_long_for_the_context_is_refused_before_submitting(client, service):
     reply = client.post("/v1/completions", json={"model": MODEL, "prompt": "a b c",
                                                    "max_tokens": MAX_MODEL_LEN})
