@@ -53,8 +53,12 @@ class ReplicaTable:
         """Take a scheduler's stats. Returns the ids of the schedulers they replace: a new
         scheduler for a replica that had another means the old one restarted (their stats
         and heartbeat are dropped here; their requests are the caller's to move)."""
-        replaced = [] if self.stats(stats.scheduler_id) is not None else self._replaced_by(stats)
-        record = self.record(stats.scheduler_id)
+        if self.stats(stats.scheduler_id) is not None:
+            replaced, record = [], self._records[stats.scheduler_id]
+        else:  # (back) in the list: last, so that ties go to those heard from first
+            replaced = self._replaced_by(stats)
+            record = self._records.pop(stats.scheduler_id, None) or ReplicaRecord()
+            self._records[stats.scheduler_id] = record
         record.heard_at = now
         if record.num_steps != stats.num_steps:
             record.num_steps, record.steps_changed_at = stats.num_steps, now

@@ -90,3 +90,15 @@ def test_a_dropped_scheduler_is_not_live_until_its_stats_come_again():
     assert replicas.live(1.0) == [] and replicas.stats("a") is None
     assert replicas.heard(msgspec.structs.replace(stats("a"), num_running=1), now=2.0) == []
     assert [s.num_running for s in replicas.live(2.0)] == [1]
+
+
+def test_live_schedulers_are_listed_in_the_order_their_stats_came():
+    replicas = table()
+    replicas.submitted("b", 1, now=0.0)  # known before its stats
+    replicas.heard(stats("a", "0"), now=0.0)
+    replicas.heard(stats("b", "1"), now=0.0)
+    replicas.heard(stats("c", "2"), now=0.0)
+    replicas.drop_stats("a")
+    replicas.heard(stats("a", "0"), now=1.0)  # back: after the others
+    assert [s.scheduler_id for s in replicas.live(1.0)] == ["b", "c", "a"]
+    assert replicas.record("b").num_outstanding == 1  # kept through the move
