@@ -94,7 +94,7 @@ def stages(args) -> dict:
         print(f"{name:58s} {results[name]:8.3f} ms", flush=True)
 
     # gateway: body -> request -> prompt ids -> routing -> the submit's message
-    from services.gateway.app import read_json
+    from services.gateway.http_input import read_json
 
     class Body:  # what read_json takes of a starlette Request
         async def body(self) -> bytes:

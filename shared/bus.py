@@ -2,7 +2,8 @@
 across as a reply header, OpenTelemetry trace context in NATS headers (a span per handled
 message only where spans are exported: shared/tracing.py).
 
-Only each service's ``service.py`` uses this module; core logic never sees NATS.
+Only each service's edge modules use this module (its ``service.py`` and the named bus
+clients beside it; tests/test_nats_edges.py lists them); core logic never sees NATS.
 
 Losing NATS (docs/ARCHITECTURE.md, "Failure handling"): nats-py reconnects forever and
 replays the subscriptions; the Bus logs ``nats_disconnected`` / ``nats_reconnected``,

@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
-import structlog
 import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
-from shared.config import load_config
-from shared.logging import setup_logging
-from shared.runtime import freeze_startup_objects, run_event_loop
-from shared.tracing import setup_tracing
+from services.gateway.service import GatewayService
+from shared.runtime import freeze_startup_objects, run_event_loop, setup_process
 
 
 def main(argv=None) -> None:
-    config = load_config(GatewayConfig, argv)
-    setup_logging("gateway", level=config.log_level, json=config.log_json)
-    setup_tracing("gateway", config.otel_exporter)
-    structlog.contextvars.bind_contextvars(service="gateway", instance=config.instance_id)
+    config = setup_process("gateway", GatewayConfig, argv)
+    run_event_loop(serve(config))
+
+
+async def serve(config: GatewayConfig) -> None:
+    """Load the tokenizer and connect to NATS, then serve until SIGINT/SIGTERM (uvicorn
+    handles them; the app's lifespan starts and stops the service)."""
+    service = await GatewayService.connect(config)
     server = uvicorn.Server(uvicorn.Config(
-        create_app(config), host=config.host, port=config.port, log_level="warning",
+        create_app(config, service), host=config.host, port=config.port, log_level="warning",
         access_log=False, timeout_graceful_shutdown=config.shutdown_timeout_s))
     freeze_startup_objects()
-    run_event_loop(server.serve())  # uvicorn handles SIGINT/SIGTERM
+    await server.serve()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,15 @@ _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        # registered in this order, which is /metrics' order
+        self._add_fleet_metrics(self.registry)
+        self._add_request_metrics(self.registry)
+        self._add_scheduler_metrics(self.registry)
+        self._last: dict[str, SchedulerStats] = {}
+
+    def _add_fleet_metrics(self, r: CollectorRegistry) -> None:
+        """Requests by outcome, restarts and migrations, and routing."""
         self.requests = Counter("flotilla_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.rejected = Counter("flotilla_requests_rejected",
@@ -47,6 +55,9 @@ class GatewayMetrics:
             "flotilla_routing_index_blocks", "Blocks in the routing index: gpu (distinct "
             "blocks held by some replica) and kvstore (distinct blocks in some node's tiers)",
             ["tier"], registry=r)
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
+        """Token counts and the latencies of this gateway's requests."""
         self.prompt_tokens = Counter("flotilla_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("flotilla_generation_tokens", "Tokens generated", registry=r)
         self.time_to_first_token = self._latency("flotilla_time_to_first_token_seconds",
@@ -57,6 +68,9 @@ class GatewayMetrics:
                                          "Time from request to last token")
         self.queue_time = self._latency("flotilla_queue_time_seconds",
                                         "Time from arrival at the scheduler to first scheduled")
+
+    def _add_scheduler_metrics(self, r: CollectorRegistry) -> None:
+        """Each scheduler's figures, from its stats events."""
         labels = ["replica_id", "scheduler_id"]
         self.num_running = Gauge("flotilla_num_requests_running", "Requests in the running batch",
                                  labels, registry=r)
@@ -83,7 +97,6 @@ class GatewayMetrics:
         self.step_tokens = Histogram("flotilla_scheduled_tokens_per_step", "Tokens computed per step",
                                      buckets=_TOKEN_BUCKETS, registry=r)
         self.step_time = self._latency("flotilla_step_time_seconds", "Worker time per step")
-        self._last: dict[str, SchedulerStats] = {}
 
     def observe_routing(self, decision: Decision) -> None:
         self.routing_decisions.labels(decision.policy, decision.reason).inc()

@@ -4,6 +4,7 @@ incremental detokenizer per sequence, see streams.py).
 
 Which scheduler gets a request is routing.py's choice (``--routing``, docs/routing.md);
 under ``kv`` it reads the block index that block_feed.py keeps from the block events.
+The HTTP app (app.py) is handed a started-up service by its caller (__main__.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from services.gateway.block_index import BlockIndex
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import can_migrate, resumed_request
+from services.gateway.replicas import ReplicaTable
 from services.gateway.routing import Decision, PendingPrefill, Replica, Router, RoutingParams
 from services.gateway.streams import Delta, RequestStream, apply_output
 from shared.bus import Bus
@@ -30,6 +32,7 @@ from shared.messages import (
     GenerateRequest, HealthReply, OutputBatch, SamplingParams, SchedulerStats, SubmitReply,
     TokenizerInfo, choice_request_ids,
 )
+from shared.models import resolve_model
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -39,7 +42,22 @@ HEARTBEAT_CHECK_S = 1.0
 MIGRATION_RETRY_S = 0.5  # while no replica takes a moving request
 
 
+def load_tokenizer(model: str, cache_dir: str):
+    """The served model's tokenizer, for turning output tokens into text here."""
+    from transformers import AutoTokenizer  # heavy: only when a gateway starts
+
+    return AutoTokenizer.from_pretrained(str(resolve_model(model, cache_dir).path))
+
+
 class GatewayService:
+    @classmethod
+    async def connect(cls, config: GatewayConfig) -> GatewayService:
+        """A service with the served model's tokenizer and its own NATS connection (which
+        ``stop`` closes); ``start`` subscribes."""
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.model, config.cache_dir)
+        bus = await Bus.connect(config.nats_url, name=f"gateway-{config.instance_id}")
+        return cls(config, bus, GatewayMetrics(), tokenizer)
+
     def __init__(self, config: GatewayConfig, bus: Bus, metrics: GatewayMetrics,
                  tokenizer) -> None:
         self.config = config
@@ -50,13 +68,7 @@ class GatewayService:
         self.subjects = Subjects(config.namespace)
         self.output_subject = self.subjects.gateway_outputs(config.instance_id)
         self._streams: dict[str, RequestStream] = {}
-        self._heartbeats: dict[str, float] = {}  # scheduler id -> monotonic time last heard
-        self._schedulers: dict[str, SchedulerStats] = {}  # latest stats of each scheduler
-        self._outstanding: dict[str, int] = {}  # scheduler id -> our requests still running
-        self._sent_at_stats: dict[str, int] = {}  # scheduler id -> _outstanding at its last stats
-        # scheduler id -> (steps it had finished, when that count last changed)
-        self._progress: dict[str, tuple[int, float]] = {}
-        self._stalled: set[str] = set()  # replicas whose stall was already acted on
+        self.replicas = ReplicaTable(config.heartbeat_timeout_s, config.stall_timeout_s)
         self._tokenizer_info: TokenizerInfo | None = None
         self._background: set[asyncio.Task] = set()
         self.index = BlockIndex()
@@ -91,8 +103,10 @@ class GatewayService:
                 self._lost(stream, lost)
 
     async def stop(self) -> None:
+        """Cancel the background tasks and close the bus."""
         for task in list(self._background):
             task.cancel()
+        await self.bus.close()
 
     # ------------------------------------------------------------ tokenizer calls
     async def tokenizer_info(self) -> TokenizerInfo:
@@ -151,8 +165,7 @@ class GatewayService:
             raise
         for stream in streams:
             stream.scheduler_id = reply.scheduler_id
-        self._heartbeats.setdefault(reply.scheduler_id, time.monotonic())
-        self._outstanding[reply.scheduler_id] = self._outstanding.get(reply.scheduler_id, 0) + n
+        self.replicas.submitted(reply.scheduler_id, n, time.monotonic())
         return request_id, streams
 
     async def _submit(self, request: GenerateRequest, avoid: str = "",
@@ -161,7 +174,7 @@ class GatewayService:
         if decision is not None:
             scheduler_id = decision.scheduler_id
             # Count it before the reply comes, so a burst of requests spreads out.
-            self._outstanding[scheduler_id] = self._outstanding.get(scheduler_id, 0) + 1
+            self.replicas.add_outstanding(scheduler_id, 1)
             first_id = choice_request_ids(request.request_id, request.n)[0]
             self._pending_prefill.add(first_id, scheduler_id, decision.num_compute_tokens)
             submitted = False
@@ -172,30 +185,32 @@ class GatewayService:
                 submitted = True
                 return reply
             except ServiceUnavailable:
-                self._schedulers.pop(scheduler_id, None)  # gone: any other will do
+                self.replicas.drop_stats(scheduler_id)  # gone: any other will do
             finally:
-                self._outstanding[scheduler_id] -= 1
+                self.replicas.add_outstanding(scheduler_id, -1)
                 if not submitted:
                     self._pending_prefill.done(first_id)
         return await self.bus.request(self.subjects.scheduler_submit, request, SubmitReply,
                                       timeout=self.config.request_timeout_s)
 
     def live_schedulers(self) -> list[SchedulerStats]:
-        now = time.monotonic()
-        return [stats for sid, stats in self._schedulers.items()
-                if now - self._heartbeats.get(sid, 0.0) < self.config.heartbeat_timeout_s]
+        return self.replicas.live(time.monotonic())
 
     def seconds_since_step(self, scheduler_id: str) -> float:
-        """How long the replica has gone without finishing a step (0 when it has no work)."""
-        stats = self._schedulers.get(scheduler_id)
-        if stats is None or not (stats.num_running or stats.num_waiting):
-            return 0.0
-        return time.monotonic() - self._progress.get(scheduler_id, (0, time.monotonic()))[1]
+        return self.replicas.seconds_since_step(scheduler_id, time.monotonic())
 
     def is_ready(self, stats: SchedulerStats) -> bool:
-        """Ready: heard from, its worker attached, and stepping whenever it has work."""
-        return stats.worker_ready and \
-            self.seconds_since_step(stats.scheduler_id) <= self.config.stall_timeout_s
+        return self.replicas.is_ready(stats, time.monotonic())
+
+    def replica_readiness(self) -> dict[str, dict]:
+        """Each live replica's readiness and load, by replica id (for /health)."""
+        return {stats.replica_id: {
+            "scheduler_id": stats.scheduler_id, "ready": self.is_ready(stats),
+            "worker_ready": stats.worker_ready,
+            "seconds_since_step": round(self.seconds_since_step(stats.scheduler_id), 1),
+            "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+            "block_index_synced": self.index.is_synced(stats.scheduler_id)}
+            for stats in self.live_schedulers()}
 
     def _route(self, request: GenerateRequest, avoid: str = "",
                session: str | None = None) -> Decision | None:
@@ -206,9 +221,11 @@ class GatewayService:
         ready = [stats for stats in self.live_schedulers() if self.is_ready(stats)]
         if avoid and any(stats.scheduler_id != avoid for stats in ready):
             ready = [stats for stats in ready if stats.scheduler_id != avoid]
-        replicas = [Replica(stats, self._outstanding.get(stats.scheduler_id, 0),
+        records = [self.replicas.record(stats.scheduler_id) for stats in ready]
+        replicas = [Replica(stats, record.num_outstanding,
                             self._pending_prefill.of(stats.scheduler_id),
-                            self._sent_at_stats.get(stats.scheduler_id, 0)) for stats in ready]
+                            record.num_outstanding_at_stats)
+                    for stats, record in zip(ready, records)]
         decision = self.router.choose(
             replicas, [*request.prompt_token_ids, *request.output_token_ids],
             cache_salt=request.cache_salt, session=session, now=time.monotonic(),
@@ -236,7 +253,7 @@ class GatewayService:
     def release(self, stream: RequestStream) -> None:
         """Forget a request; abort it if it is still running."""
         if self._streams.pop(stream.request_id, None) is not None and stream.scheduler_id:
-            self._outstanding[stream.scheduler_id] -= 1
+            self.replicas.add_outstanding(stream.scheduler_id, -1)
         self._pending_prefill.done(stream.request_id)
         if not stream.finished:
             stream.finished = True
@@ -252,7 +269,7 @@ class GatewayService:
             self._forget_silent_caches(now)
             stalled = self._newly_stalled()
             for stream in list(self._streams.values()):
-                silent_s = now - self._heartbeats.get(stream.scheduler_id, now)
+                silent_s = self.replicas.silent_s(stream.scheduler_id, now)
                 if silent_s > self.config.heartbeat_timeout_s:
                     self._lost(stream, ServiceUnavailable(
                         f"the scheduler stopped responding ({silent_s:.0f}s without a "
@@ -263,23 +280,19 @@ class GatewayService:
     def _forget_silent_caches(self, now: float) -> None:
         """A scheduler silent past the heartbeat timeout may be gone with its cache: no
         request is routed by its blocks (its stats, if they come back, rebuild them)."""
-        for scheduler_id, heard_at in self._heartbeats.items():
-            if now - heard_at > self.config.heartbeat_timeout_s:
-                self.index.drop_scheduler(scheduler_id)
+        for scheduler_id in self.replicas.silent(now):
+            self.index.drop_scheduler(scheduler_id)
 
     def _newly_stalled(self) -> dict[str, ErrorInfo]:
         """Replicas alive but not stepping with work queued for over the stall timeout
         (a hung worker): reported not ready, and their requests move, once per stall."""
         found = {}
-        for scheduler_id, stats in self._schedulers.items():
-            stuck_s = self.seconds_since_step(scheduler_id)
-            if stuck_s > self.config.stall_timeout_s and scheduler_id not in self._stalled:
-                self._stalled.add(scheduler_id)
-                log.warning("replica_stalled", scheduler_id=scheduler_id,
-                            replica_id=stats.replica_id, seconds=round(stuck_s, 1))
-                found[scheduler_id] = ServiceUnavailable(
-                    f"replica {stats.replica_id} has not finished a step for {stuck_s:.0f}s "
-                    "with work queued").to_info()
+        for stall in self.replicas.newly_stalled(time.monotonic()):
+            log.warning("replica_stalled", scheduler_id=stall.scheduler_id,
+                        replica_id=stall.replica_id, seconds=round(stall.stuck_s, 1))
+            found[stall.scheduler_id] = ServiceUnavailable(
+                f"replica {stall.replica_id} has not finished a step for {stall.stuck_s:.0f}s "
+                "with work queued").to_info()
         return found
 
     def _lost(self, stream: RequestStream, error: ErrorInfo) -> None:
@@ -298,7 +311,7 @@ class GatewayService:
         stream, so the client sees one unbroken answer."""
         old_id, old_scheduler = stream.request_id, stream.scheduler_id
         if self._streams.pop(old_id, None) is not None and old_scheduler:
-            self._outstanding[old_scheduler] -= 1
+            self.replicas.add_outstanding(old_scheduler, -1)
         self._pending_prefill.done(old_id)
         self._spawn(self._abort(old_scheduler, [old_id]))  # in case it still runs it
         stream.num_migrations += 1
@@ -326,8 +339,7 @@ class GatewayService:
                 await asyncio.sleep(MIGRATION_RETRY_S)
         stream.scheduler_id = reply.scheduler_id
         stream.migrating = False
-        self._heartbeats.setdefault(reply.scheduler_id, time.monotonic())
-        self._outstanding[reply.scheduler_id] = self._outstanding.get(reply.scheduler_id, 0) + 1
+        self.replicas.submitted(reply.scheduler_id, 1, time.monotonic())
         self.metrics.migrations.labels("resumed").inc()
         if self._streams.get(request.request_id) is not stream:  # the client left meanwhile
             self._spawn(self._abort(reply.scheduler_id, [request.request_id]))
@@ -347,37 +359,23 @@ class GatewayService:
 
     # ------------------------------------------------------------ inbound events
     async def _on_stats(self, stats: SchedulerStats) -> None:
-        if stats.scheduler_id not in self._schedulers:
-            self._replaced_by(stats)
-        now = time.monotonic()
-        self._heartbeats[stats.scheduler_id] = now
-        if self._progress.get(stats.scheduler_id, (-1, 0.0))[0] != stats.num_steps:
-            self._progress[stats.scheduler_id] = (stats.num_steps, now)
-            self._stalled.discard(stats.scheduler_id)
-        self._schedulers[stats.scheduler_id] = stats
-        # our requests there as these stats came: the rest of their load is other gateways'
-        self._sent_at_stats[stats.scheduler_id] = self._outstanding.get(stats.scheduler_id, 0)
+        for old_id in self.replicas.heard(stats, time.monotonic()):
+            self._replaced(old_id, stats)
         self.metrics.observe_scheduler(stats)
         if self.blocks is not None:
             self.blocks.on_stats(stats)
 
-    def _replaced_by(self, stats: SchedulerStats) -> None:
+    def _replaced(self, old_id: str, stats: SchedulerStats) -> None:
         """A new scheduler for a replica that had another: the old one restarted, and its
         requests are lost now (no need to wait for its heartbeat to time out)."""
-        old_ids = [sid for sid, old in self._schedulers.items()
-                   if old.replica_id == stats.replica_id and sid != stats.scheduler_id]
-        for old_id in old_ids:
-            log.warning("scheduler_replaced", replica_id=stats.replica_id,
-                        old_scheduler_id=old_id, new_scheduler_id=stats.scheduler_id)
-            self._schedulers.pop(old_id, None)
-            self._heartbeats.pop(old_id, None)
-            self._sent_at_stats.pop(old_id, None)
-            self.index.drop_scheduler(old_id)  # a new epoch: the old cache is gone
-            self.metrics.replica_restarts.labels(stats.replica_id).inc()
-            lost = ServiceUnavailable(f"scheduler {old_id} of replica {stats.replica_id} "
-                                      "restarted").to_info()
-            for stream in [s for s in self._streams.values() if s.scheduler_id == old_id]:
-                self._lost(stream, lost)
+        log.warning("scheduler_replaced", replica_id=stats.replica_id,
+                    old_scheduler_id=old_id, new_scheduler_id=stats.scheduler_id)
+        self.index.drop_scheduler(old_id)  # a new epoch: the old cache is gone
+        self.metrics.replica_restarts.labels(stats.replica_id).inc()
+        lost = ServiceUnavailable(f"scheduler {old_id} of replica {stats.replica_id} "
+                                  "restarted").to_info()
+        for stream in [s for s in self._streams.values() if s.scheduler_id == old_id]:
+            self._lost(stream, lost)
 
     async def _on_outputs(self, batch: OutputBatch) -> None:
         """One scheduler step's outputs for this gateway, turned into text here."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from services.gateway.app import resolve_max_tokens
+from services.gateway.http_input import resolve_max_tokens
 from services.gateway.config import GatewayConfig
 from services.gateway.protocol import (ChatCompletionRequest, CompletionRequest,
                                        default_max_tokens, parse_request)

@@ -9,13 +9,14 @@ from openapi_spec_validator import validate
 
 from services.gateway.app import create_app
 from services.gateway.config import GatewayConfig
+from tests.services.gateway.fake_service import FakeService
 
 _UNDOCUMENTED = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 
 @pytest.fixture(scope="module")
 def app():
-    return create_app(GatewayConfig())  # no lifespan: nothing connects
+    return create_app(GatewayConfig(), FakeService())  # no lifespan: nothing starts
 
 
 @pytest.fixture(scope="module")

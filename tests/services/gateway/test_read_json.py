@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from services.gateway.app import read_json
+from services.gateway.http_input import read_json
 from shared.errors import InvalidRequest
 
 

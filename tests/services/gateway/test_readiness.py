@@ -72,7 +72,7 @@ def test_a_replica_that_stops_stepping_with_work_is_not_ready(clock):
     assert service._newly_stalled() == {}  # acted on once per stall
     clock.now += 1
     feed(service, stats("a", "0", num_steps=8))  # it stepped again
-    assert service.is_ready(service._schedulers["a"])
+    assert service.is_ready(service.replicas.stats("a"))
 
 
 def test_a_restarted_scheduler_replaces_the_old_one(clock):

@@ -96,9 +96,9 @@ def test_a_request_of_ours_that_ended_frees_its_slot_before_the_stats_do(clock):
     busy = msgspec.structs.replace(stats("b", "1", 0, num_running=1), block_size=16,
                                    model_name="m")
     asyncio.run(service._on_stats(busy))  # another gateway's request
-    service._outstanding["a"] = 1
+    service.replicas.record("a").num_outstanding = 1
     asyncio.run(service._on_stats(msgspec.structs.replace(busy, scheduler_id="a",
                                                           replica_id="0")))  # ours, in stats
     assert service._route(request()).scheduler_id == "b"  # 1 each: the first in the list
-    service._outstanding["a"] = 0  # ours ended; the stats still show it
+    service.replicas.record("a").num_outstanding = 0  # ours ended; the stats still show it
     assert service._route(request()).scheduler_id == "a"
