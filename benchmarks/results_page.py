@@ -213,6 +213,13 @@ ADDING = """\
 2. `python -m benchmarks.results_page`. The newest run of a (machine, workload, metric) replaces
    its row; a new workload or target goes into `catalog.json` first.
    `tests/benchmarks/test_results_page.py` fails while this page and the JSON disagree.
+
+For example, a new batch-1 decode figure on the H200 (`<...>` stands for what was measured):
+```json
+{"machine": "h200", "date": "<YYYY-MM-DD>", "commit": "<sha>", "journal": "<what the run was>",
+ "rows": [{"workload": "b", "metric": "ms/token", "value": <ms>, "unit": "ms/token",
+           "better": "lower", "command": "bash benchmarks/gpu/device_run.sh decode"}]}
+```
 """
 
 
