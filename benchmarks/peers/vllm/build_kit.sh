@@ -51,7 +51,7 @@ vllm_wheel=$(ls "$DL"/vllm/vllm-"$VLLM_VERSION"-*.whl)
 log "unpacking and slimming $(basename "$vllm_wheel")"
 mkdir -p "$STAGE/vllm_pkg" "$STAGE/wheels" "$STAGE/wheels_fallback"
 # Wheels are deflated zips, which xz cannot shrink: store them uncompressed (same files, same
-# RECORD) so the one xz pass compresses everything; the kit is ~2 parts instead of ~3.
+# RECORD) so that the one xz pass compresses them with the rest.
 restore_wheels() {  # restore_wheels DEST WHEEL...
   python3 - "$@" <<'PYEOF'
 import copy, os, sys, zipfile
@@ -91,7 +91,7 @@ cp "$HERE/check_imports.py" "$STAGE/"
   echo; echo "compiled vllm pieces:"; (cd "$STAGE" && find vllm_pkg -name '*.so' | sort)
 } > "$STAGE/MANIFEST.txt"
 
-log "packing (xz -${VKIT_XZ_LEVEL:-9}; a few minutes on 2 cores)"
+log "packing (xz -${VKIT_XZ_LEVEL:-9}: ~15 minutes on a busy 2-core machine)"
 rm -f "$OUT"/vkit.tar.part-* "$OUT/SHA256SUMS"
 tar -C "$STAGE" -cf - . | xz -T0 -"${VKIT_XZ_LEVEL:-9}" \
   | split -b "${PART_MIB}M" - "$OUT/vkit.tar.part-"
