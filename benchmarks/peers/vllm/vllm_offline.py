@@ -1,0 +1,102 @@
+"""Peer on the GPU: vLLM's offline engine on the same dummy architectures and the same token-id
+workloads as the project's benchmarks (`bash benchmarks/gpu/device_run.sh dump-workloads`), EOS
+ignored.
+
+  python3 benchmarks/peers/vllm/vllm_offline.py --model DIR --workloads c_fixed.json,e_sharegpt.json [--latency]
+
+Prints one JSON line per workload and writes $OUT/vllm_<name>.json.
+"""
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workloads", default="")
+    ap.add_argument("--latency", action="store_true", help="batch-1 decode, 1024-token context")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-seqs", type=int, default=None)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--quantization", default=None, help="e.g. fp8")
+    ap.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8")
+    ap.add_argument("--speculative-config", default=None, help="JSON, vLLM's SpeculativeConfig fields")
+    ap.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
+    ap.add_argument("--tag", default="", help="suffix for the output names")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    a = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = {}
+    if a.max_num_seqs:
+        kw["max_num_seqs"] = a.max_num_seqs
+    if a.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = a.max_num_batched_tokens
+    if a.quantization:
+        kw["quantization"] = a.quantization
+    if a.kv_cache_dtype:
+        kw["kv_cache_dtype"] = a.kv_cache_dtype
+    if a.speculative_config:
+        kw["speculative_config"] = json.loads(a.speculative_config)
+    if a.skip_tokenizer_init:
+        kw["skip_tokenizer_init"] = True
+    if a.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = a.tensor_parallel_size
+    t0 = time.perf_counter()
+    llm = LLM(model=a.model, load_format="dummy", dtype="bfloat16", max_model_len=a.max_model_len,
+              gpu_memory_utilization=a.gpu_memory_utilization, seed=0, **kw)
+    start_s = time.perf_counter() - t0
+    import vllm
+    cfg = llm.llm_engine.vllm_config.scheduler_config
+    common = {"engine": f"vllm {vllm.__version__}", "model": a.model, "startup_s": start_s,
+              "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens}
+    out = os.environ.get("OUT")
+
+    def emit(name: str, res: dict) -> None:
+        res = {**common, **res, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
+               "speculative_config": a.speculative_config}
+        print(json.dumps(res), flush=True)
+        if out:
+            Path(out, f"vllm_{name}{a.tag}.json").write_text(json.dumps(res, indent=1))
+
+    # warm-up over varied shapes
+    warm = [TokensPrompt(prompt_token_ids=[100 + (i * 37 + j) % 30000 for j in range(64 + 97 * i)])
+            for i in range(24)]
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, detokenize=not a.skip_tokenizer_init), use_tqdm=False)
+
+    for path in [p for p in a.workloads.split(",") if p]:
+        w = json.loads(Path(path).read_text())
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=not a.skip_tokenizer_init) for n in w["output_lens"]]
+        t = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        el = time.perf_counter() - t
+        got = [len(o.outputs[0].token_ids) for o in outs]
+        assert got == w["output_lens"], "output lengths differ"
+        n_in, n_out = sum(map(len, w["prompts"])), sum(w["output_lens"])
+        emit(Path(path).stem, {"workload": Path(path).stem, "num_prompts": len(prompts),
+                               "input_tokens": n_in, "output_tokens": n_out, "elapsed_s": el,
+                               "request_s": len(prompts) / el, "output_tok_s": n_out / el,
+                               "total_tok_s": (n_in + n_out) / el})
+
+    if a.latency:
+        prompt = TokensPrompt(prompt_token_ids=[100 + (j * 7919) % 30000 for j in range(1024)])
+        def run(n):
+            t = time.perf_counter()
+            llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=not a.skip_tokenizer_init), use_tqdm=False)
+            return time.perf_counter() - t
+        run(4)
+        t1 = min(run(1) for _ in range(3))
+        t129 = min(run(129) for _ in range(3))
+        emit("b_latency", {"workload": "b_latency", "context": 1024,
+                           "ms_per_token": 1e3 * (t129 - t1) / 128})
+
+
+if __name__ == "__main__":
+    main()
