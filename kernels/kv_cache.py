@@ -1,8 +1,8 @@
 """Scatter this step's keys and values into the paged KV cache (Triton).
 
-Same semantics as ``write_kv_cache_ref`` in ``kernels/paged_attention.py`` (the reference), plus one
-rule the reference does not have: a token whose slot is negative is skipped, so padding tokens of a
-CUDA-graph batch can carry slot -1 and write nothing.
+Same semantics as ``write_kv_cache_ref`` in ``kernels/paged_attention_ref.py`` (the reference,
+with the cache layout): a token whose slot is negative is skipped, so padding tokens of a CUDA-graph
+batch can carry slot -1 and write nothing.
 
 ``rotary_and_write_kv_cache`` also rotates the token's query and key first (kernels/rotary.py's
 numerics): one launch a layer instead of two.
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.paged_attention import write_kv_cache_ref
+from kernels.paged_attention_ref import write_kv_cache_ref
 from kernels.rotary import _check as _check_rotary
 from kernels.rotary import _cos_sin, _rotate_heads, _rotated_heads, apply_rotary_ref
 

@@ -38,8 +38,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from kernels.paged_attention import (AttentionConfig, default_config,  # noqa: E402
-                                     paged_attention, paged_attention_ref)
+from kernels.paged_attention import AttentionConfig, default_config, paged_attention  # noqa: E402
+from kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
 
 MODELS = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # heads, kv heads, head_dim
 

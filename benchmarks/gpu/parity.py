@@ -19,7 +19,7 @@ import torch
 from common import device_name, hf_random_model, save
 from services.worker.model import _fuse_hf_weights, load_model
 from services.worker.runner import SequenceChunk, build_step_inputs
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from shared.models import resolve_model
 
 BLOCK_SIZE = 16

@@ -1,6 +1,6 @@
 """Decode attention on CPU without re-gathering each sequence's context every step.
 
-The torch reference (``kernels/paged_attention.paged_attention_ref``) gathers the whole
+The torch reference (``kernels/paged_attention_ref.paged_attention_ref``) gathers the whole
 context of every decoding sequence from the paged cache in every layer of every step: at 16
 sequences x 300 tokens that copy was the largest op of a SmolLM2 decode step on two cores
 (more than all the linear layers). Here each layer keeps a contiguous copy of its decoding
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.paged_attention import paged_attention_ref
+from kernels.paged_attention_ref import paged_attention_ref
 
 CAPACITY_STEP = 256  # tokens: slots' capacity grows in these steps (rounded to whole blocks)
 

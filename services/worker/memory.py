@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.sampling import sample_tokens
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from services.worker.model import AttentionMetadata, Transformer

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import (activation, kv_cache, paged_attention, rms_norm as rms_norm_kernels, rotary,
-                     skinny_gemm)
+from kernels import (activation, kv_cache, paged_attention, paged_attention_ref,
+                     rms_norm as rms_norm_kernels, rotary, skinny_gemm)
 from services.worker import cpu_attention
 
 
@@ -81,7 +81,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                    value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    op = kv_cache.write_kv_cache if key.is_cuda else paged_attention.write_kv_cache_ref
+    op = kv_cache.write_kv_cache if key.is_cuda else paged_attention_ref.write_kv_cache_ref
     op(key, value, key_cache, value_cache, slot_mapping)
 
 

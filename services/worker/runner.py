@@ -32,7 +32,7 @@ import numpy as np
 import structlog
 import torch
 
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.cuda_copy import check_memcpy_2d
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs

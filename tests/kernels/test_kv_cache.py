@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.kv_cache import write_kv_cache
-from kernels.paged_attention import allocate_kv_cache, write_kv_cache_ref
+from kernels.paged_attention_ref import allocate_kv_cache, write_kv_cache_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

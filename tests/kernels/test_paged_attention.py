@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.paged_attention import allocate_kv_cache, paged_attention_ref, write_kv_cache_ref
+from kernels.paged_attention_ref import allocate_kv_cache, paged_attention_ref, write_kv_cache_ref
 
 
 def dense_causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -13,7 +13,8 @@ import torch
 
 from kernels.paged_attention import (AttentionConfig, choose_num_segments,
                                      decode_workspace_numel, default_config, paged_attention,
-                                     paged_attention_ref, workspace_numel)
+                                     workspace_numel)
+from kernels.paged_attention_ref import paged_attention_ref
 from tests.kernels.test_paged_attention import dense_causal_attention, make_batch
 
 gpu = pytest.mark.gpu

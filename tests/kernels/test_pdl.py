@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kernels import activation, kv_cache, paged_attention, pdl, rms_norm, rotary, skinny_gemm
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
 from kernels.skinny_gemm import SkinnyConfig
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.model import load_model
 from services.worker.runner import ModelRunner, SequenceChunk, build_step_inputs

@@ -1,5 +1,5 @@
 """The CPU attention path (services/worker/cpu_attention.py) against the reference
-(kernels/paged_attention.paged_attention_ref), step after step: decodes that keep their
+(kernels/paged_attention_ref.paged_attention_ref), step after step: decodes that keep their
 contiguous copy, sequences joining and leaving, prompt chunks after cached prefixes, mixed
 decode + chunk batches, different lengths, block tables with holes, a batch too large for
 the copy's budget."""
@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention_ref, write_kv_cache_ref
+from kernels.paged_attention_ref import paged_attention_ref, write_kv_cache_ref
 from services.worker.cpu_attention import DecodeContext, attention
 from services.worker.model import AttentionMetadata
 

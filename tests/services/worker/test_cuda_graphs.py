@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
 from services.worker.cuda_graphs import PiecewiseGraphs, smallest_bucket, token_buckets
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq, random_weights

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kernels.kv_blocks import scatter_blocks
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
 from services.worker import cuda_graphs, model as model_module
 from services.worker.cuda_graphs import PiecewiseGraphs

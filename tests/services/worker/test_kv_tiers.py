@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from services.worker import kv_offload
 from services.worker.kv_offload import BlocksToStore, Commit, KvOffload, commit_messages
 from services.worker.kv_tiers import KvTiers, chunked_runs, paired_runs

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.kv_offload import KvOffload
 from services.worker.kv_tiers import KvTiers

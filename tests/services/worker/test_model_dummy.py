@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from services.tokenizer.encoding import TextCodec
 from services.worker.config import WorkerConfig
 from services.worker.model import ModelConfig, Transformer, load_model

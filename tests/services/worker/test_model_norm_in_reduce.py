@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from kernels import rms_norm as rms_norm_kernels
 from kernels import skinny_gemm as skinny_module
-from kernels.paged_attention import allocate_kv_cache
+from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
 from kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_gemm
 from services.worker import ops
