@@ -362,6 +362,30 @@ def _paged_attention_kernel(
               + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
 
+    acc, m_i, l_i = _attend_segment(
+        q, query_pos, seq, seq_len, q_len, tile_first, kv_head, segment, block_tables_ptr,
+        key_cache_ptr, value_cache_ptr, stride_bt_seq, stride_k_blk, stride_k_tok, stride_k_head,
+        stride_v_blk, stride_v_tok, stride_v_head, qk_scale, BLOCK_Q, BLOCK_SIZE, BLOCK_M,
+        BLOCK_N, HEAD_DIM, HEAD_DIM_P2, NUM_SEGMENTS, DOT_PRECISION)
+    _store_rows(acc, m_i, l_i, tokens, heads, row_ok, segment, out_ptr, part_acc_ptr, part_max_ptr,
+                part_sum_ptr, query_start_loc_ptr, stride_o_tok, stride_o_head, GROUP, HEAD_DIM,
+                HEAD_DIM_P2, NUM_SEGMENTS)
+
+
+@triton.jit
+def _attend_segment(q, query_pos, seq, seq_len, q_len, tile_first, kv_head, segment,
+                    block_tables_ptr, key_cache_ptr, value_cache_ptr, stride_bt_seq,
+                    stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok,
+                    stride_v_head, qk_scale, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+                    NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online softmax of a tile's rows over its program's segment of sequence seq's context for
+    kv_head (all of it unless split): first the key tiles every row sees whole, unmasked, then the
+    masked ones on the causal diagonal and the ragged end.
+
+    q: [BLOCK_M, HEAD_DIM_P2]; query_pos: [BLOCK_M] position in the context
+    returns: acc [BLOCK_M, HEAD_DIM_P2] fp32, unnormalised; m_i, l_i [BLOCK_M] (base 2)
+    """
     # keys < full_end are visible to every row; the tile's last row sees keys < kv_end
     full_end = (seq_len - q_len + tile_first + 1) // BLOCK_N * BLOCK_N
     kv_end = seq_len - q_len + tl.minimum(tile_first + BLOCK_Q, q_len)
@@ -389,11 +413,23 @@ def _paged_attention_kernel(
             q, acc, m_i, l_i, key_start, seg_end, query_pos, block_table_ptr, k_base, v_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale,
             BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_P2, True, DOT_PRECISION)
+    return acc, m_i, l_i
 
+
+@triton.jit
+def _store_rows(acc, m_i, l_i, tokens, heads, row_ok, segment, out_ptr, part_acc_ptr,
+                part_max_ptr, part_sum_ptr, query_start_loc_ptr, stride_o_tok, stride_o_head,
+                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
+                NUM_SEGMENTS: tl.constexpr):
+    """The rows' normalised output or, split, their segment's partial for the combine.
+    acc: [BLOCK_M, HEAD_DIM_P2] fp32; m_i, l_i, tokens (rows of the batch), heads, row_ok: [BLOCK_M]
+    """
+    offs_d = tl.arange(0, HEAD_DIM_P2)
     if NUM_SEGMENTS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = (out_ptr + (tokens * stride_o_tok + heads * stride_o_head)[:, None]
                   + offs_d[None, :])
+        d_ok = offs_d < HEAD_DIM
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:  # partial row [token - first token of the launch, head, segment]
         num_heads = tl.num_programs(1) * GROUP
