@@ -141,8 +141,7 @@ def stages(args) -> dict:
         request_in = decode(lookup_wire, KvLookupRequest)
         found = store.lookup(request_in, 0.0)
         reply = encode(KvLookupReply(store_id="store", tiers=found.tiers,
-                                     pin_id=request_in.pin_id, slot_ids=found.slot_ids,
-                                     token_ids=found.token_ids))
+                                     slot_ids=found.slot_ids, token_ids=found.token_ids))
         host.release([request_in.pin_id])  # (the scheduler releases it after the load)
         return reply
 
