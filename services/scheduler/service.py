@@ -3,11 +3,8 @@ publishes each step's tokens to the gateways that asked, and reports stats.
 
 Losing NATS: core NATS keeps nothing, so a step, its reply or an output sent around
 the outage may be gone. When this scheduler's link drops, every request it holds fails
-with a 503 (the gateway moves it to a replica, resuming after the tokens it did get),
-the worker is re-attached (its cache reset) once the link is back, and those error
-outputs, plus an error for each request finished just before the drop (its last output
-may have died with the link; a gateway that had it ignores the error), are sent again
-a few times after the link returns, when the gateways have subscribed again.
+with a 503, the worker is re-attached (its cache reset) once the link is back, and the
+error outputs wait in the outbox (outbox.py) to be sent again once the link returns.
 
 With a kvstore (``--kv-node-id`` set and the worker attached to one, docs/kvstore.md):
 each submitted request's blocks beyond its GPU prefix are looked up before it is queued
@@ -28,8 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict, deque
-from dataclasses import dataclass
+from collections import deque
 
 import msgspec
 import structlog
@@ -37,13 +33,14 @@ import structlog
 from services.scheduler.block_events import BlockEventPublisher, routing_stats
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_client import KEEPALIVE_INTERVAL_S, KvClient
+from services.scheduler.outbox import REDELIVERY_TICK_S, Outbox, bus_lost_error, by_subject
 from services.scheduler.request import TierHit
 from services.scheduler.scheduler import Emitted, Scheduler
 from services.scheduler.tiering import TierSpeeds
 from shared.bus import PING_INTERVAL_S, Bus
 from shared.errors import FlotillaError, ServiceUnavailable, TooManyRequests
 from shared.messages import (
-    AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch, RequestOutput,
+    AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch,
     SchedulerStats, StepPlan, StepResult, SubmitReply, WorkerInfo, choice_request_ids,
 )
 from shared.subjects import Subjects
@@ -53,28 +50,10 @@ log = structlog.get_logger()
 MAX_STEP_SAMPLES = 512  # per stats event
 IDLE_CHECK_S = 1.0  # while idle, this often make sure the worker is the one attached
 ATTACH_RETRY_S = 0.5
-# Error outputs of a lost link are sent this long after it is back (and after they were
-# made): peers resubscribe within about nats-py's reconnect wait (0.5 s) of NATS.
-REDELIVERY_AFTER_S = (0.5, 2.0, 5.0)
-REDELIVERY_TICK_S = 0.25
 # A final output this recent may have been written into a link found dead later: a dead
 # TCP link without a reset is found after about three ping intervals.
 RECENT_FINAL_S = 3.0 * PING_INTERVAL_S
 WORKER_LINK_KEY = "nats_disconnects"  # in the worker's ping reply
-
-
-def bus_lost_error() -> ServiceUnavailable:
-    return ServiceUnavailable("the scheduler lost its connection to NATS while the request ran "
-                              "(its output may be incomplete)", code="nats_unavailable")
-
-
-@dataclass
-class _Held:
-    """An error output waiting for the link (and the gateways) to come back."""
-
-    emitted: Emitted
-    added_at: float
-    num_sent: int = 0
 
 
 class SchedulerService:
@@ -90,8 +69,7 @@ class SchedulerService:
         self._worker_busy_s = 0.0
         self._step_samples: list[tuple[int, float]] = []  # (tokens, seconds) since last stats
         self._bus_epoch = bus.num_disconnects  # link drops already acted on
-        self._held: list[_Held] = []
-        self._recent_finals: deque[tuple[float, Emitted]] = deque()
+        self.outbox = Outbox(RECENT_FINAL_S)
         self.draining = False
         self.kv: KvClient | None = None  # the kvstore of the attached worker, if any
         self.tier_speeds = TierSpeeds()  # measured across worker re-attaches
@@ -271,10 +249,7 @@ class SchedulerService:
             self._stats_now.set()  # announce ourselves again at once
             return
         self._wakeup.set()  # an idle step loop notices now
-        cutoff = time.monotonic() - RECENT_FINAL_S
-        self._hold([emitted for at, emitted in self._recent_finals if at >= cutoff],
-                   bus_lost_error())
-        self._recent_finals.clear()
+        self.outbox.link_lost(time.monotonic())
 
     # ------------------------------------------------------------ the step loop
     async def _connect_worker(self) -> None:
@@ -405,7 +380,7 @@ class SchedulerService:
         await self._release_pins(old_core)
         log.warning("requests_failed", num_requests=len(emitted), reason=error.message)
         if bus_lost:
-            self._hold(emitted, error)
+            self.outbox.hold(emitted, error, time.monotonic())
         else:
             await self._publish(emitted)
 
@@ -478,33 +453,15 @@ class SchedulerService:
         outputs are held as errors (earlier outputs of those requests may be lost too:
         the gateway resumes them from what it has) and the running requests fail at the
         step loop's next turn."""
-        by_subject = defaultdict(list)
-        for item in emitted:
-            by_subject[item.output_subject].append(item.output)
         now = time.monotonic()
-        for subject, outputs in by_subject.items():
+        for subject, outputs in by_subject(emitted).items():
             try:
                 await self.bus.publish(subject, OutputBatch(outputs))
             except ServiceUnavailable:
-                self._hold([Emitted(subject, o) for o in outputs if o.finish_reason is not None],
-                           bus_lost_error())
+                self.outbox.hold([Emitted(subject, o) for o in outputs
+                                  if o.finish_reason is not None], bus_lost_error(), now)
                 continue
-            self._recent_finals.extend((now, Emitted(subject, o)) for o in outputs
-                                       if o.finish_reason is not None)
-        cutoff = now - RECENT_FINAL_S
-        while self._recent_finals and self._recent_finals[0][0] < cutoff:
-            self._recent_finals.popleft()
-
-    def _hold(self, emitted: list[Emitted], error: FlotillaError) -> None:
-        """Keep these as error outputs, to send once the link is back."""
-        info = error.to_info()
-        now = time.monotonic()
-        for item in emitted:
-            output = item.output
-            if output.error is None:
-                output = RequestOutput(output.request_id, [], "error", output.num_prompt_tokens,
-                                       info)
-            self._held.append(_Held(Emitted(item.output_subject, output), now))
+            self.outbox.published(subject, outputs, now)
 
     async def _redelivery_loop(self) -> None:
         while True:
@@ -513,26 +470,19 @@ class SchedulerService:
 
     async def _send_held(self, *, final: bool = False) -> None:
         """Send the held error outputs that are due (``final``: all of them, once)."""
-        if not self._held or not self.bus.is_connected:
+        if not self.outbox.num_held or not self.bus.is_connected:
             return
-        now = time.monotonic()
-        due = [held for held in self._held if final or now - max(
-            held.added_at, self.bus.connected_at) >= REDELIVERY_AFTER_S[held.num_sent]]
-        by_subject = defaultdict(list)
-        for held in due:
-            by_subject[held.emitted.output_subject].append(held)
+        due = self.outbox.due(time.monotonic(), self.bus.connected_at, final=final)
         try:
-            for subject, items in by_subject.items():
+            for subject, items in due.items():
                 await self.bus.publish(subject, OutputBatch([h.emitted.output for h in items]))
-                for held in items:
-                    held.num_sent += 1
+                self.outbox.sent(items)
         except ServiceUnavailable:
             pass  # down again: the rest wait for the next reconnect
         finally:
-            self._held = [held for held in self._held
-                          if not final and held.num_sent < len(REDELIVERY_AFTER_S)]
+            self.outbox.settle(final=final)
         if due:
-            log.info("error_outputs_sent", num_outputs=len(due), final=final)
+            log.info("error_outputs_sent", num_outputs=sum(map(len, due.values())), final=final)
 
     async def _keepalive_loop(self) -> None:
         """Keep this scheduler's pins at the kvstore (and send releases NATS held up); ask
