@@ -12,6 +12,7 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler import kv_client
+from services.scheduler.kv_connector import KvConnector, TieredKvConnector
 from shared.prefix_hash import extend_block_hashes
 from services.scheduler.service import SchedulerService
 from shared.bus import Bus
@@ -167,8 +168,8 @@ async def running(nats_url: str, kvstore: str, _peers: dict | None = None, **con
     await peers.start()
     await peer_bus.flush()  # the stand-ins answer before the scheduler's connection asks
     bus = await Bus.connect(nats_url, "scheduler")
-    service = SchedulerService(SchedulerConfig(instance_id="s1", kv_node_id=NODE,
-                                               stats_interval_s=0.05, **config), bus)
+    service = SchedulerService(SchedulerConfig(**{"instance_id": "s1", "kv_node_id": NODE,
+                                                  "stats_interval_s": 0.05, **config}), bus)
     await service.start()
     stop_event = asyncio.Event()
     task = asyncio.create_task(service.run(stop_event))
@@ -266,6 +267,22 @@ async def test_tier_hits_stay_counted_across_a_worker_re_attach(nats_url):
         await shutdown()
 
 
+async def test_without_a_kv_node_id_the_null_connector_looks_up_and_stores_nothing(nats_url):
+    """The worker names its kvstore, but this scheduler was started without one."""
+    service, peers, shutdown = await running(nats_url, "answers", kv_node_id="")
+    try:
+        prompt = prompt_of(53_000)
+        peers.hold(prompt)
+        await submit(peers.bus, "n", prompt)
+        await eventually(lambda: len(tokens_of(peers, "n")) == 3)
+        assert tokens_of(peers, "n") == expected_tokens("n", len(prompt), 3)
+        assert type(service.kv) is KvConnector and service.core.kv is service.kv
+        assert not peers.lookups and peers.plans
+        assert all(not plan.kv_loads and not plan.kv_stores for plan in peers.plans)
+    finally:
+        await shutdown()
+
+
 async def test_a_miss_is_queued_without_a_pin(nats_url):
     service, peers, shutdown = await running(nats_url, "answers")
     try:
@@ -352,16 +369,16 @@ async def test_a_worker_that_attaches_to_its_kvstore_later_is_learned_from_its_p
     peers_first = {"worker_info_has_kv": False, "worker_store_id": ""}
     service, peers, shutdown = await running(nats_url, "answers", _peers=peers_first)
     try:
-        assert service.kv is None
+        assert not service.kv.namespace  # the null connector
         peers.worker_store_id = "store-1"
-        await eventually(lambda: service.kv is not None, timeout_s=5)
+        await eventually(lambda: service.kv.namespace == NAMESPACE, timeout_s=5)
         prompt = prompt_of(87_000)
         peers.hold(prompt)
         await submit(peers.bus, "m", prompt)
         await eventually(lambda: len(tokens_of(peers, "m")) == 3)
         assert peers.outputs["m"][0].num_cached_tokens == 24
         assert tokens_of(peers, "m") == expected_tokens("m", len(prompt), 3)
-        assert service.core.kv_tier.stores_enabled
+        assert isinstance(service.core.kv, TieredKvConnector) and service.core.kv is service.kv
     finally:
         await shutdown()
 
