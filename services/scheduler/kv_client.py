@@ -1,7 +1,6 @@
 """The scheduler's requests to its node's kvstore (docs/kvstore.md): look a request's
-blocks up, pin the hit worth loading, release pins, keep its pins alive. Part of the
-scheduler's bus edge with service.py (kept apart so that file stays about the step
-loop); the choice itself is tiering.py's.
+blocks up, pin the hit worth loading, release pins, keep its pins alive: the bus calls
+of the tiered KV connector (kv_connector.py); the choice itself is tiering.py's.
 
 One round trip for host hits: the lookup also pins the leading run of host hits
 (``KvLookupRequest.pin_id``), and when the hit worth loading lies within it, that pin is

@@ -79,6 +79,9 @@ class KvConnector(KvTierHooks):
 
 
 class TieredKvConnector(KvTierLedger, KvConnector):
+    """The kvstore's connector: KvTierLedger's books behind the core's hooks, and the
+    shell's calls through a KvClient of the worker's kvstore."""
+
     def __init__(self, client: KvClient, load_cap_blocks: int | None, *,
                  num_tokens_loaded: dict[str, int] | None = None) -> None:
         super().__init__(client.block_size, max_load_blocks=load_cap_blocks,
