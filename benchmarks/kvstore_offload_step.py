@@ -54,6 +54,7 @@ import torch  # noqa: E402
 
 from services.kvstore.store import KvStore, Namespace, slot_nbytes_of  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
+from services.scheduler.kv_tier import KvTierHooks, KvTierLedger  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
 from services.worker.config import WorkerConfig  # noqa: E402
 from services.worker.kv_offload import KvOffload  # noqa: E402
@@ -151,13 +152,14 @@ def run(args: argparse.Namespace, model: ModelFiles, work: Path, kvstore: bool) 
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=budget),
                           num_blocks=runner.num_blocks, block_size=BLOCK_SIZE,
                           max_model_len=4096, eos_token_ids=[], model_name="tiny",
-                          kvstore=kvstore)
+                          kv=KvTierLedger(BLOCK_SIZE) if kvstore else KvTierHooks())
     timers = Timers()
     if hasattr(runner, "_forward"):
         timers.wrap(runner, "_forward", "forward")
     else:  # a runner that calls its model directly
         timers.wrap(runner.model, "forward", "forward")
-    timers.wrap(scheduler.kv_tier, "take_plan_stores", "plan_stores")
+    if kvstore:
+        timers.wrap(scheduler.kv, "take_plan_stores", "plan_stores")
 
     store = offload = namespace = None
     if kvstore:

@@ -19,8 +19,8 @@ calls in flight:
           on (past ``--deadline-s``) is counted as a miss.
 First, ``core``: the same prompts through ``KvStore`` in this process (no NATS, no
 span; as the service's handlers call it): a reservation of 31 slots, the commit of
-those 31 blocks (its message decoded), a bare lookup, a pin + its release, and (where the
-kvstore has it) a pinning lookup + its release; the microseconds each (the kvstore's own
+those 31 blocks (its message decoded), a bare lookup, a pin + its release, and a
+pinning lookup + its release; the microseconds each (the kvstore's own
 work, beside the cost of a message), and the garbage collector's time meanwhile (all of
 it, and its longest full pass: the kvstore's event loop stalls that long).
 Each prompt is 512 tokens: 31 full 16-token blocks that a tier may serve (the last
@@ -276,9 +276,8 @@ def core_phases(prompts: Sequence[Prompt], work: Path) -> list[dict]:
                                      owner_id="s", pin_id=f"l{index}"), 0.0)
         store.release(namespace, "s", [f"l{index}"], 0.0)
 
-    phases = [("reserve", reserve), ("commit", commit), ("lookup", lookup), ("pin_release", pin)]
-    if "pin_id" in KvLookupRequest.__struct_fields__:  # a kvstore with pinning lookups
-        phases.append(("pinning_lookup_release", pinning_lookup))
+    phases = [("reserve", reserve), ("commit", commit), ("lookup", lookup), ("pin_release", pin),
+              ("pinning_lookup_release", pinning_lookup)]
     results = []
     for name, call in phases:
         if name == "commit":

@@ -141,8 +141,7 @@ def stages(args) -> dict:
         request_in = decode(lookup_wire, KvLookupRequest)
         found = store.lookup(request_in, 0.0)
         reply = encode(KvLookupReply(store_id="store", tiers=found.tiers,
-                                     pin_id=request_in.pin_id, slot_ids=found.slot_ids,
-                                     token_ids=found.token_ids))
+                                     slot_ids=found.slot_ids, token_ids=found.token_ids))
         host.release([request_in.pin_id])  # (the scheduler releases it after the load)
         return reply
 
@@ -170,6 +169,7 @@ def scheduler_core(stage, generate, wire: bytes, reply_type, reply_wire: bytes, 
     confirmation, add_request) and on the step that runs the request (plan built, encoded,
     decoded at the worker), with a tier hit of every usable block, as its service calls it."""
     from services.scheduler.config import SchedulerConfig
+    from services.scheduler.kv_tier import KvTierLedger
     from services.scheduler.request import TierHit
     from services.scheduler.scheduler import Scheduler
     from shared.messages import GenerateRequest, StepPlan, decode, encode
@@ -177,7 +177,7 @@ def scheduler_core(stage, generate, wire: bytes, reply_type, reply_wire: bytes, 
     def new_core() -> Scheduler:
         return Scheduler(SchedulerConfig(max_num_batched_tokens=8192), num_blocks=2048,
                          block_size=BLOCK_SIZE, max_model_len=32_768, eos_token_ids=[2],
-                         model_name="dummy-tiny-llama-32k", kvstore=True)
+                         model_name="dummy-tiny-llama-32k", kv=KvTierLedger(BLOCK_SIZE))
 
     reply = decode(reply_wire, reply_type)
     ids = iter(range(10**9))

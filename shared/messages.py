@@ -454,8 +454,7 @@ class KvLookupRequest(Struct, frozen=True, kw_only=True):
     """scheduler -> kvstore: which leading blocks of this chain are held, and where. With
     ``owner_id`` and ``pin_id`` the leading run of host hits is also pinned under
     ``pin_id``, as a KvPinRequest would (within the pin cap), saving the pin's round trip;
-    released the same way. A kvstore that predates these fields ignores them (its reply's
-    ``pin_id`` is then "")."""
+    released the same way."""
 
     namespace: str
     block_hashes: list[bytes]
@@ -468,7 +467,6 @@ class KvLookupReply(Struct, frozen=True, kw_only=True):
     tiers: list[str]  # the leading run of hits, one tier each: "host" or "disk"
     # measured read speed of the disk tier (0: not measured yet)
     disk_read_bytes_per_s: float = 0.0
-    pin_id: str = ""  # the request's pin id when this kvstore pinned (maybe no block)
     slot_ids: list[int] = []  # the leading host blocks now pinned (a prefix of the run)
     token_ids: list[list[int]] = []  # each pinned block's tokens
 

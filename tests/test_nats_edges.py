@@ -23,6 +23,7 @@ NATS_EDGES = {
     "services/tokenizer/service.py": "the tokenizer's edge",
     "services/scheduler/service.py": "the scheduler's edge: submits, steps, stats",
     "services/scheduler/kv_client.py": "lookups and pins at the node's kvstore",
+    "services/scheduler/kv_connector.py": "builds the KvClient over the scheduler's bus (the tiered connector)",
     "services/scheduler/block_events.py": "block events and snapshots for the gateways",
     "services/worker/service.py": "the worker's edge: steps, attach, kvstore upkeep",
     "services/kvstore/service.py": "the kvstore's edge",

@@ -236,15 +236,12 @@ class KvStoreService:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
         self._count_hits(tiers, len(request.block_hashes))
-        if not (request.owner_id and request.pin_id):
-            return KvLookupReply(store_id=self.store_id, tiers=tiers,
-                                 disk_read_bytes_per_s=self.disk_read_speed.bytes_per_s)
-        if slot_ids:
+        if slot_ids:  # (none unless the lookup pins)
             self._pinned_blocks[HOST].inc(len(slot_ids))
             self.metrics.load_latency.observe(time.perf_counter() - started)
         return KvLookupReply(store_id=self.store_id, tiers=tiers,
                              disk_read_bytes_per_s=self.disk_read_speed.bytes_per_s,
-                             pin_id=request.pin_id, slot_ids=slot_ids, token_ids=token_ids)
+                             slot_ids=slot_ids, token_ids=token_ids)
 
     def _count_hits(self, tiers: list[str], num_looked_up: int) -> None:
         num_host = tiers.count(HOST)

@@ -22,7 +22,6 @@ from collections.abc import Callable
 import structlog
 
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.kv_client import KvClient
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tiering import TierSpeeds
 from shared.block_snapshots import MAX_HASHES_PER_PAGE, MAX_SNAPSHOTS_KEPT, SNAPSHOT_TTL_S
@@ -128,14 +127,13 @@ class BlockEventPublisher:
             parts=[BlockSnapshotPart(block_hashes=hashes[offset:offset + MAX_HASHES_PER_PAGE])])
 
 
-def routing_stats(core: Scheduler | None, speeds: TierSpeeds, kv: KvClient | None,
-                  worker: WorkerInfo | None, block_event_seq: int) -> dict:
-    """The SchedulerStats fields the gateway routes by (docs/routing.md); the kvstore's
-    only while this scheduler uses it (its hits count only then)."""
+def routing_stats(core: Scheduler | None, speeds: TierSpeeds, worker: WorkerInfo | None,
+                  block_event_seq: int) -> dict:
+    """The SchedulerStats fields the gateway routes by (docs/routing.md), but the
+    kvstore's (the KV connector's stats)."""
     return dict(
         block_size=core.block_manager.block_size if core else 0,
         model_name=core.model_name if core else "",
-        kv_node_id=kv.node_id if kv else "", kv_namespace=kv.namespace if kv else "",
         num_queued_prefill_tokens=core.num_queued_prefill_tokens if core else 0,
         prefill_tokens_per_s=speeds.prefill_tokens_per_s or 0.0,
         host_load_bytes_per_s=speeds.host_load_bytes_per_s or 0.0,

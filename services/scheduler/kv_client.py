@@ -1,13 +1,11 @@
 """The scheduler's requests to its node's kvstore (docs/kvstore.md): look a request's
-blocks up, pin the hit worth loading, release pins, keep its pins alive. Part of the
-scheduler's bus edge with service.py (kept apart so that file stays about the step
-loop); the choice itself is tiering.py's.
+blocks up, pin the hit worth loading, release pins, keep its pins alive: the bus calls
+of the tiered KV connector (kv_connector.py); the choice itself is tiering.py's.
 
 One round trip for host hits: the lookup also pins the leading run of host hits
 (``KvLookupRequest.pin_id``), and when the hit worth loading lies within it, that pin is
-the hit. A second call, a pin as before, is made only when the hit wants disk blocks
-(after releasing the lookup's pin: a disk hit reads files, so the round trip is small
-beside it) or when the kvstore predates pinning lookups (its reply names no pin id).
+the hit. A second call, a pin, is made only when the hit wants disk blocks (after
+releasing the lookup's pin: a disk hit reads files, so the round trip is small beside it).
 
 The kvstore is never waited on for long: a lookup has LOOKUP_TIMEOUT_S (plus a little
 per lookup already in flight), after which (or on an error, or with NATS down) the
@@ -126,11 +124,10 @@ class KvClient:
         num_blocks = self.speeds.num_blocks_worth_loading(lookup.tiers, self.block_bytes,
                                                           self.block_size)
         looked_up = time.monotonic()
-        pinned_by_lookup = lookup.pin_id == pin_id  # "": the kvstore predates such lookups
-        if pinned_by_lookup and _serves(lookup, num_blocks):
+        if _serves(lookup, num_blocks):
             pin = lookup
         else:
-            if pinned_by_lookup and lookup.slot_ids:  # not the hit wanted: let go of it
+            if lookup.slot_ids:  # not the hit wanted: let go of it
                 await self.release([pin_id])
             if num_blocks == 0:
                 return None

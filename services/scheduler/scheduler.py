@@ -10,11 +10,12 @@ latest running request is preempted (blocks freed, recomputed later, mostly from
 prefix cache), so nothing is lost and nothing is sent twice. A request for n sequences
 runs as n sibling requests that compute the prompt once (siblings.py).
 
-With a kvstore (docs/kvstore.md, kv_tier.py), a request may come with a pinned tier
-hit: admission loads the part beyond its GPU prefix into fresh blocks (beside the compute
-of the other requests in that step, if any: the request then computes from the next step
-planned, which the worker orders after the copy), and every block computed here is stored
-to the kvstore once (write-through).
+The kvstore enters through the connector's hooks (``self.kv``, kv_tier.py: one per phase;
+the default does nothing). With one (docs/kvstore.md), a request may come with a pinned
+tier hit: admission loads the part beyond its GPU prefix into fresh blocks (beside the
+compute of the other requests in that step, if any: the request then computes from the
+next step planned, which the worker orders after the copy), and every block computed
+here is stored to the kvstore once (write-through).
 
 Steps may overlap: a step can be planned while earlier ones are still running on the
 worker, which feeds each sampled token into the next step itself. The scheduler counts
@@ -26,13 +27,12 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_tier import KvTierLedger
+from services.scheduler.kv_tier import IsWanted, KvTierHooks
 from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
 from services.scheduler.request import Request, TierHit
 from services.scheduler.siblings import num_blocks_needed, shares_prompt, sibling_requests
@@ -63,13 +63,13 @@ class Emitted:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int,
                  max_model_len: int, eos_token_ids: list[int], model_name: str = "",
-                 kvstore: bool = False, block_bytes: int = 0) -> None:
+                 kv: KvTierHooks | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.model_name = model_name  # the served name, part of every block key
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.kv_tier = KvTierLedger(self.block_manager, stores_enabled=kvstore)
+        self.kv = kv or KvTierHooks()  # the KV connector's hooks (kv_connector.py)
         self.chunk_pacer = ChunkPacer(config.chunk_step_ratio, config.max_num_batched_tokens,
                                       min_tokens=block_size)
         self.requests: dict[str, Request] = {}
@@ -83,11 +83,6 @@ class Scheduler:
         self._next_step_id = 0
         self._forget_ids: list[str] = []  # the worker should drop these at the next step
         self._in_plan: set[str] = set()  # ids in the plan being built: never preempted
-        # blocks a plan loads past its first hit (block_bytes 0, unknown: no cap)
-        load_cap = config.max_kv_load_mib_per_step << 20
-        self._max_load_blocks = max(1, load_cap // block_bytes) if load_cap and block_bytes \
-            else None
-        self._num_load_blocks = 0  # in the plan being built
 
     # ------------------------------------------------------------ intake
     def add_request(self, request: GenerateRequest, *, tier_hit: TierHit | None = None,
@@ -141,10 +136,6 @@ class Scheduler:
             if req.tier_hit is not None and req.tier_hit.store_id != keep_store_id:
                 req.tier_hit = None
 
-    def take_pins_to_release(self) -> list[str]:
-        """Pins the service should release at the kvstore now."""
-        return self.kv_tier.take_pins_to_release()
-
     def _validate(self, request: GenerateRequest) -> None:
         if request.n < 1:
             raise InvalidRequest(f"n must be at least 1, not {request.n}", param="n")
@@ -197,7 +188,6 @@ class Scheduler:
         """Plan the next step, or None when there is nothing to compute now."""
         budget = self.config.max_num_batched_tokens
         self._in_plan = set()
-        self._num_load_blocks = 0
         new_requests: list[NewRequestData] = []
         scheduled: list[ScheduledRequest] = []
         preempted = False
@@ -235,9 +225,9 @@ class Scheduler:
             num_chunk_tokens += num_new
         if not scheduled and not new_requests:
             return None
+        kv_loads, kv_stores = self.kv.take_plan(self._store_target(self._forget_ids))
         plan = StepPlan(self._next_step_id, new_requests, scheduled, self._forget_ids,
-                        kv_loads=self.kv_tier.take_plan_loads(),
-                        kv_stores=self.kv_tier.take_plan_stores(self._store_target(self._forget_ids)))
+                        kv_loads=kv_loads, kv_stores=kv_stores)
         self._next_step_id += 1
         self._forget_ids = []
         return plan
@@ -245,7 +235,7 @@ class Scheduler:
     def update(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
         """Apply the tokens a step sampled; return the outputs to publish."""
         self.num_steps += 1
-        self.kv_tier.step_done(plan.step_id)
+        self.kv.on_step_result(plan.step_id)
         if plan.scheduled:  # (a step of loads alone says nothing of compute times)
             self.chunk_pacer.observe(plan, result.step_time_s)
         self._add_prompt_logprobs(plan, result)
@@ -282,7 +272,7 @@ class Scheduler:
         for req in list(self.requests.values()):
             self._finish(req)
         self._forget_ids = []
-        self.kv_tier.release_all_steps()
+        self.kv.on_fail_all()
         return emitted
 
     # ------------------------------------------------------------ helpers
@@ -306,22 +296,22 @@ class Scheduler:
             return None  # preempted mid-step: its last token is still on the way
         block_size = self.block_manager.block_size
         hit_ids = self._prefix_hits(req)
-        loaded = self.kv_tier.usable_slots(req.tier_hit, len(hit_ids), self._num_usable_blocks(req))
+        loaded = self.kv.slots_to_load(req.tier_hit, len(hit_ids), self._num_usable_blocks(req))
+        if loaded is None:
+            return None  # the plan's loads are full: it loads in the next one
         num_cached = (len(hit_ids) + len(loaded)) * block_size
         num_new = min(req.num_tokens - num_cached, budget)
         num_missing = num_blocks_for(num_cached + num_new, block_size) - len(hit_ids)
         if not self.block_manager.can_allocate(num_missing, self.block_manager.num_evictable(hit_ids)):
             return None
-        if loaded and self._num_load_blocks and self._max_load_blocks is not None and \
-                self._num_load_blocks + len(loaded) > self._max_load_blocks:
-            return None  # the plan's loads are full: it loads in the next one
         self.waiting.remove(req)
         self.running.append(req)
         self.block_manager.reuse(hit_ids)
         new_ids = self.block_manager.allocate(num_missing)
         req.block_table = hit_ids + new_ids
-        self._load_tier_hit(req, loaded, new_ids[:len(loaded)])
-        self._num_load_blocks += len(loaded)
+        hit, req.tier_hit = req.tier_hit, None  # spent either way
+        self.kv.on_admit(hit, loaded, new_ids[:len(loaded)], self._next_step_id)
+        self._cache_loaded_blocks(req, len(hit_ids), new_ids[:len(loaded)])
         # its GPU hits and loaded blocks are in the prefix index already: not offered again
         # (1,023 calls for a 16k-token hit)
         req.num_registered_blocks = max(req.num_registered_blocks, len(hit_ids) + len(loaded))
@@ -344,28 +334,36 @@ class Scheduler:
             return 0
         return (req.num_tokens - 1) // self.block_manager.block_size
 
-    def _load_tier_hit(self, req: Request, used: range, block_ids: list[int]) -> None:
-        """Plan loading the used part of the request's tier hit (releasing the pin at
-        once if none is used); the hit is spent either way."""
-        hit, req.tier_hit = req.tier_hit, None
-        if hit is None:
+    def _cache_loaded_blocks(self, req: Request, first: int, block_ids: list[int]) -> None:
+        """Blocks loaded from the kvstore, ``first``.. of the request, enter the prefix
+        index marked as loaded (never stored back)."""
+        if not block_ids:
             return
-        self.kv_tier.load(hit, used, block_ids, self._next_step_id, req.block_hashes,
-                          req.all_token_ids)
+        size, end = self.block_manager.block_size, first + len(block_ids)
+        # each block's tokens as a tuple, cut lazily (a 16k-token hit: 1,023 blocks)
+        block_tokens = zip(*[iter(req.all_token_ids[first * size:end * size])] * size)
+        cache_block = self.block_manager.cache_block
+        for block_id, block_hash, tokens in zip(block_ids, req.block_hashes[first:end],
+                                                block_tokens):
+            cache_block(block_id, block_hash, tokens, from_kvstore=True)
 
-    def _store_target(self, forget_ids: list[str]) -> Callable[[str, int, int], bool]:
-        """Whether the worker, running the plan that forgets ``forget_ids``, finds block
-        ``block_id`` at ``index`` of a request: it holds the running ones, and the ones it
-        forgets until that plan's stores are made."""
+    def _store_target(self, forget_ids: list[str]) -> IsWanted:
+        """Whether block ``block_id`` still holds ``block_hash`` (not evicted) and the
+        worker, running the plan that forgets ``forget_ids``, finds it at ``index`` of a
+        request: it holds the running ones, and the ones it forgets until that plan's
+        stores are made."""
         forgotten = set(forget_ids)
+        holds = self.block_manager.holds
 
-        def is_requests_block(request_id: str, index: int, block_id: int) -> bool:
+        def is_wanted(request_id: str, index: int, block_id: int, block_hash: bytes) -> bool:
+            if not holds(block_id, block_hash):
+                return False
             req = self.requests.get(request_id)
             if req is not None and req.known_to_worker:
                 return index < len(req.block_table) and req.block_table[index] == block_id
             return request_id in forgotten
 
-        return is_requests_block
+        return is_wanted
 
     def _waiting_head(self) -> Request | None:
         """The first waiting request, skipping siblings whose leader is still scheduling
@@ -428,7 +426,7 @@ class Scheduler:
             block_id, block_hash = req.block_table[index], req.block_hashes[index]
             if self.block_manager.cache_block(block_id, block_hash,
                                               token_ids[start:start + block_size]):
-                self.kv_tier.block_cached(req.request_id, index, block_id, block_hash)
+                self.kv.on_block_cached(req.request_id, index, block_id, block_hash)
         req.num_registered_blocks = max(req.num_registered_blocks, num_full)
 
     def _grow_or_preempt(self, req: Request, num_tokens: int) -> list[int] | None:
@@ -492,7 +490,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.free(req.block_table)
         req.block_table = []
-        self.kv_tier.release(req.tier_hit)  # finished before admission used it
+        self.kv.on_finish(req.tier_hit)  # finished before admission used it
         req.tier_hit = None
         if req.known_to_worker:
             self._forget_ids.append(req.request_id)

@@ -9,6 +9,7 @@ import pytest
 from services.scheduler import block_events
 from services.scheduler.block_events import BlockEventPublisher, routing_stats
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_connector import KvConnector
 from services.scheduler.tiering import TierSpeeds
 from shared.errors import InvalidRequest
 from shared.messages import WorkerInfo
@@ -139,11 +140,13 @@ def test_routing_stats_count_queued_prefill_and_name_the_keys():
                       block_size=BLOCK_SIZE, max_model_len=512, eos_token_ids=[0],
                       kv_cache_bytes=64 * 1000, device="cpu", dtype="float32")
     speeds = TierSpeeds(prefill_tokens_per_s=500.0)
-    fields = routing_stats(scheduler, speeds, None, info, block_event_seq=7)
+    fields = routing_stats(scheduler, speeds, info, block_event_seq=7)
     assert fields["num_queued_prefill_tokens"] == (20 - 8) + 30
     assert fields | {"num_queued_prefill_tokens": 0} == dict(
-        block_size=BLOCK_SIZE, model_name="m", kv_node_id="", kv_namespace="",
-        num_queued_prefill_tokens=0, prefill_tokens_per_s=500.0, host_load_bytes_per_s=0.0,
+        block_size=BLOCK_SIZE, model_name="m", num_queued_prefill_tokens=0, prefill_tokens_per_s=500.0, host_load_bytes_per_s=0.0,
         disk_read_bytes_per_s=0.0, block_bytes=1000, block_event_seq=7,
         decode_seq_cost_tokens=0.0)  # no decode steps seen yet
-    assert routing_stats(None, TierSpeeds(), None, None, 0)["block_size"] == 0
+    assert routing_stats(None, TierSpeeds(), None, 0)["block_size"] == 0
+    # the kvstore's keys are the KV connector's: none without a kvstore
+    assert KvConnector().stats() == dict(num_kv_tier_hits=0, kv_node_id="", kv_namespace="",
+                                         num_kv_tier_hits_by_tier={"host": 0, "disk": 0})

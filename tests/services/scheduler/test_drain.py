@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from services.scheduler import service as service_module
+from services.scheduler import outbox
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 from shared.errors import FlotillaError, ServiceUnavailable
@@ -201,7 +201,7 @@ async def test_a_drain_before_the_worker_attached_ends_at_once():
 
 
 async def test_a_lost_link_fails_running_requests_after_it_is_back_and_reattaches(monkeypatch):
-    monkeypatch.setattr(service_module, "REDELIVERY_AFTER_S", (0.05, 0.2))
+    monkeypatch.setattr(outbox, "REDELIVERY_AFTER_S", (0.05, 0.2))
     bus = FakeBus(step_s=0.01)
     service, stop, run = await started(bus)
     done_before = request("quick", 10, 2)

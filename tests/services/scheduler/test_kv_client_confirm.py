@@ -28,7 +28,7 @@ TOKENS = [t for block in blocks(0, 8) for t in block] + [1]  # 8 full blocks, th
 
 def replies(slot_ids: list[int], token_ids: list[tuple[int, ...]]):
     """The same reply as the client reads it and fully decoded, for lookups and pins."""
-    lookup = KvLookupReply(store_id="s", tiers=["host"] * len(slot_ids), pin_id="p",
+    lookup = KvLookupReply(store_id="s", tiers=["host"] * len(slot_ids),
                            slot_ids=slot_ids, token_ids=token_ids)
     pin = KvPinReply(store_id="s", slot_ids=slot_ids, token_ids=token_ids,
                      tiers=["host"] * len(slot_ids))

@@ -12,6 +12,7 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler import kv_client
+from services.scheduler.kv_connector import KvConnector, TieredKvConnector
 from shared.prefix_hash import extend_block_hashes
 from services.scheduler.service import SchedulerService
 from shared.bus import Bus
@@ -39,8 +40,8 @@ MODEL = "m"
 class Peers:
     """The worker and the kvstore, served on the bus. ``kvstore``: "answers", "silent"
     (subscribed, never replies) or "absent" (nobody on its subjects). The kvstore that
-    answers ignores a lookup's pin fields, as one that predates them, unless
-    ``pinning_lookups`` is set."""
+    answers pins the leading run of host hits with each lookup, as the real one does; a
+    block held on disk only is reported, and pinned (read in) by a pin."""
 
     def __init__(self, bus: Bus, kvstore: str) -> None:
         self.bus = bus
@@ -53,14 +54,14 @@ class Peers:
         self.keepalives: list[str] = []
         self.outputs: dict[str, list] = {}
         self.stats: list[SchedulerStats] = []
-        self.held: dict[bytes, list[int]] = {}  # what the kvstore's host tier holds
+        self.held: dict[bytes, list[int]] = {}  # what the kvstore holds
+        self.on_disk: set[bytes] = set()  # of those, the blocks only its disk tier holds
         self.store_id = "store-1"
         # the worker's kvstore as its attach reply and pings say ("": none)
         self.worker_info_has_kv = True
         self.worker_store_id = "store-1"
         self.pin_delay_s = 0.0
         self.lookup_delay_s = 0.0
-        self.pinning_lookups = False
 
     async def start(self) -> None:
         bus = self.bus
@@ -114,19 +115,19 @@ class Peers:
         for block_hash in request.block_hashes:
             if block_hash not in self.held:
                 break
-            tiers.append("host")
-        if not (self.pinning_lookups and request.pin_id):
-            return KvLookupReply(store_id=self.store_id, tiers=tiers)
-        slot_ids, token_ids = self._pin_slots(request.block_hashes[:len(tiers)])
-        return KvLookupReply(store_id=self.store_id, tiers=tiers, pin_id=request.pin_id,
-                             slot_ids=slot_ids, token_ids=token_ids)
+            tiers.append("disk" if block_hash in self.on_disk else "host")
+        num_host = tiers.index("disk") if "disk" in tiers else len(tiers)
+        slot_ids, token_ids = self._pin_slots(request.block_hashes[:num_host])
+        return KvLookupReply(store_id=self.store_id, tiers=tiers, slot_ids=slot_ids,
+                             token_ids=token_ids)
 
     async def on_pin(self, request: KvPinRequest) -> KvPinReply:
         self.pins.append(request)
         await asyncio.sleep(self.pin_delay_s)
         slot_ids, token_ids = self._pin_slots(request.block_hashes)
+        tiers = ["disk" if h in self.on_disk else "host" for h in request.block_hashes]
         return KvPinReply(store_id=self.store_id, slot_ids=slot_ids, token_ids=token_ids,
-                          tiers=["host"] * len(slot_ids))
+                          tiers=tiers[:len(slot_ids)])
 
     def _pin_slots(self, block_hashes: list[bytes]) -> tuple[list[int], list[list[int]]]:
         slot_ids, token_ids = [], []
@@ -147,12 +148,14 @@ class Peers:
     async def on_silent(self, _) -> None:
         pass
 
-    def hold(self, prompt: list[int]) -> None:
-        """Put the prompt's full blocks in the kvstore's host tier."""
+    def hold(self, prompt: list[int], tier: str = "host") -> None:
+        """Put the prompt's full blocks in the kvstore's host (or only its disk) tier."""
         block_hashes: list[bytes] = []
         extend_block_hashes(block_hashes, prompt, len(prompt), BLOCK_SIZE, (f"model:{MODEL}",))
         for index, block_hash in enumerate(block_hashes):
             self.held[block_hash] = prompt[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]
+            if tier == "disk":
+                self.on_disk.add(block_hash)
 
 
 async def running(nats_url: str, kvstore: str, _peers: dict | None = None, **config):
@@ -165,8 +168,8 @@ async def running(nats_url: str, kvstore: str, _peers: dict | None = None, **con
     await peers.start()
     await peer_bus.flush()  # the stand-ins answer before the scheduler's connection asks
     bus = await Bus.connect(nats_url, "scheduler")
-    service = SchedulerService(SchedulerConfig(instance_id="s1", kv_node_id=NODE,
-                                               stats_interval_s=0.05, **config), bus)
+    service = SchedulerService(SchedulerConfig(**{"instance_id": "s1", "kv_node_id": NODE,
+                                                  "stats_interval_s": 0.05, **config}), bus)
     await service.start()
     stop_event = asyncio.Event()
     task = asyncio.create_task(service.run(stop_event))
@@ -217,7 +220,7 @@ async def test_a_kvstore_that_does_not_answer_delays_no_request_past_the_deadlin
         await shutdown()
 
 
-async def test_a_host_hit_is_pinned_loaded_and_released(nats_url):
+async def test_a_host_hit_is_pinned_by_its_lookup_loaded_and_released(nats_url):
     service, peers, shutdown = await running(nats_url, "answers")
     try:
         prompt = prompt_of(50_000)  # 6 full blocks and 2 tokens
@@ -227,12 +230,12 @@ async def test_a_host_hit_is_pinned_loaded_and_released(nats_url):
         assert tokens_of(peers, "a") == expected_tokens("a", len(prompt), 3)
         (lookup,) = peers.lookups
         assert len(lookup.block_hashes) == 6  # the last token's block is never a hit
-        (pin,) = peers.pins
+        assert lookup.owner_id == "s1" and lookup.pin_id and not peers.pins  # one round trip
         loads = [load for plan in peers.plans for load in plan.kv_loads]
         assert len(loads) == 1 and len(loads[0].slot_ids) == 6
         assert loads[0].store_id == "store-1"  # the worker loads only that kvstore's slots
         assert peers.outputs["a"][0].num_cached_tokens == 24
-        await eventually(lambda: peers.released == [pin.pin_id])
+        await eventually(lambda: peers.released == [lookup.pin_id])  # after the load
         await eventually(lambda: peers.stats and peers.stats[-1].num_kv_tier_hits == 24)
         assert peers.stats[-1].num_kv_tier_hits_by_tier == {"host": 24, "disk": 0}
         # the tokens computed here went to the kvstore: the 7th block (2 prompt tokens
@@ -242,24 +245,6 @@ async def test_a_host_hit_is_pinned_loaded_and_released(nats_url):
         await eventually(lambda: len(tokens_of(peers, "next")) == 3)
         stored = [run for plan in peers.plans for run in plan.kv_stores]
         assert [run.first_block_index for run in stored if run.request_id == "a"] == [6]
-    finally:
-        await shutdown()
-
-
-async def test_a_host_hit_pinned_by_its_lookup_takes_one_round_trip(nats_url):
-    service, peers, shutdown = await running(nats_url, "answers", _peers={"pinning_lookups": True})
-    try:
-        prompt = prompt_of(51_000)
-        peers.hold(prompt)
-        await submit(peers.bus, "a", prompt)
-        await eventually(lambda: len(tokens_of(peers, "a")) == 3)
-        assert tokens_of(peers, "a") == expected_tokens("a", len(prompt), 3)
-        (lookup,) = peers.lookups
-        assert lookup.owner_id == "s1" and lookup.pin_id and not peers.pins
-        loads = [load for plan in peers.plans for load in plan.kv_loads]
-        assert len(loads) == 1 and len(loads[0].slot_ids) == 6
-        assert peers.outputs["a"][0].num_cached_tokens == 24
-        await eventually(lambda: peers.released == [lookup.pin_id])  # after the load
     finally:
         await shutdown()
 
@@ -278,6 +263,22 @@ async def test_tier_hits_stay_counted_across_a_worker_re_attach(nats_url):
         await submit(peers.bus, "b", prompt)
         await eventually(lambda: peers.stats and peers.stats[-1].num_kv_tier_hits == 48)
         assert peers.stats[-1].num_kv_tier_hits_by_tier == {"host": 48, "disk": 0}
+    finally:
+        await shutdown()
+
+
+async def test_without_a_kv_node_id_the_null_connector_looks_up_and_stores_nothing(nats_url):
+    """The worker names its kvstore, but this scheduler was started without one."""
+    service, peers, shutdown = await running(nats_url, "answers", kv_node_id="")
+    try:
+        prompt = prompt_of(53_000)
+        peers.hold(prompt)
+        await submit(peers.bus, "n", prompt)
+        await eventually(lambda: len(tokens_of(peers, "n")) == 3)
+        assert tokens_of(peers, "n") == expected_tokens("n", len(prompt), 3)
+        assert type(service.kv) is KvConnector and service.core.kv is service.kv
+        assert not peers.lookups and peers.plans
+        assert all(not plan.kv_loads and not plan.kv_stores for plan in peers.plans)
     finally:
         await shutdown()
 
@@ -307,6 +308,7 @@ async def test_recompute_measured_faster_is_not_pinned(nats_url):
         await eventually(lambda: len(tokens_of(peers, "d")) == 3)
         assert len(peers.lookups) == 1 and not peers.pins
         assert all(not plan.kv_loads for plan in peers.plans)
+        await eventually(lambda: peers.released == [peers.lookups[0].pin_id])  # let go
     finally:
         await shutdown()
 
@@ -354,7 +356,7 @@ async def test_a_hit_of_another_kvstore_than_the_workers_is_recomputed(nats_url)
         await eventually(lambda: len(tokens_of(peers, "k")) == 3)
         assert tokens_of(peers, "k") == expected_tokens("k", len(prompt), 3)
         assert all(not plan.kv_loads for plan in peers.plans)
-        await eventually(lambda: peers.released == [peers.pins[0].pin_id])
+        await eventually(lambda: peers.released == [peers.lookups[0].pin_id])
         assert peers.outputs["k"][0].num_cached_tokens == 0
     finally:
         await shutdown()
@@ -367,16 +369,16 @@ async def test_a_worker_that_attaches_to_its_kvstore_later_is_learned_from_its_p
     peers_first = {"worker_info_has_kv": False, "worker_store_id": ""}
     service, peers, shutdown = await running(nats_url, "answers", _peers=peers_first)
     try:
-        assert service.kv is None
+        assert not service.kv.namespace  # the null connector
         peers.worker_store_id = "store-1"
-        await eventually(lambda: service.kv is not None, timeout_s=5)
+        await eventually(lambda: service.kv.namespace == NAMESPACE, timeout_s=5)
         prompt = prompt_of(87_000)
         peers.hold(prompt)
         await submit(peers.bus, "m", prompt)
         await eventually(lambda: len(tokens_of(peers, "m")) == 3)
         assert peers.outputs["m"][0].num_cached_tokens == 24
         assert tokens_of(peers, "m") == expected_tokens("m", len(prompt), 3)
-        assert service.core.kv_tier.stores_enabled
+        assert isinstance(service.core.kv, TieredKvConnector) and service.core.kv is service.kv
     finally:
         await shutdown()
 
@@ -386,13 +388,13 @@ async def test_an_abort_during_the_lookup_releases_the_pin_and_runs_nothing(nats
     try:
         prompt = prompt_of(100_000)
         peers.hold(prompt)
-        peers.pin_delay_s = 1.0  # the abort comes meanwhile, even on a loaded machine
+        peers.lookup_delay_s = 1.0  # the abort comes meanwhile, even on a loaded machine
         submitted = asyncio.create_task(submit(peers.bus, "g", prompt))
-        await eventually(lambda: peers.pins)
+        await eventually(lambda: peers.lookups)
         await peers.bus.request(SUBJECTS.scheduler_abort("s1"), AbortRequest(request_ids=["g"]),
                                 Empty)
         await submitted
-        await eventually(lambda: peers.released == [peers.pins[0].pin_id])
+        await eventually(lambda: peers.released == [peers.lookups[0].pin_id])
         assert "g" not in service.core.requests and not peers.plans
     finally:
         await shutdown()
@@ -402,9 +404,9 @@ async def test_a_pin_past_its_deadline_is_a_miss_and_let_go(nats_url, monkeypatc
     service, peers, shutdown = await running(nats_url, "answers")
     try:
         prompt = prompt_of(110_000)
-        peers.hold(prompt)
-        monkeypatch.setattr(kv_client, "HOST_PIN_TIMEOUT_S", 0.2)  # the product's
-        peers.pin_delay_s = 2.0  # past HOST_PIN_TIMEOUT_S
+        peers.hold(prompt, tier="disk")  # a disk hit: pinned by a second call
+        monkeypatch.setattr(kv_client, "PIN_TIMEOUT_S", 0.2)
+        peers.pin_delay_s = 2.0  # past PIN_TIMEOUT_S
         took = await submit(peers.bus, "h", prompt)
         assert took < 1.5
         await eventually(lambda: len(tokens_of(peers, "h")) == 3)

@@ -11,6 +11,7 @@ import pytest
 from shared.prefix_hash import extend_block_hashes
 from services.scheduler.request import TierHit
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_tier import KvTierLedger, max_load_blocks
 from services.scheduler.scheduler import Scheduler
 from shared.messages import ErrorInfo, StepPlan, StepResult
 from tests.services.scheduler.test_scheduler import (
@@ -22,8 +23,10 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, kvs
                    block_bytes=0, **config) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              **config)
+    kv = KvTierLedger(BLOCK_SIZE, max_load_blocks=max_load_blocks(
+        config.max_kv_load_mib_per_step, block_bytes)) if kvstore else None
     return Scheduler(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=512,
-                     eos_token_ids=[EOS], model_name="m", kvstore=kvstore, block_bytes=block_bytes)
+                     eos_token_ids=[EOS], model_name="m", kv=kv)
 
 
 class TierWorker(FakeWorker):
@@ -97,7 +100,7 @@ def test_tier_hit_loads_into_fresh_blocks_and_counts_as_computed():
     first = [e.output.new_token_ids[0] for e in scheduler.update(plan, result)]
     outputs, _, _ = run_to_completion(scheduler, worker)
     assert first + outputs["a"] == expected_tokens("a", 18, 3)
-    assert scheduler.kv_tier.num_tokens_loaded == {"host": 16, "disk": 0}
+    assert scheduler.kv.num_tokens_loaded == {"host": 16, "disk": 0}
 
 
 def test_a_request_loading_beside_others_computes_from_the_next_plan():
@@ -117,9 +120,9 @@ def test_a_request_loading_beside_others_computes_from_the_next_plan():
     assert [new.request_id for new in load_plan.new_requests] == ["b", "a"]
     next_plan = scheduler.schedule()  # planned while the load step is in flight
     assert ("a", 2) in [(s.request_id, s.num_new_tokens) for s in next_plan.scheduled]
-    assert scheduler.kv_tier.num_pins_held == 1  # the copy may still run: pinned
+    assert scheduler.kv.num_pins_held == 1  # the copy may still run: pinned
     scheduler.update(load_plan, worker.execute(load_plan))
-    assert scheduler.kv_tier.num_pins_held == 0
+    assert scheduler.kv.num_pins_held == 0
     first = {e.output.request_id: e.output.new_token_ids for e in
              scheduler.update(next_plan, worker.execute(next_plan))}
     outputs, _, _ = run_to_completion(scheduler, worker)
@@ -168,7 +171,7 @@ def test_cached_tokens_count_tier_hits():
     outputs, _, plans = run_to_completion(scheduler, worker, record=records)
     assert records[0].num_cached_tokens == 16
     assert outputs["a"] == expected_tokens("a", 18, 3)
-    assert scheduler.kv_tier.num_tokens_loaded == {"host": 8, "disk": 8}
+    assert scheduler.kv.num_tokens_loaded == {"host": 8, "disk": 8}
     assert scheduler.num_prefix_hits == 0  # GPU prefix hits only
 
 
@@ -223,11 +226,11 @@ def test_gpu_prefix_grown_past_the_hit_releases_the_pin_unused():
     hit = worker.pin(prompt, 0, 2)
     scheduler.add_request(request("warm", 0, 1, prompt=prompt[:17], ignore_eos=True))
     run_to_completion(scheduler, worker)
-    scheduler.take_pins_to_release()
+    scheduler.kv.take_pins_to_release()
     scheduler.add_request(request("a", 0, 2, prompt=prompt, ignore_eos=True), tier_hit=hit)
     plan, _ = first_plan(scheduler, worker)
     assert plan.kv_loads == []
-    assert scheduler.take_pins_to_release() == ["p1"]
+    assert scheduler.kv.take_pins_to_release() == ["p1"]
 
 
 def test_gap_before_the_hit_is_recomputed_not_loaded():
@@ -239,7 +242,7 @@ def test_gap_before_the_hit_is_recomputed_not_loaded():
     outputs, _, plans = run_to_completion(scheduler, worker)
     assert all(not p.kv_loads for p in plans)
     assert outputs["a"] == expected_tokens("a", 26, 2)
-    assert scheduler.take_pins_to_release() == ["p1"]
+    assert scheduler.kv.take_pins_to_release() == ["p1"]
 
 
 def test_shorter_pin_loads_what_it_has():
@@ -261,12 +264,12 @@ def test_pin_released_after_the_loading_steps_result():
                           tier_hit=worker.pin(prompt, 0, 4))
     plan, result = first_plan(scheduler, worker)
     plan2 = scheduler.schedule()  # overlapped: planned before the first result
-    assert scheduler.take_pins_to_release() == []
+    assert scheduler.kv.take_pins_to_release() == []
     scheduler.update(plan, result)
-    assert scheduler.take_pins_to_release() == ["p1"]
+    assert scheduler.kv.take_pins_to_release() == ["p1"]
     scheduler.update(plan2, worker.execute(plan2))
-    assert scheduler.take_pins_to_release() == []
-    assert scheduler.kv_tier.num_pins_held == 0
+    assert scheduler.kv.take_pins_to_release() == []
+    assert scheduler.kv.num_pins_held == 0
 
 
 def test_abort_before_admission_releases_the_pin():
@@ -275,7 +278,7 @@ def test_abort_before_admission_releases_the_pin():
     scheduler.add_request(request("a", 0, 4, prompt=prompt, ignore_eos=True),
                           tier_hit=worker.pin(prompt, 0, 4))
     scheduler.abort(["a"])
-    assert scheduler.take_pins_to_release() == ["p1"]
+    assert scheduler.kv.take_pins_to_release() == ["p1"]
     assert scheduler.schedule() is None
 
 
@@ -286,9 +289,9 @@ def test_abort_after_admission_releases_once_the_step_is_back():
                           tier_hit=worker.pin(prompt, 0, 4))
     plan, result = first_plan(scheduler, worker)
     scheduler.abort(["a"])
-    assert scheduler.take_pins_to_release() == []  # the worker may still be copying
+    assert scheduler.kv.take_pins_to_release() == []  # the worker may still be copying
     scheduler.update(plan, result)
-    assert scheduler.take_pins_to_release() == ["p1"]
+    assert scheduler.kv.take_pins_to_release() == ["p1"]
 
 
 def test_worker_failure_releases_pins_of_steps_in_flight_and_waiting_requests():
@@ -300,7 +303,7 @@ def test_worker_failure_releases_pins_of_steps_in_flight_and_waiting_requests():
                           tier_hit=worker.pin(second, 0, 4, pin_id="pb"))
     scheduler.schedule()  # loads a's hit; b waits (one sequence at a time)
     scheduler.fail_all(ErrorInfo(status=503, message="gone"))
-    assert sorted(scheduler.take_pins_to_release()) == ["pa", "pb"]
+    assert sorted(scheduler.kv.take_pins_to_release()) == ["pa", "pb"]
 
 
 def test_preemption_leaves_no_pin_and_recomputes_correctly():
@@ -313,10 +316,10 @@ def test_preemption_leaves_no_pin_and_recomputes_correctly():
                           tier_hit=worker.pin(second, 0, 3, pin_id="pb"))
     released = []
     outputs, _, _ = run_to_completion(scheduler, worker, depth=2)
-    released += scheduler.take_pins_to_release()
+    released += scheduler.kv.take_pins_to_release()
     assert scheduler.num_preemptions > 0
     assert sorted(released) == ["pa", "pb"]
-    assert scheduler.kv_tier.num_pins_held == 0
+    assert scheduler.kv.num_pins_held == 0
     assert outputs["a"] == expected_tokens("a", 14, 14)
     assert outputs["b"] == expected_tokens("b", 14, 14)
 
@@ -363,12 +366,12 @@ def test_block_of_a_preempted_request_readmitted_elsewhere_is_not_stored():
     scheduler, worker = make_scheduler(kvstore=True), TierWorker(64)
     scheduler.add_request(request("a", 8, 1, ignore_eos=True))
     plan, result = first_plan(scheduler, worker)
-    stores = scheduler.kv_tier
+    stores = scheduler.kv
     block_ids = plan.new_requests[0].block_ids
     block_hash = hashes_of(scheduler.requests["a"].prompt_token_ids)[0]
-    stores.block_cached("a", 0, block_ids[0], block_hash)
+    stores.on_block_cached("a", 0, block_ids[0], block_hash)
     assert len(stores.take_plan_stores(scheduler._store_target([]))) == 1
-    stores.block_cached("a", 0, block_ids[1], block_hash)  # not a's block 0 at the worker
+    stores.on_block_cached("a", 0, block_ids[1], block_hash)  # not a's block 0 at the worker
     assert stores.take_plan_stores(scheduler._store_target([])) == []
 
 
@@ -377,8 +380,8 @@ def test_evicted_block_is_not_stored():
     prompt = prompt_tokens(8)
     scheduler.add_request(request("a", 0, 1, prompt=prompt, ignore_eos=True))
     plan, result = first_plan(scheduler, worker)
-    scheduler.kv_tier.block_cached("a", 0, plan.new_requests[0].block_ids[0], b"other")
-    assert scheduler.kv_tier.take_plan_stores(lambda _: True) == []
+    scheduler.kv.on_block_cached("a", 0, plan.new_requests[0].block_ids[0], b"other")
+    assert scheduler.kv.take_plan_stores(scheduler._store_target([])) == []
 
 
 @pytest.mark.parametrize("kvstore", [False, True])
@@ -431,7 +434,7 @@ def test_stale_store_hits_are_dropped():
     scheduler.drop_tier_hits("store-2")  # the kvstore restarted
     outputs, _, plans = run_to_completion(scheduler, worker)
     assert all(not p.kv_loads for p in plans)
-    assert scheduler.take_pins_to_release() == []  # its pins died with it
+    assert scheduler.kv.take_pins_to_release() == []  # its pins died with it
     assert outputs["a"] == expected_tokens("a", 18, 2)
 
 
