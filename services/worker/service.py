@@ -272,8 +272,7 @@ class WorkerService:
             raise
         config = self.config
         return KvOffload(tiers, reply.store_id, self.runner.block_size, max_blocks_per_step=(
-            -(-config.max_num_batched_tokens // self.runner.block_size) + config.max_num_seqs),
-            commit_columns=reply.commit_columns)
+            -(-config.max_num_batched_tokens // self.runner.block_size) + config.max_num_seqs))
 
     async def _kv_detach(self, why: str) -> None:
         log.warning("kvstore_detached", node_id=self.config.kv_node_id, reason=why)
@@ -331,20 +330,20 @@ class WorkerService:
             return
         commits = offload.take_commits()
         if commits:
-            asyncio.create_task(self._kv_publish(commits, offload.commit_columns))
+            asyncio.create_task(self._kv_publish(commits))
         if offload.slots_wanted() and not self._kv_reserving:
             asyncio.create_task(self._kv_reserve())
 
-    async def _kv_publish(self, commits: list[Commit], columns: bool) -> None:
+    async def _kv_publish(self, commits: list[Commit]) -> None:
         subject = self.subjects.kvstore(self.config.kv_node_id, "commit")
         for message in commit_messages(commits, self._kv_layout.namespace,
-                                       self.config.instance_id, columns):
+                                       self.config.instance_id):
             try:
                 await self.bus.publish(subject, message)
             except FlotillaError as exc:  # the reservation lapses at the kvstore
                 self.num_kv_commits_dropped += 1
                 log.info("kvstore_commit_dropped", error=str(exc),
-                         num_blocks=len(message.blocks) + len(message.slot_ids))
+                         num_blocks=len(message.slot_ids))
 
     def start_kv_upkeep(self) -> None:
         self._kv_task = asyncio.create_task(self._kv_maintain())

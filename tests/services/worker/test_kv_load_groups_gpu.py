@@ -179,7 +179,7 @@ def stored(six_layers, tmp_path_factory):
         pass
     (commit,) = offload.take_commits()
     writer.attach_kv(None)
-    yield arena_dir / "arena", [b.slot_id for b in commit.blocks], prompt_r, prompt_s, expected
+    yield arena_dir / "arena", commit.slot_ids, prompt_r, prompt_s, expected
     shutil.rmtree(arena_dir)
 
 

@@ -18,6 +18,7 @@ from shared.messages import (
     KvLoad, KvStoreRun, NewRequestData, SamplingParams, ScheduledRequest, StepPlan,
 )
 from shared.models import ModelFiles
+from tests.services.worker.kv_arenas import committed_blocks
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -135,8 +136,8 @@ class Driver:
 
 
 def committed(offload: KvOffload) -> dict[bytes, tuple[int, list[int]]]:
-    return {b.block_hash: (b.slot_id, b.token_ids)
-            for commit in offload.take_commits() for b in commit.blocks}
+    return {block_hash: (slot_id, token_ids) for commit in offload.take_commits()
+            for block_hash, slot_id, token_ids in committed_blocks(commit)}
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -30,6 +30,7 @@ from shared.messages import (
 from shared.models import ModelFiles, weights_version
 from shared.subjects import Subjects
 from tests.nats_server import started_nats_server
+from tests.services.worker.kv_arenas import committed_blocks
 
 pytestmark = pytest.mark.integration
 
@@ -59,11 +60,9 @@ def runner(tmp_path_factory) -> ModelRunner:
 class StandInKvStore:
     """Attach, reserve, commit and keepalive as the kvstore answers them."""
 
-    def __init__(self, bus: Bus, namespace: str, arena_dir, store_id: str,
-                 commit_columns: bool = False) -> None:
+    def __init__(self, bus: Bus, namespace: str, arena_dir, store_id: str) -> None:
         self.bus, self.subjects, self.arena_dir = bus, Subjects(namespace), arena_dir
         self.store_id = store_id
-        self.commit_columns = commit_columns  # False: a kvstore that predates the columns
         self.arena: KvArena | None = None
         self.next_slot = 0
         self.commits: list[KvCommitRequest] = []
@@ -87,8 +86,7 @@ class StandInKvStore:
             self.arena = KvArena.create(path, 64, slot_nbytes, self.store_id)
         return KvAttachReply(store_id=self.store_id, node_id=NODE,
                              namespace=request.layout.namespace, arena_path=str(path),
-                             num_slots=64, slot_nbytes=slot_nbytes,
-                             commit_columns=self.commit_columns)
+                             num_slots=64, slot_nbytes=slot_nbytes)
 
     async def reserve(self, request: KvReserveRequest) -> KvReserveReply:
         slot_ids = list(range(self.next_slot, min(64, self.next_slot + request.num_slots)))
@@ -135,22 +133,10 @@ async def start_worker(runner: ModelRunner, nats_url: str, namespace: str):
     return service, bus
 
 
-def committed_blocks(commit: KvCommitRequest) -> list[tuple[bytes, int, list[int]]]:
-    """(hash, slot, token ids) per block, from either form of a commit."""
-    size = commit.block_size
-    return [(b.block_hash, b.slot_id, b.token_ids) for b in commit.blocks] + [
-        (block_hash, slot_id, commit.token_ids[index * size:(index + 1) * size])
-        for index, (block_hash, slot_id) in enumerate(zip(commit.block_hashes, commit.slot_ids))]
-
-
-@pytest.mark.parametrize("commit_columns", [True, False])
-async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_upkeep,
-                                               commit_columns):
-    """A kvstore that reads commits as columns gets them so; one that predates them gets
-    a struct per block."""
-    namespace = f"kvsvc1{'c' if commit_columns else 's'}"
+async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_upkeep):
+    namespace = "kvsvc1"
     client = await Bus.connect(nats_url, name="kvstore")
-    kvstore = StandInKvStore(client, namespace, tmp_path, "store-1", commit_columns)
+    kvstore = StandInKvStore(client, namespace, tmp_path, "store-1")
     await kvstore.start()
     await client.flush()  # the worker's one attach at start must find it (WorkerInfo says so)
     service, bus = await start_worker(runner, nats_url, namespace)
@@ -169,7 +155,6 @@ async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_
         assert await eventually(lambda: kvstore.commits)
         (commit,) = kvstore.commits
         assert commit.store_id == "store-1" and commit.owner_id == service.config.instance_id
-        assert bool(commit.slot_ids) == commit_columns and bool(commit.blocks) != commit_columns
         blocks = committed_blocks(commit)
         assert [(block_hash, token_ids) for block_hash, _, token_ids in blocks] == [
             (b"h0", prompt[:16]), (b"h1", prompt[16:32])]
