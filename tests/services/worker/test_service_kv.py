@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import services.worker.service as worker_service
+import services.worker.kv_upkeep as kv_upkeep
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
 from services.worker.service import WorkerService
@@ -119,7 +119,7 @@ async def eventually(condition, timeout_s: float = 10.0) -> bool:
 
 @pytest.fixture
 def fast_upkeep(monkeypatch):
-    monkeypatch.setattr(worker_service, "KV_KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(kv_upkeep, "KV_KEEPALIVE_S", 0.2)
 
 
 async def start_worker(runner: ModelRunner, nats_url: str, namespace: str):
@@ -163,7 +163,7 @@ async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_
         assert torch.equal(slots[blocks[1][1]], runner.kv_cache[:, :, 7])
         assert await eventually(lambda: service.config.instance_id in kvstore.keepalives)
     finally:
-        service.stop_kv_upkeep()
+        service.kv.stop()
         await bus.close()
         await client.close()
 
@@ -185,11 +185,11 @@ async def test_a_kvstore_absent_at_start_then_restarted(runner, nats_url, tmp_pa
 
         kvstore = StandInKvStore(client, namespace, tmp_path, "store-1")
         await kvstore.start()
-        assert await eventually(lambda: runner.kv_offload is not None)
-        first = runner.kv_offload
+        assert await eventually(lambda: runner.kv.offload is not None)
+        first = runner.kv.offload
         assert first.store_id == "store-1" and first.slot_pool.num_free > 0
 
-        service.stop_kv_upkeep()  # the restart happens between two upkeep rounds
+        service.kv.stop()  # the restart happens between two upkeep rounds
         kvstore.store_id = "store-2"  # restarted: a new arena file at the same path
         await client.request(subjects.kvstore(NODE, "attach"), KvAttachRequest(
             owner_id="someone", layout=layout_of(runner), itemsize=4), KvAttachReply)
@@ -201,12 +201,12 @@ async def test_a_kvstore_absent_at_start_then_restarted(runner, nats_url, tmp_pa
         result = await client.request(subjects.worker_step("0"), plan, StepResult)
         assert result.request_ids == ["r"] and result.kv_load_bytes == 0
         assert first.num_recomputed == 1 and first.num_loaded == 0
-        service.start_kv_upkeep()
-        assert await eventually(lambda: runner.kv_offload is not None
-                                and runner.kv_offload.store_id == "store-2")
+        service.kv.start_upkeep()
+        assert await eventually(lambda: runner.kv.offload is not None
+                                and runner.kv.offload.store_id == "store-2")
         info = await client.request(subjects.worker_attach("0"), Empty(), WorkerInfo)
         assert info.kv_node_id == NODE
     finally:
-        service.stop_kv_upkeep()
+        service.kv.stop()
         await bus.close()
         await client.close()
