@@ -63,7 +63,8 @@ class WorkerService:
         # order was sent before the scheduler re-attached (held up in a NATS outage).
         self._next_step_id: int | None = None  # None: no scheduler attached yet
         # the node's kvstore (docs/kvstore.md), or none
-        self.kv = KvUpkeep(config, bus, runner, forward) if config.kv_node_id else NoKvUpkeep()
+        self.kv_upkeep = KvUpkeep(config, bus, runner, forward) if config.kv_node_id \
+            else NoKvUpkeep()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -80,7 +81,7 @@ class WorkerService:
         await self.bus.serve(self.subjects.worker_ping(replica_id), Empty, self._on_health)
         await self.bus.serve(self.subjects.health("worker"), Empty, self._on_health,
                              queue=self.subjects.queue_group("worker"))
-        await self.kv.start()
+        await self.kv_upkeep.start()
 
     async def _on_step(self, plan: StepPlan) -> StepResult:
         if plan.worker_id and plan.worker_id != self.config.instance_id:
@@ -118,13 +119,13 @@ class WorkerService:
             self._fail_in_flight(exc)
             raise
         self._deliver(results)
-        self.kv.after_submit()
+        self.kv_upkeep.after_submit()
 
     def _read_back_when_done(self) -> bool:
         """The executor's idle hook: reply for the step in flight once the GPU is done with
         it (no next plan came to queue behind it), and commit finished KV stores; True
         while either is still running."""
-        kv_busy = self.kv.poll()
+        kv_busy = self.kv_upkeep.poll()
         if not self.runner.has_in_flight:
             return kv_busy
         if not self.runner.in_flight_done():
@@ -175,7 +176,7 @@ class WorkerService:
             block_size=runner.block_size, max_model_len=runner.max_model_len,
             eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=runner.kv_cache_bytes,
             device=str(runner.device), dtype=str(runner.dtype),
-            kv_namespace=self.kv.namespace, kv_node_id=self.kv.node_id)
+            kv_namespace=self.kv_upkeep.namespace, kv_node_id=self.kv_upkeep.node_id)
 
     async def _on_health(self, _: Empty) -> HealthReply:
         detail = {
@@ -183,7 +184,7 @@ class WorkerService:
             "num_steps": self.num_steps, "device": str(self.runner.device),
             "num_overlapped_steps": self.runner.num_overlapped_steps,
             "draining": self.draining, "nats_disconnects": self.bus.num_disconnects}
-        detail |= self.kv.health_detail()
+        detail |= self.kv_upkeep.health_detail()
         return HealthReply(service="worker", instance_id=self.config.instance_id, detail=detail)
 
     async def drain(self, timeout_s: float) -> None:
@@ -211,7 +212,7 @@ async def serve_bus(config: WorkerConfig, runner: ModelRunner, forward: Executor
         if not bus.lost_for_good:
             await service.drain(config.shutdown_timeout)
     finally:
-        service.kv.stop()
+        service.kv_upkeep.stop()
         await bus.close()
         if bus.lost_for_good:
             outcome["exit_code"] = EXIT_NATS_LOST

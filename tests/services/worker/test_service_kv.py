@@ -163,7 +163,7 @@ async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_
         assert torch.equal(slots[blocks[1][1]], runner.kv_cache[:, :, 7])
         assert await eventually(lambda: service.config.instance_id in kvstore.keepalives)
     finally:
-        service.kv.stop()
+        service.kv_upkeep.stop()
         await bus.close()
         await client.close()
 
@@ -189,7 +189,7 @@ async def test_a_kvstore_absent_at_start_then_restarted(runner, nats_url, tmp_pa
         first = runner.kv.offload
         assert first.store_id == "store-1" and first.slot_pool.num_free > 0
 
-        service.kv.stop()  # the restart happens between two upkeep rounds
+        service.kv_upkeep.stop()  # the restart happens between two upkeep rounds
         kvstore.store_id = "store-2"  # restarted: a new arena file at the same path
         await client.request(subjects.kvstore(NODE, "attach"), KvAttachRequest(
             owner_id="someone", layout=layout_of(runner), itemsize=4), KvAttachReply)
@@ -201,12 +201,12 @@ async def test_a_kvstore_absent_at_start_then_restarted(runner, nats_url, tmp_pa
         result = await client.request(subjects.worker_step("0"), plan, StepResult)
         assert result.request_ids == ["r"] and result.kv_load_bytes == 0
         assert first.num_recomputed == 1 and first.num_loaded == 0
-        service.kv.start_upkeep()
+        service.kv_upkeep.start_upkeep()
         assert await eventually(lambda: runner.kv.offload is not None
                                 and runner.kv.offload.store_id == "store-2")
         info = await client.request(subjects.worker_attach("0"), Empty(), WorkerInfo)
         assert info.kv_node_id == NODE
     finally:
-        service.kv.stop()
+        service.kv_upkeep.stop()
         await bus.close()
         await client.close()
