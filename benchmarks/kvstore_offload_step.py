@@ -19,7 +19,7 @@ Reported per step (median over ``--steps`` after ``--warmup``), in host millisec
   worker   plan_decode   the plan's decode, minus the same plan's without kv_stores (bus thread)
            resolve       KvOffload.resolve_stores: the runs checked against the requests
            store         KvOffload.store (both calls), of which ``copy`` is KvTiers.store
-           glue          the rest of the runner's _kv_before_forward (filtering, waits)
+           glue          the rest of the KV connector's before_forward (filtering, waits)
            end_submit    KvOffload.end_submit: token ids read, commits built
            commit_encode the commit messages built (kv_offload.commit_messages) and encoded
                          (bus thread)
@@ -180,7 +180,10 @@ def run(args: argparse.Namespace, model: ModelFiles, work: Path, kvstore: bool) 
         timers.wrap(offload, "store", "store")
         timers.wrap(offload.tiers, "store", "copy")
         timers.wrap(offload, "end_submit", "end_submit")
-        timers.wrap(runner, "_kv_before_forward", "before_forward")
+        if hasattr(runner, "_kv_before_forward"):  # a tree before the KV connector
+            timers.wrap(runner, "_kv_before_forward", "before_forward")
+        else:
+            timers.wrap(runner.kv, "before_forward", "before_forward")
     rng = random.Random(args.seed)
     num_per_step = budget // args.prompt_len
     sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)

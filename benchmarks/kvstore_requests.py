@@ -58,7 +58,7 @@ from services.scheduler.tiering import TierSpeeds  # noqa: E402
 from shared.bus import Bus  # noqa: E402
 from shared.messages import (  # noqa: E402
     Empty, KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvLookupReply,
-    KvLookupRequest, KvReserveReply, KvReserveRequest, KvStatsReply, KvStoredBlock,
+    KvLookupRequest, KvReserveReply, KvReserveRequest, KvStatsReply,
 )
 from shared.logging import setup_logging  # noqa: E402
 from shared.runtime import run_event_loop  # noqa: E402
@@ -81,8 +81,10 @@ class Prompt:
         self.block_hashes = [rng.randbytes(32) for _ in range(NUM_BLOCKS)]
         self.token_ids = [rng.randrange(200, 40_000) for _ in range(NUM_BLOCKS * BLOCK_SIZE + 1)]
 
-    def block_tokens(self, index: int) -> list[int]:
-        return self.token_ids[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE]
+    def commit_columns(self, slot_ids: list[int]) -> dict:
+        """A KvCommitRequest's block fields: its blocks in ``slot_ids``."""
+        return dict(block_hashes=self.block_hashes[:len(slot_ids)], slot_ids=list(slot_ids),
+                    token_ids=self.token_ids[:len(slot_ids) * BLOCK_SIZE], block_size=BLOCK_SIZE)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -163,9 +165,7 @@ async def bench(args: argparse.Namespace, nats_url: str, kvstore_pid: int, node_
         with caller_span("commit"):
             await worker.request(subject("commit"), KvCommitRequest(
                 namespace=namespace, owner_id="bench-worker", store_id=store_id,
-                blocks=[KvStoredBlock(block_hash, slot_id, prompt.block_tokens(index))
-                        for index, (block_hash, slot_id)
-                        in enumerate(zip(prompt.block_hashes, reserved.slot_ids))]), Empty)
+                **prompt.commit_columns(reserved.slot_ids)), Empty)
 
     async def lookup(prompt: Prompt) -> None:
         with caller_span("lookup"):
@@ -255,9 +255,7 @@ def core_phases(prompts: Sequence[Prompt], work: Path) -> list[dict]:
         for prompt, slot_ids in zip(prompts, reserved):
             commits.append(encode(KvCommitRequest(
                 namespace=namespace, owner_id="w", store_id="core",
-                blocks=[KvStoredBlock(block_hash, slot_id, prompt.block_tokens(index))
-                        for index, (block_hash, slot_id)
-                        in enumerate(zip(prompt.block_hashes, slot_ids))])))
+                **prompt.commit_columns(slot_ids))))
 
     def commit(_: Prompt, index: int) -> None:  # decoded as the service does
         store.commit(decode(commits[index], KvCommitRequest), 0.0)

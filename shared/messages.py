@@ -408,9 +408,6 @@ class KvAttachReply(Struct, frozen=True, kw_only=True):
     arena_path: str  # a file the worker maps (shared/kv_arena.py)
     num_slots: int
     slot_nbytes: int
-    # this kvstore reads KvCommitRequest's columns (block_hashes, slot_ids, token_ids); one
-    # that predates them says False and gets ``blocks``
-    commit_columns: bool = False
 
 
 class KvReserveRequest(Struct, frozen=True, kw_only=True):
@@ -426,12 +423,6 @@ class KvReserveReply(Struct, frozen=True, kw_only=True):
     slot_ids: list[int]  # the owner's until committed or returned (or the owner goes silent)
 
 
-class KvStoredBlock(Struct, frozen=True, array_like=True, gc=False):
-    block_hash: bytes
-    slot_id: int
-    token_ids: list[int]  # the block's tokens: a hit is confirmed by them, not the hash alone
-
-
 class KvCommitRequest(Struct, frozen=True, kw_only=True):
     """worker -> kvstore: these reserved slots now hold these blocks (copies complete).
     Ignored when ``store_id`` is not the running kvstore's (it restarted)."""
@@ -439,11 +430,10 @@ class KvCommitRequest(Struct, frozen=True, kw_only=True):
     namespace: str
     owner_id: str
     store_id: str
-    blocks: list[KvStoredBlock] = []
     returned_slot_ids: list[int] = []  # reserved slots the owner gives back unused
-    # the same as ``blocks``, as columns (no struct per block; for a kvstore whose attach
-    # reply says ``commit_columns``): block i is block_hashes[i] in slot_ids[i], holding
-    # token_ids[i * block_size:(i + 1) * block_size]
+    # the blocks as columns (no struct per block): block i is block_hashes[i] in slot_ids[i],
+    # holding token_ids[i * block_size:(i + 1) * block_size] (a hit is confirmed by its
+    # tokens, not the hash alone)
     block_hashes: list[bytes] = []
     slot_ids: list[int] = []
     token_ids: list[int] = []
@@ -559,7 +549,7 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
     AbortRequest, RequestOutput, OutputBatch, SchedulerStats, SchedulerBlockEvent,
     BlockSnapshotRequest, BlockSnapshotPart, BlockSnapshotReply, NewRequestData,
     ScheduledRequest, StepPlan, StepResult, WorkerInfo, KvLayout, KvAttachRequest,
-    KvAttachReply, KvReserveRequest, KvReserveReply, KvStoredBlock, KvCommitRequest,
+    KvAttachReply, KvReserveRequest, KvReserveReply, KvCommitRequest,
     KvLookupRequest, KvLookupReply, KvPinRequest, KvPinReply, KvReleaseRequest, KvKeepAlive,
     KvBlockEvent, KvTierStats, KvStatsReply, KvLoad, KvStoreRun,
 )

@@ -25,7 +25,8 @@ NATS_EDGES = {
     "services/scheduler/kv_client.py": "lookups and pins at the node's kvstore",
     "services/scheduler/kv_connector.py": "builds the KvClient over the scheduler's bus (the tiered connector)",
     "services/scheduler/block_events.py": "block events and snapshots for the gateways",
-    "services/worker/service.py": "the worker's edge: steps, attach, kvstore upkeep",
+    "services/worker/service.py": "the worker's edge: steps",
+    "services/worker/kv_upkeep.py": "attach, reserve, keepalive and commits at the node's kvstore",
     "services/kvstore/service.py": "the kvstore's edge",
 }
 

@@ -169,7 +169,7 @@ class KvStoreService:
         self.log.info("kv_attached", owner_id=request.owner_id, namespace=name)
         return KvAttachReply(store_id=self.store_id, node_id=self.config.node_id, namespace=name,
                              arena_path=str(ns.arena.path), num_slots=ns.host.num_slots,
-                             slot_nbytes=slot_nbytes, commit_columns=True)
+                             slot_nbytes=slot_nbytes)
 
     async def _create_namespace(self, name: str, slot_nbytes: int, layout) -> Namespace:
         try:

@@ -7,7 +7,6 @@ steps here (``begin_pin`` / ``read_pin`` in a thread / ``finish_pin``).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -139,9 +138,7 @@ class KvStore:
             return []
         # lazily, block by block: a list of them all would outlive the collector's young
         # generation and make its passes dearer (~1 ms more per 1,024 blocks)
-        blocks = ((block.block_hash, block.slot_id, block.token_ids) for block in request.blocks)
-        if request.block_hashes:
-            blocks = itertools.chain(blocks, _columns(request))
+        blocks = _columns(request) if request.block_hashes else ()
         return ns.host.commit(request.owner_id, blocks, request.returned_slot_ids)
 
     # ------------------------------------------------------------ readers

@@ -22,7 +22,7 @@ import structlog
 
 from services.worker.kv_tiers import KvTiers, LoadTiming, StoreCopy
 from shared.messages import (
-    KvCommitRequest, KvLoad, KvStoredBlock, KvStoreRun, ScheduledRequest, StepPlan,
+    KvCommitRequest, KvLoad, KvStoreRun, ScheduledRequest, StepPlan,
 )
 
 log = structlog.get_logger()
@@ -129,14 +129,6 @@ class Commit:
     token_ids: list[int]
     returned_slot_ids: list[int] = field(default_factory=list)
 
-    @property
-    def blocks(self) -> list[KvStoredBlock]:
-        """One struct per block: the form a kvstore that predates the columns reads."""
-        size, tokens = self.block_size, self.token_ids
-        return [KvStoredBlock(block_hash, slot_id, tokens[index * size:(index + 1) * size])
-                for index, (block_hash, slot_id)
-                in enumerate(zip(self.block_hashes, self.slot_ids))]
-
 
 @dataclass
 class _StoreBatch:
@@ -147,12 +139,10 @@ class _StoreBatch:
 
 class KvOffload:
     def __init__(self, tiers: KvTiers, store_id: str, block_size: int,
-                 target_free_slots: int = 0, max_blocks_per_step: int = 0,
-                 commit_columns: bool = False) -> None:
+                 target_free_slots: int = 0, max_blocks_per_step: int = 0) -> None:
         self.tiers = tiers
         self.store_id = store_id
         self.block_size = block_size
-        self.commit_columns = commit_columns  # the kvstore reads commits as columns
         self.slot_pool = SlotPool()
         # The most blocks one step can complete (a whole token budget of prompt): the pool
         # is topped up whenever it holds fewer, and the target is two steps' worth, so a
@@ -305,35 +295,29 @@ class KvOffload:
         self.tiers.close()
 
 
-def commit_messages(commits: Sequence[Commit], namespace: str, owner_id: str,
-                    columns: bool) -> list[KvCommitRequest]:
-    """The KvCommitRequests that publish ``commits``: as columns when the kvstore reads them
-    (``KvAttachReply.commit_columns``), else a struct per block; at most
+def commit_messages(commits: Sequence[Commit], namespace: str,
+                    owner_id: str) -> list[KvCommitRequest]:
+    """The KvCommitRequests that publish ``commits``, as columns: at most
     MAX_TOKENS_PER_COMMIT tokens each, a commit's returned slots with its last message."""
     messages = []
     for commit in commits:
         size, num_blocks = commit.block_size, len(commit.slot_ids)
         per_message = max(1, MAX_TOKENS_PER_COMMIT // size)
-        blocks = commit.blocks if not columns else []
         for first in range(0, max(num_blocks, 1), per_message):
             end = first + per_message
             returned = commit.returned_slot_ids if end >= num_blocks else []
-            if columns and first == 0 and end >= num_blocks:  # all in one: no copies
+            if first == 0 and end >= num_blocks:  # all in one: no copies
                 message = KvCommitRequest(
                     namespace=namespace, owner_id=owner_id, store_id=commit.store_id,
                     block_hashes=commit.block_hashes, slot_ids=commit.slot_ids,
                     token_ids=commit.token_ids, block_size=size, returned_slot_ids=returned)
-            elif columns:
+            else:
                 message = KvCommitRequest(
                     namespace=namespace, owner_id=owner_id, store_id=commit.store_id,
                     block_hashes=commit.block_hashes[first:end],
                     slot_ids=commit.slot_ids[first:end],
                     token_ids=commit.token_ids[first * size:end * size], block_size=size,
                     returned_slot_ids=returned)
-            else:
-                message = KvCommitRequest(namespace=namespace, owner_id=owner_id,
-                                          store_id=commit.store_id, blocks=blocks[first:end],
-                                          returned_slot_ids=returned)
             messages.append(message)
     return messages
 

@@ -10,10 +10,9 @@ second signal stops it at once. Its pings report how often its link to NATS drop
 so the scheduler can tell a step whose reply may have been lost. A NATS connection
 closed for good ends the process with EXIT_NATS_LOST.
 
-With ``--kv-node-id`` it attaches to its node's kvstore (docs/kvstore.md): maps the host
-tier's arena, keeps slots reserved for stores, publishes the commits of finished copies and a
-keepalive. A kvstore that does not answer is retried in the background; none of it ever
-holds up a step.
+With ``--kv-node-id`` it attaches to its node's kvstore (docs/kvstore.md): its upkeep
+(kv_upkeep.py) maps the host tier's arena, keeps slots reserved for stores, publishes the
+commits of finished copies and a keepalive; none of it ever holds up a step.
 """
 
 from __future__ import annotations
@@ -28,17 +27,13 @@ from concurrent.futures import Executor
 import structlog
 
 from services.worker.config import WorkerConfig
-from services.worker.kv_offload import Commit, KvOffload, commit_messages
-from services.worker.kv_tiers import KvTiers, attach_arena
+from services.worker.kv_upkeep import KvUpkeep, NoKvUpkeep
 from services.worker.main_thread import MainThreadExecutor
 from services.worker.runner import ModelRunner
 from shared.bus import EXIT_NATS_LOST, Bus
-from shared.errors import FlotillaError, ServiceUnavailable
-from shared.messages import (
-    Empty, HealthReply, KvAttachReply, KvAttachRequest, KvKeepAlive, KvLayout,
-    KvReserveReply, KvReserveRequest, StepPlan, StepResult, WorkerInfo,
-)
-from shared.models import resolve_model, weights_version
+from shared.errors import ServiceUnavailable
+from shared.messages import Empty, HealthReply, StepPlan, StepResult, WorkerInfo
+from shared.models import resolve_model
 from shared.runtime import freeze_startup_objects
 from shared.subjects import Subjects
 
@@ -47,8 +42,6 @@ log = structlog.get_logger()
 GIL_SWITCH_INTERVAL_S = 0.0002
 DRAIN_IDLE_S = 1.0  # draining: exit once no step came for this long
 DRAIN_POLL_S = 0.1
-KV_KEEPALIVE_S = 2.0  # also how often an absent or replaced kvstore is attached again
-KV_REQUEST_TIMEOUT_S = 2.0
 
 
 class WorkerService:
@@ -69,13 +62,9 @@ class WorkerService:
         # The step id due next: plans come numbered from 0 after each attach; one out of
         # order was sent before the scheduler re-attached (held up in a NATS outage).
         self._next_step_id: int | None = None  # None: no scheduler attached yet
-        # the kvstore (docs/kvstore.md); touched on the event loop
-        self._kv_layout: KvLayout | None = None
-        self._kv_namespace = ""  # "" while not attached
-        self._kv_task: asyncio.Task | None = None
-        self._kv_reserving = False
-        self._kv_attaching = False
-        self.num_kv_commits_dropped = 0
+        # the node's kvstore (docs/kvstore.md), or none
+        self.kv_upkeep = KvUpkeep(config, bus, runner, forward) if config.kv_node_id \
+            else NoKvUpkeep()
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -92,12 +81,7 @@ class WorkerService:
         await self.bus.serve(self.subjects.worker_ping(replica_id), Empty, self._on_health)
         await self.bus.serve(self.subjects.health("worker"), Empty, self._on_health,
                              queue=self.subjects.queue_group("worker"))
-        if self.config.kv_node_id:
-            runner = self.runner
-            self._kv_layout = await self._loop.run_in_executor(None, lambda: runner.kv_layout(
-                weights_version(runner.model_path, runner.seed)))
-            await self._kv_attach()  # one try now, so the first scheduler learns of it
-            self.start_kv_upkeep()
+        await self.kv_upkeep.start()
 
     async def _on_step(self, plan: StepPlan) -> StepResult:
         if plan.worker_id and plan.worker_id != self.config.instance_id:
@@ -135,24 +119,13 @@ class WorkerService:
             self._fail_in_flight(exc)
             raise
         self._deliver(results)
-        if self.runner.kv_offload is not None:
-            self._loop.call_soon_threadsafe(self._kv_after_step)
-
-    def _poll_kv(self) -> bool:
-        """Commit the stores whose copies finished; True while copies are in flight."""
-        offload = self.runner.kv_offload
-        if offload is None:
-            return False
-        busy = offload.poll()
-        if offload.has_commits:
-            self._loop.call_soon_threadsafe(self._kv_after_step)
-        return busy
+        self.kv_upkeep.after_submit()
 
     def _read_back_when_done(self) -> bool:
         """The executor's idle hook: reply for the step in flight once the GPU is done with
         it (no next plan came to queue behind it), and commit finished KV stores; True
         while either is still running."""
-        kv_busy = self._poll_kv()
+        kv_busy = self.kv_upkeep.poll()
         if not self.runner.has_in_flight:
             return kv_busy
         if not self.runner.in_flight_done():
@@ -203,8 +176,7 @@ class WorkerService:
             block_size=runner.block_size, max_model_len=runner.max_model_len,
             eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=runner.kv_cache_bytes,
             device=str(runner.device), dtype=str(runner.dtype),
-            kv_namespace=self._kv_namespace,
-            kv_node_id=self.config.kv_node_id if self._kv_namespace else "")
+            kv_namespace=self.kv_upkeep.namespace, kv_node_id=self.kv_upkeep.node_id)
 
     async def _on_health(self, _: Empty) -> HealthReply:
         detail = {
@@ -212,147 +184,8 @@ class WorkerService:
             "num_steps": self.num_steps, "device": str(self.runner.device),
             "num_overlapped_steps": self.runner.num_overlapped_steps,
             "draining": self.draining, "nats_disconnects": self.bus.num_disconnects}
-        if self.config.kv_node_id:
-            offload = self.runner.kv_offload
-            detail |= {
-                "kv_node_id": self.config.kv_node_id, "kv_attached": offload is not None,
-                "kv_namespace": self._kv_namespace,
-                "kv_store_id": offload.store_id if offload else "",
-                "kv_num_loaded": offload.num_loaded if offload else 0,
-                "kv_num_stored": offload.num_stored if offload else 0,
-                "kv_num_skipped": offload.num_skipped if offload else 0,
-                "kv_num_recomputed": offload.num_recomputed if offload else 0,
-                "kv_num_free_slots": offload.slot_pool.num_free if offload else 0,
-                "kv_num_commits_dropped": self.num_kv_commits_dropped}
+        detail |= self.kv_upkeep.health_detail()
         return HealthReply(service="worker", instance_id=self.config.instance_id, detail=detail)
-
-    # ---- the kvstore (event loop)
-    async def _kv_attach(self) -> bool:
-        """Attach to the node's kvstore, map its arena and use it from the next step on;
-        False (and no kvstore) when it does not answer."""
-        if self._kv_attaching:
-            return False
-        self._kv_attaching = True
-        try:
-            layout = self._kv_layout
-            try:
-                reply = await self.bus.request(
-                    self.subjects.kvstore(self.config.kv_node_id, "attach"),
-                    KvAttachRequest(owner_id=self.config.instance_id, layout=layout,
-                                    itemsize=self.runner.kv_cache.element_size()),
-                    KvAttachReply, timeout=KV_REQUEST_TIMEOUT_S)
-            except FlotillaError as exc:
-                log.info("kvstore_unavailable", node_id=self.config.kv_node_id, error=str(exc))
-                return False
-            try:  # mapping and pinning a large arena takes a while: off both loops
-                offload = await self._loop.run_in_executor(None, self._open_offload, reply)
-            except (OSError, ValueError) as exc:
-                log.error("kvstore_arena_unusable", path=reply.arena_path, error=str(exc))
-                return False
-            await self._loop.run_in_executor(self.forward, self.runner.attach_kv, offload)
-            self._kv_namespace = reply.namespace
-            log.info("kvstore_attached", node_id=reply.node_id, store_id=reply.store_id,
-                     namespace=reply.namespace, num_slots=reply.num_slots,
-                     pinned=offload.tiers.pinned)
-        finally:
-            self._kv_attaching = False
-        await self._kv_reserve()
-        return True
-
-    def _open_offload(self, reply: KvAttachReply) -> KvOffload:
-        arena, inode = attach_arena(reply.arena_path)
-        try:
-            if arena.store_id != reply.store_id:
-                raise ValueError(f"the arena belongs to kvstore {arena.store_id!r}, not "
-                                 f"{reply.store_id!r}")
-            tiers = KvTiers(self.runner.kv_cache, arena, arena_inode=inode,
-                            num_load_groups=self.config.kv_load_layer_groups)
-        except Exception:
-            arena.close()
-            raise
-        config = self.config
-        return KvOffload(tiers, reply.store_id, self.runner.block_size, max_blocks_per_step=(
-            -(-config.max_num_batched_tokens // self.runner.block_size) + config.max_num_seqs),
-            commit_columns=reply.commit_columns)
-
-    async def _kv_detach(self, why: str) -> None:
-        log.warning("kvstore_detached", node_id=self.config.kv_node_id, reason=why)
-        self._kv_namespace = ""
-        await self._loop.run_in_executor(self.forward, self.runner.attach_kv, None)
-
-    async def _kv_maintain(self) -> None:
-        """Every KV_KEEPALIVE_S: attach when not attached, re-attach when the kvstore was
-        replaced, else a keepalive (and slots, if low)."""
-        while True:
-            await asyncio.sleep(KV_KEEPALIVE_S)
-            try:
-                offload = self.runner.kv_offload
-                if offload is None:
-                    await self._kv_attach()
-                    continue
-                if not offload.tiers.arena_is_current():
-                    await self._kv_detach("the kvstore's arena was replaced")
-                    await self._kv_attach()
-                    continue
-                await self.bus.publish(self.subjects.kvstore(self.config.kv_node_id, "keepalive"),
-                                       KvKeepAlive(owner_id=self.config.instance_id))
-                await self._kv_reserve()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the next round tries again
-                log.exception("kvstore_upkeep_failed")
-
-    async def _kv_reserve(self) -> None:
-        offload = self.runner.kv_offload
-        if offload is None or self._kv_reserving or not offload.slots_wanted():
-            return
-        self._kv_reserving = True
-        try:
-            reply = await self.bus.request(
-                self.subjects.kvstore(self.config.kv_node_id, "reserve"),
-                KvReserveRequest(namespace=self._kv_namespace, owner_id=self.config.instance_id,
-                                 num_slots=offload.slots_wanted()),
-                KvReserveReply, timeout=KV_REQUEST_TIMEOUT_S)
-        except FlotillaError as exc:
-            log.info("kvstore_reserve_failed", error=str(exc))
-            return
-        finally:
-            self._kv_reserving = False
-        if reply.store_id != offload.store_id:  # it restarted: our slot ids mean nothing now
-            await self._kv_detach("the kvstore restarted")
-            await self._kv_attach()
-            return
-        offload.slot_pool.add(reply.slot_ids)
-
-    def _kv_after_step(self) -> None:
-        """Publish finished stores' commits; top up the slots."""
-        offload = self.runner.kv_offload
-        if offload is None:
-            return
-        commits = offload.take_commits()
-        if commits:
-            asyncio.create_task(self._kv_publish(commits, offload.commit_columns))
-        if offload.slots_wanted() and not self._kv_reserving:
-            asyncio.create_task(self._kv_reserve())
-
-    async def _kv_publish(self, commits: list[Commit], columns: bool) -> None:
-        subject = self.subjects.kvstore(self.config.kv_node_id, "commit")
-        for message in commit_messages(commits, self._kv_layout.namespace,
-                                       self.config.instance_id, columns):
-            try:
-                await self.bus.publish(subject, message)
-            except FlotillaError as exc:  # the reservation lapses at the kvstore
-                self.num_kv_commits_dropped += 1
-                log.info("kvstore_commit_dropped", error=str(exc),
-                         num_blocks=len(message.blocks) + len(message.slot_ids))
-
-    def start_kv_upkeep(self) -> None:
-        self._kv_task = asyncio.create_task(self._kv_maintain())
-
-    def stop_kv_upkeep(self) -> None:
-        if self._kv_task is not None:
-            self._kv_task.cancel()
-            self._kv_task = None
 
     async def drain(self, timeout_s: float) -> None:
         """Keep serving until no step came for DRAIN_IDLE_S (at most ``timeout_s``)."""
@@ -379,7 +212,7 @@ async def serve_bus(config: WorkerConfig, runner: ModelRunner, forward: Executor
         if not bus.lost_for_good:
             await service.drain(config.shutdown_timeout)
     finally:
-        service.stop_kv_upkeep()
+        service.kv_upkeep.stop()
         await bus.close()
         if bus.lost_for_good:
             outcome["exit_code"] = EXIT_NATS_LOST

@@ -18,7 +18,6 @@ ERROR = m.ErrorInfo(status=503, message="worker gone", type="service_unavailable
 
 LAYOUT = m.KvLayout(weights_version="abc", dtype="bfloat16", num_layers=2, block_size=16,
                     num_kv_heads=2, head_dim=64)
-STORED = m.KvStoredBlock(b"\x01" * 32, 5, list(range(16)))
 TIER_STATS = m.KvTierStats(tier="host", num_blocks=1, num_bytes=128, capacity_bytes=512)
 SNAPSHOT_PART = m.BlockSnapshotPart(namespace="ns", tier="host", block_hashes=[b"\x05" * 32])
 STORE_RUN = m.KvStoreRun("r1", 2, [4, 5], [b"\x01" * 32, b"\x02" * 32])
@@ -78,9 +77,10 @@ SAMPLES: dict[type, object] = {
                                      arena_path="/dev/shm/a", num_slots=4, slot_nbytes=128),
     m.KvReserveRequest: m.KvReserveRequest(namespace="ns", owner_id="w", num_slots=3),
     m.KvReserveReply: m.KvReserveReply(store_id="s", slot_ids=[0, 2]),
-    m.KvStoredBlock: STORED,
     m.KvCommitRequest: m.KvCommitRequest(namespace="ns", owner_id="w", store_id="s",
-                                         blocks=[STORED], returned_slot_ids=[3]),
+                                         block_hashes=[b"\x01" * 32], slot_ids=[5],
+                                         token_ids=list(range(16)), block_size=16,
+                                         returned_slot_ids=[3]),
     m.KvLookupRequest: m.KvLookupRequest(namespace="ns", block_hashes=[b"\x01" * 32]),
     m.KvLookupReply: m.KvLookupReply(store_id="s", tiers=["host", "disk"],
                                      disk_read_bytes_per_s=1e9),

@@ -25,7 +25,7 @@ from shared.bus import Bus
 from shared.errors import FlotillaError
 from shared.messages import (
     BlockSnapshotReply, BlockSnapshotRequest, Empty, KvAttachReply, KvAttachRequest, KvBlockEvent,
-    KvCommitRequest, KvLayout, KvReserveReply, KvReserveRequest, KvStatsReply, KvStoredBlock,
+    KvCommitRequest, KvLayout, KvReserveReply, KvReserveRequest, KvStatsReply,
     SchedulerStats,
 )
 from shared.subjects import Subjects
@@ -73,7 +73,8 @@ async def store_blocks(bus: Bus, attached: KvAttachReply, hashes: list[int]) -> 
         taken, rest = rest[:len(reserved.slot_ids)], rest[len(reserved.slot_ids):]
         await bus.request(SUBJECTS.kvstore(NODE, "commit"), KvCommitRequest(
             namespace=attached.namespace, owner_id="worker", store_id=attached.store_id,
-            blocks=[KvStoredBlock(h(i), slot, [i] * 4) for i, slot in zip(taken, reserved.slot_ids)],
+            block_hashes=[h(i) for i in taken], slot_ids=reserved.slot_ids[:len(taken)],
+            token_ids=[i for i in taken for _ in range(4)], block_size=4,
             returned_slot_ids=reserved.slot_ids[len(taken):]), Empty)
         if rest and not reserved.slot_ids:
             await asyncio.sleep(0.02)  # every slot held by a disk write: wait for it

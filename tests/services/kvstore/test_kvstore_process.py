@@ -25,7 +25,7 @@ from shared.kv_arena import KvArena
 from shared.messages import (
     Empty, KvAttachReply, KvAttachRequest, KvBlockEvent, KvCommitRequest, KvKeepAlive, KvLayout,
     KvLookupReply, KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest, KvReserveReply,
-    KvReserveRequest, KvStatsReply, KvStoredBlock,
+    KvReserveRequest, KvStatsReply,
 )
 from shared.subjects import Subjects
 from tests.nats_server import started_nats_server
@@ -152,8 +152,8 @@ async def store_blocks(bus: Bus, kv: KvStoreProcess, reply: KvAttachReply, arena
     del slots
     await bus.request(kv.subject("commit"), KvCommitRequest(
         namespace=reply.namespace, owner_id="worker", store_id=reply.store_id,
-        blocks=[KvStoredBlock(h(i), slot, [i, i + 1, i + 2, i + 3])
-                for i, slot in zip(hashes, reserved.slot_ids)],
+        block_hashes=[h(i) for i in hashes], slot_ids=reserved.slot_ids[:len(hashes)],
+        token_ids=[i + j for i in hashes for j in range(4)], block_size=4,
         returned_slot_ids=reserved.slot_ids[len(hashes):]), Empty)
     return reserved.slot_ids[:len(hashes)]
 
@@ -342,7 +342,7 @@ async def test_commit_published_without_waiting_and_bad_layouts_refused(kvstore_
             namespace=reply.namespace, owner_id="worker", num_slots=1), KvReserveReply)
         await bus.publish(kv.subject("commit"), KvCommitRequest(
             namespace=reply.namespace, owner_id="worker", store_id=reply.store_id,
-            blocks=[KvStoredBlock(h(7), reserved.slot_ids[0], [7])]))
+            block_hashes=[h(7)], slot_ids=reserved.slot_ids[:1], token_ids=[7], block_size=1))
         await until(lambda: _is(_tiers(bus, kv, reply.namespace), ["host"]), 5, "the commit")
         bad = KvLayout(weights_version="x", dtype="float32", num_layers=0, block_size=4,
                        num_kv_heads=1, head_dim=1)

@@ -13,7 +13,7 @@ from services.kvstore.rate import RateMeter
 from services.kvstore.store import KvStore, Namespace, num_host_slots, slot_nbytes_of
 from shared.kv_arena import KvArena
 from shared.messages import (
-    KvCommitRequest, KvLayout, KvLookupRequest, KvPinRequest, KvStoredBlock,
+    KvCommitRequest, KvLayout, KvLookupRequest, KvPinRequest,
 )
 
 LAYOUT = KvLayout(weights_version="w", dtype="float32", num_layers=2, block_size=4,
@@ -53,7 +53,8 @@ def put(store: KvStore, hashes: list[int], owner: str = "w") -> None:
         ns.slots[slot] = i % 251
     stored = store.commit(KvCommitRequest(
         namespace=NS, owner_id=owner, store_id="store1",
-        blocks=[KvStoredBlock(h(i), s, [i] * 4) for i, s in zip(hashes, slots)]), now=0.0)
+        block_hashes=[h(i) for i in hashes], slot_ids=slots,
+        token_ids=[i for i in hashes for _ in range(4)], block_size=4), now=0.0)
     for block_hash, slot, tokens in stored:
         if store.disk is not None:
             store.disk.write(NS, block_hash, tokens, ns.slot_view(slot))
@@ -153,21 +154,21 @@ def test_commit_for_another_store_is_ignored(make_store):
     store = make_store()
     slots = store.reserve(NS, "w", 1, now=0.0)
     assert store.commit(KvCommitRequest(namespace=NS, owner_id="w", store_id="old",
-                                        blocks=[KvStoredBlock(h(1), slots[0], [1])]), 0.0) == []
+                                        block_hashes=[h(1)], slot_ids=slots, token_ids=[1],
+                                        block_size=1), 0.0) == []
 
 
-def test_a_commit_as_columns_indexes_what_the_struct_form_does(make_store):
+def test_a_commits_columns_index_each_block_and_return_the_unused_slots(make_store):
     """Block i of the columns is (block_hashes[i], slot_ids[i], its block_size token ids);
-    both forms may come in one message; columns that do not line up are refused whole."""
+    columns that do not line up are refused whole."""
     store = make_store(num_slots=16)
-    slots = store.reserve(NS, "w", 5, now=0.0)
+    slots = store.reserve(NS, "w", 4, now=0.0)
     tokens = list(range(100, 112))
     stored = store.commit(KvCommitRequest(
         namespace=NS, owner_id="w", store_id="store1",
-        blocks=[KvStoredBlock(h(9), slots[3], [9] * 4)],
         block_hashes=[h(1), h(2), h(3)], slot_ids=slots[:3], token_ids=tokens, block_size=4,
-        returned_slot_ids=[slots[4]]), 0.0)
-    assert stored == [(h(9), slots[3], [9] * 4), (h(1), slots[0], (100, 101, 102, 103)),
+        returned_slot_ids=[slots[3]]), 0.0)
+    assert stored == [(h(1), slots[0], (100, 101, 102, 103)),
                       (h(2), slots[1], (104, 105, 106, 107)),
                       (h(3), slots[2], (108, 109, 110, 111))]
     host = store.namespaces[NS].host

@@ -20,7 +20,7 @@ from services.scheduler.scheduler import PrefixQuery
 from services.scheduler.tiering import TierSpeeds
 from shared.bus import Bus
 from shared.messages import (
-    KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvPinRequest, KvStoredBlock,
+    KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvPinRequest,
 )
 from shared.subjects import Subjects
 
@@ -64,7 +64,8 @@ class Setup:
         assert len(slots) == len(blocks)
         store.commit(KvCommitRequest(
             namespace=self.namespace, owner_id="worker", store_id=self.service.store_id,
-            blocks=[KvStoredBlock(h(i), slot, tokens(i)) for i, slot in zip(blocks, slots)]),
+            block_hashes=[h(i) for i in blocks], slot_ids=slots,
+            token_ids=[token for i in blocks for token in tokens(i)], block_size=BLOCK_SIZE),
             now=time.monotonic())
 
     async def find(self, blocks: list[int], request_tokens: list[int] | None = None):

@@ -21,3 +21,11 @@ def offload_to_new_arena(runner: ModelRunner, path: Path, num_slots: int = 16,
     runner.attach_kv(offload)
     offload.slot_pool.add(range(num_slots))
     return offload
+
+
+def committed_blocks(commit) -> list[tuple[bytes, int, list[int]]]:
+    """(hash, slot, token ids) per block of a Commit or a KvCommitRequest (columns)."""
+    size, tokens = commit.block_size, commit.token_ids
+    return [(block_hash, slot_id, list(tokens[index * size:(index + 1) * size]))
+            for index, (block_hash, slot_id) in enumerate(zip(commit.block_hashes,
+                                                              commit.slot_ids))]

@@ -326,3 +326,29 @@ def test_a_load_goes_in_layer_groups_only_when_this_steps_forward_reads_it(dummy
     runner.execute(StepPlan(1, [new_b, new_c], [ScheduledRequest("b", 10)],
                             kv_loads=[KvLoad([1], [6], "store")]))
     assert offload.loads == [([4], True), ([6], False)]
+
+
+def test_loads_go_in_four_layer_groups_by_default_at_most_one_a_layer(monkeypatch):
+    """The default (4, measured on an H200) is clamped to the layers; CPU, a worker without
+    a kvstore, and a 2D copy that cannot be bound or copies wrong all load in one group."""
+    from services.worker import kv_connector
+    from services.worker.config import WorkerConfig
+    from services.worker.kv_connector import usable_load_groups
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    with_kv = WorkerConfig(kv_node_id="node-a")
+    assert with_kv.kv_load_layer_groups == 4
+    checked = []
+    monkeypatch.setattr(kv_connector, "check_memcpy_2d", checked.append)
+    assert usable_load_groups(with_kv, 32, cuda) == 4 and checked == [cuda]
+    assert usable_load_groups(with_kv, 2, cuda) == 2  # at most one group a layer
+    assert usable_load_groups(with_kv, 32, cpu) == 1  # a load is a plain copy on CPU
+    assert usable_load_groups(WorkerConfig(), 32, cuda) == 1  # no kvstore: nothing loads
+    assert usable_load_groups(WorkerConfig(kv_node_id="n", kv_load_layer_groups=1), 32,
+                              cuda) == 1
+    assert len(checked) == 2
+
+    def unbound(device):
+        raise RuntimeError("cudaMemcpy2DAsync could not be bound")
+    monkeypatch.setattr(kv_connector, "check_memcpy_2d", unbound)
+    assert usable_load_groups(with_kv, 32, cuda) == 1

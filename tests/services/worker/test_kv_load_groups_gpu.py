@@ -152,7 +152,7 @@ def run(runner: ModelRunner, requests: list[tuple[str, list[int], list[int], int
     plans += [StepPlan(step_id, [], [ScheduledRequest(r[0], 1) for r in requests])
               for step_id in range(first, first + num_new_tokens - 1)]
     if hold_load:
-        with torch.cuda.stream(runner.kv_offload.tiers._load_stream):
+        with torch.cuda.stream(runner.kv.offload.tiers._load_stream):
             torch.cuda._sleep(HOLD_CYCLES)
     outputs: dict[str, list[int]] = {r[0]: [] for r in requests}
     for result in [r for plan in plans for r in runner.submit(plan)] + runner.flush():
@@ -179,7 +179,7 @@ def stored(six_layers, tmp_path_factory):
         pass
     (commit,) = offload.take_commits()
     writer.attach_kv(None)
-    yield arena_dir / "arena", [b.slot_id for b in commit.blocks], prompt_r, prompt_s, expected
+    yield arena_dir / "arena", commit.slot_ids, prompt_r, prompt_s, expected
     shutil.rmtree(arena_dir)
 
 
@@ -197,7 +197,7 @@ def test_four_groups_give_the_greedy_tokens_of_one_and_of_no_load(six_layers, st
         reader = make_runner(six_layers, enforce_eager, groups)
         reader.attach_kv(KvOffload(KvTiers(reader.kv_cache, KvArena.attach(path),
                                            num_load_groups=groups), "store-1", reader.block_size))
-        tiers = reader.kv_offload.tiers
+        tiers = reader.kv.offload.tiers
         per_layer_waits = []
         wait_for_loads = tiers.wait_for_loads
 

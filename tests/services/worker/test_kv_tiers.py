@@ -14,6 +14,7 @@ from services.worker.kv_offload import BlocksToStore, Commit, KvOffload, commit_
 from services.worker.kv_tiers import KvTiers, chunked_runs, paired_runs
 from shared.kv_arena import KvArena
 from shared.messages import KvStoreRun
+from tests.services.worker.kv_arenas import committed_blocks
 
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 3, 12, 4, 2, 8
 
@@ -169,7 +170,7 @@ def test_stores_without_a_reserved_slot_are_skipped_and_counted(tmp_path):
     offload.end_submit()
     (commit,) = offload.take_commits()
     assert commit.store_id == "store-1" and commit.returned_slot_ids == []
-    assert [(b.block_hash, b.slot_id, b.token_ids) for b in commit.blocks] == [
+    assert committed_blocks(commit) == [
         (b"hash-5", 6, tokens[:BLOCK_SIZE]), (b"hash-6", 2, tokens[BLOCK_SIZE:2 * BLOCK_SIZE])]
     assert (offload.num_stored, offload.num_skipped) == (2, 1)
     assert offload.slot_pool.num_free == 0 and offload.slots_wanted() == 4
@@ -186,7 +187,7 @@ def test_a_block_whose_tokens_are_not_on_the_host_gives_its_slot_back(tmp_path):
     offload.store([block(tokens, 0, 3), block(tokens, 1, 4)])
     offload.end_submit()
     (commit,) = offload.take_commits()
-    assert [b.slot_id for b in commit.blocks] == [0] and commit.returned_slot_ids == [1]
+    assert commit.slot_ids == [0] and commit.returned_slot_ids == [1]
 
 
 def test_a_run_splits_into_blocks_full_before_the_step_and_those_it_completes(tmp_path):
@@ -223,7 +224,7 @@ def test_runs_cut_by_the_reservation_and_by_tokens_not_on_the_host(tmp_path):
     (commit,) = offload.take_commits()
     assert (commit.block_size, commit.slot_ids, commit.returned_slot_ids) == (BLOCK_SIZE,
                                                                               [4, 5, 1, 2], [6])
-    assert [(b.block_hash, b.slot_id, b.token_ids) for b in commit.blocks] == [
+    assert committed_blocks(commit) == [
         (b"s0", 4, short[:4]), (b"s1", 5, short[4:8]), (b"f0", 1, full[:4]), (b"f1", 2, full[4:8])]
     assert commit.token_ids == short[:8] + full[:8]
     assert (offload.num_stored, offload.num_skipped) == (4, 2)  # s2 (tokens), f2 (no slot)
@@ -232,27 +233,22 @@ def test_runs_cut_by_the_reservation_and_by_tokens_not_on_the_host(tmp_path):
         assert torch.equal(slots[slot_id], cache[:, :, block_id])
 
 
-def test_commit_messages_as_columns_or_structs_split_by_tokens(monkeypatch):
-    """The same blocks either way, at most MAX_TOKENS_PER_COMMIT tokens per message, the
-    returned slots with the last one."""
+def test_commit_messages_split_by_tokens(monkeypatch):
+    """The commit's blocks as columns, at most MAX_TOKENS_PER_COMMIT tokens per message,
+    the returned slots with the last one."""
     monkeypatch.setattr(kv_offload, "MAX_TOKENS_PER_COMMIT", 2 * BLOCK_SIZE)
     tokens = list(range(5 * BLOCK_SIZE))
     commit = Commit("store-1", BLOCK_SIZE, [b"h0", b"h1", b"h2", b"h3", b"h4"], [7, 3, 9, 1, 0],
                     tokens, returned_slot_ids=[5])
-    for columns in (True, False):
-        messages = commit_messages([commit], "ns", "w", columns)
-        assert len(messages) == 3
-        assert [m.returned_slot_ids for m in messages] == [[], [], [5]]
-        assert all((m.namespace, m.owner_id, m.store_id) == ("ns", "w", "store-1")
-                   for m in messages)
-        blocks = [(b.block_hash, b.slot_id, b.token_ids) for m in messages for b in m.blocks]
-        for m in messages:
-            assert not columns or m.block_size == BLOCK_SIZE
-            size = m.block_size
-            blocks += [(block_hash, slot_id, m.token_ids[i * size:(i + 1) * size])
-                       for i, (block_hash, slot_id) in enumerate(zip(m.block_hashes, m.slot_ids))]
-        assert blocks == [(b.block_hash, b.slot_id, b.token_ids) for b in commit.blocks]
-        assert blocks[2] == (b"h2", 9, tokens[2 * BLOCK_SIZE:3 * BLOCK_SIZE])
+    messages = commit_messages([commit], "ns", "w")
+    assert len(messages) == 3
+    assert [m.returned_slot_ids for m in messages] == [[], [], [5]]
+    assert all((m.namespace, m.owner_id, m.store_id, m.block_size) == ("ns", "w", "store-1",
+                                                                       BLOCK_SIZE)
+               for m in messages)
+    blocks = [block for m in messages for block in committed_blocks(m)]
+    assert blocks == committed_blocks(commit)
+    assert blocks[2] == (b"h2", 9, tokens[2 * BLOCK_SIZE:3 * BLOCK_SIZE])
     (only_returned,) = commit_messages([Commit("store-1", BLOCK_SIZE, [], [], [], [2])], "ns",
-                                       "w", True)
+                                       "w")
     assert only_returned.slot_ids == [] and only_returned.returned_slot_ids == [2]

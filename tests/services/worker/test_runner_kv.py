@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from services.worker.config import WorkerConfig
+from services.worker.kv_connector import KvConnector, NoKvConnector
 from services.worker.kv_offload import KvOffload, recompute_unusable_loads
 from services.worker.kv_tiers import KvTiers
 from services.worker.runner import ModelRunner
@@ -18,6 +19,7 @@ from shared.messages import (
     KvLoad, KvStoreRun, NewRequestData, SamplingParams, ScheduledRequest, StepPlan,
 )
 from shared.models import ModelFiles
+from tests.services.worker.kv_arenas import committed_blocks
 
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -135,8 +137,8 @@ class Driver:
 
 
 def committed(offload: KvOffload) -> dict[bytes, tuple[int, list[int]]]:
-    return {b.block_hash: (b.slot_id, b.token_ids)
-            for commit in offload.take_commits() for b in commit.blocks}
+    return {block_hash: (slot_id, token_ids) for commit in offload.take_commits()
+            for block_hash, slot_id, token_ids in committed_blocks(commit)}
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -275,3 +277,16 @@ def test_a_request_only_loading_computes_its_unusable_blocks_in_that_step():
     assert fixed.new_requests[0].num_computed_tokens == 0
     assert [(s.request_id, s.num_new_tokens) for s in fixed.scheduled] == [
         ("d", 1), ("s", 20), ("r", 32)]
+
+
+def test_the_runner_meets_the_kvstore_through_its_connector(tiny_model, arena_path):
+    """No kvstore: the null connector, whose only work is computing loads instead. Attached:
+    a KvConnector over the offload; detached again: the null one, and the offload's arena
+    is unmapped."""
+    runner = make_runner(tiny_model)
+    assert type(runner.kv) is NoKvConnector and runner.kv.offload is None
+    assert runner.kv_load_groups == 1  # the default of 4 layer groups: one on CPU
+    offload = attach(runner, arena_path)
+    assert type(runner.kv) is KvConnector and runner.kv.offload is offload
+    runner.attach_kv(None)
+    assert type(runner.kv) is NoKvConnector and offload.tiers.slots is None

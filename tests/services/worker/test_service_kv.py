@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import services.worker.service as worker_service
+import services.worker.kv_upkeep as kv_upkeep
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
 from services.worker.service import WorkerService
@@ -30,6 +30,7 @@ from shared.messages import (
 from shared.models import ModelFiles, weights_version
 from shared.subjects import Subjects
 from tests.nats_server import started_nats_server
+from tests.services.worker.kv_arenas import committed_blocks
 
 pytestmark = pytest.mark.integration
 
@@ -59,11 +60,9 @@ def runner(tmp_path_factory) -> ModelRunner:
 class StandInKvStore:
     """Attach, reserve, commit and keepalive as the kvstore answers them."""
 
-    def __init__(self, bus: Bus, namespace: str, arena_dir, store_id: str,
-                 commit_columns: bool = False) -> None:
+    def __init__(self, bus: Bus, namespace: str, arena_dir, store_id: str) -> None:
         self.bus, self.subjects, self.arena_dir = bus, Subjects(namespace), arena_dir
         self.store_id = store_id
-        self.commit_columns = commit_columns  # False: a kvstore that predates the columns
         self.arena: KvArena | None = None
         self.next_slot = 0
         self.commits: list[KvCommitRequest] = []
@@ -87,8 +86,7 @@ class StandInKvStore:
             self.arena = KvArena.create(path, 64, slot_nbytes, self.store_id)
         return KvAttachReply(store_id=self.store_id, node_id=NODE,
                              namespace=request.layout.namespace, arena_path=str(path),
-                             num_slots=64, slot_nbytes=slot_nbytes,
-                             commit_columns=self.commit_columns)
+                             num_slots=64, slot_nbytes=slot_nbytes)
 
     async def reserve(self, request: KvReserveRequest) -> KvReserveReply:
         slot_ids = list(range(self.next_slot, min(64, self.next_slot + request.num_slots)))
@@ -121,7 +119,7 @@ async def eventually(condition, timeout_s: float = 10.0) -> bool:
 
 @pytest.fixture
 def fast_upkeep(monkeypatch):
-    monkeypatch.setattr(worker_service, "KV_KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(kv_upkeep, "KV_KEEPALIVE_S", 0.2)
 
 
 async def start_worker(runner: ModelRunner, nats_url: str, namespace: str):
@@ -135,22 +133,10 @@ async def start_worker(runner: ModelRunner, nats_url: str, namespace: str):
     return service, bus
 
 
-def committed_blocks(commit: KvCommitRequest) -> list[tuple[bytes, int, list[int]]]:
-    """(hash, slot, token ids) per block, from either form of a commit."""
-    size = commit.block_size
-    return [(b.block_hash, b.slot_id, b.token_ids) for b in commit.blocks] + [
-        (block_hash, slot_id, commit.token_ids[index * size:(index + 1) * size])
-        for index, (block_hash, slot_id) in enumerate(zip(commit.block_hashes, commit.slot_ids))]
-
-
-@pytest.mark.parametrize("commit_columns", [True, False])
-async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_upkeep,
-                                               commit_columns):
-    """A kvstore that reads commits as columns gets them so; one that predates them gets
-    a struct per block."""
-    namespace = f"kvsvc1{'c' if commit_columns else 's'}"
+async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_upkeep):
+    namespace = "kvsvc1"
     client = await Bus.connect(nats_url, name="kvstore")
-    kvstore = StandInKvStore(client, namespace, tmp_path, "store-1", commit_columns)
+    kvstore = StandInKvStore(client, namespace, tmp_path, "store-1")
     await kvstore.start()
     await client.flush()  # the worker's one attach at start must find it (WorkerInfo says so)
     service, bus = await start_worker(runner, nats_url, namespace)
@@ -169,7 +155,6 @@ async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_
         assert await eventually(lambda: kvstore.commits)
         (commit,) = kvstore.commits
         assert commit.store_id == "store-1" and commit.owner_id == service.config.instance_id
-        assert bool(commit.slot_ids) == commit_columns and bool(commit.blocks) != commit_columns
         blocks = committed_blocks(commit)
         assert [(block_hash, token_ids) for block_hash, _, token_ids in blocks] == [
             (b"h0", prompt[:16]), (b"h1", prompt[16:32])]
@@ -178,7 +163,7 @@ async def test_attach_reserve_commit_keepalive(runner, nats_url, tmp_path, fast_
         assert torch.equal(slots[blocks[1][1]], runner.kv_cache[:, :, 7])
         assert await eventually(lambda: service.config.instance_id in kvstore.keepalives)
     finally:
-        service.stop_kv_upkeep()
+        service.kv_upkeep.stop()
         await bus.close()
         await client.close()
 
@@ -200,11 +185,11 @@ async def test_a_kvstore_absent_at_start_then_restarted(runner, nats_url, tmp_pa
 
         kvstore = StandInKvStore(client, namespace, tmp_path, "store-1")
         await kvstore.start()
-        assert await eventually(lambda: runner.kv_offload is not None)
-        first = runner.kv_offload
+        assert await eventually(lambda: runner.kv.offload is not None)
+        first = runner.kv.offload
         assert first.store_id == "store-1" and first.slot_pool.num_free > 0
 
-        service.stop_kv_upkeep()  # the restart happens between two upkeep rounds
+        service.kv_upkeep.stop()  # the restart happens between two upkeep rounds
         kvstore.store_id = "store-2"  # restarted: a new arena file at the same path
         await client.request(subjects.kvstore(NODE, "attach"), KvAttachRequest(
             owner_id="someone", layout=layout_of(runner), itemsize=4), KvAttachReply)
@@ -216,12 +201,12 @@ async def test_a_kvstore_absent_at_start_then_restarted(runner, nats_url, tmp_pa
         result = await client.request(subjects.worker_step("0"), plan, StepResult)
         assert result.request_ids == ["r"] and result.kv_load_bytes == 0
         assert first.num_recomputed == 1 and first.num_loaded == 0
-        service.start_kv_upkeep()
-        assert await eventually(lambda: runner.kv_offload is not None
-                                and runner.kv_offload.store_id == "store-2")
+        service.kv_upkeep.start_upkeep()
+        assert await eventually(lambda: runner.kv.offload is not None
+                                and runner.kv.offload.store_id == "store-2")
         info = await client.request(subjects.worker_attach("0"), Empty(), WorkerInfo)
         assert info.kv_node_id == NODE
     finally:
-        service.stop_kv_upkeep()
+        service.kv_upkeep.stop()
         await bus.close()
         await client.close()

@@ -1,0 +1,100 @@
+"""What the runner keeps between steps: each request's state, and the step left in flight
+(its kernels queued, its sampled tokens still on the device)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.kv_connector import KvStep
+from shared.messages import SamplingParams, StepPlan, StepResult
+
+
+@dataclass
+class RequestState:
+    token_ids: list[int]  # prompt, then every sampled token
+    sampling: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    num_prompt_tokens: int
+    # prompt logprobs still to compute: the request asked and had no outputs when it arrived
+    wants_prompt_logprobs: bool = False
+    # tokens sampled by the step in flight, not read back yet (they follow token_ids)
+    num_pending_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens and the one being sampled by the step in flight."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def num_outputs(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    def seed_next_draw(self) -> None:
+        """A seeded draw depends only on (seed, output index), so a request preempted and
+        recomputed draws exactly what it would have drawn, whatever the batch."""
+        if self.generator is not None:
+            self.generator.manual_seed((self.sampling.seed * 1_000_003 + self.num_outputs) % 2**63)
+
+
+def needs_host_tokens(sampling: SamplingParams) -> bool:
+    """Sampling this request reads its earlier tokens on the host, or reports host values."""
+    return sampling.logprobs is not None or sampling.prompt_logprobs is not None \
+        or sampling.structured is not None or sampling.has_penalties
+
+
+@dataclass
+class StepInFlight:
+    """A step whose kernels are queued and whose sampled tokens are still on the device."""
+
+    plan: StepPlan
+    start_time: float
+    request_ids: list[str]  # per sampled row
+    states: list[RequestState]  # per sampled row: the state the token belongs to
+    token_ids: torch.Tensor  # [num_sampled] int64, on the device
+    host_token_ids: torch.Tensor  # [num_sampled] int64 on the host (CUDA: pinned, async copy)
+    copied: torch.cuda.Event | None  # CUDA: the copy to host_token_ids is done
+    rows: dict[str, int]  # request id -> its row
+    kv: KvStep  # the plan's kvstore work (its loads)
+
+    @classmethod
+    def start(cls, plan: StepPlan, start_time: float, request_ids: list[str],
+              states: list[RequestState], token_ids: torch.Tensor | None,
+              device: torch.device, kv: KvStep) -> StepInFlight:
+        if token_ids is None:  # nothing scheduled: an empty step
+            token_ids = torch.empty(0, dtype=torch.int64, device=device)
+        host_token_ids, copied = token_ids, None
+        if device.type == "cuda":
+            host_token_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
+            host_token_ids.copy_(token_ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return cls(plan, start_time, request_ids, states, token_ids, host_token_ids, copied,
+                   {request_id: row for row, request_id in enumerate(request_ids)}, kv)
+
+    def done(self) -> bool:
+        """Its tokens are on the host and its loads complete (the scheduler takes the result
+        to mean the loaded blocks are ready)."""
+        return (self.copied is None or self.copied.query()) and self.kv.loads_done()
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        self.kv.wait_for_loads()
+
+    def result(self, token_ids: list[int]) -> StepResult:
+        """Its result, once read back (``wait``) as ``token_ids``."""
+        return StepResult(step_id=self.plan.step_id, request_ids=self.request_ids,
+                          sampled_token_ids=token_ids,
+                          step_time_s=time.perf_counter() - self.start_time,
+                          kv_load_bytes=self.kv.load_bytes,
+                          kv_load_bytes_per_s=self.kv.load_bytes_per_s())
+
+    def row_of(self, request_id: str, state: RequestState) -> int | None:
+        """The row holding ``state``'s pending token (None: this step samples none for it)."""
+        row = self.rows.get(request_id)
+        return row if row is not None and self.states[row] is state else None
