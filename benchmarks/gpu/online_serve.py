@@ -46,7 +46,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from cli.bench.serve import EXIT_DEADLINE, RUN_STARTED  # noqa: E402
+from cli.bench.deadline import EXIT_DEADLINE, RUN_STARTED  # noqa: E402
 from cli.stack import _die_with_parent, free_port  # noqa: E402
 from shared.models import resolve_model  # noqa: E402
 
