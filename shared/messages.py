@@ -194,8 +194,9 @@ class AbortRequest(Struct, frozen=True, kw_only=True):
     request_ids: list[str]
 
 
-class RequestOutput(Struct, frozen=True, array_like=True, gc=False):
-    """scheduler -> gateway: the tokens one request produced in one step."""
+class RequestOutput(Struct, frozen=True, array_like=True, gc=False, kw_only=True):
+    """scheduler -> gateway: the tokens one request produced in one step. Keyword-only: nine
+    fields are too many to read by position (the wire order is still the field order)."""
 
     request_id: str
     new_token_ids: list[int]

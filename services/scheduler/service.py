@@ -502,8 +502,9 @@ class SchedulerService:
         for item in emitted:
             output = item.output
             if output.error is None:
-                output = RequestOutput(output.request_id, [], "error", output.num_prompt_tokens,
-                                       info)
+                output = RequestOutput(
+                    request_id=output.request_id, new_token_ids=[], finish_reason="error",
+                    num_prompt_tokens=output.num_prompt_tokens, error=info)
             self._held.append(_Held(Emitted(item.output_subject, output), now))
 
     async def _redelivery_loop(self) -> None:
