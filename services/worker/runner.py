@@ -33,6 +33,7 @@ import structlog
 import torch
 
 from kernels.paged_attention import allocate_kv_cache
+from kernels.sampling import draw_seed
 from services.worker.config import WorkerConfig
 from services.worker.cuda_copy import check_memcpy_2d
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
@@ -81,7 +82,7 @@ class RequestState:
         """A seeded draw depends only on (seed, output index), so a request preempted and
         recomputed draws exactly what it would have drawn, whatever the batch."""
         if self.generator is not None:
-            self.generator.manual_seed((self.sampling.seed * 1_000_003 + self.num_outputs) % 2**63)
+            self.generator.manual_seed(draw_seed(self.sampling.seed, self.num_outputs))
 
 
 def needs_host_tokens(sampling: SamplingParams) -> bool:
