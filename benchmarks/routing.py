@@ -63,10 +63,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cli.stack import free_port  # noqa: E402
+from services.gateway.config import RoutingPolicy  # noqa: E402
 from shared.messages import SchedulerBlockEvent, SchedulerStats, decode  # noqa: E402
 from shared.subjects import Subjects  # noqa: E402
 
-POLICIES = ("kv", "least-loaded", "round-robin")
+POLICIES = tuple(RoutingPolicy)
 STOP_TIMEOUT_S = 40.0  # the serve's --shutdown-timeout (5) + its children's own exit
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from cli.stack import flags
+from services.worker.config import Dtype
 
 # On a GPU the batch limits default to vLLM's (the worker sizes its KV cache after the CUDA
 # graphs and these steps' activations, so they fit); on CPU, the services' own (64, 2048).
@@ -25,7 +26,8 @@ def add_engine_flags(parser) -> None:
     parser.add_argument("--max-queued-requests", default=None,
                         help="most requests waiting per replica; more get 429 (default 4096)")
     parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
-    parser.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
+    parser.add_argument("--dtype", default=None, choices=list(Dtype),
+                        help="worker dtype (default auto: bfloat16 on a GPU, float32 on CPU)")
     parser.add_argument("--gpu-memory-utilization", default=None,
                         help="share of GPU memory the worker uses (default 0.9)")
     parser.add_argument("--max-model-len", default=None, help="context length limit")

@@ -12,6 +12,8 @@ from pathlib import Path
 from cli import bench
 from cli.engine_flags import add_engine_flags, engine_service_args
 from cli.stack import Stack, StackOptions, flags
+from services.gateway.config import RoutingPolicy
+from services.scheduler.config import SchedulingPolicy
 
 STOP_MARGIN_S = 10.0  # beyond --shutdown-timeout: the services' own exit after their drain
 SUPERVISE_EVERY_S = 0.5
@@ -34,14 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer token")
     serve.add_argument("--replicas", type=int, default=1,
                        help="scheduler+worker pairs; the gateway routes between them (--routing)")
-    serve.add_argument("--routing", default=None, choices=["kv", "least-loaded", "round-robin"],
+    serve.add_argument("--routing", default=None, choices=list(RoutingPolicy),
                        help="which replica gets a request: kv (default: where its prefix is "
                        "cached, priced against load), least-loaded or round-robin "
                        "(docs/routing.md)")
     add_engine_flags(serve)
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn off automatic prefix caching")
-    serve.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
+    serve.add_argument("--scheduling-policy", default=None, choices=list(SchedulingPolicy))
     serve.add_argument("--chunk-step-ratio", default=None,
                        help="cap prompt chunks so a step that also decodes takes at most this "
                        "many decode-only steps' time (default 0: off)")

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from shared.config import ServiceConfig
+from enum import StrEnum
+
+from shared.config import ServiceConfig, check_choice
+
+
+class SchedulingPolicy(StrEnum):
+    """Which waiting request runs first."""
+
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # lower `priority` values first, then arrival order
 
 
 class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
@@ -13,7 +22,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_num_batched_tokens: int = 2048  # tokens computed per step (decodes + prompt chunks)
     max_queued_requests: int = 4096  # waiting requests; past this a submit gets 429
     prefix_caching: bool = True  # --no-prefix-caching turns it off
-    scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values run first
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_steps_in_flight: int = 2  # 2 overlaps planning step N+1 with computing step N
     chunk_step_ratio: float = 0.0  # >0: steps with decodes and a prompt chunk take at most this
     # many decode-only steps' time (prompt chunks shrink to fit); 0: off
@@ -46,8 +55,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     }
 
     def __post_init__(self) -> None:
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
+        check_choice(self.scheduling_policy, SchedulingPolicy, "scheduling_policy")
         if self.chunk_step_ratio < 0:
             raise ValueError("chunk_step_ratio must be 0 (off) or positive")
         if self.shutdown_timeout < 0:

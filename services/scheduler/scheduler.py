@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.kv_tier import KvTierLedger
 from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
 from services.scheduler.request import Request, TierHit
@@ -98,7 +98,7 @@ class Scheduler:
         taken before a kvstore lookup; ``block_hashes`` are the query's; the leader keeps
         ``tier_hit`` (its siblings then find those blocks in the GPU prefix cache)."""
         self._validate(request)
-        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        priority = request.priority if self.config.scheduling_policy == SchedulingPolicy.PRIORITY else 0
         arrival_time = request.arrival_time or time.time()
         shares = shares_prompt(request, self.config.prefix_caching)
         leader = None

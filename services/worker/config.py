@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
-from shared.config import ServiceConfig
+from enum import StrEnum
+
+from shared.config import ServiceConfig, check_choice
+
+
+class Dtype(StrEnum):
+    """The weights' and KV cache's dtype."""
+
+    AUTO = "auto"  # bfloat16 on CUDA, float32 on CPU
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class OverlapSteps(StrEnum):
+    """Whether step N+1 is queued before step N is read back."""
+
+    AUTO = "auto"  # on CUDA
+    ON = "on"
+    OFF = "off"
 
 
 class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
@@ -10,7 +29,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
 
     replica_id: str = "0"  # pairs this worker with the scheduler of the same replica
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1"
-    dtype: str = "auto"  # "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16", "float16"
+    dtype: Dtype = Dtype.AUTO
     kv_cache_memory: str = "auto"  # bytes or e.g. 512MiB, 2GiB; auto: 1GiB on CPU, profiled on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU the worker may use (weights + KV + rest)
     max_num_batched_tokens: int = 2048  # the largest step it will be sent (memory profiling)
@@ -18,8 +37,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     enforce_eager: bool = False  # no CUDA graphs
     # steps with prompt chunks up to this many tokens run as piecewise CUDA graphs; 0: eager
     max_graph_tokens: int = 512
-    # queue step N+1 before reading step N back: "auto" (on CUDA), "on" or "off"
-    overlap_steps: str = "auto"
+    overlap_steps: OverlapSteps = OverlapSteps.AUTO
     seed: int = 0  # random weights of dummy models
     block_size: int = 16  # tokens per KV block
     max_model_len: int = 0  # 0: the model's max_position_embeddings
@@ -61,8 +79,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not "
                              f"{self.gpu_memory_utilization}")
-        if self.overlap_steps not in ("auto", "on", "off"):
-            raise ValueError(f"overlap_steps must be auto, on or off, not {self.overlap_steps!r}")
+        check_choice(self.dtype, Dtype, "dtype")
+        check_choice(self.overlap_steps, OverlapSteps, "overlap_steps")
         if self.max_graph_tokens < 0:
             raise ValueError(f"max_graph_tokens must be >= 0, not {self.max_graph_tokens}")
         if self.kv_load_layer_groups < 1:
