@@ -47,4 +47,4 @@ test-deploy: $(TEST_STAMP)
 	$(BIN)/python -m pytest -ra tests/deploy $(PYTEST_ARGS)
 
 bench: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/stack_vs_hf.py $(ARGS)
+	$(BIN)/python -m benchmarks.stack_vs_hf $(ARGS)
