@@ -86,7 +86,7 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
                                        max_steps_in_flight=args.max_steps_in_flight)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
     service_args["worker"] += flags(kv_load_layer_groups=args.kv_load_layer_groups)
-    service_args["tokenizer"] = flags(served_model_name=args.served_model_name)
+    service_args["tokenizer"] += flags(served_model_name=args.served_model_name)
     service_args["gateway"] = flags(api_key=args.api_key, routing=args.routing)
     service_args["kvstore"] = flags(kv_host_memory=args.kv_host_memory,
                                     kv_disk_dir=args.kv_disk_dir, kv_disk_size=args.kv_disk_size)

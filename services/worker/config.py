@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from shared import limits
 from shared.config import ServiceConfig, check_choice
 
 
@@ -32,15 +33,17 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     dtype: Dtype = Dtype.AUTO
     kv_cache_memory: str = "auto"  # bytes or e.g. 512MiB, 2GiB; auto: 1GiB on CPU, profiled on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU the worker may use (weights + KV + rest)
-    max_num_batched_tokens: int = 2048  # the largest step it will be sent (memory profiling)
-    max_num_seqs: int = 64  # the largest batch: CUDA graphs are captured up to it
+    # the scheduler's batch limits (shared/limits.py): the largest step it will be sent sizes
+    # the memory profile; CUDA graphs are captured up to the largest batch
+    max_num_batched_tokens: int = limits.MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = limits.MAX_NUM_SEQS
     enforce_eager: bool = False  # no CUDA graphs
     # steps with prompt chunks up to this many tokens run as piecewise CUDA graphs; 0: eager
     max_graph_tokens: int = 512
     overlap_steps: OverlapSteps = OverlapSteps.AUTO
     seed: int = 0  # random weights of dummy models
     block_size: int = 16  # tokens per KV block
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    max_model_len: int = limits.MAX_MODEL_LEN  # the tokenizer's too (shared/limits.py)
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
     kv_node_id: str = ""  # the node's kvstore (docs/kvstore.md); "": none
     # CUDA: loads from the kvstore copy layer groups in turn; a forward's layer waits for its
@@ -60,8 +63,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "kv_cache_memory": "memory for the KV cache, bytes or e.g. 512MiB, 2GiB (auto: 1GiB on "
                            "CPU; on GPU what --gpu-memory-utilization leaves after profiling)",
         "gpu_memory_utilization": "share of GPU memory to use, 0-1",
-        "max_num_batched_tokens": "most tokens in one step (sizes the memory profile)",
-        "max_num_seqs": "most sequences in one step (CUDA graph batch sizes)",
+        **limits.BATCH_LIMITS_HELP,
         "enforce_eager": "run every step eagerly: no CUDA graphs",
         "max_graph_tokens": "steps with prompt chunks of up to this many tokens run as CUDA "
                             "graphs between their attentions (0: eagerly)",
@@ -69,7 +71,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
                          "hides behind the GPU's: auto (on CUDA), on or off",
         "seed": "seed of dummy models' random weights",
         "block_size": "tokens per KV cache block",
-        "max_model_len": "context length limit (0: the model's own)",
+        **limits.CONTEXT_LIMIT_HELP,
         "num_threads": "torch CPU threads (0: torch default)",
         "shutdown_timeout": "on SIGTERM, keep serving steps until none came for a second "
                               "(its scheduler drained), at most this long; then exit",
@@ -86,5 +88,5 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         if self.kv_load_layer_groups < 1:
             raise ValueError(f"kv_load_layer_groups must be at least 1, not "
                              f"{self.kv_load_layer_groups}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        limits.check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
+        limits.check_context_limit(self.max_model_len)
