@@ -210,6 +210,12 @@ class RequestOutput(Struct, frozen=True, array_like=True, gc=False, kw_only=True
     # first output only, when asked: one per prompt token (the first has none: None)
     prompt_logprobs: list[TokenLogprobs | None] = []
 
+    @classmethod
+    def failure(cls, request_id: str, num_prompt_tokens: int, error: ErrorInfo) -> RequestOutput:
+        """The last output of a request that failed: no tokens, finish_reason "error"."""
+        return cls(request_id=request_id, new_token_ids=[], finish_reason="error",
+                   num_prompt_tokens=num_prompt_tokens, error=error)
+
 
 class OutputBatch(Struct, frozen=True, array_like=True, gc=False):
     outputs: list[RequestOutput]

@@ -276,10 +276,8 @@ class Scheduler:
 
     def fail_all(self, error: ErrorInfo) -> list[Emitted]:
         """The worker is gone: end every request with ``error``."""
-        emitted = [Emitted(req.output_subject, RequestOutput(
-            request_id=req.request_id, new_token_ids=[], finish_reason="error",
-            num_prompt_tokens=len(req.prompt_token_ids), error=error))
-            for req in self.requests.values()]
+        emitted = [Emitted(req.output_subject, RequestOutput.failure(
+            req.request_id, len(req.prompt_token_ids), error)) for req in self.requests.values()]
         for req in list(self.requests.values()):
             self._finish(req)
         self._forget_ids = []
@@ -469,12 +467,11 @@ class Scheduler:
         if first and req.sampling.prompt_logprobs is not None:
             prompt_logprobs = [None, *req.prompt_logprobs]
             req.prompt_logprobs = []
-        return RequestOutput(
-            request_id=req.request_id, new_token_ids=token_ids, finish_reason=finish_reason,
-            num_prompt_tokens=len(req.prompt_token_ids),
-            num_cached_tokens=req.num_cached_tokens if first else 0,
-            queue_time_s=max(0.0, queue_time) if first else 0.0, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+        return RequestOutput(request_id=req.request_id, new_token_ids=token_ids,
+                             finish_reason=finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
+                             num_cached_tokens=req.num_cached_tokens if first else 0,
+                             queue_time_s=max(0.0, queue_time) if first else 0.0,
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _finish_reason(self, req: Request, token_id: int) -> str | None:
         sampling = req.sampling

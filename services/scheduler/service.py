@@ -502,9 +502,7 @@ class SchedulerService:
         for item in emitted:
             output = item.output
             if output.error is None:
-                output = RequestOutput(
-                    request_id=output.request_id, new_token_ids=[], finish_reason="error",
-                    num_prompt_tokens=output.num_prompt_tokens, error=info)
+                output = RequestOutput.failure(output.request_id, output.num_prompt_tokens, info)
             self._held.append(_Held(Emitted(item.output_subject, output), now))
 
     async def _redelivery_loop(self) -> None:

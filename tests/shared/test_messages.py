@@ -148,3 +148,9 @@ def test_wrong_types_are_rejected():
     bad = msgspec.msgpack.encode({"request_ids": "not-a-list"})
     with pytest.raises(msgspec.ValidationError):
         m.decode(bad, m.AbortRequest)
+
+
+def test_a_failure_output_ends_its_request_with_the_error():
+    output = m.RequestOutput.failure("r", 7, ERROR)
+    assert output == m.RequestOutput(request_id="r", new_token_ids=[], finish_reason="error",
+                                     num_prompt_tokens=7, error=ERROR)
