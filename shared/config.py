@@ -23,6 +23,13 @@ C = TypeVar("C", bound="ServiceConfig")
 ENV_PREFIX = "FLOTILLA_"
 
 
+class OtelExporter(enum.StrEnum):
+    """Where each service's OpenTelemetry spans go (shared/tracing.py)."""
+
+    NONE = "none"  # no spans; the trace context is passed through
+    CONSOLE = "console"
+
+
 class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Fields every service has."""
 
@@ -31,7 +38,7 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "smollm2"
     log_level: str = "info"
     log_json: bool = False
-    otel_exporter: str = "none"  # "none" or "console"
+    otel_exporter: OtelExporter = OtelExporter.NONE
     instance_id: str = ""  # unique per process; generated when empty
     cache_dir: str = "~/.cache/flotilla"  # converted models live here
 
