@@ -34,7 +34,8 @@ def add_parser(commands) -> None:
 def add_missing_extra_parser(commands, missing: str) -> None:
     """``flotilla bench`` without the bench extra: any arguments, and a message that says
     what to install instead of a traceback (``flotilla serve`` keeps working)."""
-    parser = commands.add_parser("bench", help=f"benchmarks (needs the bench extra: {INSTALL_BENCH})")
+    parser = commands.add_parser("bench",
+                                 help=f"benchmarks (needs the bench extra: {INSTALL_BENCH})")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
 
     def missing_extra(_args: argparse.Namespace) -> int:
