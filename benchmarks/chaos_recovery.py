@@ -1,6 +1,6 @@
 """Kill each part of a running stack under load and measure what clients see (issue 13).
 
-    python benchmarks/chaos_recovery.py [--streams 8] [--max-tokens 48] [--restart-after 2]
+    python -m benchmarks.chaos_recovery [--streams 8] [--max-tokens 48] [--restart-after 2]
 
 For each victim in turn (tokenizer, worker, scheduler, gateway, nats-server): the services
 run one by one on their own nats-server (the operator's setup the issue describes, no
@@ -17,7 +17,6 @@ import argparse
 import json
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -25,10 +24,9 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cli.stack import Stack, StackOptions, free_port, nats_server_binary  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
+from cli.stack import Stack, StackOptions, free_port, nats_server_binary
+from shared.models import resolve_model
 
 PROMPT = "Tell me a story about {topic}."
 TOPICS = ["a dragon", "the sea", "a robot", "a city", "winter", "a cat", "the moon", "a train",

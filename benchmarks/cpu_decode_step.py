@@ -2,7 +2,7 @@
 ~300 tokens of context, greedy. Prints the median step time; ``--profile`` adds a
 torch.profiler table of the ops.
 
-    .venv/bin/python benchmarks/cpu_decode_step.py [--num-seqs 16] [--context 256] [--profile]
+    .venv/bin/python -m benchmarks.cpu_decode_step [--num-seqs 16] [--context 256] [--profile]
         [--dtype float32|bfloat16]
 """
 

@@ -2,7 +2,7 @@
 counter-based draw (a splitmix64-style hash of (seed, token) -> uniform, then an exponential race),
 32 rows x 49,152 tokens, two threads. A measurement for a follow-up, not code the worker runs.
 
-    .venv/bin/python benchmarks/cpu_sampling_draw.py
+    .venv/bin/python -m benchmarks.cpu_sampling_draw
 """
 
 import time

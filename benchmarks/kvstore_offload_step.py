@@ -2,7 +2,7 @@
 a 16,384-token prefill step's ~1,000 completed blocks costs the worker's host threads,
 phase by phase, on CPU.
 
-    .venv/bin/python benchmarks/kvstore_offload_step.py [--steps 12] [--prompt-len 1024]
+    .venv/bin/python -m benchmarks.kvstore_offload_step [--steps 12] [--prompt-len 1024]
 
 The real step loop in one process, no NATS: a ``Scheduler`` plans each step (kvstore on:
 its ``kv_stores``), the plan is encoded and decoded as the bus does, a ``ModelRunner`` on
@@ -47,25 +47,24 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import msgspec  # noqa: E402
-import torch  # noqa: E402
+import msgspec
+import torch
 
-from services.kvstore.store import KvStore, Namespace, slot_nbytes_of  # noqa: E402
-from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.scheduler.kv_tier import KvTierHooks, KvTierLedger  # noqa: E402
-from services.scheduler.scheduler import Scheduler  # noqa: E402
-from services.worker.config import WorkerConfig  # noqa: E402
-from services.worker.kv_offload import KvOffload  # noqa: E402
-from services.worker.kv_tiers import KvTiers  # noqa: E402
-from services.worker.runner import ModelRunner  # noqa: E402
-from shared.kv_arena import KvArena  # noqa: E402
-from shared.logging import setup_logging  # noqa: E402
-from shared.messages import (  # noqa: E402
+from services.kvstore.store import KvStore, Namespace, slot_nbytes_of
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_tier import KvTierHooks, KvTierLedger
+from services.scheduler.scheduler import Scheduler
+from services.worker.config import WorkerConfig
+from services.worker.kv_offload import KvOffload
+from services.worker.kv_tiers import KvTiers
+from services.worker.runner import ModelRunner
+from shared.kv_arena import KvArena
+from shared.logging import setup_logging
+from shared.messages import (
     GenerateRequest, KvCommitRequest, SamplingParams, StepPlan, decode, encode,
 )
-from shared.models import ModelFiles  # noqa: E402
+from shared.models import ModelFiles
 
 BLOCK_SIZE = 16
 # 1 layer, 1 KV head of 16: a 2 KiB block in fp32

@@ -1,7 +1,7 @@
 """The kvstore's control plane on CPU (issue 14): how many requests per second one kvstore
 process answers, and how long each waits, with no GPU and no model.
 
-    .venv/bin/python benchmarks/kvstore_requests.py [--prompts 2000] [--concurrency 128]
+    .venv/bin/python -m benchmarks.kvstore_requests [--prompts 2000] [--concurrency 128]
 
 A real nats-server and a real ``python -m services.kvstore`` (its own process, as served);
 this process plays the worker and the scheduler on one NATS connection each (uvloop and
@@ -48,22 +48,21 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cli.stack import free_port, nats_server_binary  # noqa: E402
-from services.scheduler import kv_client  # noqa: E402
-from services.scheduler.kv_client import KvClient  # noqa: E402
-from services.scheduler.scheduler import PrefixQuery  # noqa: E402
-from services.scheduler.tiering import TierSpeeds  # noqa: E402
-from shared.bus import Bus  # noqa: E402
-from shared.messages import (  # noqa: E402
+from cli.stack import free_port, nats_server_binary
+from services.scheduler import kv_client
+from services.scheduler.kv_client import KvClient
+from services.scheduler.scheduler import PrefixQuery
+from services.scheduler.tiering import TierSpeeds
+from shared.bus import Bus
+from shared.messages import (
     Empty, KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvLookupReply,
     KvLookupRequest, KvReserveReply, KvReserveRequest, KvStatsReply,
 )
-from shared.logging import setup_logging  # noqa: E402
-from shared.runtime import run_event_loop  # noqa: E402
-from shared.subjects import Subjects  # noqa: E402
-from shared.tracing import setup_tracing, tracer  # noqa: E402
+from shared.logging import setup_logging
+from shared.runtime import run_event_loop
+from shared.subjects import Subjects
+from shared.tracing import setup_tracing, tracer
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 31  # a 512-token prompt's blocks a tier may serve

@@ -3,7 +3,7 @@
 
 CPU (default model, fp32; the worker's KV cache is small, so other traffic evicts a prefix):
 
-    .venv/bin/python benchmarks/kvstore_tiers.py [--reps 5] [--prefix-len 1000]
+    .venv/bin/python -m benchmarks.kvstore_tiers [--reps 5] [--prefix-len 1000]
 
 One stack (kvstore with a host tier and a disk tier), several repetitions, medians. Each
 prefix P_i is a fresh ~1,000-token token-id prompt; TTFT is measured streaming, greedy,
@@ -24,7 +24,7 @@ The tier each hit came from is read from the scheduler's stats events
 
 GPU (``--device cuda``; each part fits one 10-minute device call):
 
-    python3 benchmarks/kvstore_tiers.py --device cuda --model .devmodels/dummy-llama-3.1-8b \
+    python3 -m benchmarks.kvstore_tiers --device cuda --model .devmodels/dummy-llama-3.1-8b \
         --parts prefix16k|offload|prefill512
 
   prefix16k  a 16k-token prefix evicted from the GPU cache (a small --kv-cache-memory and
@@ -53,19 +53,17 @@ import shlex
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cli.stack import Stack, StackOptions, flags, free_port  # noqa: E402
-from shared.messages import Empty, HealthReply, KvStatsReply, SchedulerStats, decode, encode  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
-from shared.subjects import Subjects  # noqa: E402
+from cli.stack import Stack, StackOptions, flags, free_port
+from shared.messages import Empty, HealthReply, KvStatsReply, SchedulerStats, decode, encode
+from shared.models import resolve_model
+from shared.subjects import Subjects
 
 BLOCK_SIZE = 16
 OUT = Path(os.environ.get("OUT", "/tmp/out"))

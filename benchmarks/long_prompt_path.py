@@ -3,9 +3,9 @@ time goes outside the model, on the CPU.
 
 Two parts, both on this machine's CPU:
 
-    .venv/bin/python benchmarks/long_prompt_path.py stages [--prompt-len 16384] [--reps 50]
-    .venv/bin/python benchmarks/long_prompt_path.py kvhit [--reps 200]
-    .venv/bin/python benchmarks/long_prompt_path.py e2e --model .devmodels/dummy-tiny-llama-32k
+    .venv/bin/python -m benchmarks.long_prompt_path stages [--prompt-len 16384] [--reps 50]
+    .venv/bin/python -m benchmarks.long_prompt_path kvhit [--reps 200]
+    .venv/bin/python -m benchmarks.long_prompt_path e2e --model .devmodels/dummy-tiny-llama-32k
 
 ``stages``: each step of the path in process (no NATS), as the services run it: the
 gateway's body parse and validation, its token-id check and routing hashes, the submit's
@@ -41,8 +41,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 BLOCK_SIZE = 16
@@ -265,7 +263,7 @@ def kvhit(args) -> dict:
 async def _kvhit(args, result: dict, nats_url: str, node_id: str, kvstore_pid: int) -> None:
     import random
 
-    from kvstore_requests import cpu_seconds, wait_ready
+    from benchmarks.kvstore_requests import cpu_seconds, wait_ready
 
     from services.scheduler.kv_client import KvClient
     from services.scheduler.scheduler import PrefixQuery
@@ -335,7 +333,7 @@ async def _kvhit(args, result: dict, nats_url: str, node_id: str, kvstore_pid: i
 # ------------------------------------------------------------------ e2e
 async def e2e(args) -> dict:
     import httpx
-    from kvstore_tiers import Probe, prompt_ids, stream_one, tier_delta
+    from benchmarks.kvstore_tiers import Probe, prompt_ids, stream_one, tier_delta
 
     from cli.stack import Stack, StackOptions, flags, free_port
     from shared.models import resolve_model
@@ -534,7 +532,7 @@ async def profile_hits(args, stack, client, model_name: str, prefix: list[int]) 
     is sent ``--profile-requests`` more times, each a worker-cache hit."""
     import subprocess
 
-    from kvstore_tiers import stream_one
+    from benchmarks.kvstore_tiers import stream_one
 
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """Issue 17's routing benchmark: the same multi-turn workload through
 ``flotilla serve --replicas 3 --routing POLICY`` for each policy, one stack at a time.
 
-    .venv/bin/python benchmarks/routing.py [--cases multi-tenant,multi-tenant-kvstore,low-diversity]
+    .venv/bin/python -m benchmarks.routing [--cases multi-tenant,multi-tenant-kvstore,low-diversity]
                                            [--policies kv,least-loaded,round-robin]
-    python3 benchmarks/routing.py --device cuda --model DIR --cases multi-tenant-large ...
+    python3 -m benchmarks.routing --device cuda --model DIR --cases multi-tenant-large ...
 
 For each case and policy: start ``flotilla serve`` (default model, CPU, a small worker
 KV cache so that the multi-tenant prefixes exceed one replica's cache but fit in three:
@@ -60,13 +60,13 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from cli.stack import free_port  # noqa: E402
-from shared.messages import SchedulerBlockEvent, SchedulerStats, decode  # noqa: E402
-from shared.subjects import Subjects  # noqa: E402
+from cli.stack import free_port
+from services.gateway.config import RoutingPolicy
+from shared.messages import SchedulerBlockEvent, SchedulerStats, decode
+from shared.subjects import Subjects
 
-POLICIES = ("kv", "least-loaded", "round-robin")
+POLICIES = tuple(RoutingPolicy)
 STOP_TIMEOUT_S = 40.0  # the serve's --shutdown-timeout (5) + its children's own exit
 
 

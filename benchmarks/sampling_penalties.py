@@ -1,8 +1,8 @@
 """Issue 6: throughput of sampling with every penalty on against plain sampling, batch 32.
 
-    .venv/bin/python benchmarks/sampling_penalties.py                 # CPU, the default model
-    python benchmarks/sampling_penalties.py --device cuda --model dummy:llama-3.2-1b
-    python benchmarks/sampling_penalties.py --device cuda --sampler-only --vocab-size 128256
+    .venv/bin/python -m benchmarks.sampling_penalties                 # CPU, the default model
+    python -m benchmarks.sampling_penalties --device cuda --model dummy:llama-3.2-1b
+    python -m benchmarks.sampling_penalties --device cuda --sampler-only --vocab-size 128256
 
 The in-process engine (cli/engine.py: the scheduler's policy and the worker's ModelRunner,
 no bus) generates --batch requests at once, EOS ignored, --output-len tokens each, with
@@ -21,20 +21,18 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from cli.engine import Engine  # noqa: E402
-from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.worker.sampler import Sampler  # noqa: E402
-from services.worker.config import WorkerConfig  # noqa: E402
-from shared.messages import SamplingParams  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
+from cli.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.worker.sampler import Sampler
+from services.worker.config import WorkerConfig
+from shared.messages import SamplingParams
+from shared.models import resolve_model
 
 
 def sampling(penalties: bool, index: int, output_len: int) -> SamplingParams:

@@ -1,6 +1,6 @@
 """Scheduler features measured on the running stack (issue 3's acceptance), CPU, default model.
 
-    .venv/bin/python benchmarks/scheduler_features.py [--only prefix,chunked,idle,preempt,replicas]
+    .venv/bin/python -m benchmarks.scheduler_features [--only prefix,chunked,idle,preempt,replicas]
 
 Each scenario starts its own stack (nats-server + services on free ports) with the
 settings it names, and prints what it measured.

@@ -1,7 +1,7 @@
 """16 concurrent requests through the flotilla stack vs Hugging Face generate() with a
 static batch of 16, on the same prompts, same machine, same run.
 
-    .venv/bin/python benchmarks/stack_vs_hf.py [--num-requests 16] [--output-len 64]
+    .venv/bin/python -m benchmarks.stack_vs_hf [--num-requests 16] [--output-len 64]
 
 Starts its own stack (nats-server + services on free ports) unless --base-url is given.
 Both sides produce exactly --output-len tokens per request (ignore_eos / min_new_tokens).

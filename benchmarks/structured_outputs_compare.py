@@ -1,6 +1,6 @@
 """Compare grammar libraries for structured outputs on the default model's tokenizer.
 
-    .venv/bin/python benchmarks/structured_outputs_compare.py [--walks 5] [--out result.json]
+    .venv/bin/python -m benchmarks.structured_outputs_compare [--walks 5] [--out result.json]
 
 For xgrammar, llguidance and outlines-core, on SmolLM2's tokenizer (vocab 49,152, eos id 2),
 each configured for single-space JSON separators (", " and ": ", nothing else between tokens):
@@ -25,18 +25,16 @@ import argparse
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-import jsonschema  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
+import jsonschema
+import torch
+from transformers import AutoTokenizer
 
-from shared.models import resolve_model  # noqa: E402
+from shared.models import resolve_model
 
 VOCAB_SIZE = 49152
 EOS_ID = 2

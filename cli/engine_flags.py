@@ -1,14 +1,16 @@
-"""The worker and scheduler flags that ``flotilla serve`` and the stacks ``flotilla bench``
-starts share, and the per-service arguments they become."""
+"""The engine flags (worker, scheduler, tokenizer) that ``flotilla serve`` and the stacks
+``flotilla bench`` starts share, and the per-service arguments they become."""
 
 from __future__ import annotations
 
 import argparse
 
 from cli.stack import flags
+from services.worker.config import Dtype
+from shared import limits
 
 # On a GPU the batch limits default to vLLM's (the worker sizes its KV cache after the CUDA
-# graphs and these steps' activations, so they fit); on CPU, the services' own (64, 2048).
+# graphs and these steps' activations, so they fit); on CPU, the services' own (shared/limits.py).
 GPU_MAX_NUM_SEQS = 1024
 GPU_MAX_NUM_BATCHED_TOKENS = 16384
 
@@ -18,23 +20,26 @@ def add_engine_flags(parser) -> None:
     parser.add_argument("--kv-cache-memory", default=None, help="worker KV cache size, e.g. 2GiB")
     parser.add_argument("--max-num-seqs", default=None,
                         help=f"most requests running at once (default {GPU_MAX_NUM_SEQS} on a "
-                             "GPU, 64 on CPU)")
+                             f"GPU, {limits.MAX_NUM_SEQS} on CPU)")
     parser.add_argument("--max-num-batched-tokens", default=None,
                         help=f"most tokens per step (default {GPU_MAX_NUM_BATCHED_TOKENS} on a "
-                             "GPU, 2048 on CPU)")
+                             f"GPU, {limits.MAX_NUM_BATCHED_TOKENS} on CPU)")
     parser.add_argument("--max-queued-requests", default=None,
                         help="most requests waiting per replica; more get 429 (default 4096)")
     parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
-    parser.add_argument("--dtype", default=None, help="worker dtype: auto, float32, bfloat16")
+    parser.add_argument("--dtype", default=None, choices=list(Dtype),
+                        help="worker dtype (default auto: bfloat16 on a GPU, float32 on CPU)")
     parser.add_argument("--gpu-memory-utilization", default=None,
                         help="share of GPU memory the worker uses (default 0.9)")
-    parser.add_argument("--max-model-len", default=None, help="context length limit")
+    parser.add_argument("--max-model-len", default=None,
+                        help="context length limit (default: the model's own)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
-    """{"worker": [...], "scheduler": [...]}. The worker gets the batch limits too: it sizes
-    its memory profile and CUDA graphs by them."""
+    """{"worker": [...], "scheduler": [...], "tokenizer": [...]}. The worker gets the batch
+    limits too (it sizes its memory profile and CUDA graphs by them), and the tokenizer the
+    context length too (the gateway holds prompts to what it says)."""
     on_gpu = worker_uses_gpu(args.device)
     batch_limits = flags(
         max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else None),
@@ -44,7 +49,8 @@ def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
         kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
     return {"worker": worker + (["--enforce-eager"] if args.enforce_eager else []),
-            "scheduler": batch_limits + flags(max_queued_requests=args.max_queued_requests)}
+            "scheduler": batch_limits + flags(max_queued_requests=args.max_queued_requests),
+            "tokenizer": flags(max_model_len=args.max_model_len)}
 
 
 def worker_uses_gpu(device: str | None) -> bool:

@@ -12,6 +12,8 @@ from pathlib import Path
 from cli import bench
 from cli.engine_flags import add_engine_flags, engine_service_args
 from cli.stack import Stack, StackOptions, flags
+from services.gateway.config import RoutingPolicy
+from services.scheduler.config import SchedulingPolicy
 
 STOP_MARGIN_S = 10.0  # beyond --shutdown-timeout: the services' own exit after their drain
 SUPERVISE_EVERY_S = 0.5
@@ -23,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the whole stack: NATS and every service")
     serve.add_argument("--model", default="smollm2",
                        help="'smollm2' (default), a .gguf file or a Hugging Face model directory")
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model's name in the API: /v1/models lists it and requests "
+                       "must use it (default: the model's own name, e.g. SmolLM2-135M-Instruct)")
     serve.add_argument("--host", default="0.0.0.0", help="address the API listens on")
     serve.add_argument("--port", type=int, default=8000, help="API port")
     serve.add_argument("--nats-url", default=None,
@@ -31,14 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer token")
     serve.add_argument("--replicas", type=int, default=1,
                        help="scheduler+worker pairs; the gateway routes between them (--routing)")
-    serve.add_argument("--routing", default=None, choices=["kv", "least-loaded", "round-robin"],
+    serve.add_argument("--routing", default=None, choices=list(RoutingPolicy),
                        help="which replica gets a request: kv (default: where its prefix is "
                        "cached, priced against load), least-loaded or round-robin "
                        "(docs/routing.md)")
     add_engine_flags(serve)
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn off automatic prefix caching")
-    serve.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority"])
+    serve.add_argument("--scheduling-policy", default=None, choices=list(SchedulingPolicy))
     serve.add_argument("--chunk-step-ratio", default=None,
                        help="cap prompt chunks so a step that also decodes takes at most this "
                        "many decode-only steps' time (default 0: off)")
@@ -82,6 +87,7 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
                                        max_steps_in_flight=args.max_steps_in_flight)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
     service_args["worker"] += flags(kv_load_layer_groups=args.kv_load_layer_groups)
+    service_args["tokenizer"] += flags(served_model_name=args.served_model_name)
     service_args["gateway"] = flags(api_key=args.api_key, routing=args.routing)
     service_args["kvstore"] = flags(kv_host_memory=args.kv_host_memory,
                                     kv_disk_dir=args.kv_disk_dir, kv_disk_size=args.kv_disk_size)
@@ -120,7 +126,7 @@ def serve(args: argparse.Namespace) -> int:
         stack.start()
         started = True
         from shared.models import resolve_model  # cached by now: the services resolved it
-        name = resolve_model(args.model, args.cache_dir).name
+        name = args.served_model_name or resolve_model(args.model, args.cache_dir).name
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
         print(f"\nflotilla: the OpenAI API is at {stack.base_url}/v1 (model {name!r})\n"
               f"try:\n  curl {stack.base_url}/v1/chat/completions -H 'Content-Type: application/json'"

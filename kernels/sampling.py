@@ -159,6 +159,14 @@ def sampling_probs_ref(logits: torch.Tensor, temperatures: torch.Tensor, top_ks:
     return probs
 
 
+def draw_seed(seed: int, output_index: int) -> int:
+    """The torch generator seed of a seeded request's draw number ``output_index``: it depends
+    on those two only, so a draw is the same whatever the batch, and a request recomputed
+    after preemption draws what it drew before. The worker's CPU path and sample_tokens_ref
+    both seed by it."""
+    return (seed * 1_000_003 + output_index) % 2**63
+
+
 def sample_tokens_ref(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
                       top_ps: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor
                       ) -> torch.Tensor:
@@ -171,6 +179,6 @@ def sample_tokens_ref(logits: torch.Tensor, temperatures: torch.Tensor, top_ks: 
     token_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     for row in range(logits.shape[0]):
         generator = torch.Generator(device=logits.device)
-        generator.manual_seed((int(seeds[row]) * 1_000_003 + int(offsets[row])) % 2**63)
+        generator.manual_seed(draw_seed(int(seeds[row]), int(offsets[row])))
         token_ids[row] = torch.multinomial(probs[row], 1, generator=generator)[0]
     return token_ids

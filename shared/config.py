@@ -9,6 +9,7 @@ Help text for a service's own fields comes from its class-level ``__help__`` dic
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 import re
 import uuid
@@ -22,6 +23,13 @@ C = TypeVar("C", bound="ServiceConfig")
 ENV_PREFIX = "FLOTILLA_"
 
 
+class OtelExporter(enum.StrEnum):
+    """Where each service's OpenTelemetry spans go (shared/tracing.py)."""
+
+    NONE = "none"  # no spans; the trace context is passed through
+    CONSOLE = "console"
+
+
 class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Fields every service has."""
 
@@ -30,7 +38,7 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "smollm2"
     log_level: str = "info"
     log_json: bool = False
-    otel_exporter: str = "none"  # "none" or "console"
+    otel_exporter: OtelExporter = OtelExporter.NONE
     instance_id: str = ""  # unique per process; generated when empty
     cache_dir: str = "~/.cache/flotilla"  # converted models live here
 
@@ -76,6 +84,10 @@ def build_parser(config_cls: type[ServiceConfig], prog: str | None = None) -> ar
         if hints[field.name] is bool:
             parser.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=f"{text} (env {env})")
+        elif _is_choice(hints[field.name]):
+            parser.add_argument(flag, dest=field.name, default=None,
+                                choices=[str(member) for member in hints[field.name]],
+                                help=f"{text} (env {env}, default {str(field.default)!r})")
         else:
             parser.add_argument(flag, dest=field.name, default=None,
                                 help=f"{text} (env {env}, default {field.default!r})")
@@ -102,12 +114,25 @@ def load_config(config_cls: type[C], argv: Sequence[str] | None = None,
         raise SystemExit(f"invalid configuration: {exc}") from exc
 
 
+def _is_choice(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, enum.StrEnum)
+
+
+def check_choice(value: str, choices: type[enum.StrEnum], name: str) -> None:
+    """A ValueError naming the choices unless ``value`` is one of them: a config built in
+    code (not by load_config, which converts the text) can hold any string."""
+    if value not in set(choices):
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
+
+
 def _coerce(raw: Any, annotation: Any, name: str) -> Any:
     if not isinstance(raw, str):
         return raw
     try:
         if annotation is bool:
             return _parse_bool(raw)
+        if _is_choice(annotation):
+            check_choice(raw, annotation, name)
         return msgspec.convert(raw, annotation, strict=False)
     except (ValueError, msgspec.ValidationError) as exc:
         raise SystemExit(f"invalid value for {name}: {raw!r} ({exc})") from exc

@@ -194,8 +194,9 @@ class AbortRequest(Struct, frozen=True, kw_only=True):
     request_ids: list[str]
 
 
-class RequestOutput(Struct, frozen=True, array_like=True, gc=False):
-    """scheduler -> gateway: the tokens one request produced in one step."""
+class RequestOutput(Struct, frozen=True, array_like=True, gc=False, kw_only=True):
+    """scheduler -> gateway: the tokens one request produced in one step. Keyword-only: nine
+    fields are too many to read by position (the wire order is still the field order)."""
 
     request_id: str
     new_token_ids: list[int]
@@ -208,6 +209,12 @@ class RequestOutput(Struct, frozen=True, array_like=True, gc=False):
     logprobs: list[TokenLogprobs] = []  # one per new token, when the request asked
     # first output only, when asked: one per prompt token (the first has none: None)
     prompt_logprobs: list[TokenLogprobs | None] = []
+
+    @classmethod
+    def failure(cls, request_id: str, num_prompt_tokens: int, error: ErrorInfo) -> RequestOutput:
+        """The last output of a request that failed: no tokens, finish_reason "error"."""
+        return cls(request_id=request_id, new_token_ids=[], finish_reason="error",
+                   num_prompt_tokens=num_prompt_tokens, error=error)
 
 
 class OutputBatch(Struct, frozen=True, array_like=True, gc=False):

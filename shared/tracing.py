@@ -19,6 +19,8 @@ from contextvars import ContextVar
 from opentelemetry import context, propagate, trace
 from opentelemetry.trace import SpanKind, Tracer, TracerProvider
 
+from shared.config import OtelExporter, check_choice
+
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")  # what the default propagators read
 
 _span_tracer: Tracer | None = None  # None: no span is made
@@ -28,13 +30,11 @@ _passed_on: ContextVar[dict[str, str] | None] = ContextVar("flotilla_trace_heade
                                                            default=None)
 
 
-def setup_tracing(service: str, exporter: str = "none") -> None:
-    """Export spans named after the service: ``exporter`` is "none" (no spans; trace context
-    passed through) or "console"."""
-    if exporter == "none":
+def setup_tracing(service: str, exporter: OtelExporter = OtelExporter.NONE) -> None:
+    """Export spans named after the service, to ``exporter``."""
+    check_choice(exporter, OtelExporter, "otel_exporter")
+    if exporter == OtelExporter.NONE:
         return
-    if exporter != "console":
-        raise ValueError(f"unknown OpenTelemetry exporter {exporter!r}: none or console")
     from opentelemetry.sdk.resources import Resource  # the SDK only where spans are exported
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter

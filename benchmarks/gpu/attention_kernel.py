@@ -1,9 +1,9 @@
 """Issue 4 benchmark: the Triton paged-attention kernel against the device's copy bandwidth.
 
-    python benchmarks/gpu/attention_kernel.py                # default configs, every case
-    python benchmarks/gpu/attention_kernel.py --sweep        # also the TUNE grids; best per case
-    python benchmarks/gpu/attention_kernel.py --cases decode_b64_16k --sweep
-    OUT=/some/dir python benchmarks/gpu/attention_kernel.py  # and write $OUT/attention_kernel.json
+    python -m benchmarks.gpu.attention_kernel                # default configs, every case
+    python -m benchmarks.gpu.attention_kernel --sweep        # also the TUNE grids; best per case
+    python -m benchmarks.gpu.attention_kernel --cases decode_b64_16k --sweep
+    OUT=/some/dir python -m benchmarks.gpu.attention_kernel  # and write $OUT/attention_kernel.json
 
 First the device-to-device copy bandwidth is measured (a 2 GiB torch copy, bytes read + written).
 Then for each case: the kernel's output is checked against ``paged_attention_ref`` on the same
@@ -28,7 +28,6 @@ import argparse
 import itertools
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,10 +35,9 @@ import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from kernels.paged_attention import AttentionConfig, default_config, paged_attention  # noqa: E402
-from kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
+from kernels.paged_attention import AttentionConfig, default_config, paged_attention
+from kernels.paged_attention_ref import paged_attention_ref
 
 MODELS = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # heads, kv heads, head_dim
 

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from cli.engine import Engine  # noqa: E402
-from services.scheduler.config import SchedulerConfig  # noqa: E402
-from services.worker.config import WorkerConfig  # noqa: E402
-from shared.models import ModelFiles, resolve_model  # noqa: E402
+from cli.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
+from shared.models import ModelFiles, resolve_model
 
 
 def copy_bandwidth(device: str = "cuda", num_bytes: int = 2 << 30) -> float:

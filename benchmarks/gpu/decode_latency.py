@@ -1,6 +1,6 @@
 """Issue 4 benchmark b: batch-1 decode latency against the weights/bandwidth floor, and HF.
 
-    python benchmarks/gpu/decode_latency.py --model dummy:llama-3.1-8b --context 1024 --hf
+    python -m benchmarks.gpu.decode_latency --model dummy:llama-3.1-8b --context 1024 --hf
 
 Both are the path: ``--norm-in-reduce off`` measures without the residual add and RMSNorm after
 o_proj and down in their split-K reduce (the two kernels instead), ``--pdl off`` without
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from common import build_engine, copy_bandwidth, device_name, hf_random_model, save
+from benchmarks.gpu.common import build_engine, copy_bandwidth, device_name, hf_random_model, save
 from kernels import pdl
 from services.worker import ops
 from shared.messages import SamplingParams

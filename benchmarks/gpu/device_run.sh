@@ -21,7 +21,7 @@ for stage in "$@"; do
     worker-tests) python3 -m pytest -q -m gpu tests/services/worker tests/cli -p no:cacheprovider -W ignore \
         --ignore=tests/services/worker/test_structured.py --tb=short 2>&1 | tail -30;;
     # issue 15: the skinny GEMM against cuBLAS at decode batch sizes (SKINNY_ARGS: --sweep ...)
-    skinny) python3 benchmarks/gpu/skinny_gemm.py ${SKINNY_ARGS:-} 2>&1 | tail -45;;
+    skinny) python3 -m benchmarks.gpu.skinny_gemm ${SKINNY_ARGS:-} 2>&1 | tail -45;;
     # the GPU worker tests with the skinny GEMM on every CUDA linear of up to 16 rows (any
     # shape and dtype: the tests' fp32 tiny model has no shape of its table)
     worker-tests-skinny) python3 -c "import sys, pytest, kernels.skinny_gemm as s
@@ -30,54 +30,54 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     '-W', 'ignore', '--ignore=tests/services/worker/test_structured.py', '--tb=short']))" 2>&1 | tail -30;;
     # the same token ids for vLLM (shared/peers/vllm/vllm_offline.py) in /tmp/workloads
     dump-workloads) mkdir -p /tmp/workloads
-        python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b --workload fixed \
+        python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b --workload fixed \
             --num-prompts 1000 --input-len 1024 --output-len 128 --dump-workload /tmp/workloads/c_fixed.json
-        python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-qwen3-0.6b --workload uniform \
+        python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-qwen3-0.6b --workload uniform \
             --num-prompts 256 --dump-workload /tmp/workloads/d_uniform.json
-        python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b --workload sharegpt \
+        python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b --workload sharegpt \
             --num-prompts 1000 --dataset-path $M/sharegpt-1000.json --dump-workload /tmp/workloads/e_sharegpt.json
         ls -la /tmp/workloads;;
-    parity) python3 benchmarks/gpu/parity.py --model $M/dummy-llama-3.1-8b 2>&1 | tail -40;;
-    decode) python3 benchmarks/gpu/decode_latency.py --model $M/dummy-llama-3.1-8b --hf 2>&1 | tail -40;;
-    decode-eager) python3 benchmarks/gpu/decode_latency.py --model $M/dummy-llama-3.1-8b --enforce-eager 2>&1 | tail -40;;
-    attention) python3 benchmarks/gpu/attention_kernel.py 2>&1 | tail -20;;
-    throughput-c) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b \
+    parity) python3 -m benchmarks.gpu.parity --model $M/dummy-llama-3.1-8b 2>&1 | tail -40;;
+    decode) python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b --hf 2>&1 | tail -40;;
+    decode-eager) python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b --enforce-eager 2>&1 | tail -40;;
+    attention) python3 -m benchmarks.gpu.attention_kernel 2>&1 | tail -20;;
+    throughput-c) python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b \
         --workload fixed --num-prompts 1000 --input-len 1024 --output-len 128 ${C_ARGS:-} 2>&1 | tail -40;;
-    throughput-c-hf) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b \
+    throughput-c-hf) python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b \
         --workload fixed --num-prompts 1000 --input-len 1024 --output-len 128 \
         --hf-batch-sizes 64,128 --hf-prompts 256 2>&1 | tail -40;;
-    throughput-d) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-qwen3-0.6b \
+    throughput-d) python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-qwen3-0.6b \
         --workload uniform --num-prompts 256 $D_HF ${D_ARGS:-} 2>&1 | tail -40;;
-    throughput-e) python3 benchmarks/gpu/offline_throughput.py --model $M/dummy-llama-3.1-8b \
+    throughput-e) python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b \
         --workload sharegpt --num-prompts 1000 $E_DATA \
         ${E_ARGS:-} 2>&1 | tail -40;;
-    stack-f) python3 benchmarks/gpu/stack_throughput.py --model $M/dummy-llama-3.1-8b \
+    stack-f) python3 -m benchmarks.gpu.stack_throughput --model $M/dummy-llama-3.1-8b \
         --num-prompts 1000 --input-len 1024 --output-len 128 ${F_ARGS:-} 2>&1 | tail -40;;
     sampling-tests) python3 -m pytest -q -m gpu tests/services/worker/test_sampling_adjustments.py \
         tests/services/worker/test_runner_gpu.py tests/kernels/test_sampling.py \
         tests/kernels/test_penalties.py -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -30;;
-    penalties) python3 benchmarks/sampling_penalties.py --device cuda --model $M/dummy-llama-3.2-1b \
+    penalties) python3 -m benchmarks.sampling_penalties --device cuda --model $M/dummy-llama-3.2-1b \
         ${P_ARGS:-} 2>&1 | tail -30;;
-    profile) python3 benchmarks/gpu/step_profile.py --model $M/dummy-llama-3.1-8b 2>&1 | tail -60;;
+    profile) python3 -m benchmarks.gpu.step_profile --model $M/dummy-llama-3.1-8b 2>&1 | tail -60;;
     # online serving (docs/bench.md): flotilla alone, or flotilla then vLLM (needs the vLLM kit
     # installed by an earlier call: shared/peers/vllm/README.md); each ends within ~9 minutes,
     # so run it as the only stage of its call. Files in $OUT/online. ON_ARGS: more flags (e.g.
     # --profile-seconds 20, with a py-spy wheel in .whl/); VLLM_ARGS: more vllm serve flags.
-    online) python3 benchmarks/gpu/online_serve.py --model $M/dummy-llama-3.1-8b --out "$OUT/online" \
+    online) python3 -m benchmarks.gpu.online_serve --model $M/dummy-llama-3.1-8b --out "$OUT/online" \
         --skip-vllm --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192" ${ON_ARGS:-} 2>&1 | tail -80;;
-    online-vllm) python3 benchmarks/gpu/online_serve.py --model $M/dummy-llama-3.1-8b --out "$OUT/online" \
+    online-vllm) python3 -m benchmarks.gpu.online_serve --model $M/dummy-llama-3.1-8b --out "$OUT/online" \
         --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192" --vllm-args "${VLLM_ARGS:-}" \
         ${ON_ARGS:-} 2>&1 | tail -80;;
     # issue 14 (docs/kvstore.md): the tiered KV store through the stack; one part per call
     # (each ~3-8 minutes): KV_PARTS=prefix16k, offload or prefill512; KV_ARGS: more flags.
     # The result JSON goes to $OUT.
-    kvstore) python3 benchmarks/kvstore_tiers.py --device cuda --model $M/dummy-llama-3.1-8b \
+    kvstore) python3 -m benchmarks.kvstore_tiers --device cuda --model $M/dummy-llama-3.1-8b \
         --parts "${KV_PARTS:-prefix16k}" ${KV_ARGS:-} 2>&1 | tail -60;;
     # issue 14's three GPU targets in one call (~8 minutes on a fresh machine: run it alone);
     # prefix16k first, since it is the shortest and the closest to its target
     kvstore-accept) for part in prefix16k offload prefill512; do
           echo "--- $part $(date +%T)"
-          python3 benchmarks/kvstore_tiers.py --device cuda --model $M/dummy-llama-3.1-8b \
+          python3 -m benchmarks.kvstore_tiers --device cuda --model $M/dummy-llama-3.1-8b \
               --parts $part --time-budget-s 200 2>&1 | grep -v "^\[prefill512\] [0-9]" | tail -12
         done;;
     # issue 14, loads in layer groups (--kv-load-layer-groups, docs/kvstore.md): the GPU tests,
@@ -86,11 +86,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     kv-groups-tests) python3 -m pytest -q -m gpu tests/services/worker/test_kv_load_groups_gpu.py \
         tests/services/worker/test_cuda_copy.py tests/services/worker/test_kv_tiers_gpu.py \
         tests/kernels/test_kv_blocks.py -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -30;;
-    kv-groups-copy) python3 benchmarks/gpu/kv_copy.py --load-groups 1,2,4,8 \
+    kv-groups-copy) python3 -m benchmarks.gpu.kv_copy --load-groups 1,2,4,8 \
         --out "$OUT/kv_copy_groups.json" ${KV_GROUPS_COPY_ARGS:-} 2>&1 | tail -40;;
     prefix16k-groups) for g in ${KV_GROUPS:-4}; do
           echo "--- G=$g $(date +%T)"
-          python3 benchmarks/kvstore_tiers.py --device cuda --model $M/dummy-llama-3.1-8b \
+          python3 -m benchmarks.kvstore_tiers --device cuda --model $M/dummy-llama-3.1-8b \
               --parts prefix16k --worker-args "--kv-load-layer-groups $g" ${KV_ARGS:-} 2>&1 | tail -12
           mv "$OUT/kvstore_tiers_cuda_prefix16k.json" "$OUT/kvstore_tiers_cuda_prefix16k_G$g.json"
         done;;
@@ -103,7 +103,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     b-pairs) IFS='|' read -ra runs <<< "${B_RUNS:---pdl off --norm-in-reduce off|--pdl on --norm-in-reduce on|--pdl off --norm-in-reduce off|--pdl on --norm-in-reduce on}"
         for flags in "${runs[@]}"; do
           echo "--- $flags $(date +%T)"
-          python3 benchmarks/gpu/decode_latency.py --model $M/dummy-llama-3.1-8b $flags 2>&1 \
+          python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b $flags 2>&1 \
               | grep -E "ms/token|graph_replay|batch-1" | tail -4
         done;;
     *) echo "unknown stage $stage";;

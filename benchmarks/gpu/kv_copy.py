@@ -15,8 +15,8 @@ registered the way the worker does it (services/worker/kv_tiers.py):
   loaded K/V) whose layer l waits for its group only, as the worker's forward does: the end
   to end ms of load + forward, against load + forward alone (``hidden_ms``).
 
-    python3 benchmarks/gpu/kv_copy.py --num-blocks 1024 --staging-mib 32,128
-    python3 benchmarks/gpu/kv_copy.py --load-groups 1,2,4,8
+    python3 -m benchmarks.gpu.kv_copy --num-blocks 1024 --staging-mib 32,128
+    python3 -m benchmarks.gpu.kv_copy --load-groups 1,2,4,8
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Issue 4 benchmarks c, d, e: offline throughput of the in-process engine, and HF's.
 
     # c: Llama-3.1-8B architecture, 1,000 prompts, 1,024 in / 128 out
-    python benchmarks/gpu/offline_throughput.py --model dummy:llama-3.1-8b --workload fixed \
+    python -m benchmarks.gpu.offline_throughput --model dummy:llama-3.1-8b --workload fixed \
         --num-prompts 1000 --input-len 1024 --output-len 128 --hf-batch-sizes 64,128
     # d: Qwen3-0.6B architecture, 256 prompts, input and output lengths uniform in 100-1024
-    python benchmarks/gpu/offline_throughput.py --model dummy:qwen3-0.6b --workload uniform \
+    python -m benchmarks.gpu.offline_throughput --model dummy:qwen3-0.6b --workload uniform \
         --num-prompts 256 --hf-batch-sizes 256
     # e: ShareGPT, 1,000 conversations (first human turn; the reply's length as output)
-    python benchmarks/gpu/offline_throughput.py --model dummy:llama-3.1-8b --workload sharegpt \
+    python -m benchmarks.gpu.offline_throughput --model dummy:llama-3.1-8b --workload sharegpt \
         --num-prompts 1000
 
 Every prompt is submitted at once; EOS is ignored so every request produces exactly its output
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import (build_engine, device_name, done_percentiles, hf_random_model,
+from benchmarks.gpu.common import (build_engine, device_name, done_percentiles, hf_random_model,
                     hf_static_batches, save)
 from shared.messages import SamplingParams
 from shared.models import resolve_model

@@ -1,6 +1,6 @@
 """Issue 12 item 6: online serving, flotilla and then vLLM, on one machine with one workload.
 
-    python3 benchmarks/gpu/online_serve.py --model .devmodels/dummy-llama-3.1-8b --out $OUT/online \
+    python3 -m benchmarks.gpu.online_serve --model .devmodels/dummy-llama-3.1-8b --out $OUT/online \
         --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192" --profile-seconds 20
 
 1. flotilla: ``flotilla serve --model MODEL --max-model-len 4096 SERVE_ARGS`` on a free port;
@@ -21,7 +21,7 @@ Every phase has a hard limit inside ``--budget`` (540 s: the device tool stops a
 a bench ``--max-duration`` (150 s) plus its setup, a stop 40 s. A phase that no longer
 fits is skipped and says so. On CPU, for a quick check:
 
-    .venv/bin/python benchmarks/gpu/online_serve.py --model dummy:tiny-llama --num-prompts 20 \
+    .venv/bin/python -m benchmarks.gpu.online_serve --model dummy:tiny-llama --num-prompts 20 \
         --skip-vllm --out /tmp/o
 """
 
@@ -44,11 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))  # run as a script from anywhere
 
-from cli.bench.serve import EXIT_DEADLINE, RUN_STARTED  # noqa: E402
-from cli.stack import _die_with_parent, free_port  # noqa: E402
-from shared.models import resolve_model  # noqa: E402
+from cli.bench.deadline import EXIT_DEADLINE, RUN_STARTED
+from cli.stack import _die_with_parent, free_port
+from shared.models import resolve_model
 
 TERM_GRACE_S = 30.0  # a server's orderly stop after SIGTERM; then SIGKILL
 STOP_S = TERM_GRACE_S + 10.0  # the most a stop takes

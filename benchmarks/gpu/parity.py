@@ -1,7 +1,7 @@
 """Issue 4 acceptance: bf16 logprobs of a real-size architecture against transformers on the
 same random weights, on the GPU.
 
-    python benchmarks/gpu/parity.py --model dummy:llama-3.1-8b --num-tokens 512
+    python -m benchmarks.gpu.parity --model dummy:llama-3.1-8b --num-tokens 512
 
 transformers builds the architecture with its own random initialisation on the GPU; its weights
 are copied into flotilla's model (q/k/v and gate/up fused as the loader does); both then score
@@ -16,7 +16,7 @@ import dataclasses
 
 import torch
 
-from common import device_name, hf_random_model, save
+from benchmarks.gpu.common import device_name, hf_random_model, save
 from services.worker.model import _fuse_hf_weights, load_model
 from services.worker.runner import SequenceChunk, build_step_inputs
 from kernels.paged_attention_ref import allocate_kv_cache

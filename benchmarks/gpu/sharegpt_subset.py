@@ -2,7 +2,7 @@
 would pick (same seed, same tokenizer, same length filter) as a small ShareGPT file, so a
 GPU machine gets the same requests without the 27 MB dataset wheel:
 
-    python benchmarks/gpu/sharegpt_subset.py --num-prompts 1000 --tokenizer DIR --out FILE
+    python -m benchmarks.gpu.sharegpt_subset --num-prompts 1000 --tokenizer DIR --out FILE
 
 On that file the bench shuffles again, so it sends the same requests in another order.
 """

@@ -1,9 +1,9 @@
 """Issue 15 item 5: the skinny GEMM (kernels/skinny_gemm.py) against torch F.linear (cuBLAS)
 at decode batch sizes, on the Llama-3.1-8B projections.
 
-    python benchmarks/gpu/skinny_gemm.py                  # the table's configs, M = 1, 2, 4, 8, 16
-    python benchmarks/gpu/skinny_gemm.py --sweep          # try the grids below; best per shape
-    python benchmarks/gpu/skinny_gemm.py --shapes o_proj,down --m 1,8
+    python -m benchmarks.gpu.skinny_gemm                  # the table's configs, M = 1, 2, 4, 8, 16
+    python -m benchmarks.gpu.skinny_gemm --sweep          # try the grids below; best per shape
+    python -m benchmarks.gpu.skinny_gemm --shapes o_proj,down --m 1,8
 
 Each timing is one CUDA graph of ``--calls`` back-to-back calls, each on the next of several
 copies of the weight (together over 1 GiB, so nothing is served from the 50 MB L2), replayed
@@ -22,15 +22,13 @@ import json
 import multiprocessing
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
-from kernels.skinny_gemm import (MAX_M, SkinnyConfig, config_for,  # noqa: E402
+from kernels.skinny_gemm import (MAX_M, SkinnyConfig, config_for,
                                  skinny_gemm)
 
 SHAPES = {  # name: (N, K) of the Llama-3.1-8B projections

@@ -1,7 +1,7 @@
 """Issue 4 benchmark f: benchmark c through the full service stack (gateway -> NATS ->
 scheduler -> worker), to compare with the in-process engine (offline_throughput.py).
 
-    python benchmarks/gpu/stack_throughput.py --model dummy:llama-3.1-8b \
+    python -m benchmarks.gpu.stack_throughput --model dummy:llama-3.1-8b \
         --num-prompts 1000 --input-len 1024 --output-len 128
 
 Starts nats-server and every service (cli/stack.py) with the engine's settings (bf16 on CUDA,
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from common import device_name, done_percentiles, save
-from online_serve import Profiler
+from benchmarks.gpu.common import device_name, done_percentiles, save
+from benchmarks.gpu.online_serve import Profiler
 from cli.bench.load import NUM_CLIENTS
 from cli.stack import Stack, StackOptions, flags, free_port
 from shared.models import resolve_model

@@ -1,7 +1,7 @@
 """Where a step's time goes: decode-only (CUDA graph and eager) and mixed steps (piecewise
 graphs and eager), host vs GPU.
 
-    python benchmarks/gpu/step_profile.py --model dummy:llama-3.1-8b --batch 256 --context 512
+    python -m benchmarks.gpu.step_profile --model dummy:llama-3.1-8b --batch 256 --context 512
 
 Builds a runner, fills its cache (contents do not matter for timing), and times steps built
 with build_step_inputs directly: wall time of input building, of the forward call returning
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from common import build_engine, device_name, save
+from benchmarks.gpu.common import build_engine, device_name, save
 from services.worker.runner import SequenceChunk, build_step_inputs
 
 

@@ -15,7 +15,7 @@ and a wait for it, as the worker reads a step back. Timed per step (host wall) f
 Also the small copy's own latency (its event after the forward's) in each case: a token
 readback queued behind a store's copies would wait for them.
 
-    python3 benchmarks/gpu/store_contention.py --store-blocks 64 --steps 100
+    python3 -m benchmarks.gpu.store_contention --store-blocks 64 --steps 100
 """
 
 from __future__ import annotations

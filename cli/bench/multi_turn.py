@@ -16,6 +16,7 @@ from cli.bench.client import RequestSettings
 from cli.bench.conversation_load import Render, run_conversations
 from cli.bench.conversations import Conversation, MultiTurnShape, multi_turn_conversations
 from cli.bench.datasets import BenchRequest, DatasetError
+from cli.bench.deadline import RUN_STARTED, exit_status, time_left
 from cli.bench.load import RunResult, http_client, warm_up
 from cli.bench.metrics import turn_summaries
 
@@ -80,8 +81,6 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Co
     its own conversations, all within --max-duration."""
     from tqdm import tqdm
 
-    from cli.bench.serve import RUN_STARTED, time_left
-
     deadline = time.monotonic() + args.max_duration
     runs = []
     async with http_client(base_url, args.api_key, args.request_timeout) as client:
@@ -102,8 +101,6 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Co
 
 
 def run(args: argparse.Namespace) -> int:
-    from cli.bench.serve import exit_status
-
     if not math.isinf(args.request_rate):
         raise DatasetError("--request-rate does not apply to multi-turn: a conversation "
                            "starts when one of the --max-concurrency slots is free")

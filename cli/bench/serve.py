@@ -6,15 +6,13 @@ import argparse
 import asyncio
 import time
 
-from cli.bench import options, report, target, workload
+from cli.bench import multi_turn, options, report, target, workload
 from cli.bench.client import RequestSettings
 from cli.bench.datasets import BenchRequest
+from cli.bench.deadline import (
+    DEFAULT_MAX_DURATION_S, EXIT_DEADLINE, RUN_STARTED, exit_status, time_left,
+)
 from cli.bench.load import LoadSettings, http_client, run_load, warm_up
-
-DEFAULT_MAX_DURATION_S = 1800.0
-# on stderr as each run starts: benchmarks/gpu/online_serve.py starts its profilers on it
-RUN_STARTED = "run started:"
-EXIT_DEADLINE = 3  # a run was cut short by --max-duration (its partial results are reported)
 
 
 def add_parser(commands) -> None:
@@ -41,17 +39,6 @@ def add_parser(commands) -> None:
                        f"and the exit status is {EXIT_DEADLINE}")
     options.add_output_flags(parser)
     parser.set_defaults(handler=run)
-
-
-def time_left(deadline: float, max_duration: float, max_concurrency: int | None) -> float | None:
-    """Seconds left before a sweep's --max-duration deadline; None (and a notice) once it
-    has passed, so the runs from ``max_concurrency`` on are not started."""
-    remaining_s = deadline - time.monotonic()
-    if remaining_s > 0:
-        return remaining_s
-    report.notice(f"--max-duration {max_duration:g} s has passed: the runs from concurrency "
-                  f"{max_concurrency} on were not started")
-    return None
 
 
 async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[BenchRequest]],
@@ -91,18 +78,8 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Be
     return runs
 
 
-def exit_status(runs: list[dict], num_runs_planned: int) -> int:
-    """EXIT_DEADLINE if the deadline cut the benchmark short, else 1 if a run completed no
-    request, else 0."""
-    if len(runs) < num_runs_planned or any(r["summary"]["deadline_reached"] for r in runs):
-        return EXIT_DEADLINE
-    return 0 if all(r["summary"]["completed"] for r in runs) else 1
-
-
 def run(args: argparse.Namespace) -> int:
     if args.dataset_name == "multi-turn":  # conversations, not independent requests
-        from cli.bench import multi_turn
-
         return multi_turn.run(args)
     spec = target.model_spec(args)
     tokenizer = target.load_tokenizer(args.tokenizer, spec)

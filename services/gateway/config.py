@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from shared.config import ServiceConfig
+from enum import StrEnum
 
-ROUTING_POLICIES = ("kv", "least-loaded", "round-robin")
+from shared.config import ServiceConfig, check_choice
+
+
+class RoutingPolicy(StrEnum):
+    """Which replica gets a request (docs/routing.md)."""
+
+    KV = "kv"  # where its prefix is cached, priced against load
+    LEAST_LOADED = "least-loaded"
+    ROUND_ROBIN = "round-robin"
 
 
 class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
@@ -25,7 +33,7 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     accept_unknown_fields: bool = False  # drop and log parameters outside OpenAI's schema
     max_tokens_default: int = 0  # output limit of a request that sets none (0: the context)
     # which replica gets a request (docs/routing.md)
-    routing: str = "kv"  # kv, least-loaded or round-robin
+    routing: RoutingPolicy = RoutingPolicy.KV
     routing_saturation_margin: int = 1  # requests over the least loaded replica's ...
     routing_saturation_ratio: float = 0.5  # ... or this share of the mean load, if more
     routing_session_ttl_s: float = 600.0
@@ -65,7 +73,6 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.max_tokens_default < 0:
             raise ValueError("max_tokens_default must be 0 (no default) or positive")
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}")
+        check_choice(self.routing, RoutingPolicy, "routing")
         if self.routing_saturation_margin < 0 or self.routing_saturation_ratio < 0:
             raise ValueError("the routing saturation margin and ratio must not be negative")

@@ -57,11 +57,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.gateway.block_index import DISK, HOST, BlockIndex, block_keys
-from services.gateway.config import ROUTING_POLICIES
+from services.gateway.config import RoutingPolicy
+from shared.config import check_choice
 from shared.messages import SchedulerStats
 from shared.prefix_hash import extra_keys, usable_block_hashes
 
-POLICIES = ROUTING_POLICIES
 GPU = "gpu"
 # decision reasons: a cache hit decided it, a session, load alone (no hit made a
 # difference), the valve turned a request away from the replica its cache or session
@@ -79,7 +79,7 @@ DEFAULT_DISK_READ_BYTES_PER_S = 2e9  # disk -> host RAM (about NVMe)
 
 @dataclass(frozen=True)
 class RoutingParams:
-    policy: str = "kv"
+    policy: RoutingPolicy = RoutingPolicy.KV
     saturation_margin: int = 1  # requests over the least loaded replica's, at least
     saturation_ratio: float = 0.5  # ... or this share of the fleet's mean load, if more
     session_ttl_s: float = 600.0
@@ -129,7 +129,7 @@ class Replica:
 @dataclass(frozen=True)
 class Decision:
     scheduler_id: str
-    policy: str
+    policy: RoutingPolicy
     reason: str
     hit_tokens: dict[str, int] = field(default_factory=dict)  # expected, by tier
     num_compute_tokens: int = 0  # prompt tokens it is expected to compute
@@ -209,8 +209,7 @@ class Sessions:
 
 class Router:
     def __init__(self, params: RoutingParams, index: BlockIndex) -> None:
-        if params.policy not in POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, not {params.policy!r}")
+        check_choice(params.policy, RoutingPolicy, "routing")
         self.params = params
         self.index = index
         self.sessions = Sessions(params.max_sessions, params.session_ttl_s)
@@ -229,11 +228,11 @@ class Router:
         if not replicas:
             return None
         policy = self.params.policy
-        if policy == "round-robin":
+        if policy == RoutingPolicy.ROUND_ROBIN:
             ordered = sorted(replicas, key=lambda r: r.stats.replica_id)
             return Decision(ordered[next(self._turns) % len(ordered)].scheduler_id, policy, TURN,
                             num_compute_tokens=len(token_ids))
-        if policy == "least-loaded" or len(replicas) == 1:
+        if policy == RoutingPolicy.LEAST_LOADED or len(replicas) == 1:
             least_loaded = min(replicas, key=lambda r: r.baseline_load)
             decision = Decision(least_loaded.scheduler_id, policy, LOAD,
                                 num_compute_tokens=len(token_ids))
@@ -243,7 +242,7 @@ class Router:
                 else self.mean_output_tokens
             decision = self._choose_kv(replicas, least_loaded, token_ids, cache_salt, session,
                                        now, output_tokens)
-        if session and policy == "kv":
+        if session and policy == RoutingPolicy.KV:
             self.sessions.put((cache_salt or "", session), decision.scheduler_id, now)
         return decision
 
@@ -289,7 +288,7 @@ class Router:
             else:
                 reason = LOAD
         estimate = estimates[chosen.scheduler_id]
-        return Decision(chosen.scheduler_id, "kv", reason, estimate.hit_tokens,
+        return Decision(chosen.scheduler_id, RoutingPolicy.KV, reason, estimate.hit_tokens,
                         estimate.num_compute_tokens, estimate.seconds)
 
     def saturation_threshold(self, replicas: Sequence[Replica]) -> float:

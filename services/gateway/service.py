@@ -18,7 +18,7 @@ import structlog
 
 from services.gateway.block_feed import BlockFeed
 from services.gateway.block_index import BlockIndex
-from services.gateway.config import GatewayConfig
+from services.gateway.config import GatewayConfig, RoutingPolicy
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import can_migrate, resumed_request
 from services.gateway.replicas import ReplicaTable
@@ -78,7 +78,7 @@ class GatewayService:
         self._pending_prefill = PendingPrefill()  # prompt tokens sent, no first output yet
         # the index is fed only under kv routing (the other policies ignore it)
         self.blocks = BlockFeed(bus, self.subjects, self.index, metrics, self._spawn) \
-            if config.routing == "kv" else None
+            if config.routing == RoutingPolicy.KV else None
         metrics.watch_block_index(self.index)
 
     async def start(self) -> None:

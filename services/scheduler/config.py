@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
-from shared.config import ServiceConfig
+from enum import StrEnum
+
+from shared import limits
+from shared.config import ServiceConfig, check_choice
+
+
+class SchedulingPolicy(StrEnum):
+    """Which waiting request runs first."""
+
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # lower `priority` values first, then arrival order
 
 
 class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     """flotilla scheduler: continuous batching over a paged KV cache, one per replica."""
 
     replica_id: str = "0"  # drives the worker with the same replica id
-    max_num_seqs: int = 64  # requests running at once
-    max_num_batched_tokens: int = 2048  # tokens computed per step (decodes + prompt chunks)
+    max_num_seqs: int = limits.MAX_NUM_SEQS  # the batch limits: shared/limits.py
+    max_num_batched_tokens: int = limits.MAX_NUM_BATCHED_TOKENS
     max_queued_requests: int = 4096  # waiting requests; past this a submit gets 429
     prefix_caching: bool = True  # --no-prefix-caching turns it off
-    scheduling_policy: str = "fcfs"  # or "priority": lower `priority` values run first
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
     max_steps_in_flight: int = 2  # 2 overlaps planning step N+1 with computing step N
     chunk_step_ratio: float = 0.0  # >0: steps with decodes and a prompt chunk take at most this
     # many decode-only steps' time (prompt chunks shrink to fit); 0: off
@@ -31,8 +41,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
         "max_kv_load_mib_per_step": "MiB of kvstore hits loaded in one step, past its first "
                                     "hit (0: no cap)",
         "replica_id": "replica this scheduler drives (its worker uses the same id)",
-        "max_num_seqs": "most requests running at once",
-        "max_num_batched_tokens": "most tokens computed in one step",
+        **limits.BATCH_LIMITS_HELP,
         "max_queued_requests": "most requests waiting to run; more are refused with 429",
         "prefix_caching": "reuse the KV of cached prompt prefixes",
         "scheduling_policy": "fcfs or priority",
@@ -46,8 +55,8 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     }
 
     def __post_init__(self) -> None:
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
+        limits.check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
+        check_choice(self.scheduling_policy, SchedulingPolicy, "scheduling_policy")
         if self.chunk_step_ratio < 0:
             raise ValueError("chunk_step_ratio must be 0 (off) or positive")
         if self.shutdown_timeout < 0:

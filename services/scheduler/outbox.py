@@ -71,9 +71,7 @@ class Outbox:
         for item in emitted:
             output = item.output
             if output.error is None:
-                output = RequestOutput(request_id=output.request_id, new_token_ids=[],
-                                       finish_reason="error",
-                                       num_prompt_tokens=output.num_prompt_tokens, error=info)
+                output = RequestOutput.failure(output.request_id, output.num_prompt_tokens, info)
             self._held.append(HeldOutput(Emitted(item.output_subject, output), now))
 
     def link_lost(self, now: float) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer
-from services.scheduler.config import SchedulerConfig
+from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.kv_tier import IsWanted, KvTierHooks
 from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
 from services.scheduler.request import Request, TierHit
@@ -93,7 +93,7 @@ class Scheduler:
         taken before a kvstore lookup; ``block_hashes`` are the query's; the leader keeps
         ``tier_hit`` (its siblings then find those blocks in the GPU prefix cache)."""
         self._validate(request)
-        priority = request.priority if self.config.scheduling_policy == "priority" else 0
+        priority = request.priority if self.config.scheduling_policy == SchedulingPolicy.PRIORITY else 0
         arrival_time = request.arrival_time or time.time()
         shares = shares_prompt(request, self.config.prefix_caching)
         leader = None
@@ -266,9 +266,8 @@ class Scheduler:
 
     def fail_all(self, error: ErrorInfo) -> list[Emitted]:
         """The worker is gone: end every request with ``error``."""
-        emitted = [Emitted(req.output_subject, RequestOutput(
-            req.request_id, [], "error", len(req.prompt_token_ids), error))
-            for req in self.requests.values()]
+        emitted = [Emitted(req.output_subject, RequestOutput.failure(
+            req.request_id, len(req.prompt_token_ids), error)) for req in self.requests.values()]
         for req in list(self.requests.values()):
             self._finish(req)
         self._forget_ids = []
@@ -466,9 +465,11 @@ class Scheduler:
         if first and req.sampling.prompt_logprobs is not None:
             prompt_logprobs = [None, *req.prompt_logprobs]
             req.prompt_logprobs = []
-        return RequestOutput(req.request_id, token_ids, finish_reason, len(req.prompt_token_ids),
-                             None, req.num_cached_tokens if first else 0,
-                             max(0.0, queue_time) if first else 0.0, logprobs, prompt_logprobs)
+        return RequestOutput(request_id=req.request_id, new_token_ids=token_ids,
+                             finish_reason=finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
+                             num_cached_tokens=req.num_cached_tokens if first else 0,
+                             queue_time_s=max(0.0, queue_time) if first else 0.0,
+                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
     def _finish_reason(self, req: Request, token_id: int) -> str | None:
         sampling = req.sampling

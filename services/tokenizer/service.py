@@ -55,7 +55,9 @@ async def serve(config: TokenizerConfig, stop: asyncio.Event) -> None:
     codec = await asyncio.to_thread(TextCodec, model_files.path, config.max_model_len)
     bus = await Bus.connect(config.nats_url, name=f"tokenizer-{config.instance_id}",
                             on_lost=stop.set)
-    service = TokenizerService(config, bus, codec, model_files.name)
+    # The gateway learns the API's model name from here (TokenizerInfo); the engine keeps
+    # keying its caches on the model's own name.
+    service = TokenizerService(config, bus, codec, config.served_model_name or model_files.name)
     await service.start()
     freeze_startup_objects()
     log.info("tokenizer_started", model=model_files.name)

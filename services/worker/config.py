@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
-from shared.config import ServiceConfig
+from enum import StrEnum
+
+from shared import limits
+from shared.config import ServiceConfig, check_choice
+
+
+class Dtype(StrEnum):
+    """The weights' and KV cache's dtype."""
+
+    AUTO = "auto"  # bfloat16 on CUDA, float32 on CPU
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class OverlapSteps(StrEnum):
+    """Whether step N+1 is queued before step N is read back."""
+
+    AUTO = "auto"  # on CUDA
+    ON = "on"
+    OFF = "off"
 
 
 class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
@@ -10,19 +30,20 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
 
     replica_id: str = "0"  # pairs this worker with the scheduler of the same replica
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1"
-    dtype: str = "auto"  # "auto" (bf16 on cuda, fp32 on cpu), "float32", "bfloat16", "float16"
+    dtype: Dtype = Dtype.AUTO
     kv_cache_memory: str = "auto"  # bytes or e.g. 512MiB, 2GiB; auto: 1GiB on CPU, profiled on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU the worker may use (weights + KV + rest)
-    max_num_batched_tokens: int = 2048  # the largest step it will be sent (memory profiling)
-    max_num_seqs: int = 64  # the largest batch: CUDA graphs are captured up to it
+    # the scheduler's batch limits (shared/limits.py): the largest step it will be sent sizes
+    # the memory profile; CUDA graphs are captured up to the largest batch
+    max_num_batched_tokens: int = limits.MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = limits.MAX_NUM_SEQS
     enforce_eager: bool = False  # no CUDA graphs
     # steps with prompt chunks up to this many tokens run as piecewise CUDA graphs; 0: eager
     max_graph_tokens: int = 512
-    # queue step N+1 before reading step N back: "auto" (on CUDA), "on" or "off"
-    overlap_steps: str = "auto"
+    overlap_steps: OverlapSteps = OverlapSteps.AUTO
     seed: int = 0  # random weights of dummy models
     block_size: int = 16  # tokens per KV block
-    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    max_model_len: int = limits.MAX_MODEL_LEN  # the tokenizer's too (shared/limits.py)
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
     kv_node_id: str = ""  # the node's kvstore (docs/kvstore.md); "": none
     # CUDA: loads from the kvstore copy layer groups in turn; a forward's layer waits for its
@@ -44,8 +65,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "kv_cache_memory": "memory for the KV cache, bytes or e.g. 512MiB, 2GiB (auto: 1GiB on "
                            "CPU; on GPU what --gpu-memory-utilization leaves after profiling)",
         "gpu_memory_utilization": "share of GPU memory to use, 0-1",
-        "max_num_batched_tokens": "most tokens in one step (sizes the memory profile)",
-        "max_num_seqs": "most sequences in one step (CUDA graph batch sizes)",
+        **limits.BATCH_LIMITS_HELP,
         "enforce_eager": "run every step eagerly: no CUDA graphs",
         "max_graph_tokens": "steps with prompt chunks of up to this many tokens run as CUDA "
                             "graphs between their attentions (0: eagerly)",
@@ -53,7 +73,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
                          "hides behind the GPU's: auto (on CUDA), on or off",
         "seed": "seed of dummy models' random weights",
         "block_size": "tokens per KV cache block",
-        "max_model_len": "context length limit (0: the model's own)",
+        **limits.CONTEXT_LIMIT_HELP,
         "num_threads": "torch CPU threads (0: torch default)",
         "shutdown_timeout": "on SIGTERM, keep serving steps until none came for a second "
                               "(its scheduler drained), at most this long; then exit",
@@ -63,12 +83,12 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not "
                              f"{self.gpu_memory_utilization}")
-        if self.overlap_steps not in ("auto", "on", "off"):
-            raise ValueError(f"overlap_steps must be auto, on or off, not {self.overlap_steps!r}")
+        check_choice(self.dtype, Dtype, "dtype")
+        check_choice(self.overlap_steps, OverlapSteps, "overlap_steps")
         if self.max_graph_tokens < 0:
             raise ValueError(f"max_graph_tokens must be >= 0, not {self.max_graph_tokens}")
         if self.kv_load_layer_groups < 1:
             raise ValueError(f"kv_load_layer_groups must be at least 1, not "
                              f"{self.kv_load_layer_groups}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        limits.check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
+        limits.check_context_limit(self.max_model_len)

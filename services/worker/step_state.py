@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.sampling import draw_seed
 from services.worker.kv_connector import KvStep
 from shared.messages import SamplingParams, StepPlan, StepResult
 
@@ -38,7 +39,7 @@ class RequestState:
         """A seeded draw depends only on (seed, output index), so a request preempted and
         recomputed draws exactly what it would have drawn, whatever the batch."""
         if self.generator is not None:
-            self.generator.manual_seed((self.sampling.seed * 1_000_003 + self.num_outputs) % 2**63)
+            self.generator.manual_seed(draw_seed(self.sampling.seed, self.num_outputs))
 
 
 def needs_host_tokens(sampling: SamplingParams) -> bool:

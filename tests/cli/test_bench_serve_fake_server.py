@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from cli.bench.serve import EXIT_DEADLINE
+from cli.bench.deadline import EXIT_DEADLINE
 from cli.main import main
 from tests.cli.fake_server import FakeServer
 

@@ -16,20 +16,24 @@ def test_serve_and_bench_pass_the_same_engine_flags():
         "worker": ["--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--device", "cuda",
                    "--gpu-memory-utilization", "0.8", "--max-model-len", "4096",
                    "--enforce-eager"],
-        "scheduler": ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]}
+        "scheduler": ["--max-num-seqs", "8", "--max-num-batched-tokens", "512"],
+        # one context length for the tokenizer (so the gateway) and the worker
+        "tokenizer": ["--max-model-len", "4096"]}
     assert engine_service_args(serve) == expected
     assert engine_service_args(bench) == expected
 
 
 def test_unset_flags_are_left_to_the_services_defaults():
     args = build_parser().parse_args(["serve", "--device", "cpu"])
-    assert engine_service_args(args) == {"worker": ["--device", "cpu"], "scheduler": []}
+    assert engine_service_args(args) == {"worker": ["--device", "cpu"], "scheduler": [],
+                                         "tokenizer": []}
 
 
 def test_batch_limits_default_to_vllms_on_a_gpu():
     args = build_parser().parse_args(["serve", "--device", "cuda:0"])
     gpu_limits = ["--max-num-seqs", "1024", "--max-num-batched-tokens", "16384"]
     assert engine_service_args(args) == {"worker": gpu_limits + ["--device", "cuda:0"],
-                                         "scheduler": gpu_limits}
+                                         "scheduler": gpu_limits, "tokenizer": []}
     cpu = build_parser().parse_args(["serve", "--device", "cpu"])
-    assert engine_service_args(cpu) == {"worker": ["--device", "cpu"], "scheduler": []}
+    assert engine_service_args(cpu) == {"worker": ["--device", "cpu"], "scheduler": [],
+                                        "tokenizer": []}

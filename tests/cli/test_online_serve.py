@@ -4,23 +4,16 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "online_serve.py"
+from benchmarks.gpu import online_serve
 
 
 @pytest.fixture(scope="module")
 def online():
-    spec = importlib.util.spec_from_file_location("online_serve", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["online_serve"] = module  # its dataclass looks itself up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["online_serve"]
+    return online_serve
 
 
 def summary(completed: int, outstanding: int, total_tok_s: float) -> dict:

@@ -37,7 +37,7 @@ KUBE_VERSIONS = ("1.28.0", "1.37.0")
 
 def tool(name: str) -> str:
     path = BIN / name
-    assert path.exists(), f"{name} is missing from {BIN}: run `make install` (the test extra installs it)"
+    assert path.exists(), f"{name} is missing from {BIN}: run `make test-deploy` (the test extra installs it)"
     return str(path)
 
 

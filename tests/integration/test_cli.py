@@ -47,10 +47,36 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
-def test_serve_prints_the_api_and_stops_cleanly(stop_signal, model_name):
+SERVED_NAME = "acme/smol-chat"
+CONTEXT_LEN = 1024  # below SmolLM2's 8192
+
+
+def assert_api_serves(port: int, api_name: str, other_name: str) -> None:
+    """/v1/models lists ``api_name``, a request for it is answered under that name and one
+    for ``other_name`` is a 404."""
+    base = f"http://127.0.0.1:{port}/v1"
+    assert [m["id"] for m in httpx.get(f"{base}/models", timeout=30).json()["data"]] == [api_name]
+
+    def chat(name: str) -> httpx.Response:
+        return httpx.post(f"{base}/chat/completions", timeout=60, json={
+            "model": name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+
+    answered, refused = chat(api_name), chat(other_name)
+    assert answered.status_code == 200 and answered.json()["model"] == api_name, answered.text
+    assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+
+
+# The Ctrl-C run also renames the model (--served-model-name) and sets the context length
+# (--max-model-len, which the tokenizer must report as the worker serves it): one stack
+# start covers all three.
+@pytest.mark.parametrize(("stop_signal", "served_name"),
+                         [(signal.SIGTERM, None), (signal.SIGINT, SERVED_NAME)])
+def test_serve_prints_the_api_and_stops_cleanly(stop_signal, served_name, model_name):
     port = free_port()
-    process = subprocess.Popen([FLOTILLA, "serve", "--host", "127.0.0.1", "--port", str(port)],
+    options = (["--served-model-name", served_name, "--max-model-len", str(CONTEXT_LEN)]
+               if served_name else [])
+    process = subprocess.Popen([FLOTILLA, "serve", "--host", "127.0.0.1", "--port", str(port),
+                                *options],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                start_new_session=True)
     try:
@@ -64,9 +90,12 @@ def test_serve_prints_the_api_and_stops_cleanly(stop_signal, model_name):
                 break
         output = "".join(lines)
         assert f"http://127.0.0.1:{port}/v1" in output and "curl " in output
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60, json={
-            "model": model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
-        assert response.status_code == 200
+        api_name = served_name or model_name
+        assert f'"model": "{api_name}"' in output  # the curl line to try
+        assert_api_serves(port, api_name, other_name=model_name if served_name else "other")
+        if served_name:
+            card = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()["data"][0]
+            assert card["max_model_len"] == CONTEXT_LEN
         children = descendants(process.pid)
         assert len(children) >= 6  # nats-server and five services (the kvstore included)
         # Each child in its own process group: a Ctrl-C typed in the terminal reaches only

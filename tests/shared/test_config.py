@@ -2,9 +2,12 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.config import SchedulerConfig
-from services.worker.config import WorkerConfig
-from shared.config import load_config, parse_size
+import msgspec
+
+from services.gateway.config import GatewayConfig, RoutingPolicy
+from services.scheduler.config import SchedulerConfig, SchedulingPolicy
+from services.worker.config import Dtype, OverlapSteps, WorkerConfig
+from shared.config import build_parser, load_config, parse_size
 from shared.subjects import Subjects
 
 
@@ -19,6 +22,31 @@ def test_flags_beat_env_which_beats_defaults():
 def test_bad_values_exit_with_a_message():
     with pytest.raises(SystemExit, match="max_num_seqs"):
         load_config(SchedulerConfig, ["--max-num-seqs", "many"], {})
+
+
+def test_choices_are_enums_from_flags_and_env():
+    config = load_config(WorkerConfig, ["--dtype", "bfloat16"], {"FLOTILLA_OVERLAP_STEPS": "off"})
+    assert config.dtype is Dtype.BFLOAT16 and config.overlap_steps is OverlapSteps.OFF
+    assert load_config(SchedulerConfig, [], {"FLOTILLA_SCHEDULING_POLICY": "priority"}
+                       ).scheduling_policy is SchedulingPolicy.PRIORITY
+    # the wire and the flags keep the plain strings
+    assert msgspec.json.decode(msgspec.json.encode(config))["dtype"] == "bfloat16"
+    assert "{kv,least-loaded,round-robin}" in build_parser(GatewayConfig).format_help()
+
+
+def test_a_bad_choice_exits_naming_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        load_config(GatewayConfig, ["--routing", "random"], {})
+    assert "invalid choice: 'random'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="routing must be one of kv, least-loaded, round-robin, "
+                                         "not 'random'"):
+        load_config(GatewayConfig, [], {"FLOTILLA_ROUTING": "random"})
+
+
+def test_a_config_built_in_code_checks_its_choices():
+    with pytest.raises(ValueError, match="routing must be one of"):
+        GatewayConfig(routing="random")
+    assert GatewayConfig(routing="round-robin").routing == RoutingPolicy.ROUND_ROBIN
 
 
 @pytest.mark.parametrize("text,size", [("1000", 1000), ("2GiB", 2 << 30), ("512MiB", 512 << 20),

@@ -50,9 +50,13 @@ SAMPLES: dict[type, object] = {
                                          priority=-1, n=3),
     m.SubmitReply: m.SubmitReply(scheduler_id="s1"),
     m.AbortRequest: m.AbortRequest(request_ids=["r1", "r2"]),
-    m.RequestOutput: m.RequestOutput("r1", [42], "error", 3, ERROR, 0, 0.0, [LOGPROBS],
-                                     [None, LOGPROBS]),
-    m.OutputBatch: m.OutputBatch([m.RequestOutput("r1", [42]), m.RequestOutput("r2", [], "abort")]),
+    m.RequestOutput: m.RequestOutput(request_id="r1", new_token_ids=[42], finish_reason="error",
+                                     num_prompt_tokens=3, error=ERROR, num_cached_tokens=0,
+                                     queue_time_s=0.0, logprobs=[LOGPROBS],
+                                     prompt_logprobs=[None, LOGPROBS]),
+    m.OutputBatch: m.OutputBatch([m.RequestOutput(request_id="r1", new_token_ids=[42]),
+                                  m.RequestOutput(request_id="r2", new_token_ids=[],
+                                                  finish_reason="abort")]),
     m.SchedulerStats: m.SchedulerStats(scheduler_id="s", replica_id="0", timestamp=1.0, num_running=2,
                                        num_waiting=1, num_blocks_used=3, num_blocks_total=9,
                                        block_size=16, model_name="x", kv_node_id="local",
@@ -134,8 +138,9 @@ def test_a_new_field_with_a_default_is_read_by_an_old_peer_and_vice_versa():
         future: list[float] = []
 
     new = OutputV2("r", [1], None, 2, None, 0, 0.0, [], [], [-0.5])
-    assert m.decode(msgspec.msgpack.encode(new), m.RequestOutput) == m.RequestOutput("r", [1], None, 2)
-    old = m.RequestOutput("r", [1])
+    assert m.decode(msgspec.msgpack.encode(new), m.RequestOutput) == m.RequestOutput(
+        request_id="r", new_token_ids=[1], num_prompt_tokens=2)
+    old = m.RequestOutput(request_id="r", new_token_ids=[1])
     assert msgspec.msgpack.decode(m.encode(old), type=OutputV2).future == []
 
 
@@ -143,3 +148,9 @@ def test_wrong_types_are_rejected():
     bad = msgspec.msgpack.encode({"request_ids": "not-a-list"})
     with pytest.raises(msgspec.ValidationError):
         m.decode(bad, m.AbortRequest)
+
+
+def test_a_failure_output_ends_its_request_with_the_error():
+    output = m.RequestOutput.failure("r", 7, ERROR)
+    assert output == m.RequestOutput(request_id="r", new_token_ids=[], finish_reason="error",
+                                     num_prompt_tokens=7, error=ERROR)

@@ -99,3 +99,8 @@ async def test_with_an_exporter_each_handled_message_is_a_span_child_of_the_call
     back, front = finished[3:]  # no caller span: a trace of its own
     assert front.parent is None and back.parent.span_id == front.context.span_id
     assert front.context.trace_id not in (client.context.trace_id, 0)
+
+
+def test_an_unknown_exporter_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="otel_exporter must be one of none, console, not 'jaeger'"):
+        tracing.setup_tracing("test", "jaeger")
