@@ -61,9 +61,8 @@ from services.worker.kv_tiers import KvTiers
 from services.worker.runner import ModelRunner
 from shared.kv_arena import KvArena
 from shared.logging import setup_logging
-from shared.messages import (
-    GenerateRequest, KvCommitRequest, SamplingParams, StepPlan, decode, encode,
-)
+from shared.messages import GenerateRequest, SamplingParams, StepPlan, decode, encode
+from shared.kv_messages import KvCommitRequest
 from shared.models import ModelFiles
 
 BLOCK_SIZE = 16

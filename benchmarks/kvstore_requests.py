@@ -55,9 +55,10 @@ from services.scheduler.kv_client import KvClient
 from services.scheduler.scheduler import PrefixQuery
 from services.scheduler.tiering import TierSpeeds
 from shared.bus import Bus
-from shared.messages import (
-    Empty, KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvLookupReply,
-    KvLookupRequest, KvReserveReply, KvReserveRequest, KvStatsReply,
+from shared.messages import Empty
+from shared.kv_messages import (
+    KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvLookupReply, KvLookupRequest,
+    KvReserveReply, KvReserveRequest, KvStatsReply,
 )
 from shared.logging import setup_logging
 from shared.runtime import run_event_loop
@@ -235,7 +236,8 @@ def core_phases(prompts: Sequence[Prompt], work: Path) -> list[dict]:
     so the collector walks what the kvstore keeps and makes, as in its own process)."""
     from services.kvstore.store import KvStore, Namespace, slot_nbytes_of
     from shared.kv_arena import KvArena
-    from shared.messages import KvPinRequest, decode, encode
+    from shared.messages import decode, encode
+    from shared.kv_messages import KvPinRequest
 
     slot_nbytes = slot_nbytes_of(LAYOUT, ITEMSIZE)
     num_slots = 2 * (len(prompts) + 1) * NUM_BLOCKS

@@ -61,7 +61,8 @@ import httpx
 
 
 from cli.stack import Stack, StackOptions, flags, free_port
-from shared.messages import Empty, HealthReply, KvStatsReply, SchedulerStats, decode, encode
+from shared.messages import Empty, HealthReply, SchedulerStats, decode, encode
+from shared.kv_messages import KvStatsReply
 from shared.models import resolve_model
 from shared.subjects import Subjects
 

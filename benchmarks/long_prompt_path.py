@@ -71,10 +71,8 @@ def stages(args) -> dict:
     from services.kvstore.store import KvStore, Namespace
     from services.scheduler import kv_client
     from shared.errors import check_token_ids
-    from shared.messages import (
-        GenerateRequest, KvLookupReply, KvLookupRequest, SamplingParams,
-        SchedulerStats, decode, encode,
-    )
+    from shared.messages import GenerateRequest, SamplingParams, SchedulerStats, decode, encode
+    from shared.kv_messages import KvLookupReply, KvLookupRequest
     from shared.prefix_hash import extra_keys, usable_block_hashes
 
     rng = random.Random(0)
@@ -270,8 +268,9 @@ async def _kvhit(args, result: dict, nats_url: str, node_id: str, kvstore_pid: i
     from services.scheduler.tiering import TierSpeeds
     from shared.bus import Bus
     from shared.logging import setup_logging
-    from shared.messages import (
-        Empty, KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvReserveReply,
+    from shared.messages import Empty
+    from shared.kv_messages import (
+        KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvReserveReply,
         KvReserveRequest,
     )
     from shared.prefix_hash import extra_keys, usable_block_hashes

@@ -21,9 +21,10 @@ from services.gateway.metrics import GatewayMetrics
 from shared.bus import Bus
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
-    BlockSnapshotPart, BlockSnapshotReply, BlockSnapshotRequest, KvBlockEvent, SchedulerBlockEvent,
+    BlockSnapshotPart, BlockSnapshotReply, BlockSnapshotRequest, SchedulerBlockEvent,
     SchedulerStats,
 )
+from shared.kv_messages import KvBlockEvent
 from shared.subjects import Subjects
 
 log = structlog.get_logger()

@@ -37,7 +37,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from shared.messages import BlockSnapshotPart, KvBlockEvent, SchedulerBlockEvent
+from shared.messages import BlockSnapshotPart, SchedulerBlockEvent
+from shared.kv_messages import KvBlockEvent
 
 HOST, DISK = "host", "disk"
 TIER_BITS = {HOST: 1, DISK: 2}

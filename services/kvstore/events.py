@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from shared.messages import KvBlockEvent
+from shared.kv_messages import KvBlockEvent
 
 MAX_HASHES_PER_EVENT = 2000  # ~70 KB of hashes: well under NATS's 1 MB message limit
 

@@ -38,10 +38,11 @@ from shared.block_snapshots import KeptSnapshots
 from shared.bus import Bus
 from shared.errors import InvalidRequest, ServiceUnavailable
 from shared.kv_arena import KvArena
-from shared.messages import (
-    BlockSnapshotReply, BlockSnapshotRequest, Empty, HealthReply, KvAttachReply, KvAttachRequest,
-    KvBlockEvent, KvCommitRequest, KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply,
-    KvPinRequest, KvReleaseRequest, KvReserveReply, KvReserveRequest, KvStatsReply,
+from shared.messages import BlockSnapshotReply, BlockSnapshotRequest, Empty, HealthReply
+from shared.kv_messages import (
+    KvAttachReply, KvAttachRequest, KvBlockEvent, KvCommitRequest, KvKeepAlive, KvLookupReply,
+    KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest, KvReserveReply,
+    KvReserveRequest, KvStatsReply,
 )
 from shared.runtime import freeze_startup_objects
 from shared.subjects import Subjects

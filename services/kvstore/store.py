@@ -21,9 +21,10 @@ from services.kvstore.events import EventBatcher
 from services.kvstore.host_tier import HostBlock, HostTier
 from services.kvstore.owners import OwnerClock
 from shared.kv_arena import KvArena
-from shared.messages import (
-    BlockSnapshotPart, KvBlockEvent, KvCommitRequest, KvLayout, KvLookupRequest, KvPinReply,
-    KvPinRequest, KvTierStats,
+from shared.messages import BlockSnapshotPart
+from shared.kv_messages import (
+    KvBlockEvent, KvCommitRequest, KvLayout, KvLookupRequest, KvPinReply, KvPinRequest,
+    KvTierStats,
 )
 
 log = structlog.get_logger()

@@ -31,9 +31,9 @@ from services.scheduler.scheduler import PrefixQuery
 from services.scheduler.tiering import DISK, TierSpeeds
 from shared.bus import Bus
 from shared.errors import FlotillaError, ServiceUnavailable
-from shared.messages import (
+from shared.messages import encode
+from shared.kv_messages import (
     KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest,
-    encode,
 )
 from shared.subjects import Subjects
 

@@ -21,9 +21,8 @@ import msgspec
 import structlog
 
 from services.worker.kv_tiers import KvTiers, LoadTiming, StoreCopy
-from shared.messages import (
-    KvCommitRequest, KvLoad, KvStoreRun, ScheduledRequest, StepPlan,
-)
+from shared.messages import KvLoad, KvStoreRun, ScheduledRequest, StepPlan
+from shared.kv_messages import KvCommitRequest
 
 log = structlog.get_logger()
 

@@ -22,7 +22,7 @@ from services.worker.kv_tiers import KvTiers, attach_arena
 from services.worker.runner import ModelRunner
 from shared.bus import Bus
 from shared.errors import FlotillaError
-from shared.messages import (
+from shared.kv_messages import (
     KvAttachReply, KvAttachRequest, KvKeepAlive, KvLayout, KvReserveReply, KvReserveRequest,
 )
 from shared.models import weights_version

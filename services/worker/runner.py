@@ -43,9 +43,8 @@ from services.worker.step_inputs import (
 from services.worker.step_state import RequestState, StepInFlight, needs_host_tokens
 from services.worker.warmup import warm_up_attention
 from shared.config import parse_size
-from shared.messages import (
-    KvLayout, NewRequestData, ScheduledRequest, StepPlan, StepResult, TokenLogprobs,
-)
+from shared.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
+from shared.kv_messages import KvLayout
 from shared.models import ModelFiles, read_eos_token_ids
 
 log = structlog.get_logger()

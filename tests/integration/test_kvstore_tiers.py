@@ -25,7 +25,8 @@ from cli.stack import free_port
 from services.kvstore.block_file import read_header
 from shared.bus import Bus
 from shared.errors import FlotillaError
-from shared.messages import Empty, HealthReply, KvStatsReply
+from shared.messages import Empty, HealthReply
+from shared.kv_messages import KvStatsReply
 from shared.subjects import Subjects
 from tests.integration.conftest import start_stack, wait_for
 

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from shared import messages as m
+from shared import kv_messages as km
 
 STRUCTURED = m.StructuredSpec(kind="json_schema", json_schema='{"type": "object"}')
 SAMPLING = m.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
@@ -16,9 +17,9 @@ LOGPROBS = m.TokenLogprobs(5, -0.25, [5, 6], [-0.25, -1.5])
 TOOL_CALL = m.ToolCall(id="call_1", function=m.FunctionCall(name="f", arguments='{"a": 1}'))
 ERROR = m.ErrorInfo(status=503, message="worker gone", type="service_unavailable", code="x", param="p")
 
-LAYOUT = m.KvLayout(weights_version="abc", dtype="bfloat16", num_layers=2, block_size=16,
+LAYOUT = km.KvLayout(weights_version="abc", dtype="bfloat16", num_layers=2, block_size=16,
                     num_kv_heads=2, head_dim=64)
-TIER_STATS = m.KvTierStats(tier="host", num_blocks=1, num_bytes=128, capacity_bytes=512)
+TIER_STATS = km.KvTierStats(tier="host", num_blocks=1, num_bytes=128, capacity_bytes=512)
 SNAPSHOT_PART = m.BlockSnapshotPart(namespace="ns", tier="host", block_hashes=[b"\x05" * 32])
 STORE_RUN = m.KvStoreRun("r1", 2, [4, 5], [b"\x01" * 32, b"\x02" * 32])
 
@@ -75,25 +76,25 @@ SAMPLES: dict[type, object] = {
                                block_size=16, max_model_len=8192, eos_token_ids=[2],
                                kv_cache_bytes=1 << 20, device="cpu", dtype="float32",
                                kv_namespace="ns", kv_node_id="local"),
-    m.KvLayout: LAYOUT,
-    m.KvAttachRequest: m.KvAttachRequest(owner_id="w", layout=LAYOUT, itemsize=2),
-    m.KvAttachReply: m.KvAttachReply(store_id="s", node_id="local", namespace="ns",
+    km.KvLayout: LAYOUT,
+    km.KvAttachRequest: km.KvAttachRequest(owner_id="w", layout=LAYOUT, itemsize=2),
+    km.KvAttachReply: km.KvAttachReply(store_id="s", node_id="local", namespace="ns",
                                      arena_path="/dev/shm/a", num_slots=4, slot_nbytes=128),
-    m.KvReserveRequest: m.KvReserveRequest(namespace="ns", owner_id="w", num_slots=3),
-    m.KvReserveReply: m.KvReserveReply(store_id="s", slot_ids=[0, 2]),
-    m.KvCommitRequest: m.KvCommitRequest(namespace="ns", owner_id="w", store_id="s",
+    km.KvReserveRequest: km.KvReserveRequest(namespace="ns", owner_id="w", num_slots=3),
+    km.KvReserveReply: km.KvReserveReply(store_id="s", slot_ids=[0, 2]),
+    km.KvCommitRequest: km.KvCommitRequest(namespace="ns", owner_id="w", store_id="s",
                                          block_hashes=[b"\x01" * 32], slot_ids=[5],
                                          token_ids=list(range(16)), block_size=16,
                                          returned_slot_ids=[3]),
-    m.KvLookupRequest: m.KvLookupRequest(namespace="ns", block_hashes=[b"\x01" * 32]),
-    m.KvLookupReply: m.KvLookupReply(store_id="s", tiers=["host", "disk"],
+    km.KvLookupRequest: km.KvLookupRequest(namespace="ns", block_hashes=[b"\x01" * 32]),
+    km.KvLookupReply: km.KvLookupReply(store_id="s", tiers=["host", "disk"],
                                      disk_read_bytes_per_s=1e9),
-    m.KvPinRequest: m.KvPinRequest(namespace="ns", owner_id="sch", pin_id="p1",
+    km.KvPinRequest: km.KvPinRequest(namespace="ns", owner_id="sch", pin_id="p1",
                                    block_hashes=[b"\x01" * 32]),
-    m.KvPinReply: m.KvPinReply(store_id="s", slot_ids=[1], token_ids=[[1, 2]], tiers=["disk"]),
-    m.KvReleaseRequest: m.KvReleaseRequest(namespace="ns", owner_id="sch", pin_ids=["p1"]),
-    m.KvKeepAlive: m.KvKeepAlive(owner_id="w"),
-    m.KvBlockEvent: m.KvBlockEvent(store_id="s", node_id="local", namespace="ns", seq=4,
+    km.KvPinReply: km.KvPinReply(store_id="s", slot_ids=[1], token_ids=[[1, 2]], tiers=["disk"]),
+    km.KvReleaseRequest: km.KvReleaseRequest(namespace="ns", owner_id="sch", pin_ids=["p1"]),
+    km.KvKeepAlive: km.KvKeepAlive(owner_id="w"),
+    km.KvBlockEvent: km.KvBlockEvent(store_id="s", node_id="local", namespace="ns", seq=4,
                                    tier="host", stored_hashes=[b"\x02" * 32], timestamp=1.0),
     m.SchedulerBlockEvent: m.SchedulerBlockEvent(scheduler_id="s1", replica_id="0", seq=2,
                                                  stored_hashes=[b"\x03" * 32],
@@ -102,8 +103,8 @@ SAMPLES: dict[type, object] = {
     m.BlockSnapshotPart: SNAPSHOT_PART,
     m.BlockSnapshotReply: m.BlockSnapshotReply(source_id="s1", seq=7, num_hashes=1,
                                                parts=[SNAPSHOT_PART]),
-    m.KvTierStats: TIER_STATS,
-    m.KvStatsReply: m.KvStatsReply(store_id="s", node_id="local", tiers=[TIER_STATS]),
+    km.KvTierStats: TIER_STATS,
+    km.KvStatsReply: km.KvStatsReply(store_id="s", node_id="local", tiers=[TIER_STATS]),
     m.KvLoad: m.KvLoad([1, 2], [7, 9], "store-1"),
     m.KvStoreRun: STORE_RUN,
 }

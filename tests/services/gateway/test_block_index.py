@@ -7,7 +7,8 @@ way; a restart drops the old store's entries)."""
 from __future__ import annotations
 
 from services.gateway.block_index import SNAPSHOT_RETRY_S, BlockIndex, block_key
-from shared.messages import BlockSnapshotPart, KvBlockEvent, SchedulerBlockEvent
+from shared.messages import BlockSnapshotPart, SchedulerBlockEvent
+from shared.kv_messages import KvBlockEvent
 
 
 def h(index: int) -> bytes:

@@ -12,7 +12,8 @@ from services.gateway.block_index import BlockIndex
 from services.gateway.routing import (
     CACHE, LOAD, SATURATED, SESSION, TURN, PendingPrefill, Replica, Router, RoutingParams,
 )
-from shared.messages import KvBlockEvent, SchedulerBlockEvent, SchedulerStats
+from shared.messages import SchedulerBlockEvent, SchedulerStats
+from shared.kv_messages import KvBlockEvent
 from shared.prefix_hash import extra_keys, usable_block_hashes
 
 BLOCK_SIZE = 4

@@ -23,10 +23,10 @@ from services.kvstore.service import KvStoreService
 from shared import block_snapshots
 from shared.bus import Bus
 from shared.errors import FlotillaError
-from shared.messages import (
-    BlockSnapshotReply, BlockSnapshotRequest, Empty, KvAttachReply, KvAttachRequest, KvBlockEvent,
-    KvCommitRequest, KvLayout, KvReserveReply, KvReserveRequest, KvStatsReply,
-    SchedulerStats,
+from shared.messages import BlockSnapshotReply, BlockSnapshotRequest, Empty, SchedulerStats
+from shared.kv_messages import (
+    KvAttachReply, KvAttachRequest, KvBlockEvent, KvCommitRequest, KvLayout, KvReserveReply,
+    KvReserveRequest, KvStatsReply,
 )
 from shared.subjects import Subjects
 from tests.nats_server import started_nats_server

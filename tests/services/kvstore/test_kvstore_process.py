@@ -22,8 +22,9 @@ from cli.stack import free_port
 from shared.bus import Bus
 from shared.errors import FlotillaError
 from shared.kv_arena import KvArena
-from shared.messages import (
-    Empty, KvAttachReply, KvAttachRequest, KvBlockEvent, KvCommitRequest, KvKeepAlive, KvLayout,
+from shared.messages import Empty
+from shared.kv_messages import (
+    KvAttachReply, KvAttachRequest, KvBlockEvent, KvCommitRequest, KvKeepAlive, KvLayout,
     KvLookupReply, KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest, KvReserveReply,
     KvReserveRequest, KvStatsReply,
 )

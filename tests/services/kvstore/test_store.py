@@ -12,9 +12,7 @@ from services.kvstore.owners import OwnerClock
 from services.kvstore.rate import RateMeter
 from services.kvstore.store import KvStore, Namespace, num_host_slots, slot_nbytes_of
 from shared.kv_arena import KvArena
-from shared.messages import (
-    KvCommitRequest, KvLayout, KvLookupRequest, KvPinRequest,
-)
+from shared.kv_messages import KvCommitRequest, KvLayout, KvLookupRequest, KvPinRequest
 
 LAYOUT = KvLayout(weights_version="w", dtype="float32", num_layers=2, block_size=4,
                   num_kv_heads=1, head_dim=8)

@@ -19,7 +19,7 @@ from services.scheduler.kv_client import KvClient
 from services.scheduler.scheduler import PrefixQuery
 from services.scheduler.tiering import TierSpeeds
 from shared.bus import Bus
-from shared.messages import (
+from shared.kv_messages import (
     KvAttachReply, KvAttachRequest, KvCommitRequest, KvLayout, KvPinRequest,
 )
 from shared.subjects import Subjects

@@ -8,7 +8,8 @@ import msgspec
 import pytest
 
 from services.scheduler.kv_client import KvClient, LookupReply, PinReply
-from shared.messages import KvLookupReply, KvPinReply, decode, encode
+from shared.messages import decode, encode
+from shared.kv_messages import KvLookupReply, KvPinReply
 
 SIZE = 4
 

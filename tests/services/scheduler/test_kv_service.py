@@ -18,9 +18,11 @@ from services.scheduler.service import SchedulerService
 from shared.bus import Bus
 from shared.errors import ServiceUnavailable
 from shared.messages import (
-    AbortRequest, Empty, GenerateRequest, HealthReply, KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply,
-    KvPinRequest, KvReleaseRequest, OutputBatch, SamplingParams, SchedulerStats, StepPlan,
-    StepResult, SubmitReply, WorkerInfo,
+    AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch, SamplingParams,
+    SchedulerStats, StepPlan, StepResult, SubmitReply, WorkerInfo,
+)
+from shared.kv_messages import (
+    KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest,
 )
 from shared.subjects import Subjects
 from tests.services.scheduler.test_kv_client import eventually

@@ -23,9 +23,12 @@ from services.worker.service import WorkerService
 from shared.bus import Bus
 from shared.kv_arena import KvArena
 from shared.messages import (
-    Empty, HealthReply, KvAttachReply, KvAttachRequest, KvCommitRequest, KvKeepAlive, KvLoad,
-    KvReserveReply, KvReserveRequest, KvStoreRun, NewRequestData, SamplingParams,
-    ScheduledRequest, StepPlan, StepResult, WorkerInfo,
+    Empty, HealthReply, KvLoad, KvStoreRun, NewRequestData, SamplingParams, ScheduledRequest,
+    StepPlan, StepResult, WorkerInfo,
+)
+from shared.kv_messages import (
+    KvAttachReply, KvAttachRequest, KvCommitRequest, KvKeepAlive, KvReserveReply,
+    KvReserveRequest,
 )
 from shared.models import ModelFiles, weights_version
 from shared.subjects import Subjects
