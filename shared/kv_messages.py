@@ -10,6 +10,7 @@ and the disk tier's files.
 
 from __future__ import annotations
 
+import msgspec
 from msgspec import Struct
 
 
