@@ -71,8 +71,20 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     # issue 14 (docs/kvstore.md): the tiered KV store through the stack; one part per call
     # (each ~3-8 minutes): KV_PARTS=prefix16k, offload or prefill512; KV_ARGS: more flags.
     # The result JSON goes to $OUT.
+    # KV_LOGS=1: the services' logs (their last 4 MB each) come back in $OUT/kvlogs
     kvstore) python3 -m benchmarks.kvstore_tiers --device cuda --model $M/dummy-llama-3.1-8b \
-        --parts "${KV_PARTS:-prefix16k}" ${KV_ARGS:-} 2>&1 | tail -60;;
+        --parts "${KV_PARTS:-prefix16k}" ${KV_ARGS:-} 2>&1 | tail -60
+        if [ -n "${KV_LOGS:-}" ]; then
+          for log in $(ls -td /tmp/flotilla-kvtiers-* | head -1)/*/*.log; do
+            mkdir -p "$OUT/kvlogs"; tail -c 4000000 "$log" > "$OUT/kvlogs/$(basename "$(dirname "$log")")-$(basename "$log")"
+          done
+        fi;;
+    # a 16k-token host-tier hit's path through the stack on its services' own clocks
+    # (gateway, scheduler, lookup + pin, the step, the token back): benchmarks/long_prompt_path.py
+    # on the 8B model with prefix16k's GPU cache; LP_ARGS: more flags (e.g. --spans)
+    long-prompt) python3 -m benchmarks.long_prompt_path e2e --model $M/dummy-llama-3.1-8b \
+        --kv-cache-memory 4GiB --kv-host-memory 24GiB --worker-args "--device cuda --dtype bfloat16" \
+        --reps 5 ${LP_ARGS:-} 2>&1 | tail -20;;
     # issue 14's three GPU targets in one call (~8 minutes on a fresh machine: run it alone);
     # prefix16k first, since it is the shortest and the closest to its target
     kvstore-accept) for part in prefix16k offload prefill512; do

@@ -28,6 +28,10 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     migration_timeout_s: float = 60.0  # how long a moving request waits for a live replica
     stall_timeout_s: float = 60.0  # a replica with work and no finished step this long is stuck
     shutdown_timeout_s: float = 30.0  # on SIGTERM: finish in-flight requests this long, then exit
+    # an idle client connection is kept this long: longer than clients' own idle expiry
+    # (httpx and the OpenAI SDK: 5 s) and load balancers' (60 s), so a client never sends
+    # on a connection the gateway is closing at the same moment (a ReadError, not retried)
+    http_keep_alive_s: float = 75.0
     restarts_file: str = ""  # flotilla serve's restart counts (JSON), shown in /metrics
     health_timeout_s: float = 1.0
     accept_unknown_fields: bool = False  # drop and log parameters outside OpenAI's schema
@@ -51,6 +55,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
         "stall_timeout_s": "a replica with work queued and no finished step this long is not "
                            "ready; its requests move",
         "shutdown_timeout_s": "on SIGTERM, finish in-flight requests for this long, then exit",
+        "http_keep_alive_s": "an idle HTTP connection is kept open this long (longer than "
+                             "clients' and load balancers' idle timeouts)",
         "restarts_file": "JSON file of service restart counts (set by flotilla serve)",
         "health_timeout_s": "timeout of each service's health check",
         "accept_unknown_fields": "accept request parameters outside OpenAI's schema (vendor "
