@@ -305,7 +305,7 @@ class RecordingOffload(FakeOffload):
         return []
 
 
-def test_a_load_goes_in_layer_groups_only_when_this_steps_forward_reads_it(dummy_model):
+def test_a_load_goes_in_layer_groups_only_for_a_hit_alone_that_this_steps_forward_reads(dummy_model):
     from services.worker.config import WorkerConfig
     from services.worker.runner import ModelRunner
     from shared.messages import KvLoad, NewRequestData, SamplingParams, ScheduledRequest, StepPlan
@@ -325,7 +325,14 @@ def test_a_load_goes_in_layer_groups_only_when_this_steps_forward_reads_it(dummy
     new_c = NewRequestData("c", list(range(300, 320)), greedy, [6, 8], 16)
     runner.execute(StepPlan(1, [new_b, new_c], [ScheduledRequest("b", 10)],
                             kv_loads=[KvLoad([1], [6], "store")]))
-    assert offload.loads == [([4], True), ([6], False)]
+    # "d" and "e" both compute after their loads in this step: a burst of hits loads in
+    # one group (measured slower in groups)
+    new_d = NewRequestData("d", list(range(400, 420)), greedy, [10, 11], 16)
+    new_e = NewRequestData("e", list(range(500, 520)), greedy, [12, 13], 16)
+    runner.execute(StepPlan(2, [new_d, new_e], [ScheduledRequest("d", 4),
+                                                ScheduledRequest("e", 4)],
+                            kv_loads=[KvLoad([2], [10], "store"), KvLoad([3], [12], "store")]))
+    assert offload.loads == [([4], True), ([6], False), ([10, 12], False)]
 
 
 def test_loads_go_in_four_layer_groups_by_default_at_most_one_a_layer(monkeypatch):
