@@ -335,8 +335,8 @@ def test_a_load_goes_in_layer_groups_only_for_a_hit_alone_that_this_steps_forwar
     assert offload.loads == [([4], True), ([6], False), ([10, 12], False)]
 
 
-def test_loads_go_in_four_layer_groups_by_default_at_most_one_a_layer(monkeypatch):
-    """The default (4, measured on an H200) is clamped to the layers; CPU, a worker without
+def test_loads_go_in_eight_layer_groups_by_default_at_most_one_a_layer(monkeypatch):
+    """The default (8, measured on an H200) is clamped to the layers; CPU, a worker without
     a kvstore, and a 2D copy that cannot be bound or copies wrong all load in one group."""
     from services.worker import kv_connector
     from services.worker.config import WorkerConfig
@@ -344,10 +344,10 @@ def test_loads_go_in_four_layer_groups_by_default_at_most_one_a_layer(monkeypatc
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     with_kv = WorkerConfig(kv_node_id="node-a")
-    assert with_kv.kv_load_layer_groups == 4
+    assert with_kv.kv_load_layer_groups == 8
     checked = []
     monkeypatch.setattr(kv_connector, "check_memcpy_2d", checked.append)
-    assert usable_load_groups(with_kv, 32, cuda) == 4 and checked == [cuda]
+    assert usable_load_groups(with_kv, 32, cuda) == 8 and checked == [cuda]
     assert usable_load_groups(with_kv, 2, cuda) == 2  # at most one group a layer
     assert usable_load_groups(with_kv, 32, cpu) == 1  # a load is a plain copy on CPU
     assert usable_load_groups(WorkerConfig(), 32, cuda) == 1  # no kvstore: nothing loads

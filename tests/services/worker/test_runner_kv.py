@@ -285,7 +285,7 @@ def test_the_runner_meets_the_kvstore_through_its_connector(tiny_model, arena_pa
     is unmapped."""
     runner = make_runner(tiny_model)
     assert type(runner.kv) is NoKvConnector and runner.kv.offload is None
-    assert runner.kv_load_groups == 1  # the default of 4 layer groups: one on CPU
+    assert runner.kv_load_groups == 1  # the default of 8 layer groups: one on CPU
     offload = attach(runner, arena_path)
     assert type(runner.kv) is KvConnector and runner.kv.offload is offload
     runner.attach_kv(None)
