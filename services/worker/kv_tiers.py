@@ -207,8 +207,7 @@ class KvTiers:
                                     torch.cuda.Event(enable_timing=True))
         scatter_stream, groups = self._scatter_stream, self.load_groups
         grouped = len(groups) > 1 and in_layer_groups
-        chunk = self.group_staging_blocks if grouped else self.staging_blocks
-        chunks = load_chunks(chunked_runs(slot_ids, chunk), chunk, len(slot_ids), len(groups))
+        chunks = self.load_chunks(slot_ids, grouped)
         # Chunk k is copied (copy engine, load stream) into buffer k % 2 once chunk k - 2's
         # scatter (a kernel, scatter stream) is done with it, so the link never waits for a
         # scatter: on the H200 one buffer cost a 1,024-block load ~2.5 ms (44.7 ms against
@@ -248,6 +247,13 @@ class KvTiers:
         self.pending_loads.append(LoadCopy(frozenset(block_ids), timing.end, timing.group_ends,
                                            self._group_of_layer if grouped else ()))
         return timing
+
+    def load_chunks(self, slot_ids: Sequence[int], grouped: bool) -> list[LoadChunk]:
+        """A load's staging chunks in issue order: each group's (all layers of a block in
+        one chunk when not ``grouped``: each block copied once)."""
+        chunk = self.group_staging_blocks if grouped else self.staging_blocks
+        return load_chunks(chunked_runs(slot_ids, chunk), chunk, len(slot_ids),
+                           len(self.load_groups) if grouped else 1)
 
     def _copy_group(self, part: LoadChunk, stream: torch.cuda.Stream) -> torch.Tensor:
         """Queue the copy of ``part``'s group of layers from its slots into its staging

@@ -130,6 +130,28 @@ def test_a_grouped_load_gives_the_blocks_a_plain_load_gives(tmp_path, num_groups
     tiers.close()
 
 
+def test_a_load_copies_each_block_once_per_group_and_once_when_not_grouped(tmp_path):
+    """An ungrouped load on a worker with G groups copies every block once, all its layers
+    (it was issued once per group: G times the bytes, 2.6-5x slower prefill512 hits)."""
+    slot_nbytes = NUM_LAYERS * 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 2
+    arena = KvArena.create(tmp_path / "arena", 30, slot_nbytes, "store-1")
+    cache = allocate_kv_cache(NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                              torch.bfloat16, torch.device("cpu"))
+    tiers = KvTiers(cache, arena)
+    tiers.load_groups = layer_groups(NUM_LAYERS, 3)
+    tiers.staging_blocks = 4
+    tiers.group_staging_blocks = group_chunk_blocks(4, tiers.load_groups)
+    slot_ids = random.Random(3).sample(range(30), 23)
+
+    def copies(grouped: bool) -> list[tuple[int, int]]:  # (group, slot) of each block copied
+        return sorted((part.group, slot_id + offset) for part in tiers.load_chunks(slot_ids, grouped)
+                      for _, slot_id, length in part.slot_runs for offset in range(length))
+
+    assert copies(False) == [(0, slot_id) for slot_id in sorted(slot_ids)]
+    assert copies(True) == [(group, slot_id) for group in range(3) for slot_id in sorted(slot_ids)]
+    tiers.close()
+
+
 class Event:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -305,7 +327,7 @@ class RecordingOffload(FakeOffload):
         return []
 
 
-def test_a_load_goes_in_layer_groups_only_for_a_hit_alone_that_this_steps_forward_reads(dummy_model):
+def test_a_load_goes_in_layer_groups_only_when_this_steps_forward_reads_it(dummy_model):
     from services.worker.config import WorkerConfig
     from services.worker.runner import ModelRunner
     from shared.messages import KvLoad, NewRequestData, SamplingParams, ScheduledRequest, StepPlan
@@ -325,14 +347,7 @@ def test_a_load_goes_in_layer_groups_only_for_a_hit_alone_that_this_steps_forwar
     new_c = NewRequestData("c", list(range(300, 320)), greedy, [6, 8], 16)
     runner.execute(StepPlan(1, [new_b, new_c], [ScheduledRequest("b", 10)],
                             kv_loads=[KvLoad([1], [6], "store")]))
-    # "d" and "e" both compute after their loads in this step: a burst of hits loads in
-    # one group (measured slower in groups)
-    new_d = NewRequestData("d", list(range(400, 420)), greedy, [10, 11], 16)
-    new_e = NewRequestData("e", list(range(500, 520)), greedy, [12, 13], 16)
-    runner.execute(StepPlan(2, [new_d, new_e], [ScheduledRequest("d", 4),
-                                                ScheduledRequest("e", 4)],
-                            kv_loads=[KvLoad([2], [10], "store"), KvLoad([3], [12], "store")]))
-    assert offload.loads == [([4], True), ([6], False), ([10, 12], False)]
+    assert offload.loads == [([4], True), ([6], False)]
 
 
 def test_loads_go_in_eight_layer_groups_by_default_at_most_one_a_layer(monkeypatch):
