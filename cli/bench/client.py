@@ -23,6 +23,7 @@ class RequestSettings:
     endpoint: str = "completions"  # a key of ENDPOINTS
     temperature: float = 0.0
     ignore_eos: bool = False
+    per_chunk_usage: bool = False  # ask for the usage on every chunk (continuous_usage_stats)
     extra_body: dict = field(default_factory=dict)  # merged into every request body
 
 
@@ -30,6 +31,8 @@ def request_body(request: BenchRequest, settings: RequestSettings) -> dict:
     body = {"model": settings.model, "max_tokens": request.output_len,
             "temperature": settings.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
+    if settings.per_chunk_usage:
+        body["stream_options"]["continuous_usage_stats"] = True
     if settings.endpoint == "chat":
         body["messages"] = (list(request.messages) if request.messages is not None
                             else [{"role": "user", "content": request.prompt}])

@@ -13,14 +13,14 @@ RUN_STARTED = "run started:"
 EXIT_DEADLINE = 3  # a run was cut short by --max-duration (its partial results are reported)
 
 
-def time_left(deadline: float, max_duration: float, max_concurrency: int | None) -> float | None:
+def time_left(deadline: float, max_duration: float, label: str) -> float | None:
     """Seconds left before a sweep's --max-duration deadline; None (and a notice) once it
-    has passed, so the runs from ``max_concurrency`` on are not started."""
+    has passed, so the runs from the one ``label`` names on are not started."""
     remaining_s = deadline - time.monotonic()
     if remaining_s > 0:
         return remaining_s
-    report.notice(f"--max-duration {max_duration:g} s has passed: the runs from concurrency "
-                  f"{max_concurrency} on were not started")
+    report.notice(f"--max-duration {max_duration:g} s has passed: the runs from {label} on "
+                  "were not started")
     return None
 
 

@@ -8,7 +8,11 @@ Definitions (times in seconds here; the report shows milliseconds):
   server says how many tokens each chunk carried, a gap is split evenly over them.
 - TPOT: (E2E - TTFT) / (output tokens - 1), per request; undefined for one token.
 - E2E: send to the end of the stream.
-- Goodput: completed requests that meet every SLO, per second of the run.
+- Chunk gaps: the gaps between consecutive timed chunks as they arrived (not split over
+  their tokens): what a reader of the stream waits. A request's longest one is its stall.
+- Tokens per chunk: known when the server said (per-chunk usage).
+- Goodput: completed requests that meet every SLO, per second of the run. The ``itl`` SLO
+  bounds a request's longest chunk gap: no wait between two chunks longer than it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-SLO_METRICS = ("ttft", "tpot", "e2e")
+SLO_METRICS = ("ttft", "tpot", "itl", "e2e")
 
 
 @dataclass
@@ -95,6 +99,17 @@ def inter_token_latencies(chunk_times_s: list[float],
     return latencies
 
 
+def chunk_gaps_s(record: RequestRecord) -> list[float]:
+    """The gaps between the request's consecutive timed chunks, as they arrived."""
+    times = record.chunk_times_s
+    return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+def longest_chunk_gap_s(record: RequestRecord) -> float:
+    """The request's longest wait between two chunks (0 with fewer than two)."""
+    return max(chunk_gaps_s(record), default=0.0)
+
+
 def num_output_tokens(record: RequestRecord) -> int:
     """The server's usage count whenever it gave one; otherwise one token per text chunk
     (a lower bound: a chunk can carry several tokens)."""
@@ -122,8 +137,9 @@ def tpot_s(record: RequestRecord) -> float | None:
 
 def meets_slo(record: RequestRecord, slo_s: dict[str, float]) -> bool:
     """True when the request is within every SLO given. A one-token request has no TPOT
-    and meets any TPOT SLO."""
-    figures = {"ttft": ttft_s(record), "tpot": tpot_s(record) or 0.0, "e2e": record.e2e_s}
+    and meets any TPOT SLO; ``itl`` bounds its longest chunk gap."""
+    figures = {"ttft": ttft_s(record), "tpot": tpot_s(record) or 0.0,
+               "itl": longest_chunk_gap_s(record), "e2e": record.e2e_s}
     return all(figures[name] <= limit for name, limit in slo_s.items())
 
 
@@ -157,6 +173,7 @@ def summarize(records: list[RequestRecord], duration_s: float,
         "tpot_ms": asdict(stats(tpots).scaled(1000)),
         "itl_ms": asdict(stats(itls).scaled(1000)),
         "e2e_ms": asdict(stats([r.e2e_s for r in done]).scaled(1000)),
+        **chunk_figures(done),
         **prefix_cache_figures(done),
     }
     if slo_s:
@@ -164,6 +181,19 @@ def summarize(records: list[RequestRecord], duration_s: float,
         summary.update(slo_ms={k: v * 1000 for k, v in slo_s.items()}, good_requests=num_good,
                        goodput=_rate(num_good, duration_s))
     return summary
+
+
+def chunk_figures(records: list[RequestRecord]) -> dict:
+    """How the streams arrived: every gap between chunks, each request's longest, and the
+    tokens per chunk where the server said (count 0 otherwise)."""
+    return {
+        "chunk_gap_ms": asdict(stats([gap for r in records for gap in chunk_gaps_s(r)])
+                               .scaled(1000)),
+        "longest_chunk_gap_ms": asdict(stats([longest_chunk_gap_s(r) for r in records
+                                              if len(r.chunk_times_s) > 1]).scaled(1000)),
+        "tokens_per_chunk": asdict(stats([float(n) for r in records
+                                          for n in (r.chunk_num_tokens or [])])),
+    }
 
 
 def prefix_cache_figures(records: list[RequestRecord]) -> dict:

@@ -87,7 +87,8 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Co
         await warm_up(client, warmups, settings, args.num_warmups, args.max_duration,
                       warn=report.notice)
         for max_concurrency, conversations in zip(args.max_concurrency or [None], workloads):
-            remaining_s = time_left(deadline, args.max_duration, max_concurrency)
+            remaining_s = time_left(deadline, args.max_duration,
+                                    f"concurrency {max_concurrency}")
             if remaining_s is None:
                 break
             num_turns = sum(c.num_turns for c in conversations)
@@ -101,7 +102,7 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Co
 
 
 def run(args: argparse.Namespace) -> int:
-    if not math.isinf(args.request_rate):
+    if any(not math.isinf(rate) for rate in args.request_rate):
         raise DatasetError("--request-rate does not apply to multi-turn: a conversation "
                            "starts when one of the --max-concurrency slots is free")
     shape = shape_of(args)

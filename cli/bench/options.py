@@ -33,6 +33,25 @@ def parse_slo(text: str) -> dict[str, float]:
     return slo_s
 
 
+def parse_goodput_item(text: str) -> dict[str, float]:
+    """vLLM's ``--goodput`` item ``ttft:2000`` (KEY:MILLISECONDS; keys ttft, tpot, itl,
+    e2el) into seconds, as --slo's NAME=MILLISECONDS."""
+    name, sep, value = text.partition(":")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"bad --goodput item {text!r}: use KEY:MILLISECONDS")
+    return parse_slo(f"{name}={value}")
+
+
+class MergeSlo(argparse.Action):
+    """--slo and --goodput both add to ``args.slo`` (later limits of a name win)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        merged = dict(getattr(namespace, self.dest) or {})
+        for value in values if isinstance(values, list) else [values]:
+            merged.update(value)
+        setattr(namespace, self.dest, merged)
+
+
 def _seconds(value: str) -> float:
     """``500ms``, ``0.5s`` or a bare number of milliseconds."""
     if value.endswith("ms"):
@@ -47,6 +66,17 @@ def parse_rate(text: str) -> float:
     if rate <= 0:
         raise argparse.ArgumentTypeError("--request-rate must be positive or inf")
     return rate
+
+
+def parse_rate_list(text: str) -> list[float]:
+    """``4`` or ``5,10,20,40`` (a sweep) requests per second; ``inf`` sends all at once."""
+    try:
+        rates = [parse_rate(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 5,10,inf, got {text!r}") from None
+    if not rates:
+        raise argparse.ArgumentTypeError("--request-rate needs a value")
+    return rates
 
 
 def parse_seconds(text: str) -> float:
@@ -101,6 +131,10 @@ def add_target_flags(parser: argparse.ArgumentParser, base_url_default: str | No
                        help="generate exactly the requested output lengths (server extension)")
     group.add_argument("--extra-body", type=parse_json_object, default={}, metavar="JSON",
                        help="fields merged into every request body")
+    group.add_argument("--per-chunk-usage", action="store_true",
+                       help="ask for the usage on every chunk (stream_options."
+                       "continuous_usage_stats, vLLM's and flotilla's extension): tokens per "
+                       "chunk are reported and ITL splits a chunk's gap over its tokens")
 
 
 def add_stack_flags(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +200,11 @@ def add_output_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--result-json", default=None, metavar="PATH",
                        help="write every figure, per-request timings and the settings here")
     group.add_argument("--plot", default=None, metavar="PNG", help="draw latency distributions")
-    group.add_argument("--slo", type=parse_slo, default=None, metavar="ttft=MS,tpot=MS",
-                       help="goodput: requests within these SLOs (ttft, tpot, e2e) per second")
+    group.add_argument("--slo", type=parse_slo, action=MergeSlo, default=None,
+                       metavar="ttft=MS,tpot=MS",
+                       help="goodput: requests within these SLOs (ttft, tpot, itl: the longest "
+                       "gap between two chunks, e2e) per second")
+    group.add_argument("--goodput", type=parse_goodput_item, action=MergeSlo, nargs="+",
+                       dest="slo", metavar="KEY:MS",
+                       help="the same SLOs in vLLM's form, e.g. --goodput ttft:2000 itl:100")
     group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")

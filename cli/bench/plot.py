@@ -1,5 +1,5 @@
-"""``--plot out.png``: latency distributions, and throughput against concurrency when a
-sweep ran."""
+"""``--plot out.png``: latency distributions, and throughput, goodput and latency against
+the request rate or concurrency when a sweep ran."""
 
 from __future__ import annotations
 
@@ -19,8 +19,10 @@ def records_of(run: dict) -> list[RequestRecord]:
 
 
 def run_label(run: dict) -> str:
+    if run.get("label"):
+        return run["label"]
     return f"concurrency {run['max_concurrency']}" if run.get("max_concurrency") else \
-        run.get("label", "all requests")
+        "all requests"
 
 
 def _bins(values: list[float], num_bins: int = 30) -> list[float]:
@@ -50,27 +52,47 @@ def _draw_latencies(axes, runs: list[dict]) -> None:
             ax.legend(fontsize="small")
 
 
-def _draw_sweep(ax_throughput, ax_latency, runs: list[dict]) -> None:
-    concurrency = [run["max_concurrency"] for run in runs]
+def sweep_axis(runs: list[dict]) -> tuple[str, list[str]] | None:
+    """What a sweep varied and each run's value (as tick labels); None: not a sweep."""
+    if len(runs) < 2:
+        return None
+    if len({run.get("request_rate") for run in runs}) > 1:
+        return "request rate (requests per second, Poisson)", \
+            [f"{run['request_rate']:g}" for run in runs]
+    if all(run.get("max_concurrency") for run in runs):
+        return "max concurrency (requests in flight)", [str(run["max_concurrency"]) for run in runs]
+    return None
+
+
+def _draw_sweep(ax_throughput, ax_latency, runs: list[dict], axis: tuple[str, list[str]]
+                ) -> None:
+    name, ticks = axis
+    points = list(range(len(runs)))  # evenly spaced, labelled (a rate may be inf)
     summaries = [run["summary"] for run in runs]
-    ax_throughput.plot(concurrency, [s["output_throughput"] for s in summaries], "o-",
+    ax_throughput.plot(points, [s["output_throughput"] for s in summaries], "o-",
                        label="output tok/s")
-    ax_throughput.plot(concurrency, [s["total_token_throughput"] for s in summaries], "s--",
+    ax_throughput.plot(points, [s["total_token_throughput"] for s in summaries], "s--",
                        label="total tok/s")
-    ax_throughput.set_title("throughput vs. concurrency")
-    ax_throughput.set_xlabel("max concurrency (requests in flight)")
     ax_throughput.set_ylabel("tokens per second")
-    ax_throughput.legend(fontsize="small")
-    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms")):
-        ax_latency.plot(concurrency, [s[key]["median"] for s in summaries], "o-",
-                        label=f"median {name}")
-    ax_latency.set_title("latency vs. concurrency")
-    ax_latency.set_xlabel("max concurrency (requests in flight)")
+    ax_throughput.legend(fontsize="small", loc="upper left")
+    if "goodput" in summaries[0]:
+        ax_goodput = ax_throughput.twinx()
+        ax_goodput.plot(points, [s["goodput"] for s in summaries], "^:", color="tab:green",
+                        label="goodput (req/s)")
+        ax_goodput.set_ylabel("requests per second within the SLOs")
+        ax_goodput.legend(fontsize="small", loc="lower right")
+    ax_throughput.set_title("throughput and goodput")
+    for label, key, stat in (("median TTFT", "ttft_ms", "median"), ("p99 TTFT", "ttft_ms", "p99"),
+                             ("median TPOT", "tpot_ms", "median"),
+                             ("p99 stall (longest chunk gap)", "longest_chunk_gap_ms", "p99")):
+        ax_latency.plot(points, [s[key][stat] for s in summaries], "o-", label=label)
+    ax_latency.set_title("latency")
     ax_latency.set_ylabel("milliseconds")
+    ax_latency.set_yscale("log")
     ax_latency.legend(fontsize="small")
     for ax in (ax_throughput, ax_latency):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(concurrency, [str(c) for c in concurrency])
+        ax.set_xlabel(name)
+        ax.set_xticks(points, ticks)
         ax.grid(alpha=0.3)
 
 
@@ -80,12 +102,12 @@ def build_figure(runs: list[dict], title: str):
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    is_sweep = len(runs) > 1 and all(run.get("max_concurrency") for run in runs)
-    num_rows = 3 if is_sweep else 2
+    axis = sweep_axis(runs)
+    num_rows = 3 if axis else 2
     fig, axes = plt.subplots(num_rows, 2, figsize=(12, 4 * num_rows), squeeze=False)
     _draw_latencies(axes[:2].ravel(), runs)
-    if is_sweep:
-        _draw_sweep(axes[2][0], axes[2][1], runs)
+    if axis:
+        _draw_sweep(axes[2][0], axes[2][1], runs, axis)
     fig.suptitle(title)
     fig.tight_layout()
     return fig

@@ -36,6 +36,20 @@ def latency_table(summary: dict) -> list[str]:
     return lines
 
 
+def chunk_table(summary: dict) -> list[str]:
+    """How the streams arrived: gaps between chunks, each request's longest, and tokens
+    per chunk when the server said."""
+    rows = [("Gap", summary["chunk_gap_ms"]), ("Stall", summary["longest_chunk_gap_ms"])]
+    lines = [f"{label:<8}{s['mean']:>11.2f}{s['median']:>11.2f}{s['p90']:>11.2f}"
+             f"{s['p99']:>11.2f}" for label, s in rows]
+    per_chunk = summary["tokens_per_chunk"]
+    if per_chunk["count"]:
+        lines.append(f"{'Tok/chk':<8}{per_chunk['mean']:>11.2f}{per_chunk['median']:>11.2f}"
+                     f"{per_chunk['p90']:>11.2f}{per_chunk['p99']:>11.2f}")
+    return lines + ["(Gap: between chunks, ms; Stall: a request's longest gap, ms"
+                    + ("; Tok/chk: tokens per chunk)" if per_chunk["count"] else ")")]
+
+
 def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
     lines = [_title(title),
              _line("Successful requests:", summary["completed"]),
@@ -62,7 +76,7 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
         lines += [f"{'SLO:':<14}{slo:>38}",
                   _line("Requests within the SLO:", summary["good_requests"]),
                   _line("Goodput (req/s):", summary["goodput"])]
-    lines += [_title("Latency", "-"), *latency_table(summary)]
+    lines += [_title("Latency", "-"), *latency_table(summary), *chunk_table(summary)]
     if summary["failure_reasons"]:
         lines.append(_title("Failures", "-"))
         lines += [f"{count:>5} x {reason}" for reason, count in summary["failure_reasons"].items()]
@@ -73,14 +87,24 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
 
 
 def sweep_table(runs: list[dict]) -> str:
-    lines = [_title("Concurrency sweep"),
-             f"{'conc.':>6}{'req/s':>9}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
-             f"{'failed':>7}{'outst.':>7}"]
+    """One line per run of a sweep (over request rate or concurrency): throughput, TTFT,
+    the longest chunk gaps (p99 over requests) and the goodput when SLOs were given."""
+    rate_sweep = len({run.get("request_rate") for run in runs}) > 1
+    has_goodput = "goodput" in runs[0]["summary"]
+    lines = [_title("Request-rate sweep" if rate_sweep else "Concurrency sweep", "="),
+             f"{'rate' if rate_sweep else 'conc.':>6}{'req/s':>8}{'out tok/s':>10}"
+             f"{'TTFT p50':>9}{'p99':>8}{'TPOT p50':>9}{'stall p99':>10}"
+             + (f"{'goodput':>9}" if has_goodput else "") + f"{'failed':>7}"]
     for run in runs:
         s = run["summary"]
-        lines.append(f"{run['max_concurrency']:>6}{s['request_throughput']:>9.2f}"
-                     f"{s['output_throughput']:>11.1f}{s['ttft_ms']['median']:>10.1f}"
-                     f"{s['tpot_ms']['median']:>10.1f}{s['failed']:>7}{s['outstanding']:>7}")
+        point = f"{run['request_rate']:g}" if rate_sweep else str(run["max_concurrency"])
+        lines.append(f"{point:>6}{s['request_throughput']:>8.2f}{s['output_throughput']:>10.1f}"
+                     f"{s['ttft_ms']['median']:>9.0f}{s['ttft_ms']['p99']:>8.0f}"
+                     f"{s['tpot_ms']['median']:>9.1f}{s['longest_chunk_gap_ms']['p99']:>10.0f}"
+                     + (f"{s['goodput']:>9.2f}" if has_goodput else "")
+                     + f"{s['failed'] + s['outstanding']:>7}")
+    lines.append("(stall: a request's longest gap between two chunks, ms; failed includes "
+                 "outstanding)")
     return "\n".join(lines)
 
 

@@ -24,8 +24,9 @@ def add_parser(commands) -> None:
     options.add_target_flags(parser, base_url_default="http://127.0.0.1:8000")
     options.add_dataset_flags(parser, num_prompts_default=100, multi_turn=True)
     group = parser.add_argument_group("load")
-    group.add_argument("--request-rate", type=options.parse_rate, default=float("inf"),
-                       help="requests per second, Poisson arrivals; inf (default) sends all at once")
+    group.add_argument("--request-rate", type=options.parse_rate_list, default=[float("inf")],
+                       metavar="R[,R...]", help="requests per second, Poisson arrivals; inf "
+                       "(default) sends all at once; a list runs a sweep (e.g. 5,10,20,40)")
     group.add_argument("--burstiness", type=float, default=1.0,
                        help="gamma shape of the arrival gaps: 1 is Poisson, <1 burstier")
     group.add_argument("--max-concurrency", type=options.parse_int_list, default=None,
@@ -41,11 +42,27 @@ def add_parser(commands) -> None:
     parser.set_defaults(handler=run)
 
 
+def load_points(args: argparse.Namespace) -> list[tuple[float, int | None]]:
+    """(request rate, max concurrency) of each run: a sweep over one of them, the other
+    fixed."""
+    rates, concurrencies = args.request_rate, args.max_concurrency or [None]
+    if len(rates) > 1 and len(concurrencies) > 1:
+        raise SystemExit("flotilla bench serve: sweep --request-rate or --max-concurrency, "
+                         "not both (give one of them a single value)")
+    return [(rate, concurrency) for rate in rates for concurrency in concurrencies]
+
+
+def run_label(rate: float, max_concurrency: int | None, rate_sweep: bool) -> str:
+    if rate_sweep:
+        return f"rate {rate:g}/s"
+    return f"concurrency {max_concurrency}" if max_concurrency else "requests"
+
+
 async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[BenchRequest]],
                 warmups: list[BenchRequest], settings: RequestSettings) -> list[dict]:
-    """One run per --max-concurrency value (one run without a limit if none given), each
-    on its own prompts, all within --max-duration: a run still going at the deadline is
-    cut short, and the runs after it are not started."""
+    """One run per --request-rate or --max-concurrency value (load_points), each on its
+    own prompts, all within --max-duration: a run still going at the deadline is cut
+    short, and the runs after it are not started."""
     from tqdm import tqdm
 
     deadline = time.monotonic() + args.max_duration
@@ -53,12 +70,14 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Be
     async with http_client(base_url, args.api_key, args.request_timeout) as client:
         await warm_up(client, warmups, settings, args.num_warmups, args.max_duration,
                       warn=report.notice)
-        for max_concurrency, requests in zip(args.max_concurrency or [None], workloads):
-            remaining_s = time_left(deadline, args.max_duration, max_concurrency)
+        points = load_points(args)
+        rate_sweep = len(args.request_rate) > 1
+        for (rate, max_concurrency), requests in zip(points, workloads):
+            label = run_label(rate, max_concurrency, rate_sweep)
+            remaining_s = time_left(deadline, args.max_duration, label)
             if remaining_s is None:
                 break
-            load = LoadSettings(args.request_rate, args.burstiness, max_concurrency, args.seed)
-            label = f"concurrency {max_concurrency}" if max_concurrency else "requests"
+            load = LoadSettings(rate, args.burstiness, max_concurrency, args.seed)
             report.notice(f"{RUN_STARTED} {len(requests)} requests ({label}, deadline in "
                           f"{remaining_s:.0f} s)")
             with tqdm(total=len(requests), desc=label, disable=args.disable_tqdm) as bar:
@@ -70,8 +89,8 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Be
                               f"{len(result.records)} of {len(requests)} requests finished, "
                               f"{len(result.in_flight)} were cancelled in flight and "
                               f"{result.num_not_sent} never sent")
-            runs.append({"max_concurrency": max_concurrency, "request_rate": args.request_rate,
-                         "summary": result.summary(args.slo),
+            runs.append({"max_concurrency": max_concurrency, "request_rate": rate,
+                         "label": label, "summary": result.summary(args.slo),
                          "dataset": workload.dataset_settings(args, requests),
                          "requests": [report.record_dict(r) for r in result.records],
                          "unfinished_requests": [report.record_dict(r) for r in result.in_flight]})
@@ -85,14 +104,14 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = target.load_tokenizer(args.tokenizer, spec)
     # run i of a sweep draws its prompts with seed + i: no run finds another's in a prefix cache
     workloads = [workload.build_requests(args, tokenizer, args.seed + i)
-                 for i in range(len(args.max_concurrency or [None]))]
+                 for i in range(len(load_points(args)))]
     warmups = workload.warmup_requests(tokenizer, args.num_warmups, args.seed)
     settings = workload.request_settings(args, target.request_model_name(spec))
     runs = asyncio.run(sweep(args, args.base_url.rstrip("/"), workloads, warmups, settings))
     for run_ in runs:
         title = "Serving Benchmark Result"
-        if run_["max_concurrency"]:
-            title += f" (max concurrency {run_['max_concurrency']})"
+        if run_["label"] != "requests":
+            title += f" ({run_['label']})"
         print(report.serve_table(run_["summary"], title))
     if len(runs) > 1:
         print(report.sweep_table(runs))

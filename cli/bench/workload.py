@@ -48,6 +48,7 @@ def request_settings(args: argparse.Namespace, model_name: str,
     return RequestSettings(model=model_name, endpoint=options.endpoint(args),
                            temperature=args.temperature,
                            ignore_eos=args.ignore_eos if ignore_eos is None else ignore_eos,
+                           per_chunk_usage=args.per_chunk_usage,
                            extra_body=args.extra_body)
 
 

@@ -33,6 +33,7 @@ class Generation:
     num_prompt_tokens: int  # over all prompts
     num_returned: int  # n per prompt: fewer than its sequences when best_of asked for more
     include_usage: bool = False
+    continuous_usage: bool = False  # every chunk carries the usage so far (include_usage too)
     created: int = field(default_factory=lambda: int(time.time()))
     num_per_prompt: int = 0  # sequences per prompt (0: all the choices are one prompt's)
 
@@ -119,13 +120,15 @@ _json = msgspec.json.Encoder()
 
 async def stream_events(generation: Generation,
                         deltas: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
-    """Server-sent events: one choice entry per chunk, then usage if asked, then [DONE].
+    """Server-sent events: one choice entry per chunk (with the usage so far when
+    continuous usage is asked), then usage if asked, then [DONE].
     The events of one delta go out in one write."""
     def event(entries: list[dict], usage: dict | None = None) -> bytes:
         chunk = {"id": generation.response_id, "object": generation.chunk_object_name,
                  "created": generation.created, "model": generation.model, "choices": entries}
-        if generation.include_usage:
-            chunk["usage"] = usage
+        if generation.include_usage:  # null until the last chunk, unless continuous
+            chunk["usage"] = generation.usage() if usage is None and \
+                generation.continuous_usage else usage
         return b"data: " + _json.encode(chunk) + b"\n\n"
 
     def error_event(error: FlotillaError) -> bytes:

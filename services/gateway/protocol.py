@@ -51,7 +51,8 @@ _DEPRECATED = {"deprecated": True}  # in OpenAI's schema
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # ignored: no obfuscation padding is added
-    continuous_usage_stats: bool = False  # extension (vLLM's), ignored
+    # extension (vLLM's): with include_usage, every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(OpenAIModel):
@@ -94,6 +95,11 @@ class _SamplingFields(OpenAIModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far on every chunk (vLLM's ``continuous_usage_stats``, with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     @property
     def session_key(self) -> str | None:

@@ -236,6 +236,7 @@ class ResponsesRequest(_Strict):
     priority = property(lambda self: 0)
     cache_salt = property(lambda self: None)
     include_usage = property(lambda self: False)
+    continuous_usage = property(lambda self: False)
     # what keeps a conversation on one replica (--routing kv)
     session_key = property(lambda self: self.prompt_cache_key or self.user)
 

@@ -126,7 +126,8 @@ async def generate(request: Request, kind: str, req, model: str,
     service.metrics.prompt_tokens.inc(num_prompt_tokens)
     generation = Generation(kind, _ID_PREFIXES[kind] + request_ids[0],
                             model, choices, streams, num_prompt_tokens, num_returned,
-                            req.include_usage, num_per_prompt=num_per_prompt)
+                            req.include_usage, req.continuous_usage,
+                            num_per_prompt=num_per_prompt)
     for stream in streams:
         stream.wake_at_end = not req.stream
     deltas = merge_deltas([_timed(service.deltas(stream), stream, service.metrics, started)

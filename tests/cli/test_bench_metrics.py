@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from cli.bench.metrics import (RequestRecord, inter_token_latencies, meets_slo, num_output_tokens,
-                               percentile, stats, summarize, tpot_s)
+from cli.bench.metrics import (RequestRecord, chunk_figures, chunk_gaps_s, inter_token_latencies,
+                               longest_chunk_gap_s, meets_slo, num_output_tokens, percentile,
+                               stats, summarize, tpot_s)
 
 
 def record(ttft: float, e2e: float, num_tokens: int, **kwargs) -> RequestRecord:
@@ -72,6 +73,33 @@ def test_slo_checks_every_given_limit():
     assert not meets_slo(fast, {"tpot": 0.099})
     assert not meets_slo(fast, {"e2e": 0.4})
     assert meets_slo(record(ttft=0.1, e2e=0.1, num_tokens=1), {"tpot": 0.001})  # no TPOT
+
+
+def test_the_itl_slo_bounds_a_requests_longest_chunk_gap():
+    # chunks at 0.1, 0.15, 0.45, 0.5: gaps 50, 300, 50 ms; the mean gap (TPOT) is ~133 ms
+    bursty = RequestRecord(prompt_len=4, output_len=4, chunk_times_s=[0.1, 0.15, 0.45, 0.5],
+                           e2e_s=0.5)
+    assert chunk_gaps_s(bursty) == pytest.approx([0.05, 0.3, 0.05])
+    assert longest_chunk_gap_s(bursty) == pytest.approx(0.3)
+    assert meets_slo(bursty, {"itl": 0.31}) and not meets_slo(bursty, {"itl": 0.29})
+    assert meets_slo(bursty, {"tpot": 0.14})  # the mean hides the stall the itl SLO sees
+    one_chunk = RequestRecord(prompt_len=4, output_len=4, chunk_times_s=[0.2], e2e_s=0.2)
+    assert longest_chunk_gap_s(one_chunk) == 0.0 and meets_slo(one_chunk, {"itl": 0.001})
+
+
+def test_chunk_figures_gaps_stalls_and_tokens_per_chunk():
+    told = RequestRecord(prompt_len=4, output_len=6, chunk_times_s=[0.1, 0.2, 0.6],
+                         chunk_num_tokens=[1, 2, 3], e2e_s=0.6)
+    untold = RequestRecord(prompt_len=4, output_len=2, chunk_times_s=[0.1, 0.3], e2e_s=0.3)
+    figures = chunk_figures([told, untold])
+    assert figures["chunk_gap_ms"]["count"] == 3
+    assert figures["chunk_gap_ms"]["max"] == pytest.approx(400)
+    assert figures["chunk_gap_ms"]["median"] == pytest.approx(200)
+    assert sorted([figures["longest_chunk_gap_ms"]["min"],
+                   figures["longest_chunk_gap_ms"]["max"]]) == pytest.approx([200, 400])
+    assert figures["tokens_per_chunk"]["count"] == 3  # only the server that said
+    assert figures["tokens_per_chunk"]["mean"] == pytest.approx(2.0)
+    assert chunk_figures([untold])["tokens_per_chunk"]["count"] == 0
 
 
 def test_summary_of_a_run_with_a_failure():

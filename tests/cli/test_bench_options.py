@@ -31,12 +31,37 @@ def test_bad_slo_is_refused(text):
         options.parse_slo(text)
 
 
+def test_goodput_in_vllms_form_adds_to_the_slo():
+    args = build_parser().parse_args(["bench", "serve", "--slo", "e2e=9000",
+                                      "--goodput", "ttft:2000", "itl:100", "e2el:5000"])
+    assert args.slo == pytest.approx({"ttft": 2.0, "itl": 0.1, "e2e": 5.0})
+    assert build_parser().parse_args(["bench", "serve"]).slo is None
+    for bad in ("ttft=2000", "stall:5", "itl:-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            options.parse_goodput_item(bad)
+
+
+def test_a_sweep_varies_the_rate_or_the_concurrency_not_both():
+    from cli.bench.serve import load_points
+
+    args = build_parser().parse_args(["bench", "serve", "--request-rate", "5,10,inf",
+                                      "--max-concurrency", "64"])
+    assert load_points(args) == [(5.0, 64), (10.0, 64), (math.inf, 64)]
+    args = build_parser().parse_args(["bench", "serve", "--max-concurrency", "1,4"])
+    assert load_points(args) == [(math.inf, 1), (math.inf, 4)]
+    both = build_parser().parse_args(["bench", "serve", "--request-rate", "5,10",
+                                      "--max-concurrency", "1,4"])
+    with pytest.raises(SystemExit, match="not both"):
+        load_points(both)
+
+
 def test_rates_lists_and_backends():
     assert options.parse_rate("inf") == math.inf and options.parse_rate("2.5") == 2.5
+    assert options.parse_rate_list("5, 10,inf") == [5.0, 10.0, math.inf]
     assert options.parse_int_list("1,2, 8") == [1, 2, 8]
     assert parse_backends("flotilla,hf") == ["flotilla", "hf"]
     for bad in (lambda: options.parse_int_list("1,0"), lambda: parse_backends("vllm"),
-                lambda: options.parse_rate("0")):
+                lambda: options.parse_rate("0"), lambda: options.parse_rate_list("5,x")):
         with pytest.raises(argparse.ArgumentTypeError):
             bad()
 

@@ -83,3 +83,36 @@ def test_a_warm_up_without_output_warns_and_the_run_goes_on(bench, capsys):
         code, data, _ = bench(server)
     assert code == 0 and data["runs"][0]["summary"]["completed"] == 6
     assert "warning: a warm-up request failed (no output" in capsys.readouterr().err
+
+
+def two_token_chunks(num_tokens: int) -> list[dict]:
+    """Text chunks of two tokens each, every one with the usage so far (per-chunk usage)."""
+    chunks = [{"choices": [{"index": 0, "text": "ab", "finish_reason": None}],
+               "usage": {"prompt_tokens": 8, "completion_tokens": done}}
+              for done in range(2, num_tokens + 1, 2)]
+    return chunks + [{"choices": [], "usage": {"prompt_tokens": 8,
+                                               "completion_tokens": num_tokens}}]
+
+
+def test_a_request_rate_sweep_reports_goodput_stalls_and_tokens_per_chunk(bench, capsys,
+                                                                          tmp_path):
+    plot = tmp_path / "sweep.png"
+    with FakeServer(lambda call, body: two_token_chunks(body["max_tokens"])) as server:
+        code, data, _ = bench(server, "--request-rate", "200,400", "--per-chunk-usage",
+                              "--goodput", "ttft:10000", "itl:10000", "--plot", str(plot))
+    assert code == 0 and server.calls == 13  # one warm-up, six requests per run
+    assert all(body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+               for body in server.bodies)
+    runs = data["runs"]
+    assert [(run["request_rate"], run["label"]) for run in runs] == [(200, "rate 200/s"),
+                                                                    (400, "rate 400/s")]
+    for run in runs:
+        summary = run["summary"]
+        assert summary["completed"] == 6 and summary["good_requests"] == 6
+        assert summary["slo_ms"] == {"ttft": 10000, "itl": 10000}
+        assert summary["tokens_per_chunk"]["count"] == 12
+        assert summary["tokens_per_chunk"]["mean"] == 2.0
+        assert summary["longest_chunk_gap_ms"]["count"] == 6
+    out = capsys.readouterr().out
+    assert "Request-rate sweep" in out and "Tok/chk" in out and "goodput" in out
+    assert plot.stat().st_size > 0

@@ -76,6 +76,25 @@ def test_a_chat_completion_streams_as_server_sent_events(client, service):
     assert service.submitted[0].session == "u1"
 
 
+@pytest.mark.parametrize("continuous", [True, False])
+def test_continuous_usage_puts_the_usage_so_far_on_every_chunk(client, service, continuous):
+    service.answer = [Delta("Hello", 2), Delta(" big", 1), Delta(" world", 3, "length")]
+    options = {"include_usage": True, "continuous_usage_stats": continuous}
+    with client.stream("POST", "/v1/chat/completions", json={
+            "model": MODEL, "stream": True, "stream_options": options,
+            "messages": [{"role": "user", "content": "hi there"}]}) as reply:
+        lines = [line for line in reply.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+    *choice_chunks, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    usages = [chunk["usage"] for chunk in choice_chunks]
+    if continuous:  # the role chunk, then one per delta (the finish reason its own)
+        assert [u["completion_tokens"] for u in usages] == [0, 2, 3, 6, 6]
+        assert {u["prompt_tokens"] for u in usages} == {2}
+    else:
+        assert usages == [None] * 5
+
+
 def test_a_refused_submit_is_an_openai_error(client, service):
     service.refuse = ServiceUnavailable("no scheduler is ready")
     reply = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
