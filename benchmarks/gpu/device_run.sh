@@ -79,6 +79,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
             mkdir -p "$OUT/kvlogs"; tail -c 4000000 "$log" > "$OUT/kvlogs/$(basename "$(dirname "$log")")-$(basename "$log")"
           done
         fi;;
+    # issue 27: one gateway process under 1,000 streams on this host's CPU (no GPU used):
+    # its CPU per chunk and the gaps between chunks (benchmarks/gateway_streams.py)
+    gateway-streams) python3 -m benchmarks.gateway_streams --model $M/dummy-llama-3.1-8b \
+        --streams ${GW_STREAMS:-1000} --step-ms ${GW_STEP_MS:-90} --tokens 100 2>&1 | tail -16;;
     # a 16k-token host-tier hit's path through the stack on its services' own clocks
     # (gateway, scheduler, lookup + pin, the step, the token back): benchmarks/long_prompt_path.py
     # on the 8B model with prefix16k's GPU cache; LP_ARGS: more flags (e.g. --spans)
