@@ -49,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "many decode-only steps' time (default 0: off)")
     serve.add_argument("--max-steps-in-flight", default=None,
                        help="steps each scheduler sends ahead to its worker (default 2)")
+    serve.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="speculative decoding, vLLM's fields: '{\"method\": \"ngram\", "
+                       "\"num_speculative_tokens\": 4}' (prompt lookup for greedy requests; "
+                       "docs/speculative-decoding.md)")
     kv = serve.add_argument_group("kvstore", "the node's KV tiers below the worker's cache "
                                   "(docs/kvstore.md)")
     kv.add_argument("--no-kvstore", action="store_true",
@@ -84,7 +88,8 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
     service_args = engine_service_args(args)
     service_args["scheduler"] += flags(scheduling_policy=args.scheduling_policy,
                                        chunk_step_ratio=args.chunk_step_ratio,
-                                       max_steps_in_flight=args.max_steps_in_flight)
+                                       max_steps_in_flight=args.max_steps_in_flight,
+                                       speculative_config=args.speculative_config)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
     service_args["worker"] += flags(kv_load_layer_groups=args.kv_load_layer_groups)
     service_args["tokenizer"] += flags(served_model_name=args.served_model_name)

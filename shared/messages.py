@@ -270,6 +270,9 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     # what one more decoding sequence adds to each step, in prompt tokens' compute (the
     # slope of decode-only step time over batch size x prefill speed; 0: not measured yet)
     decode_seq_cost_tokens: float = 0.0
+    # cumulative, speculative decoding: drafts sent to be verified, and of those kept
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0
 
 
 class SchedulerBlockEvent(Struct, frozen=True, kw_only=True):
@@ -330,6 +333,10 @@ class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):
     request_id: str
     num_new_tokens: int  # tokens to compute this step, from the worker's num_computed
     new_block_ids: list[int] = []
+    # speculative decoding: tokens guessed to follow the request's last one, computed in
+    # this step after it (num_new_tokens = 1 + their number) and kept while the greedy
+    # argmax agrees (StepResult.num_accepted_drafts)
+    draft_token_ids: list[int] = []
 
 
 class StepPlan(Struct, frozen=True, array_like=True, gc=False):
@@ -359,6 +366,9 @@ class StepResult(Struct, frozen=True, array_like=True, gc=False):
     # the plan's kv_loads: bytes copied from host slots, and how fast (0: none this step)
     kv_load_bytes: int = 0
     kv_load_bytes_per_s: float = 0.0
+    # aligned with request_ids when the step verified drafts: how many of each request's
+    # drafts were kept (they precede its sampled token); [] when none were sent
+    num_accepted_drafts: list[int] = []
 
 
 class WorkerInfo(Struct, frozen=True, kw_only=True):

@@ -88,6 +88,11 @@ class GatewayMetrics:
         self.kv_tier_hits = Counter("flotilla_prefix_cache_tier_hits",
                                     "Prompt tokens loaded from the kvstore's tiers instead of "
                                     "computed", labels, registry=r)
+        self.draft_tokens = Counter("flotilla_spec_decode_draft_tokens",
+                                    "Speculative drafts sent to be verified", labels, registry=r)
+        self.accepted_drafts = Counter("flotilla_spec_decode_accepted_tokens",
+                                       "Speculative drafts kept (acceptance rate: over the "
+                                       "draft tokens)", labels, registry=r)
         self.worker_busy = Counter("flotilla_worker_busy_seconds",
                                    "Time the worker spent computing steps", labels, registry=r)
         self.worker_idle_ratio = Gauge(
@@ -123,6 +128,8 @@ class GatewayMetrics:
                                (self.prefix_queries, "num_prefix_queries"),
                                (self.prefix_hits, "num_prefix_hits"),
                                (self.kv_tier_hits, "num_kv_tier_hits"),
+                               (self.draft_tokens, "num_draft_tokens"),
+                               (self.accepted_drafts, "num_accepted_drafts"),
                                (self.worker_busy, "worker_busy_s")):
             value = getattr(stats, field)
             before = getattr(last, field) if last is not None else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from services.scheduler.speculation import parse_speculative_config
 from shared import limits
 from shared.config import ServiceConfig, check_choice
 
@@ -35,8 +36,13 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     # ~20 ms of an H200's host link: prefill512 4.87x -> 5.85x, docs/kvstore.md)
     max_kv_load_mib_per_step: int = 1024
     shutdown_timeout: float = 30.0  # s; on SIGTERM: finish held requests this long, fail the rest
+    # speculative decoding (speculation.py): JSON with vLLM's names; "": off
+    speculative_config: str = ""
 
     __help__ = {
+        "speculative_config": "speculative decoding, JSON with vLLM's field names, e.g. "
+                              "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                              "(prompt lookup; greedy requests; docs/speculative-decoding.md)",
         "kv_node_id": "node id of the kvstore to use (empty: no kvstore)",
         "max_kv_load_mib_per_step": "MiB of kvstore hits loaded in one step, past its first "
                                     "hit (0: no cap)",
@@ -65,3 +71,4 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
             raise ValueError("max_kv_load_mib_per_step must be 0 (no cap) or positive")
         if self.max_steps_in_flight < 1:
             raise ValueError("max_steps_in_flight must be at least 1")
+        parse_speculative_config(self.speculative_config)  # a bad one fails at start

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer
+from services.scheduler.outputs import append_outputs, request_output
+from services.scheduler.speculation import drafter, parse_speculative_config
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.kv_tier import IsWanted, KvTierHooks
 from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
@@ -39,7 +41,7 @@ from services.scheduler.siblings import num_blocks_needed, shares_prompt, siblin
 from shared.errors import InvalidRequest
 from shared.messages import (
     ErrorInfo, GenerateRequest, NewRequestData, RequestOutput, ScheduledRequest, StepPlan,
-    StepResult, TokenLogprobs, choice_request_ids,
+    StepResult, choice_request_ids,
 )
 
 
@@ -72,6 +74,7 @@ class Scheduler:
         self.kv = kv or KvTierHooks()  # the KV connector's hooks (kv_connector.py)
         self.chunk_pacer = ChunkPacer(config.chunk_step_ratio, config.max_num_batched_tokens,
                                       min_tokens=block_size)
+        self.drafter = drafter(parse_speculative_config(config.speculative_config))
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
@@ -192,23 +195,30 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = False
         num_decodes, num_chunk_tokens = 0, 0  # prompt chunks may be paced against decodes
+        speculating = self.drafter.enabled and self.drafter.config.drafts_at(len(self.running))
         # Decodes first, then prompt chunks; each in (priority, arrival) order.
         for req in sorted(self.running, key=lambda r: (r.is_prefilling, r.sort_key)):
             if budget == 0:
                 break
-            if req not in self.running or req.reached_max_tokens:
-                continue  # preempted for an earlier request, or its last token is coming
+            if req not in self.running or req.reached_max_tokens or req.draft_token_ids:
+                continue  # preempted for an earlier request, or its last token(s) coming
+            if req.num_pending_tokens and not req.is_prefilling and speculating and \
+                    self.drafter.worth_waiting(req.request_id, req.all_token_ids, req.sampling):
+                continue  # copying: its next step verifies drafts once its token is known
             prefilling = req.is_prefilling
             num_new = min(req.num_tokens_at_worker - req.num_computed_tokens, budget)
             if prefilling:
                 num_new = min(num_new, self.chunk_pacer.chunk_budget(num_decodes) - num_chunk_tokens)
             if num_new <= 0:
                 continue
+            drafts = self.drafter.for_request(req, budget, self.max_model_len) \
+                if speculating and not prefilling else []
+            num_new += len(drafts)
             new_block_ids = self._grow_or_preempt(req, req.num_computed_tokens + num_new)
             if new_block_ids is None:  # req itself was preempted
                 preempted = True
                 continue
-            self._schedule(req, num_new, new_block_ids, new_requests, scheduled)
+            self._schedule(req, num_new, new_block_ids, new_requests, scheduled, drafts)
             budget -= num_new
             num_chunk_tokens += num_new if prefilling else 0
             num_decodes += 0 if prefilling else 1
@@ -241,15 +251,19 @@ class Scheduler:
         self._add_prompt_logprobs(plan, result)
         emitted: list[Emitted] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)  # [] from an older worker
-        for request_id, token_id, entry in zip(result.request_ids, result.sampled_token_ids, logprobs):
+        accepted = result.num_accepted_drafts or [0] * len(result.request_ids)
+        for request_id, token_id, entry, num_accepted in zip(
+                result.request_ids, result.sampled_token_ids, logprobs, accepted):
             req = self.requests.get(request_id)
             if req is None:  # finished or aborted while the step ran: a wasted token
                 continue
             req.num_pending_tokens -= 1
-            req.output_token_ids.append(token_id)
+            token_ids = self.drafter.settle(req, num_accepted) + [token_id]
+            token_ids, finish_reason = append_outputs(req, token_ids, self.eos_token_ids,
+                                                      self.max_model_len)
             self._register_full_blocks(req)
-            finish_reason = self._finish_reason(req, token_id)
-            output = self._output(req, [token_id], finish_reason, [entry] if entry is not None else [])
+            output = request_output(req, token_ids, finish_reason,
+                                    [entry] if entry is not None else [])
             emitted.append(Emitted(req.output_subject, output))
             if finish_reason is not None:
                 self._finish(req)
@@ -385,16 +399,18 @@ class Scheduler:
         return self.block_manager.cached_prefix(req.block_hashes, req.all_token_ids)[:num_usable]
 
     def _schedule(self, req: Request, num_new: int, new_block_ids: list[int],
-                  new_requests: list[NewRequestData], scheduled: list[ScheduledRequest]) -> None:
+                  new_requests: list[NewRequestData], scheduled: list[ScheduledRequest],
+                  drafts: list[int] | None = None) -> None:
         if not req.known_to_worker:
             self._send_to_worker(req, new_requests)
             new_block_ids = []
         else:
             req.block_table.extend(new_block_ids)
-        scheduled.append(ScheduledRequest(req.request_id, num_new, new_block_ids))
+        scheduled.append(ScheduledRequest(req.request_id, num_new, new_block_ids, drafts or []))
         self._in_plan.add(req.request_id)
         req.num_computed_tokens += num_new
-        if req.num_computed_tokens == req.num_tokens_at_worker:
+        req.draft_token_ids = drafts or []
+        if req.num_computed_tokens >= req.num_tokens_at_worker:
             req.num_pending_tokens += 1  # the worker samples this step
         self._register_full_blocks(req)
 
@@ -456,35 +472,12 @@ class Scheduler:
     def _enqueue(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
-    def _output(self, req: Request, token_ids: list[int], finish_reason: str | None,
-                logprobs: list[TokenLogprobs]) -> RequestOutput:
-        first = req.num_outputs_sent == 0
-        req.num_outputs_sent += 1
-        queue_time = (req.first_scheduled_time or req.arrival_time) - req.arrival_time
-        prompt_logprobs: list[TokenLogprobs | None] = []
-        if first and req.sampling.prompt_logprobs is not None:
-            prompt_logprobs = [None, *req.prompt_logprobs]
-            req.prompt_logprobs = []
-        return RequestOutput(request_id=req.request_id, new_token_ids=token_ids,
-                             finish_reason=finish_reason, num_prompt_tokens=len(req.prompt_token_ids),
-                             num_cached_tokens=req.num_cached_tokens if first else 0,
-                             queue_time_s=max(0.0, queue_time) if first else 0.0,
-                             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-
-    def _finish_reason(self, req: Request, token_id: int) -> str | None:
-        sampling = req.sampling
-        if (not sampling.ignore_eos and token_id in self.eos_token_ids) or \
-                token_id in sampling.stop_token_ids:
-            return "stop"
-        if len(req.output_token_ids) >= sampling.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     def _finish(self, req: Request) -> None:
         """Forget a request. Its blocks are free at once even if a step in flight still
         writes them: the worker runs steps in order, so a later step reusing them
         writes after it."""
         self.requests.pop(req.request_id, None)
+        self.drafter.forget(req.request_id)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -7,10 +7,9 @@ each scheduled request and samples the ones that reach the end of their known to
 
 On CUDA a step's host work overlaps the GPU: ``submit`` queues a step's kernels and returns
 without reading its sampled tokens; the next step takes those tokens straight from the device
-(no sync before launching it), and only then is the earlier step read back. A step whose
-sampling needs its requests' previous tokens on the host (logprobs, structured output,
-penalties, prompt logprobs) waits for the step before it instead. ``execute`` is one step,
-start to end.
+(no sync before launching it), and only then is the earlier step read back. A step that needs
+earlier tokens on the host (logprobs, grammar, penalties, prompt logprobs) or verifies drafts
+(speculation.py) waits for the step before it. ``execute`` is one step, start to end.
 
 The kvstore enters through one hook per phase of a step (``self.kv``, kv_connector.py):
 ``prepare`` the plan, ``before_forward``, ``after_forward``, ``end_submit``; without a
@@ -36,6 +35,7 @@ from services.worker.kv_offload import KvOffload
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata, load_model
 from services.worker.sampler import Sampler, make_generator, token_logprobs
+from services.worker.speculation import keep_accepted, verify_drafts
 from services.worker.staging import HostStaging
 from services.worker.step_inputs import (
     LogitsLayout, SequenceChunk, build_step_inputs, fill_pending_inputs, logits_layout,
@@ -215,6 +215,8 @@ class ModelRunner:
         if any(needs_host_tokens(new.sampling) for new in plan.new_requests):
             return True
         for scheduled in plan.scheduled:
+            if scheduled.draft_token_ids:
+                return True  # the next plan depends on how many drafts are kept
             state = self._requests.get(scheduled.request_id)
             if state is not None and needs_host_tokens(state.sampling):
                 return True
@@ -239,6 +241,7 @@ class ModelRunner:
             state = self._requests[scheduled.request_id]
             state.block_table = chunk.block_table
             state.num_computed_tokens += scheduled.num_new_tokens
+        keep_accepted(states, chunks, sampled.num_accepted)  # speculation.py
         if defer:
             for state in states:
                 state.num_pending_tokens += 1
@@ -253,7 +256,8 @@ class ModelRunner:
                           logprobs=sampled.logprobs if any(sampled.logprobs) else [],
                           prompt_logprobs=sampled.prompt_logprobs,
                           kv_load_bytes=kv_step.load_bytes,
-                          kv_load_bytes_per_s=kv_step.load_bytes_per_s())
+                          kv_load_bytes_per_s=kv_step.load_bytes_per_s(),
+                          num_accepted_drafts=list(sampled.num_accepted))
 
     def _take_arrivals(self, plan: StepPlan) -> dict[str, RequestState]:
         """Forget the plan's finished requests and add its new ones -> the finished ones'
@@ -288,8 +292,9 @@ class ModelRunner:
             return _Sampled(None, [], [], {})
         prompt_logprobs = self._prompt_logprobs(plan.scheduled, chunks, layout.first_rows,
                                                 logits)
-        if len(layout.sample_rows) != logits.shape[0]:
-            logits = logits[layout.sample_rows]  # [num_sampled, vocab_size]
+        rows, num_accepted = verify_drafts(logits, layout, chunks)  # speculation.py
+        if len(rows) != logits.shape[0]:
+            logits = logits[rows]  # [num_sampled, vocab_size]
         for state in states:
             state.seed_next_draw()
         params = [s.sampling for s in states]
@@ -300,7 +305,7 @@ class ModelRunner:
                 logits, sampled_ids, params, output_indices, generators), [], [], prompt_logprobs)
         token_ids, logprobs = self.sampler.sample(logits, sampled_ids, params, output_indices,
                                                   generators)
-        return _Sampled(None, token_ids, logprobs, prompt_logprobs)
+        return _Sampled(None, token_ids, logprobs, prompt_logprobs, num_accepted)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata, all_sample: bool,
@@ -374,10 +379,13 @@ class ModelRunner:
         state = self._requests.get(request_id)
         if state is None:
             raise ValueError(f"unknown request id {request_id!r}")
+        drafts = scheduled.draft_token_ids
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_new_tokens
-        if num_new_tokens < 1 or end > state.num_tokens:
+        known_end = end - len(drafts)  # drafts follow the last known token
+        if num_new_tokens <= len(drafts) or known_end > state.num_tokens \
+                or (drafts and known_end != len(state.token_ids)):
             raise ValueError(f"request {request_id}: {num_new_tokens} new tokens after {start} "
-                             f"computed, but it has {state.num_tokens} tokens")
+                             f"computed ({len(drafts)} drafts); it has {state.num_tokens} tokens")
         if end > self.max_model_len:
             raise ValueError(f"request {request_id}: {end} tokens exceed max_model_len "
                              f"{self.max_model_len}")
@@ -389,18 +397,19 @@ class ModelRunner:
         # positions start.. predicting prompt tokens (the last prompt position predicts an output)
         num_logprob_rows = max(0, min(end, state.num_prompt_tokens - 1) - start) \
             if state.wants_prompt_logprobs else 0
-        token_ids = state.token_ids[start:end]
+        token_ids = state.token_ids[start:known_end]
         pending_row = None
-        if end > len(state.token_ids):  # its last token is being sampled by the step in flight
+        if known_end > len(state.token_ids):  # its last token: sampled by the step in flight
             in_flight = self._in_flight
-            if in_flight is None or end - len(state.token_ids) != 1 \
+            if in_flight is None or known_end - len(state.token_ids) != 1 \
                     or in_flight.row_of(request_id, state) is None:
                 raise ValueError(f"request {request_id}: token {end - 1} is not known yet")
             pending_row = in_flight.row_of(request_id, state)
             token_ids.append(0)  # placeholder: filled on the device (fill_pending_inputs)
-        return SequenceChunk(token_ids=token_ids, start=start, block_table=block_table,
-                             sample=end == state.num_tokens, num_logprob_rows=num_logprob_rows,
-                             pending_row=pending_row)
+        return SequenceChunk(token_ids=token_ids + list(drafts), start=start,
+                             block_table=block_table, sample=known_end == state.num_tokens,
+                             num_logprob_rows=num_logprob_rows, pending_row=pending_row,
+                             num_drafts=len(drafts))
 
     def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
@@ -413,6 +422,7 @@ class _Sampled(NamedTuple):
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: dict[str, list[TokenLogprobs]]
+    num_accepted: list[int] | tuple = ()  # per sampled row: drafts kept ((): none sent)
 
 
 def mixed_graph_tokens(config: WorkerConfig) -> int:

@@ -27,6 +27,9 @@ class SequenceChunk:
     # the chunk's last token is the one the step in flight samples: token_ids holds a
     # placeholder there, filled on the device from that step's output row
     pending_row: int | None = None
+    # speculative decoding: token_ids ends with this many drafts after the last known
+    # token; each of those positions' logits verifies the token after it
+    num_drafts: int = 0
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,12 @@ class LogitsLayout:
     """Which rows of a step's logits belong to which chunk.
 
     A chunk contributes its first ``num_logprob_rows`` tokens, then its last token if it
-    samples (unless already among them).
+    samples (unless already among them); a chunk with drafts, its last known token and
+    every draft (the rows that verify them).
     """
 
     token_indices: list[int]  # per row: the step token it comes from
-    sample_rows: list[int]  # per sampled chunk: its row
+    sample_rows: list[int]  # per sampled chunk: its row (with drafts: the first verify row)
     first_rows: list[int]  # per chunk: its first row (its prompt-logprob rows start there)
 
 
@@ -51,7 +55,11 @@ def logits_layout(chunks: list[SequenceChunk]) -> LogitsLayout:
         num_tokens = len(chunk.token_ids)
         first_rows.append(len(token_indices))
         token_indices.extend(range(first, first + chunk.num_logprob_rows))
-        if chunk.sample:
+        if chunk.num_drafts:  # (no prompt logprobs with drafts)
+            sample_rows.append(len(token_indices))
+            token_indices.extend(range(first + num_tokens - 1 - chunk.num_drafts,
+                                       first + num_tokens))
+        elif chunk.sample:
             if chunk.num_logprob_rows < num_tokens:
                 token_indices.append(first + num_tokens - 1)
             sample_rows.append(len(token_indices) - 1)

@@ -1,0 +1,205 @@
+"""Speculative decoding's drafts (issue 28), pure: which tokens a decode step verifies
+beside its own.
+
+``--speculative-config`` is JSON with vLLM's field names. ``method: "ngram"`` is prompt
+lookup: the request's last n tokens (n from ``prompt_lookup_max`` down to
+``prompt_lookup_min``) are looked for earlier in its prompt and output, and the tokens
+that followed their latest earlier occurrence are proposed, up to
+``num_speculative_tokens``. Drafting costs a scan of the request's own tokens on the host,
+nothing on the device.
+
+The worker computes the request's last token and its drafts in one query; under greedy
+decoding it keeps each draft while it equals the model's argmax at the position before,
+then the argmax after the last kept one (docs/speculative-decoding.md). So the output is
+the tokens plain greedy decoding gives, one to ``num_speculative_tokens + 1`` a step.
+
+Only greedy requests whose logits nothing adjusts are drafted for (no penalties, logit
+bias, min_tokens, grammar, logprobs); the others decode as before in the same steps.
+``NoDrafts`` is the seam's null side: no speculation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from services.scheduler.request import Request
+from shared.messages import SamplingParams
+
+METHODS = ("ngram",)
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # longest suffix looked up
+    prompt_lookup_min: int = 2  # shortest suffix looked up
+    # no drafts while more requests than this run: a large batch keeps the device busy, and
+    # a rejected draft then costs as much as a real token (0: no limit)
+    disable_by_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported "
+                             f"(one of: {', '.join(METHODS)})")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("num_speculative_tokens must be between 1 and 16")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size < 0:
+            raise ValueError("disable_by_batch_size must be 0 (no limit) or more")
+
+    def drafts_at(self, num_running: int) -> bool:
+        """Whether requests are drafted for with this many running."""
+        return not self.disable_by_batch_size or num_running <= self.disable_by_batch_size
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig | None:
+    """``--speculative-config``'s JSON; "" (the default): no speculation."""
+    if not text.strip():
+        return None
+    try:
+        return msgspec.json.decode(text.encode(), type=SpeculativeConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"--speculative-config: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+
+
+def can_speculate(sampling: SamplingParams) -> bool:
+    """Greedy, with logits nothing adjusts and nothing reported per token: verifying
+    drafts by the argmax then gives exactly the tokens plain decoding gives."""
+    return sampling.is_greedy and not (
+        sampling.logit_bias or sampling.min_tokens or sampling.structured is not None
+        or sampling.has_penalties or sampling.logprobs is not None
+        or sampling.prompt_logprobs is not None)
+
+
+class NgramIndex:
+    """One request's n-grams (``min_n``..``max_n`` tokens) -> where each last began,
+    grown as its tokens are appended (they only ever are), so a lookup costs O(max_n)
+    per new token instead of a scan of the whole sequence (ngram_drafts, the reference)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.sizes = range(max_n, min_n - 1, -1)
+        self.starts: dict[tuple[int, ...], int] = {}
+        self.num_starts = dict.fromkeys(self.sizes, 0)  # per n: starts indexed so far
+
+    def drafts(self, token_ids: Sequence[int], num_drafts: int) -> list[int]:
+        length = len(token_ids)
+        if num_drafts <= 0:
+            return []
+        for n in self.sizes:
+            # index every n-gram but the suffix itself: starts 0 .. length - n - 1
+            for start in range(self.num_starts[n], length - n):
+                self.starts[tuple(token_ids[start:start + n])] = start
+            self.num_starts[n] = max(self.num_starts[n], length - n)
+            if length - n < 1:
+                continue
+            start = self.starts.get(tuple(token_ids[length - n:]))
+            if start is not None:
+                return list(token_ids[start + n:start + n + num_drafts])
+        return []
+
+
+def ngram_drafts(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``num_drafts`` tokens that followed the latest earlier occurrence of the
+    longest suffix of ``token_ids`` (``max_n`` down to ``min_n`` tokens) that occurs
+    earlier; [] when none does."""
+    length = len(token_ids)
+    if num_drafts <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = list(token_ids[length - n:])
+        # latest start before the suffix itself whose n tokens equal it
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start] == suffix[0] and list(token_ids[start:start + n]) == suffix:
+                follow = token_ids[start + n:start + n + num_drafts]
+                return list(follow)
+    return []
+
+
+class NoDrafts:
+    """No speculation: every decode computes its one token. Also the books of drafts sent
+    and kept, and what a step's result does to a request that verified drafts."""
+
+    enabled = False
+
+    def __init__(self) -> None:
+        self.num_draft_tokens = 0  # cumulative: drafts verified
+        self.num_accepted_drafts = 0  # of those, kept
+
+    def for_request(self, req: Request, budget: int, max_model_len: int) -> list[int]:
+        """Drafts for a decode whose last token is known (none in flight), within its
+        max_tokens, the context and the step's token ``budget``."""
+        if not self.enabled or req.num_pending_tokens:
+            return []
+        limit = min(req.sampling.max_tokens - len(req.output_token_ids) - 1,
+                    max_model_len - req.num_tokens - 1, budget - 1)
+        return self.drafts(req.request_id, req.all_token_ids, req.sampling, limit)
+
+    def settle(self, req: Request, num_accepted: int) -> list[int]:
+        """The drafts the request's step kept (they come before its sampled token); the
+        rejected ones' positions were computed for nothing and count as not computed."""
+        drafts, req.draft_token_ids = req.draft_token_ids, []
+        if not drafts:
+            return []
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_drafts += num_accepted
+        if req.known_to_worker:  # (a preempted request recomputes from 0 anyway)
+            req.num_computed_tokens -= len(drafts) - num_accepted
+        return drafts[:num_accepted]
+
+    def drafts(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
+               limit: int) -> list[int]:
+        return []
+
+    def worth_waiting(self, request_id: str, token_ids: Sequence[int],
+                      sampling: SamplingParams) -> bool:
+        return False
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+class NgramDrafts(NoDrafts):
+    """Prompt-lookup drafts for the requests that can take them (an n-gram index each)."""
+
+    enabled = True
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._indexes: dict[str, NgramIndex] = {}
+
+    def _index(self, request_id: str) -> NgramIndex:
+        index = self._indexes.get(request_id)
+        if index is None:
+            index = self._indexes[request_id] = NgramIndex(self.config.prompt_lookup_min,
+                                                           self.config.prompt_lookup_max)
+        return index
+
+    def drafts(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
+               limit: int) -> list[int]:
+        """Drafts after ``token_ids``, at most ``limit`` (what max_tokens, the context and
+        the step's token budget leave)."""
+        if limit <= 0 or not can_speculate(sampling):
+            return []
+        return self._index(request_id).drafts(
+            token_ids, min(limit, self.config.num_speculative_tokens))
+
+    def worth_waiting(self, request_id: str, token_ids: Sequence[int],
+                      sampling: SamplingParams) -> bool:
+        """Whether a request whose next token is still being sampled should wait for it
+        (skip the step planned meanwhile) so that its next step can verify drafts: when
+        its known tokens end in a repeat, a copy is likely going on. Otherwise it is
+        planned ahead as usual (overlapped steps), and tries drafts when its result is in."""
+        return can_speculate(sampling) and bool(self._index(request_id).drafts(token_ids, 1))
+
+    def forget(self, request_id: str) -> None:
+        self._indexes.pop(request_id, None)
+
+
+def drafter(config: SpeculativeConfig | None) -> NoDrafts:
+    return NgramDrafts(config) if config is not None else NoDrafts()

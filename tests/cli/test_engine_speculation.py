@@ -1,0 +1,76 @@
+"""Greedy output never changes with speculative decoding: SmolLM2 (fp32, CPU) through the
+in-process engine (the real scheduler and ModelRunner) gives every one of 200 prompts the
+same tokens with n-gram drafts as without, at batch sizes from 1 to 64. The prompts mix
+copy-heavy text (where drafts are kept), the "serving" * 48 prompt of vLLM #41758, and
+short random-token prompts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cli.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
+from shared.messages import SamplingParams
+from shared.models import resolve_model
+
+pytestmark = pytest.mark.integration
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}'
+COPY = ["Repeat this list exactly: {w}. Again: {w}. Again:",
+        "Copy the line: {w}\nCopy the line: {w}\nCopy the line:",
+        "def {a}(x):\n    return x + {n}\n\ndef {a}_twice(x):\n    return {a}({a}(x))\n\n"
+        "Rename {a} to {b}:\ndef {b}(x):"]
+
+
+def prompts(tokenizer, count: int) -> list[list[int]]:
+    rng = random.Random(7)
+    words = ["apples", "pears", "plums", "cherries", "grapes", "lemons", "limes", "figs",
+             "dates", "kiwis", "mangos", "melons"]
+    result = [tokenizer.encode("serving" * 48)]
+    while len(result) < count:
+        kind = rng.randrange(4)
+        if kind < 3:
+            w = ", ".join(rng.sample(words, rng.randint(3, 8)))
+            text = COPY[kind].format(w=w, a=rng.choice(["scale", "shift", "bump"]),
+                                     b=rng.choice(["grow", "move", "lift"]), n=rng.randint(1, 9))
+            result.append(tokenizer.encode(text))
+        else:
+            result.append([rng.randrange(100, 40_000) for _ in range(rng.randint(4, 40))])
+    return result
+
+
+@pytest.fixture(scope="module")
+def model():
+    return resolve_model("smollm2")
+
+
+def run(model, spec: str, batches: list[list[list[int]]]) -> tuple[list[list[int]], Engine]:
+    engine = Engine(SchedulerConfig(speculative_config=spec, max_num_seqs=64),
+                    WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB"), model)
+    outputs = []
+    for batch in batches:
+        sampling = [SamplingParams(temperature=0.0, max_tokens=16) for _ in batch]
+        outputs += [c.output_token_ids for c in engine.generate(batch, sampling)[0]]
+    return outputs, engine
+
+
+def test_two_hundred_prompts_give_the_same_tokens_with_and_without_drafts(model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+    all_prompts = prompts(tokenizer, 200)
+    sizes = [1, 1, 2, 4, 8, 32, 64]
+    batches, start = [], 0
+    for size in sizes + [len(all_prompts)]:
+        if start < len(all_prompts):
+            batches.append(all_prompts[start:start + size])
+            start += size
+    plain, _ = run(model, "", batches)
+    speculative, engine = run(model, NGRAM, batches)
+    different = [i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b]
+    assert not different, f"prompts {different} differ with speculation"
+    scheduler = engine.scheduler.drafter
+    assert scheduler.num_draft_tokens > 300  # the copy-heavy prompts were drafted for
+    assert scheduler.num_accepted_drafts > scheduler.num_draft_tokens // 2

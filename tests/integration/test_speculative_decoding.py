@@ -1,0 +1,47 @@
+"""Speculative decoding through the whole stack (``--speculative-config`` on the
+scheduler, the worker overlapping steps as on a GPU): copy-heavy chats give exactly the
+text of Hugging Face greedy decoding, drafts were sent and kept, and /metrics counts them."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.integration.conftest import start_stack, wait_for
+from tests.integration.test_correctness import hf_greedy
+from tests.integration.test_kvstore_tiers import metric
+
+pytestmark = pytest.mark.integration
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
+CHATS = [
+    "Repeat exactly, twice: red, orange, yellow, green, blue, indigo, violet.",
+    "Copy this code, renaming add to plus:\ndef add(a, b):\n    return a + b\n",
+    "Say hello.",
+]
+
+
+@pytest.fixture(scope="module")
+def spec_stack(tmp_path_factory):
+    stack = start_stack(tmp_path_factory.mktemp("spec-logs"), kvstore=False, service_args={
+        "scheduler": ["--speculative-config", NGRAM],
+        "worker": ["--kv-cache-memory", "256MiB", "--overlap-steps", "on"]})
+    yield stack
+    stack.stop()
+
+
+def test_greedy_chats_equal_the_reference_and_drafts_are_counted(
+        spec_stack, model_name, hf_model, hf_tokenizer):
+    client = openai.OpenAI(base_url=spec_stack.base_url + "/v1", api_key="x", max_retries=0)
+    for text in CHATS:
+        messages = [{"role": "user", "content": text}]
+        response = client.chat.completions.create(model=model_name, messages=messages,
+                                                  temperature=0, max_tokens=40)
+        _, ref_ids = hf_greedy(hf_model, hf_tokenizer, messages, 40)
+        assert response.choices[0].message.content == hf_tokenizer.decode(
+            ref_ids, skip_special_tokens=True), text
+    url = spec_stack.base_url + "/metrics"
+    assert wait_for(lambda: metric(url, "flotilla_spec_decode_accepted_tokens_total") > 0)
+    assert metric(url, "flotilla_spec_decode_draft_tokens_total") >= \
+        metric(url, "flotilla_spec_decode_accepted_tokens_total")

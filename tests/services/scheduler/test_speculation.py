@@ -1,0 +1,140 @@
+"""Speculative decoding's scheduler side: prompt-lookup drafts, the config, and the
+bookkeeping of a step that verified drafts (kept ones become outputs before the sampled
+token; rejected ones count as not computed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
+from services.scheduler.speculation import (
+    NgramDrafts, NgramIndex, SpeculativeConfig, can_speculate, ngram_drafts,
+    parse_speculative_config,
+)
+from shared.messages import GenerateRequest, SamplingParams, StepResult, StructuredSpec
+
+EOS = 0
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+
+
+def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
+    tokens = [5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 6, 7]
+    # suffix [6, 7] last occurred at 6..7, followed by 3, 4, 6
+    assert ngram_drafts(tokens, 3, 2, 4) == [3, 4, 6]
+    # the longer suffix [4, 6, 7] never occurred before: the shorter one decides
+    assert ngram_drafts(tokens, 3, 3, 4) == []
+    assert ngram_drafts([1, 2, 3, 1, 2], 5, 2, 3) == [3, 1, 2]  # as many as follow
+    assert ngram_drafts([1, 2, 3], 4, 1, 2) == []  # nothing repeats
+    assert ngram_drafts([7, 7], 2, 1, 1) == [7]
+    assert ngram_drafts([1, 2, 1, 2], 0, 1, 2) == []
+
+
+def test_the_incremental_index_drafts_what_the_scan_drafts():
+    rng = random.Random(3)
+    for _ in range(200):
+        tokens = [rng.randrange(5) for _ in range(rng.randint(1, 12))]
+        index = NgramIndex(2, 4)
+        for length in range(1, len(tokens) + 1):  # grown token by token, as a request is
+            assert index.drafts(tokens[:length], 3) == ngram_drafts(tokens[:length], 3, 2, 4)
+    index = NgramIndex(1, 3)
+    tokens = [rng.randrange(4) for _ in range(50)]
+    assert index.drafts(tokens, 4) == ngram_drafts(tokens, 4, 1, 3)  # all at once
+
+
+def test_the_config_takes_vllms_names_and_refuses_what_it_cannot_do():
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 5, '
+                                      '"prompt_lookup_max": 3, "prompt_lookup_min": 1}')
+    assert config == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=3,
+                                       prompt_lookup_min=1)
+    assert parse_speculative_config("") is None
+    for bad, says in (('{"method": "eagle"}', "not supported"),
+                      ('{"num_speculative_tokens": 0}', "between 1 and 16"),
+                      ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
+                      ('{"num_speculative_tokens": 4, "bogus": 1}', "bogus"),
+                      ("{ngram}", "not JSON")):
+        with pytest.raises(ValueError, match=says):
+            parse_speculative_config(bad)
+    with pytest.raises(ValueError, match="not supported"):
+        SchedulerConfig(speculative_config='{"method": "eagle"}')
+
+
+def test_only_requests_whose_logits_nothing_adjusts_are_drafted_for():
+    greedy = SamplingParams(temperature=0.0)
+    assert can_speculate(greedy) and can_speculate(SamplingParams(top_k=1))
+    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=2),
+                  SamplingParams(temperature=0.0, repetition_penalty=1.1),
+                  SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+                  SamplingParams(temperature=0.0, min_tokens=4),
+                  SamplingParams(temperature=0.0, structured=StructuredSpec(kind="json_object"))):
+        assert not can_speculate(other)
+        assert NgramDrafts(SpeculativeConfig()).drafts("r", [1, 2, 1, 2], other, 4) == []
+
+
+def scheduler(spec: str = NGRAM, **config) -> Scheduler:
+    return Scheduler(SchedulerConfig(speculative_config=spec, **config), num_blocks=64,
+                     block_size=4, max_model_len=128, eos_token_ids=[EOS])
+
+
+def submit(core: Scheduler, prompt: list[int], max_tokens: int = 20) -> None:
+    core.add_request(GenerateRequest(request_id="r", prompt_token_ids=prompt,
+                                     sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                     output_subject="out"))
+
+
+def step(core: Scheduler, sampled: int, accepted: int | None = None):
+    plan = core.schedule()
+    result = StepResult(plan.step_id, [s.request_id for s in plan.scheduled], [sampled],
+                        num_accepted_drafts=[] if accepted is None else [accepted])
+    return plan, core.update(plan, result)
+
+
+def test_a_verify_step_outputs_the_kept_drafts_then_its_token():
+    core = scheduler()
+    submit(core, [9, 1, 2, 3, 4, 1, 2])
+    plan, emitted = step(core, sampled=3)  # the prompt; it samples 3
+    req = core.requests["r"]
+    assert emitted[0].output.new_token_ids == [3] and req.num_computed_tokens == 7
+    plan, _ = core.schedule(), None
+    # after [.., 1, 2, 3] the lookup finds [1, 2, 3] at 1..3, followed by 4, 1, 2
+    assert plan.scheduled[0].draft_token_ids == [4, 1, 2]
+    assert plan.scheduled[0].num_new_tokens == 4  # the last token and its 3 drafts
+    assert core.schedule() is None  # not planned again before the result says what it kept
+    emitted = core.update(plan, StepResult(plan.step_id, ["r"], [7], num_accepted_drafts=[2]))
+    assert emitted[0].output.new_token_ids == [4, 1, 7]
+    assert req.output_token_ids == [3, 4, 1, 7]
+    # computed: the prompt, 3, and the kept 4 and 1; 7 is the next step's input
+    assert req.num_computed_tokens == 10 and req.num_tokens == 11
+    assert (core.drafter.num_draft_tokens, core.drafter.num_accepted_drafts) == (3, 2)
+    next_plan = core.schedule()
+    assert next_plan.scheduled[0].num_new_tokens == 1 + len(next_plan.scheduled[0].draft_token_ids)
+
+
+def test_drafts_stop_at_max_tokens_and_an_end_among_them_ends_the_output():
+    core = scheduler()
+    submit(core, [1, 2, EOS, 5, 1, 2], max_tokens=3)
+    step(core, sampled=EOS + 7)  # output [7]: two tokens left, one of them sampled
+    plan = core.schedule()
+    assert len(plan.scheduled[0].draft_token_ids) <= 1
+    core2 = scheduler()
+    submit(core2, [4, 1, 2, EOS, 5, 1, 2])
+    step(core2, sampled=EOS + 8)  # [.., 1, 2, 8]: no drafts for [2, 8]
+    plan = core2.schedule()
+    assert plan.scheduled[0].draft_token_ids == []
+    core3 = scheduler()
+    submit(core3, [4, 1, 2, EOS, 5, 4, 1])
+    step(core3, sampled=2)  # [.., 4, 1, 2]: drafts EOS, 5, 4
+    plan = core3.schedule()
+    assert plan.scheduled[0].draft_token_ids == [EOS, 5, 4]
+    emitted = core3.update(plan, StepResult(plan.step_id, ["r"], [9], num_accepted_drafts=[3]))
+    assert emitted[0].output.new_token_ids == [EOS] and emitted[0].output.finish_reason == "stop"
+    assert "r" not in core3.requests
+
+
+def test_without_the_config_no_drafts_are_sent():
+    core = scheduler(spec="")
+    submit(core, [1, 2, 3, 1, 2])
+    step(core, sampled=3)
+    assert core.schedule().scheduled[0].draft_token_ids == []
