@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer
-from services.scheduler.outputs import append_outputs, request_output
-from services.scheduler.speculation import drafter, parse_speculative_config
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.kv_tier import IsWanted, KvTierHooks
+from services.scheduler.outputs import append_outputs, request_output
+from services.scheduler.speculation import drafter, parse_speculative_config
 from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
 from services.scheduler.request import Request, TierHit
 from services.scheduler.siblings import num_blocks_needed, shares_prompt, sibling_requests

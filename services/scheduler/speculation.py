@@ -5,8 +5,8 @@ beside its own.
 lookup: the request's last n tokens (n from ``prompt_lookup_max`` down to
 ``prompt_lookup_min``) are looked for earlier in its prompt and output, and the tokens
 that followed their latest earlier occurrence are proposed, up to
-``num_speculative_tokens``. Drafting costs a scan of the request's own tokens on the host,
-nothing on the device.
+``num_speculative_tokens``. Drafting costs a few dictionary operations on the host per new
+token (an n-gram index per request), nothing on the device.
 
 The worker computes the request's last token and its drafts in one query; under greedy
 decoding it keeps each draft while it equals the model's argmax at the position before,
