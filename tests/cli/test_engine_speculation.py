@@ -51,7 +51,7 @@ def run(model, spec: str, batches: list[list[list[int]]]) -> tuple[list[list[int
                     WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB"), model)
     outputs = []
     for batch in batches:
-        sampling = [SamplingParams(temperature=0.0, max_tokens=16) for _ in batch]
+        sampling = [SamplingParams(temperature=0.0, max_tokens=12) for _ in batch]
         outputs += [c.output_token_ids for c in engine.generate(batch, sampling)[0]]
     return outputs, engine
 
@@ -72,5 +72,5 @@ def test_two_hundred_prompts_give_the_same_tokens_with_and_without_drafts(model)
     different = [i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b]
     assert not different, f"prompts {different} differ with speculation"
     scheduler = engine.scheduler.drafter
-    assert scheduler.num_draft_tokens > 300  # the copy-heavy prompts were drafted for
+    assert scheduler.num_draft_tokens > 200  # the copy-heavy prompts were drafted for
     assert scheduler.num_accepted_drafts > scheduler.num_draft_tokens // 2

@@ -18,7 +18,6 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
 CHATS = [
     "Repeat exactly, twice: red, orange, yellow, green, blue, indigo, violet.",
     "Copy this code, renaming add to plus:\ndef add(a, b):\n    return a + b\n",
-    "Say hello.",
 ]
 
 
@@ -37,8 +36,8 @@ def test_greedy_chats_equal_the_reference_and_drafts_are_counted(
     for text in CHATS:
         messages = [{"role": "user", "content": text}]
         response = client.chat.completions.create(model=model_name, messages=messages,
-                                                  temperature=0, max_tokens=40)
-        _, ref_ids = hf_greedy(hf_model, hf_tokenizer, messages, 40)
+                                                  temperature=0, max_tokens=32)
+        _, ref_ids = hf_greedy(hf_model, hf_tokenizer, messages, 32)
         assert response.choices[0].message.content == hf_tokenizer.decode(
             ref_ids, skip_special_tokens=True), text
     url = spec_stack.base_url + "/metrics"
