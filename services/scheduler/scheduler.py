@@ -195,7 +195,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted = False
         num_decodes, num_chunk_tokens = 0, 0  # prompt chunks may be paced against decodes
-        speculating = self.drafter.enabled and self.drafter.config.drafts_at(len(self.running))
+        speculating = self.drafter.drafts_at(len(self.running))
         # Decodes first, then prompt chunks; each in (priority, arrival) order.
         for req in sorted(self.running, key=lambda r: (r.is_prefilling, r.sort_key)):
             if budget == 0:

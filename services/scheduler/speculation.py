@@ -50,10 +50,6 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
         if self.disable_by_batch_size < 0:
             raise ValueError("disable_by_batch_size must be 0 (no limit) or more")
 
-    def drafts_at(self, num_running: int) -> bool:
-        """Whether requests are drafted for with this many running."""
-        return not self.disable_by_batch_size or num_running <= self.disable_by_batch_size
-
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
     """``--speculative-config``'s JSON; "" (the default): no speculation."""
@@ -79,7 +75,7 @@ def can_speculate(sampling: SamplingParams) -> bool:
 class NgramIndex:
     """One request's n-grams (``min_n``..``max_n`` tokens) -> where each last began,
     grown as its tokens are appended (they only ever are), so a lookup costs O(max_n)
-    per new token instead of a scan of the whole sequence (ngram_drafts, the reference)."""
+    per new token instead of a scan of the whole sequence (the tests' reference)."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.sizes = range(max_n, min_n - 1, -1)
@@ -103,28 +99,15 @@ class NgramIndex:
         return []
 
 
-def ngram_drafts(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
-    """Up to ``num_drafts`` tokens that followed the latest earlier occurrence of the
-    longest suffix of ``token_ids`` (``max_n`` down to ``min_n`` tokens) that occurs
-    earlier; [] when none does."""
-    length = len(token_ids)
-    if num_drafts <= 0:
-        return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = list(token_ids[length - n:])
-        # latest start before the suffix itself whose n tokens equal it
-        for start in range(length - n - 1, -1, -1):
-            if token_ids[start] == suffix[0] and list(token_ids[start:start + n]) == suffix:
-                follow = token_ids[start + n:start + n + num_drafts]
-                return list(follow)
-    return []
-
-
 class NoDrafts:
     """No speculation: every decode computes its one token. Also the books of drafts sent
     and kept, and what a step's result does to a request that verified drafts."""
 
     enabled = False
+
+    def drafts_at(self, num_running: int) -> bool:
+        """Whether requests are drafted for with this many running."""
+        return False
 
     def __init__(self) -> None:
         self.num_draft_tokens = 0  # cumulative: drafts verified
@@ -172,6 +155,10 @@ class NgramDrafts(NoDrafts):
         super().__init__()
         self.config = config
         self._indexes: dict[str, NgramIndex] = {}
+
+    def drafts_at(self, num_running: int) -> bool:
+        limit = self.config.disable_by_batch_size
+        return not limit or num_running <= limit
 
     def _index(self, request_id: str) -> NgramIndex:
         index = self._indexes.get(request_id)

@@ -5,19 +5,36 @@ token; rejected ones count as not computed)."""
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.speculation import (
-    NgramDrafts, NgramIndex, SpeculativeConfig, can_speculate, ngram_drafts,
-    parse_speculative_config,
+    NgramDrafts, NgramIndex, SpeculativeConfig, can_speculate, parse_speculative_config,
 )
 from shared.messages import GenerateRequest, SamplingParams, StepResult, StructuredSpec
 
 EOS = 0
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+
+
+def ngram_drafts(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
+    """The reference lookup, a scan: up to ``num_drafts`` tokens that followed the latest earlier occurrence of the
+    longest suffix of ``token_ids`` (``max_n`` down to ``min_n`` tokens) that occurs
+    earlier; [] when none does."""
+    length = len(token_ids)
+    if num_drafts <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = list(token_ids[length - n:])
+        # latest start before the suffix itself whose n tokens equal it
+        for start in range(length - n - 1, -1, -1):
+            if token_ids[start] == suffix[0] and list(token_ids[start:start + n]) == suffix:
+                follow = token_ids[start + n:start + n + num_drafts]
+                return list(follow)
+    return []
 
 
 def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
