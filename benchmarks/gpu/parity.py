@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from benchmarks.gpu.common import device_name, hf_random_model, save
-from services.worker.model import _fuse_hf_weights, load_model
+from services.worker.weights import fuse_hf_weights, load_model
 from services.worker.runner import SequenceChunk, build_step_inputs
 from kernels.paged_attention_ref import allocate_kv_cache
 from shared.models import resolve_model
@@ -34,7 +34,7 @@ def main() -> None:
     model_files = resolve_model(args.model)
     hf_model = hf_random_model(model_files)
     ours = load_model(model_files.path, torch.device("cuda"), torch.bfloat16)
-    ours.load_state_dict(_fuse_hf_weights(dict(hf_model.state_dict()), ours.config), strict=True)
+    ours.load_state_dict(fuse_hf_weights(dict(hf_model.state_dict()), ours.config), strict=True)
     config = ours.config
     num_blocks = -(-args.num_tokens // BLOCK_SIZE)
     ours.bind_kv_cache(allocate_kv_cache(config.num_layers, num_blocks, BLOCK_SIZE,

@@ -33,7 +33,8 @@ from services.worker.kv_connector import (
 )
 from services.worker.kv_offload import KvOffload
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
-from services.worker.model import AttentionMetadata, load_model
+from services.worker.model import AttentionMetadata
+from services.worker.weights import load_model
 from services.worker.sampler import Sampler, make_generator, token_logprobs
 from services.worker.speculation import keep_accepted, verify_drafts
 from services.worker.staging import HostStaging

@@ -11,7 +11,7 @@ import torch
 
 from kernels.paged_attention_ref import allocate_kv_cache
 from services.worker.config import WorkerConfig
-from services.worker.model import load_model
+from services.worker.weights import load_model
 from services.worker.runner import ModelRunner, SequenceChunk, build_step_inputs
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import ModelFiles

@@ -12,7 +12,8 @@ import torch
 from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
 from services.worker.cuda_graphs import PiecewiseGraphs, smallest_bucket, token_buckets
-from services.worker.model import ModelConfig, Transformer, compute_inv_freq, random_weights
+from services.worker.model import ModelConfig, Transformer, compute_inv_freq
+from services.worker.weights import random_weights
 from services.worker.runner import SequenceChunk, build_step_inputs
 
 BLOCK_SIZE = 4

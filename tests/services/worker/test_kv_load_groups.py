@@ -23,7 +23,8 @@ from services.worker.kv_load_groups import (
     Copy2D, LoadCopy, group_chunk_blocks, group_copies, layer_groups, load_chunks, load_waits,
 )
 from services.worker.kv_tiers import KvTiers, chunked_runs
-from services.worker.model import ModelConfig, Transformer, compute_inv_freq, random_weights
+from services.worker.model import ModelConfig, Transformer, compute_inv_freq
+from services.worker.weights import random_weights
 from services.worker.runner import SequenceChunk, build_step_inputs
 from shared.kv_arena import KvArena
 

@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kernels.paged_attention_ref import allocate_kv_cache
 from services.tokenizer.encoding import TextCodec
 from services.worker.config import WorkerConfig
-from services.worker.model import ModelConfig, Transformer, load_model
+from services.worker.model import ModelConfig, Transformer
+from services.worker.weights import load_model
 from services.worker.runner import ModelRunner
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import DUMMY_MARKER, PRESETS_DIR, dummy_presets, resolve_model

@@ -13,7 +13,8 @@ from transformers import (
     Qwen3Config, Qwen3ForCausalLM,
 )
 
-from services.worker.model import ModelConfig, load_model
+from services.worker.model import ModelConfig
+from services.worker.weights import load_model
 from tests.services.worker.model_checks import (
     assert_chunked_logits_match_hf, hf_greedy, make_runner, runner_greedy,
 )

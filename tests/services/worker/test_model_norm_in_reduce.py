@@ -21,7 +21,8 @@ from kernels.rotary import build_cos_sin_cache
 from kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_gemm
 from services.worker import ops
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
-from services.worker.model import ModelConfig, Transformer, compute_inv_freq, random_weights
+from services.worker.model import ModelConfig, Transformer, compute_inv_freq
+from services.worker.weights import random_weights
 from services.worker.runner import SequenceChunk, build_step_inputs
 
 BLOCK_SIZE = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from kernels.paged_attention_ref import allocate_kv_cache
-from services.worker.model import load_model
+from services.worker.weights import load_model
 from services.worker.warmup import warm_up_attention
 from shared.models import resolve_model
 
