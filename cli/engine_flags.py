@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from cli.stack import flags
-from services.worker.config import Dtype
+from services.worker.config import Dtype, Quantization
 from shared import limits
 
 # On a GPU the batch limits default to vLLM's (the worker sizes its KV cache after the CUDA
@@ -29,6 +29,9 @@ def add_engine_flags(parser) -> None:
     parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda")
     parser.add_argument("--dtype", default=None, choices=list(Dtype),
                         help="worker dtype (default auto: bfloat16 on a GPU, float32 on CPU)")
+    parser.add_argument("--quantization", default=None, choices=list(Quantization),
+                        help="fp8: projection weights in FP8, quantized while loading (CUDA, "
+                        "compute capability 8.9+; docs/quantization.md). Default none")
     parser.add_argument("--gpu-memory-utilization", default=None,
                         help="share of GPU memory the worker uses (default 0.9)")
     parser.add_argument("--max-model-len", default=None,
@@ -47,6 +50,7 @@ def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
         or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else None))
     worker = batch_limits + flags(
         kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
+        quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
     return {"worker": worker + (["--enforce-eager"] if args.enforce_eager else []),
             "scheduler": batch_limits + flags(max_queued_requests=args.max_queued_requests),

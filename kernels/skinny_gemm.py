@@ -27,6 +27,9 @@ tail of one launch. This kernel is a plain weight stream.
   launches a row, so the result is bitwise the two ops' and the norm's own launch goes. The
   worker takes it wherever ``serves_add_rms_norm`` holds (on one H200, batch-1 decode of
   Llama-3.1-8B 4.62 -> 4.55 ms/token in two alternating pairs).
+- FP8 weights (``--quantization fp8``, kernels/fp8.py): each tile is read as FP8 and widened to
+  x's dtype before the product, and a column's sum is multiplied by its weight scale: half the
+  bytes a decode step streams, x unrounded.
 - CUDA-graph capturable: the grid and the scratch depend on shapes only.
 - with PDL on (kernels/pdl.py), each launch (the reduce's too) is a programmatic dependent
   launch: a program loads its first weight tile, then waits for the previous kernel, so in a
@@ -48,6 +51,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.fp8 import FP8_DTYPE, dequantize_per_channel
 from kernels.rms_norm import MAX_SINGLE_PASS, add_rms_norm_row, single_pass_launch
 
 MAX_M = 16  # most rows of x the kernel serves (x is padded to this many)
@@ -104,7 +108,7 @@ def serves(num_rows: int, weight: torch.Tensor) -> bool:
 
 
 def _serves(num_rows: int, weight: torch.Tensor, configs: dict) -> bool:
-    if not weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float16):
+    if not weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float16, FP8_DTYPE):
         return False
     config = configs.get(tuple(weight.shape))
     return config is not None and 0 < num_rows <= config.max_m and weight.is_contiguous()
@@ -122,7 +126,8 @@ def _silu_times(gate, up, dtype: tl.constexpr):
 @triton.jit
 def _dot(x, w, acc, FP32_IEEE: tl.constexpr):
     """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T on the tensor cores (fp32 in full
-    precision, as cuBLAS's default; not tf32)."""
+    precision, as cuBLAS's default; not tf32). An FP8 w is widened to x's dtype first."""
+    w = w.to(x.dtype)
     if FP32_IEEE:
         acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
     else:
@@ -130,18 +135,32 @@ def _dot(x, w, acc, FP32_IEEE: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _times_weight_scale(acc, acc_up, scale_ptr, offs_n, n_mask, N, HAS_SCALE: tl.constexpr,
+                        GATED: tl.constexpr):
+    """With HAS_SCALE (an FP8 weight), each column's sum times its weight scale (and, gated,
+    the up rows' by theirs, N further on). Per output channel, so scaling each split's partial
+    scales their sum."""
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
+    return acc, acc_up
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
 def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr,
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr,
     M, N, K, x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
     partial_stride_m, k_per_split,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, FP32_IEEE: tl.constexpr,
-    SPLIT_K: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
+    FP32_IEEE: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (column tile, K split). N counts output columns: with GATED, W holds 2N rows
     (gate then up) and a program multiplies the gate rows of its columns and the matching up
-    rows, then writes silu(gate) * up. With PDL (kernels/pdl.py) it waits for the previous
+    rows, then writes silu(gate) * up. With HAS_SCALE, W is FP8 and each column's sum is
+    multiplied by its weight scale (kernels/fp8.py) before the bias. With PDL (kernels/pdl.py) it waits for the previous
     kernel after loading its first weight tile."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -193,6 +212,7 @@ def _skinny_gemm_kernel(
             acc_up = _dot(x, w_up, acc_up, FP32_IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    acc, acc_up = _times_weight_scale(acc, acc_up, scale_ptr, offs_n, n_mask, N, HAS_SCALE, GATED)
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * out_stride_m + offs_n[None, :]
     if SPLIT_K > 1:  # an fp32 partial per split; _reduce_splits_kernel adds them
@@ -258,14 +278,22 @@ def _reduce_splits_add_rms_norm_kernel(
                      True, dtype)
 
 
-def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    weight_scale: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if x.shape[0] > MAX_M:
         raise ValueError(f"{x.shape[0]} rows: the skinny GEMM serves at most {MAX_M}")
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("x needs a contiguous last dim and weight must be contiguous")
-    if x.dtype != weight.dtype:
+    if weight_scale is not None:
+        if weight.dtype != FP8_DTYPE or x.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"a weight scale goes with an FP8 weight and bf16/fp16 x, not "
+                             f"{weight.dtype} and {x.dtype}")
+        if (weight_scale.shape != weight.shape[:1] or weight_scale.dtype != torch.float32
+                or not weight_scale.is_contiguous()):
+            raise ValueError(f"weight_scale must be contiguous [{weight.shape[0]}] fp32")
+    elif x.dtype != weight.dtype:
         raise ValueError(f"x is {x.dtype}, weight {weight.dtype}")
     if bias is not None and (bias.shape != weight.shape[:1] or not bias.is_contiguous()):
         raise ValueError(f"bias {tuple(bias.shape)} must be contiguous [{weight.shape[0]}]")
@@ -278,10 +306,11 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
     return k_per_split, triton.cdiv(k, k_per_split)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            config: SkinnyConfig, gated: bool, norm: tuple | None = None) -> None:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            weight_scale: torch.Tensor | None, out: torch.Tensor, config: SkinnyConfig,
+            gated: bool, norm: tuple | None = None) -> None:
     """One launch writing out [M, N] (N = weight rows, or half of them when gated), and the
-    reduce when K is split. With ``norm`` = (residual, norm_weight, eps) (split K only) the
+    reduce when K is split; ``weight_scale`` [weight rows] with an FP8 weight. With ``norm`` = (residual, norm_weight, eps) (split K only) the
     reduce adds each row to the residual, in place, and writes its RMSNorm to out instead."""
     m, k = x.shape
     n = out.shape[1]
@@ -291,12 +320,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     _skinny_gemm_kernel[(num_tiles, split_k)](
-        x, weight, bias if bias is not None else weight, out, partial,
+        x, weight, bias if bias is not None else weight,
+        weight_scale if weight_scale is not None else weight, out, partial,
         m, n, k, x.stride(0), weight.stride(0), n * weight.stride(0) if gated else 0,
         out.stride(0),
         partial.stride(0) if split_k > 1 else 0, partial.stride(1) if split_k > 1 else 0,
         k_per_split,
-        HAS_BIAS=bias is not None and split_k == 1, EVEN_K=k % config.block_k == 0,
+        HAS_BIAS=bias is not None and split_k == 1, HAS_SCALE=weight_scale is not None,
+        EVEN_K=k % config.block_k == 0,
         FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
@@ -331,7 +362,8 @@ def serves_add_rms_norm(num_rows: int, weight: torch.Tensor, residual: torch.Ten
     return (_split(k, config_for(n, k))[1] > 1 and n <= MAX_SINGLE_PASS
             and residual.shape == (num_rows, n) and residual.stride(1) == 1
             and norm_weight.shape == (n,) and norm_weight.is_contiguous()
-            and residual.dtype == norm_weight.dtype == weight.dtype
+            and residual.dtype == norm_weight.dtype
+            and weight.dtype in (residual.dtype, FP8_DTYPE)
             and residual.device == norm_weight.device == weight.device)
 
 
@@ -341,11 +373,12 @@ def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: SkinnyConfig | None = None, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
+                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] (M <= MAX_M, last dim contiguous), weight: [N, K] contiguous, bias: [N] or
-    None -> [M, N] in x's dtype. ``config``: the launch (default: ``config_for(N, K)``)."""
-    _check_operands(x, weight, bias)
+    None -> [M, N] in x's dtype. ``config``: the launch (default: ``config_for(N, K)``). An
+    FP8 weight comes with ``weight_scale`` [N] fp32 (per output channel, kernels/fp8.py)."""
+    _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
@@ -356,20 +389,21 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    _launch(x, weight, bias, out, config or config_for(n, k), gated=False)
+    _launch(x, weight, bias, weight_scale, out, config or config_for(n, k), gated=False)
     return out
 
 
 def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                             config: SkinnyConfig | None = None
+                             config: SkinnyConfig | None = None,
+                             weight_scale: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm(skinny_gemm(x, weight, bias), norm_weight, eps, residual)`` with the add and the
     norm in the split-K reduce, bitwise the same: x [M, K], weight [N, K], residual [M, N]
     (last dim contiguous; ``residual += y`` in place), norm_weight [N], all of x's dtype ->
     (normed [M, N], residual). ``config`` (default ``config_for(N, K)``) must split K and N be
-    at most kernels/rms_norm.py's MAX_SINGLE_PASS."""
-    _check_operands(x, weight, bias)
+    at most kernels/rms_norm.py's MAX_SINGLE_PASS. An FP8 weight comes with ``weight_scale``."""
+    _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
     config = config or config_for(n, k)
@@ -384,18 +418,21 @@ def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         raise ValueError(f"norm_weight must be contiguous [{n}] {x.dtype}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m > 0 and n > 0:
-        _launch(x, weight, bias, out, config, gated=False, norm=(residual, norm_weight, eps))
+        _launch(x, weight, bias, weight_scale, out, config, gated=False,
+                norm=(residual, norm_weight, eps))
     return out, residual
 
 
 def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                              bias: torch.Tensor | None = None,
-                             config: SkinnyConfig | None = None) -> torch.Tensor:
+                             config: SkinnyConfig | None = None,
+                             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of a fused gate_up projection in one launch: x [M, K], weight [2 * d, K] (gate
     rows then up rows), bias [2 * d] or None -> [M, d] = silu(gate) * up, rounded as
     ``silu_and_mul(skinny_gemm(x, weight, bias))`` rounds it (bitwise the same).
-    ``config``: its block_n counts output columns (default: ``gated_config_for(2 * d, K)``)."""
-    _check_operands(x, weight, bias)
+    ``config``: its block_n counts output columns (default: ``gated_config_for(2 * d, K)``).
+    An FP8 weight comes with ``weight_scale`` [2 * d]."""
+    _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     d = weight.shape[0] // 2
     if weight.shape[0] != 2 * d or k == 0:
@@ -405,12 +442,13 @@ def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
         raise ValueError("the gated GEMM does not split K")
     out = torch.empty(m, d, dtype=x.dtype, device=x.device)
     if m > 0 and d > 0:
-        _launch(x, weight, bias, out, config, gated=True)
+        _launch(x, weight, bias, weight_scale, out, config, gated=True)
     return out
 
 
-def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-                    ) -> torch.Tensor:
-    """Plain torch: F.linear in fp32, rounded to x's dtype."""
-    return F.linear(x.float(), weight.float(),
-                    None if bias is None else bias.float()).to(x.dtype)
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch: F.linear in fp32 (an FP8 weight dequantized), rounded to x's dtype."""
+    weight = (weight.float() if weight_scale is None
+              else dequantize_per_channel(weight, weight_scale))
+    return F.linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)

@@ -37,8 +37,9 @@ def copy_bandwidth(device: str = "cuda", num_bytes: int = 2 << 30) -> float:
 def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, prefix_caching: bool = False,
-                 overlap_steps: str = "auto") -> Engine:
-    worker = WorkerConfig(device="cuda", dtype="bfloat16", max_model_len=max_model_len,
+                 overlap_steps: str = "auto", quantization: str = "none") -> Engine:
+    worker = WorkerConfig(device="cuda", dtype="bfloat16", quantization=quantization,
+                          max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           gpu_memory_utilization=gpu_memory_utilization,
                           enforce_eager=enforce_eager, overlap_steps=overlap_steps)

@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--num-tokens", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                        help="fp8: the projections' weights in FP8 (the worker's flag)")
     parser.add_argument("--hf", action="store_true", help="also time transformers generate()")
     parser.add_argument("--hf-tokens", type=int, default=32)
     parser.add_argument("--norm-in-reduce", choices=["on", "off"],
@@ -73,7 +75,7 @@ def main() -> None:
     engine = build_engine(args.model, max_model_len=args.context + args.num_tokens + 16,
                           max_num_seqs=8, max_num_batched_tokens=2048,
                           gpu_memory_utilization=0.45 if args.hf else 0.9,
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager, quantization=args.quantization)
     model = engine.runner.model
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -99,7 +101,7 @@ def main() -> None:
               "runs_ms": runs, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms_per_token,
               "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes,
               "graph_replay_ms": gpu_ms, "norm_in_reduce": norm_in_reduce,
-              "pdl": pdl.enabled()}
+              "pdl": pdl.enabled(), "quantization": args.quantization}
     if args.hf:
         del engine, model
         torch.cuda.empty_cache()
@@ -120,8 +122,9 @@ def main() -> None:
         result |= {"hf_ms_per_token": hf_ms, "speedup_vs_hf": hf_ms / ms_per_token}
     suffix = f"_norm_in_reduce_{args.norm_in_reduce}" if args.norm_in_reduce else ""
     suffix += f"_pdl_{args.pdl}" if args.pdl else ""
+    suffix += f"_{args.quantization}" if args.quantization != "none" else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
-    print(f"\nbatch-1 decode, ctx {args.context}"
+    print(f"\nbatch-1 decode, ctx {args.context}, quantization {args.quantization}"
           f" (norm in reduce {'on' if norm_in_reduce else 'off'},"
           f" PDL {'on' if pdl.enabled() else 'off'})"
           f": {ms_per_token:.2f} ms/token; floor "

@@ -122,6 +122,26 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
           python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b $flags 2>&1 \
               | grep -E "ms/token|graph_replay|batch-1" | tail -4
         done;;
+    # issue 29 (docs/quantization.md): the FP8 GPU tests (and the skinny GEMM's, which FP8
+    # weights share); the FP8 GEMMs against bf16 per row count (FP8_GEMM_ARGS: e.g. --sweep);
+    # batch-1 decode and ShareGPT 1,000 offline, bf16 and FP8 alternating (FP8_RUNS);
+    # what FP8 does to the 8B's numbers (random weights: perplexity means nothing there)
+    fp8-tests) python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_skinny_gemm.py \
+        tests/kernels/test_norm_in_reduce.py tests/services/worker/test_fp8_gpu.py \
+        tests/services/worker/test_model_norm_in_reduce.py -p no:cacheprovider -W ignore \
+        --tb=short 2>&1 | tail -30;;
+    fp8-gemm) python3 -m benchmarks.gpu.fp8_gemm ${FP8_GEMM_ARGS:-} 2>&1 | tail -60;;
+    fp8-decode) for q in ${FP8_RUNS:-none fp8 none fp8}; do
+          python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b --quantization $q \
+              2>&1 | grep -E "^batch-1|Self CUDA time" | tail -2
+        done;;
+    fp8-sharegpt) for q in ${FP8_RUNS:-none fp8}; do
+          python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b \
+              --workload sharegpt --num-prompts 1000 $E_DATA --max-num-seqs 1024 \
+              --max-num-batched-tokens 16384 --quantization $q 2>&1 | tail -1
+        done;;
+    fp8-numerics) python3 -m benchmarks.fp8_numerics --model $M/dummy-llama-3.1-8b --device cuda \
+        --dtype bfloat16 2>&1 | tail -16;;
     *) echo "unknown stage $stage";;
   esac
 done

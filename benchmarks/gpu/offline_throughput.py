@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                        help="fp8: the projections' weights in FP8 (the worker's flag)")
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--dump-workload", default="",
                         help="write the workload's token ids as JSON ({prompts, output_lens}: "
@@ -101,7 +103,8 @@ def main() -> None:
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enforce_eager=args.enforce_eager, overlap_steps=args.overlap_steps)
+                          enforce_eager=args.enforce_eager, overlap_steps=args.overlap_steps,
+                          quantization=args.quantization)
     # Warm-up over varied shapes, so Triton compiles its kernel variants before the clock runs.
     rng = random.Random(args.seed + 1)
     warm_prompts = [[rng.randrange(100, 40_000) for _ in range(rng.randint(1, 2048))]
@@ -129,6 +132,7 @@ def main() -> None:
         "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager, "overlap_steps": args.overlap_steps,
+        "quantization": args.quantization,
         "num_overlapped_steps": engine.runner.num_overlapped_steps,
         "wall_ms_per_step": 1e3 * stats.elapsed_s / max(stats.num_steps, 1),
         # the last request finishes when the run ends: finish times from the run's start
@@ -147,8 +151,9 @@ def main() -> None:
                    "hf_best_total_tok_s": best["total_tok_s"],
                    "output_ratio_vs_hf": result["output_tok_s"] / best["output_tok_s"],
                    "total_ratio_vs_hf": result["total_tok_s"] / best["total_tok_s"]}
-    save(f"throughput_{args.workload}_{args.model.replace(':', '_')}", result)
-    print(f"\n{args.workload} {args.model} (seqs {args.max_num_seqs}, tokens "
+    quantized = f"_{args.quantization}" if args.quantization != "none" else ""
+    save(f"throughput_{args.workload}_{args.model.replace(':', '_')}{quantized}", result)
+    print(f"\n{args.workload} {args.model} {args.quantization} (seqs {args.max_num_seqs}, tokens "
           f"{args.max_num_batched_tokens}, overlap {args.overlap_steps}): "
           f"{result['total_tok_s']:,.0f} total tok/s, "
           f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s, "

@@ -17,6 +17,13 @@ class Dtype(StrEnum):
     FLOAT16 = "float16"
 
 
+class Quantization(StrEnum):
+    """How the projections' weights are stored and multiplied (docs/quantization.md)."""
+
+    NONE = "none"  # in --dtype
+    FP8 = "fp8"  # e4m3, a scale per output channel, quantized while loading; CUDA (sm 8.9+) only
+
+
 class OverlapSteps(StrEnum):
     """Whether step N+1 is queued before step N is read back."""
 
@@ -31,6 +38,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     replica_id: str = "0"  # pairs this worker with the scheduler of the same replica
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1"
     dtype: Dtype = Dtype.AUTO
+    quantization: Quantization = Quantization.NONE
     kv_cache_memory: str = "auto"  # bytes or e.g. 512MiB, 2GiB; auto: 1GiB on CPU, profiled on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU the worker may use (weights + KV + rest)
     # the scheduler's batch limits (shared/limits.py): the largest step it will be sent sizes
@@ -63,6 +71,10 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "replica_id": "replica this worker serves (its scheduler uses the same id)",
         "device": "auto, cpu, cuda or cuda:N",
         "dtype": "auto, float32, bfloat16 or float16",
+        "quantization": "none, or fp8: the projections' weights in FP8 (e4m3, a scale per "
+                        "output channel, quantized while loading), activations quantized per "
+                        "token; half the weight memory, so more KV blocks. CUDA with FP8 tensor "
+                        "cores (compute capability 8.9+: Ada, Hopper) only",
         "kv_cache_memory": "memory for the KV cache, bytes or e.g. 512MiB, 2GiB (auto: 1GiB on "
                            "CPU; on GPU what --gpu-memory-utilization leaves after profiling)",
         "gpu_memory_utilization": "share of GPU memory to use, 0-1",
@@ -85,6 +97,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not "
                              f"{self.gpu_memory_utilization}")
         check_choice(self.dtype, Dtype, "dtype")
+        check_choice(self.quantization, Quantization, "quantization")
         check_choice(self.overlap_steps, OverlapSteps, "overlap_steps")
         if self.max_graph_tokens < 0:
             raise ValueError(f"max_graph_tokens must be >= 0, not {self.max_graph_tokens}")

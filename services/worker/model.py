@@ -60,6 +60,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rotary (Qwen3)
     sliding_window: int | None = None  # the window some layers use (not implemented: caps context)
+    # "fp8": the projections' weights (not embeddings, norms or lm_head) are FP8 with a scale
+    # per output channel (``Linear``); "none": all in the model's dtype
+    quantization: str = "none"
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:
@@ -196,6 +199,19 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be FP8 (e4m3) with ``weight_scale`` [out_features] fp32, one
+    scale per output channel (kernels/fp8.py); without FP8 that buffer is None."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelConfig):
+        super().__init__(in_features, out_features, bias=bias)
+        fp8 = config.quantization == "fp8"
+        self.register_buffer("weight_scale", torch.empty(out_features) if fp8 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias, self.weight_scale)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -204,9 +220,9 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               config.qkv_bias, config)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, config)
         if config.qk_norm:  # Qwen3: one [head_dim] weight shared by all heads
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -222,7 +238,7 @@ class Attention(nn.Module):
         the keys and values are written to the cache. Reads no host-side metadata, so a CUDA
         graph can hold it (``cuda_graphs.PiecewiseGraphs``)."""
         num_tokens = x.shape[0]
-        qkv = ops.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -245,13 +261,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
+                                   config.mlp_bias, config)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias,
+                                config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        h = ops.linear_silu_and_mul(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
-        return ops.linear(h, self.down_proj.weight, self.down_proj.bias)
+        gate_up = self.gate_up_proj
+        h = ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias, gate_up.weight_scale)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -298,13 +316,14 @@ class DecoderLayer(nn.Module):
         ``residual`` in place."""
         o_proj, norm = self.self_attn.o_proj, self.post_attention_layernorm
         h, residual = ops.linear_add_rms_norm(attention_out.flatten(1), o_proj.weight,
-                                              o_proj.bias, residual, norm.weight, norm.eps)
+                                              o_proj.bias, residual, norm.weight, norm.eps,
+                                              o_proj.weight_scale)
         if next_norm is None:
             return self.mlp(h), residual
-        mlp = self.mlp
-        h = ops.linear_silu_and_mul(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        return ops.linear_add_rms_norm(h, mlp.down_proj.weight, mlp.down_proj.bias, residual,
-                                       next_norm.weight, next_norm.eps)
+        gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
+        h = ops.linear_silu_and_mul(h, gate_up.weight, gate_up.bias, gate_up.weight_scale)
+        return ops.linear_add_rms_norm(h, down.weight, down.bias, residual, next_norm.weight,
+                                       next_norm.eps, down.weight_scale)
 
 
 class Transformer(nn.Module):

@@ -9,30 +9,47 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import (activation, kv_cache, paged_attention, paged_attention_ref,
+from kernels import (activation, fp8, kv_cache, paged_attention, paged_attention_ref,
                      rms_norm as rms_norm_kernels, rotary, skinny_gemm)
 from services.worker import cpu_attention
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in_features] -> [num_tokens, out_features], as nn.Linear. Decode-sized
     batches of the shapes the skinny GEMM was measured faster on take it (batch invariant up
-    to its row bound); everything else, and the CPU, F.linear."""
+    to its row bound); everything else, and the CPU, F.linear. An FP8 weight comes with its
+    ``weight_scale`` [out_features] (``fp8_linear``)."""
     if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and skinny_gemm.serves(x.shape[0], weight):
-        return skinny_gemm.skinny_gemm(x, weight, bias)
+        return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale)
+    if weight_scale is not None:
+        return fp8_linear(x, weight, weight_scale, bias)
     return F.linear(x, weight, bias)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """An FP8 projection the skinny GEMM does not take: on CUDA, x quantized per token and the
+    FP8 tensor cores (kernels/fp8.py); elsewhere (tests, the CPU's numerics) the same math in
+    fp32. x [..., in_features]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.is_cuda and fp8.scaled_mm_serves(weight):
+        out = fp8.fp8_linear(rows.contiguous(), weight, weight_scale, bias)
+    else:
+        out = fp8.fp8_linear_ref(rows, weight, weight_scale, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
+                        bias: torch.Tensor | None = None,
+                        weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of the fused gate_up projection: x [num_tokens, in_features], weight
     [2 * intermediate_size, in_features] -> [num_tokens, intermediate_size]. Where the skinny
     GEMM serves it, one launch with SwiGLU in its epilogue (bitwise the two ops)."""
     if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1
             and skinny_gemm.serves_gated(x.shape[0], weight)):
-        return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias)
-    return silu_and_mul(linear(x, weight, bias))
+        return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias, weight_scale=weight_scale)
+    return silu_and_mul(linear(x, weight, bias, weight_scale))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -44,7 +61,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                        residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight_scale: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """A projection into the residual stream and the RMSNorm after it: x [num_tokens,
     in_features] -> (norm(linear(x) + residual), linear(x) + residual), the sum written into
@@ -53,8 +71,9 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     everywhere else, the two ops."""
     if x.dim() == 2 and x.stride(1) == 1 and norm_in_reduce(x.shape[0], weight, residual,
                                                             norm_weight):
-        return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps)
-    return rms_norm(linear(x, weight, bias), norm_weight, eps, residual)
+        return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps,
+                                                    weight_scale=weight_scale)
+    return rms_norm(linear(x, weight, bias, weight_scale), norm_weight, eps, residual)
 
 
 def norm_in_reduce(num_tokens: int, weight: torch.Tensor, residual: torch.Tensor,

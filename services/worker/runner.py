@@ -34,7 +34,7 @@ from services.worker.kv_connector import (
 from services.worker.kv_offload import KvOffload
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata
-from services.worker.weights import load_model
+from services.worker.weights import check_quantization, load_model
 from services.worker.sampler import Sampler, make_generator, token_logprobs
 from services.worker.speculation import keep_accepted, verify_drafts
 from services.worker.staging import HostStaging
@@ -64,7 +64,8 @@ class ModelRunner:
         self.model_name: str = model_files.name
         self.model_path: Path = model_files.path
         self.seed: int = config.seed
-        self.model = load_model(model_files.path, self._device, self._dtype, seed=config.seed)
+        self.model = load_model(model_files.path, self._device, self._dtype, seed=config.seed,
+                                quantization=check_quantization(config.quantization, self._device))
         model_config = self.model.config
         self.block_size: int = config.block_size
         self.max_model_len: int = model_config.usable_context_len(config.max_model_len)

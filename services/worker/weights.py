@@ -1,17 +1,22 @@
 """Weights for the decoder (model.py): from a Hugging Face directory (``config.json`` +
 ``*.safetensors``, HF parameter names, q/k/v and gate/up fused at load time), or, for a directory
 marked as a dummy model (``shared.models.DUMMY_MARKER``), seeded random weights built on the target
-device."""
+device. With ``quantization="fp8"`` each projection weight is quantized to FP8 as soon as it
+exists on the device (one tensor at a time, so the peak stays near the FP8 model's size plus one
+projection in the model's dtype); the model's FP8 ``Linear`` modules say which weights those are."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import structlog
 import torch
 from safetensors import safe_open
 
+from kernels.fp8 import quantize_per_channel
 from kernels.rotary import build_cos_sin_cache
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
 from shared.models import DUMMY_MARKER
@@ -19,19 +24,25 @@ from shared.models import DUMMY_MARKER
 log = structlog.get_logger()
 
 
-def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
+def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int = 0,
+               quantization: str = "none") -> Transformer:
     """Build the model from a Hugging Face directory without materializing random weights first.
 
     A dummy-model directory (``DUMMY_MARKER``) gets random weights from ``seed`` instead, made
-    directly on ``device`` in ``dtype``.
+    directly on ``device`` in ``dtype``. ``quantization``: "none" or "fp8" (``ModelConfig``).
     """
-    config = ModelConfig.from_path(path)
+    config = dataclasses.replace(ModelConfig.from_path(path), quantization=quantization)
     with torch.device("meta"):
         model = Transformer(config)
+    model.requires_grad_(False)  # inference only; an FP8 parameter could not require grad
     if (path / DUMMY_MARKER).exists():
         state_dict = random_weights(model, device, dtype, seed)
         log.info("model_random_weights", family=config.family, seed=seed,
+                 quantization=quantization,
                  num_params=sum(t.numel() for t in state_dict.values()))
+    elif quantization != "none":  # fused on the host, each tensor to the device and quantized in turn
+        hf_weights = fuse_hf_weights(read_safetensors(path, torch.device("cpu"), dtype), config)
+        state_dict = dict(place(model, hf_weights, device))
     else:
         state_dict = fuse_hf_weights(read_safetensors(path, device, dtype), config)
     model.load_state_dict(state_dict, strict=True, assign=True)
@@ -46,19 +57,35 @@ def random_weights(model: Transformer, device: torch.device, dtype: torch.dtype,
 
     std 0.02 keeps the residual stream to tens and the logits near unit scale even for 32 layers
     of hidden 4096, so bf16 stays finite. Each tensor is drawn from its own generator seeded by
-    (seed, name), on the target device: the same seed gives the same weights there.
+    (seed, name), on the target device: the same seed gives the same weights there. An FP8
+    model's projection weights are these same tensors, quantized (``place``).
     """
-    weights = {}
-    for name, param in model.named_parameters():
-        tensor = torch.empty(param.shape, device=device, dtype=dtype)
-        if name.endswith("norm.weight"):
-            tensor.fill_(1.0)
-        else:
-            generator = torch.Generator(device=device)
-            generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-            tensor.normal_(0.0, std, generator=generator)
-        weights[name] = tensor
-    return weights
+    def draw() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, param in model.named_parameters():
+            tensor = torch.empty(param.shape, device=device, dtype=dtype)
+            if name.endswith("norm.weight"):
+                tensor.fill_(1.0)
+            else:
+                generator = torch.Generator(device=device)
+                generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+                tensor.normal_(0.0, std, generator=generator)
+            yield name, tensor
+    return dict(place(model, draw(), device))
+
+
+def place(model: Transformer, weights: Iterator[tuple[str, torch.Tensor]] | dict,
+          device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each (name, tensor) moved to ``device``; the weight of an FP8 ``Linear`` quantized there,
+    with its ``weight_scale`` after it. One tensor in the model's dtype at a time: a consumer
+    that keeps only what this yields holds the FP8 model plus one projection."""
+    scaled = {name.removesuffix("_scale") for name, _ in model.named_buffers()
+              if name.endswith("weight_scale")}
+    for name, tensor in (weights.items() if isinstance(weights, dict) else weights):
+        tensor = tensor.to(device)
+        if name in scaled:
+            tensor, scale = quantize_per_channel(tensor)
+            yield f"{name}_scale", scale
+        yield name, tensor
 
 
 def read_safetensors(path: Path, device: torch.device, dtype: torch.dtype
@@ -98,3 +125,19 @@ def fuse_hf_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
         else:
             fused[name] = tensor
     return fused
+
+
+def check_quantization(quantization: str, device: torch.device) -> str:
+    """``quantization`` if ``device`` can run it; a clear error naming the flag if not (FP8
+    needs the FP8 tensor cores of compute capability 8.9+)."""
+    if quantization == "none":
+        return quantization
+    if device.type != "cuda":
+        raise ValueError(f"--quantization {quantization} needs a CUDA GPU with FP8 tensor cores "
+                         f"(compute capability 8.9+); this worker runs on {device.type}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"--quantization {quantization} needs compute capability 8.9+ (FP8 "
+                         f"tensor cores); {torch.cuda.get_device_name(device)} has "
+                         f"{capability[0]}.{capability[1]}")
+    return quantization

@@ -19,14 +19,16 @@ from shared.models import ModelFiles
 BLOCK_SIZE = 4
 
 
-def run_chunks(model, steps: list[list[tuple[list[int], int]]], block_tables: list[list[int]]):
+def run_chunks(model, steps: list[list[tuple[list[int], int]]], block_tables: list[list[int]],
+               device: torch.device = torch.device("cpu")):
     """steps: per step, (chunk token ids, start position) per sequence -> logits of every token."""
     all_logits = []
     for step in steps:
         chunks = [SequenceChunk(token_ids=ids, start=start, block_table=table, sample=True)
                   for (ids, start), table in zip(step, block_tables)]
-        input_ids, positions, metadata = build_step_inputs(chunks, BLOCK_SIZE, torch.device("cpu"))
-        metadata = dataclasses.replace(metadata, logits_indices=torch.arange(len(input_ids)))
+        input_ids, positions, metadata = build_step_inputs(chunks, BLOCK_SIZE, device)
+        metadata = dataclasses.replace(metadata, logits_indices=torch.arange(len(input_ids),
+                                                                             device=device))
         all_logits.append(model(input_ids, positions, metadata))  # [num_tokens, vocab_size]
     return all_logits
 

@@ -1,0 +1,140 @@
+"""Issue 29: the FP8 projections against bf16 on the Llama-3.1-8B shapes, per row count.
+
+    python -m benchmarks.gpu.fp8_gemm                      # M = 1 .. 4096, the table's configs
+    python -m benchmarks.gpu.fp8_gemm --sweep --m 1,8      # skinny FP8 configs, best per shape
+
+Per (shape, M), µs per call (one CUDA graph of back-to-back calls on rotating weight copies
+over 1 GiB, as benchmarks/gpu/skinny_gemm.py times them):
+- ``bf16``: what the worker runs for a bf16 weight (``ops.linear``: the skinny GEMM where its
+  table serves, else cuBLAS);
+- ``skinny_fp8``: the skinny GEMM on the FP8 weight (weight-only FP8), M <= 16;
+- ``scaled_fp8``: per-token activation quantization + ``torch._scaled_mm`` (row-wise scales).
+The worker's choice for an FP8 weight is the skinny GEMM where ``skinny_gemm.serves`` holds and
+the scaled GEMM elsewhere; the table shows where that choice is right.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import torch
+
+from benchmarks.gpu.skinny_gemm import SHAPES, graph_time_us, sweep_grid, weights
+from kernels import fp8
+from kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_gemm
+from services.worker import ops
+
+
+def fp8_weights(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of an FP8 [n, k] weight and its scale, together over 1 GiB."""
+    return [fp8.quantize_per_channel(w) for w in weights(n, k, torch.bfloat16)[::2]]
+
+
+def time_row(name: str, m: int, bf16_ws, fp8_ws, calls: int, replays: int) -> dict:
+    n, k = SHAPES[name]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    scaled = [w for w, _ in fp8_ws]
+    scale_of = {id(w): s for w, s in fp8_ws}
+    row = {"shape": name, "n": n, "k": k, "m": m,
+           "bf16_us": graph_time_us(ops.linear, bf16_ws, x, calls, replays),
+           "scaled_fp8_us": graph_time_us(
+               lambda x_, w_: fp8.fp8_linear(x_, w_, scale_of[id(w_)]), scaled, x, calls,
+               replays)}
+    if m <= MAX_M:
+        row["skinny_fp8_us"] = graph_time_us(
+            lambda x_, w_: skinny_gemm(x_, w_, weight_scale=scale_of[id(w_)]), scaled, x,
+            calls, replays)
+    return row
+
+
+def _compile(job) -> None:
+    """Sweep helper, in a spawned process: compile each config (fills Triton's disk cache)."""
+    n, k, configs = job
+    torch.cuda.init()
+    w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16).to(fp8.FP8_DTYPE)
+    scale = torch.ones(n, device="cuda")
+    x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
+    for config in configs:
+        try:
+            skinny_gemm(x, w, config=config, weight_scale=scale)
+        except Exception as exc:  # a config that does not compile is skipped by the sweep
+            print(f"compile failed {config}: {type(exc).__name__}: {exc}", flush=True)
+    torch.cuda.synchronize()
+
+
+def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) -> list[dict]:
+    """Each shape's grid (wider K tiles too: an FP8 tile is half the bytes) at ``ms``; the
+    five fastest at ms[0] printed per shape."""
+    grids = {name: sweep_grid(*SHAPES[name]) + [
+        SkinnyConfig(c.block_n, 512, c.split_k, c.num_warps, c.num_stages)
+        for c in sweep_grid(*SHAPES[name]) if c.block_k == 256 and c.block_n <= 64]
+        for name in names}
+    work = [(*SHAPES[name], grids[name][i::3]) for name in names for i in range(3)]
+    with multiprocessing.get_context("spawn").Pool(min(jobs, len(work))) as pool:
+        pool.map(_compile, work)
+    rows = []
+    for name in names:
+        fp8_ws = fp8_weights(*SHAPES[name])
+        scale_of = {id(w): s for w, s in fp8_ws}
+        scaled = [w for w, _ in fp8_ws]
+        xs = {m: torch.randn(m, SHAPES[name][1], device="cuda", dtype=torch.bfloat16)
+              for m in ms}
+        timed = []
+        for config in grids[name]:
+            try:
+                times = {m: graph_time_us(
+                    lambda x_, w_, c=config: skinny_gemm(x_, w_, config=c,
+                                                         weight_scale=scale_of[id(w_)]),
+                    scaled, xs[m], calls, replays) for m in ms}
+            except Exception as exc:
+                print(f"{name} {config}: {type(exc).__name__}: {exc}", flush=True)
+                continue
+            timed.append((times[ms[0]], config, times))
+            rows.append({"shape": name, "config": vars(config), "us": times})
+        timed.sort(key=lambda t: t[0])
+        print(f"\n{name} {SHAPES[name]}: fastest skinny FP8 configs", flush=True)
+        for _, config, times in timed[:5]:
+            print(f"  {config}  " + ", ".join(f"M={m} {t:.1f}" for m, t in times.items()))
+        del fp8_ws, scaled
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="qkv,o_proj,gate_up,down")  # lm_head stays bf16
+    parser.add_argument("--m", default="1,2,4,8,16,32,64,256,1024,4096")
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--replays", type=int, default=15)
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--jobs", type=int, default=12)
+    args = parser.parse_args()
+    names, ms = args.shapes.split(","), [int(m) for m in args.m.split(",")]
+    results = {"device": torch.cuda.get_device_name(), "rows": []}
+    if args.sweep:
+        results["sweep"] = sweep(names, ms, args.calls, args.replays, args.jobs)
+    print(f"\n{results['device']}: µs per call, median of {args.replays} graph replays")
+    print("| shape | M | bf16 (worker) | skinny FP8 | scaled FP8 | best FP8 / bf16 |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in names:
+        n, k = SHAPES[name]
+        bf16_ws, fp8_ws = weights(n, k, torch.bfloat16), fp8_weights(n, k)
+        for m in ms:
+            row = time_row(name, m, bf16_ws, fp8_ws, args.calls, args.replays)
+            results["rows"].append(row)
+            best = min(row["scaled_fp8_us"], row.get("skinny_fp8_us", float("inf")))
+            print(f"| {name} | {m} | {row['bf16_us']:.1f} | "
+                  f"{row.get('skinny_fp8_us', float('nan')):.1f} | {row['scaled_fp8_us']:.1f} | "
+                  f"{best / row['bf16_us']:.2f} |", flush=True)
+        del bf16_ws, fp8_ws
+        torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "fp8_gemm.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
