@@ -86,25 +86,49 @@ GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (28672, 4096): SkinnyConfig(32, 128, max_m=4),
 }
 
+# The same for FP8 weights (a tile is half the bytes: wider K tiles and more splits win), H200,
+# 2026-11-27 (benchmarks/gpu/fp8_gemm.py --sweep; µs at M = 1 / 8 against bf16's worker path
+# in the same run). Up to 16 rows each beat the scaled FP8 GEMM (qkv 19.2, o_proj 15.9,
+# gate_up 47.2, down 42.5 µs at M = 16, its activation quantization included). TUNE
+FP8_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
+    (6144, 4096): SkinnyConfig(32, 256, split_k=4, max_m=16),  # qkv: 12.6 / 12.7 vs 15.6
+    # o_proj: 9.9 / 10.2 vs 11.5
+    (4096, 4096): SkinnyConfig(64, 128, split_k=4, num_warps=8, max_m=16),
+    (28672, 4096): SkinnyConfig(32, 256, max_m=16),  # gate_up: 40.1 / 40.5 vs 62.5
+    (4096, 14336): SkinnyConfig(32, 256, split_k=4, max_m=16),  # down: 24.1 / 24.3 vs 31.5
+}
+FP8_GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
+    (28672, 4096): SkinnyConfig(32, 256, max_m=16),
+}
+
+
+def _tables(dtype: torch.dtype) -> tuple[dict, dict]:
+    """(plain, gated) config tables for weights of ``dtype``."""
+    if dtype == FP8_DTYPE:
+        return FP8_CONFIGS, FP8_GATED_CONFIGS
+    return CONFIGS, GATED_CONFIGS
+
 
 def default_config(n: int, k: int) -> SkinnyConfig:
     """Shapes not swept: 16 columns per program, K in 256-wide tiles, no split."""
     return SkinnyConfig(block_n=16, block_k=min(256, max(16, triton.next_power_of_2(k))))
 
 
-def config_for(n: int, k: int) -> SkinnyConfig:
-    return CONFIGS.get((n, k)) or default_config(n, k)
+def config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
+    """The launch for a [n, k] weight of ``dtype``."""
+    return _tables(dtype)[0].get((n, k)) or default_config(n, k)
 
 
-def gated_config_for(n: int, k: int) -> SkinnyConfig:
+def gated_config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
     """The gated launch for a [n, k] gate_up weight (n / 2 output columns)."""
-    return GATED_CONFIGS.get((n, k)) or default_config(n // 2, k)
+    return _tables(dtype)[1].get((n, k)) or default_config(n // 2, k)
 
 
 def serves(num_rows: int, weight: torch.Tensor) -> bool:
-    """Whether the worker should use the skinny GEMM: a CUDA bf16/fp16 weight of a swept
-    shape, at most its ``max_m`` rows (where it beat cuBLAS on the H200)."""
-    return _serves(num_rows, weight, CONFIGS)
+    """Whether the worker should use the skinny GEMM: a CUDA bf16/fp16 or FP8 weight of a
+    swept shape, at most its ``max_m`` rows (where it beat cuBLAS, or for FP8 the scaled FP8
+    GEMM, on the H200)."""
+    return _serves(num_rows, weight, _tables(weight.dtype)[0])
 
 
 def _serves(num_rows: int, weight: torch.Tensor, configs: dict) -> bool:
@@ -359,7 +383,7 @@ def serves_add_rms_norm(num_rows: int, weight: torch.Tensor, residual: torch.Ten
     if not serves(num_rows, weight):
         return False
     n, k = weight.shape
-    return (_split(k, config_for(n, k))[1] > 1 and n <= MAX_SINGLE_PASS
+    return (_split(k, config_for(n, k, weight.dtype))[1] > 1 and n <= MAX_SINGLE_PASS
             and residual.shape == (num_rows, n) and residual.stride(1) == 1
             and norm_weight.shape == (n,) and norm_weight.is_contiguous()
             and residual.dtype == norm_weight.dtype
@@ -369,7 +393,7 @@ def serves_add_rms_norm(num_rows: int, weight: torch.Tensor, residual: torch.Ten
 
 def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
     """``serves`` for the fused gate_up + SwiGLU launch (``GATED_CONFIGS``)."""
-    return _serves(num_rows, weight, GATED_CONFIGS)
+    return _serves(num_rows, weight, _tables(weight.dtype)[1])
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -389,7 +413,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    _launch(x, weight, bias, weight_scale, out, config or config_for(n, k), gated=False)
+    _launch(x, weight, bias, weight_scale, out, config or config_for(n, k, weight.dtype),
+            gated=False)
     return out
 
 
@@ -406,7 +431,7 @@ def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
-    config = config or config_for(n, k)
+    config = config or config_for(n, k, weight.dtype)
     if k == 0 or _split(k, config)[1] < 2:
         raise ValueError(f"the norm runs in the split reduce: {config} does not split K = {k}")
     if n > MAX_SINGLE_PASS:
@@ -437,7 +462,7 @@ def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     d = weight.shape[0] // 2
     if weight.shape[0] != 2 * d or k == 0:
         raise ValueError(f"weight {tuple(weight.shape)}: needs an even number of rows and K > 0")
-    config = config or gated_config_for(2 * d, k)
+    config = config or gated_config_for(2 * d, k, weight.dtype)
     if config.split_k != 1:
         raise ValueError("the gated GEMM does not split K")
     out = torch.empty(m, d, dtype=x.dtype, device=x.device)

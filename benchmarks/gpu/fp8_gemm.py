@@ -10,7 +10,8 @@ over 1 GiB, as benchmarks/gpu/skinny_gemm.py times them):
 - ``skinny_fp8``: the skinny GEMM on the FP8 weight (weight-only FP8), M <= 16;
 - ``scaled_fp8``: per-token activation quantization + ``torch._scaled_mm`` (row-wise scales).
 The worker's choice for an FP8 weight is the skinny GEMM where ``skinny_gemm.serves`` holds and
-the scaled GEMM elsewhere; the table shows where that choice is right.
+the scaled GEMM elsewhere; the table shows where that choice is right. ``gate_up_silu`` is the
+gate_up projection with SwiGLU (``ops.linear_silu_and_mul``; skinny: the fused gated launch).
 """
 
 from __future__ import annotations
@@ -23,10 +24,26 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.skinny_gemm import SHAPES, graph_time_us, sweep_grid, weights
+from benchmarks.gpu.skinny_gemm import SHAPES as PLAIN_SHAPES, graph_time_us, sweep_grid, weights
 from kernels import fp8
-from kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_gemm
+from kernels.activation import silu_and_mul
+from kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_gemm, skinny_gemm_silu_and_mul
 from services.worker import ops
+
+SHAPES = {**PLAIN_SHAPES, "gate_up_silu": PLAIN_SHAPES["gate_up"]}
+GATED = {"gate_up_silu"}
+
+
+def ops_for(name: str):
+    """(the worker's bf16 op, the skinny FP8 op, the scaled FP8 op), each (x, w, scale)."""
+    if name in GATED:
+        return (lambda x, w, s: ops.linear_silu_and_mul(x, w),
+                lambda x, w, s, config=None: skinny_gemm_silu_and_mul(
+                    x, w, config=config, weight_scale=s),
+                lambda x, w, s: silu_and_mul(fp8.fp8_linear(x, w, s)))
+    return (lambda x, w, s: ops.linear(x, w),
+            lambda x, w, s, config=None: skinny_gemm(x, w, config=config, weight_scale=s),
+            fp8.fp8_linear)
 
 
 def fp8_weights(n: int, k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -39,28 +56,29 @@ def time_row(name: str, m: int, bf16_ws, fp8_ws, calls: int, replays: int) -> di
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     scaled = [w for w, _ in fp8_ws]
     scale_of = {id(w): s for w, s in fp8_ws}
+    bf16_op, skinny_op, scaled_op = ops_for(name)
     row = {"shape": name, "n": n, "k": k, "m": m,
-           "bf16_us": graph_time_us(ops.linear, bf16_ws, x, calls, replays),
+           "bf16_us": graph_time_us(lambda x_, w_: bf16_op(x_, w_, None), bf16_ws, x, calls,
+                                    replays),
            "scaled_fp8_us": graph_time_us(
-               lambda x_, w_: fp8.fp8_linear(x_, w_, scale_of[id(w_)]), scaled, x, calls,
-               replays)}
+               lambda x_, w_: scaled_op(x_, w_, scale_of[id(w_)]), scaled, x, calls, replays)}
     if m <= MAX_M:
         row["skinny_fp8_us"] = graph_time_us(
-            lambda x_, w_: skinny_gemm(x_, w_, weight_scale=scale_of[id(w_)]), scaled, x,
-            calls, replays)
+            lambda x_, w_: skinny_op(x_, w_, scale_of[id(w_)]), scaled, x, calls, replays)
     return row
 
 
 def _compile(job) -> None:
     """Sweep helper, in a spawned process: compile each config (fills Triton's disk cache)."""
-    n, k, configs = job
+    n, k, configs, gated = job
+    op = skinny_gemm_silu_and_mul if gated else skinny_gemm
     torch.cuda.init()
     w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16).to(fp8.FP8_DTYPE)
     scale = torch.ones(n, device="cuda")
     x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
     for config in configs:
         try:
-            skinny_gemm(x, w, config=config, weight_scale=scale)
+            op(x, w, config=config, weight_scale=scale)
         except Exception as exc:  # a config that does not compile is skipped by the sweep
             print(f"compile failed {config}: {type(exc).__name__}: {exc}", flush=True)
     torch.cuda.synchronize()
@@ -73,7 +91,11 @@ def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) 
         SkinnyConfig(c.block_n, 512, c.split_k, c.num_warps, c.num_stages)
         for c in sweep_grid(*SHAPES[name]) if c.block_k == 256 and c.block_n <= 64]
         for name in names}
-    work = [(*SHAPES[name], grids[name][i::3]) for name in names for i in range(3)]
+    for name in GATED & set(names):  # block_n counts output columns: 2 * block_n weight rows
+        grids[name] = [SkinnyConfig(c.block_n // 2, c.block_k, 1, c.num_warps, c.num_stages)
+                       for c in grids[name]]
+    work = [(*SHAPES[name], grids[name][i::3], name in GATED) for name in names
+            for i in range(3)]
     with multiprocessing.get_context("spawn").Pool(min(jobs, len(work))) as pool:
         pool.map(_compile, work)
     rows = []
@@ -81,14 +103,14 @@ def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) 
         fp8_ws = fp8_weights(*SHAPES[name])
         scale_of = {id(w): s for w, s in fp8_ws}
         scaled = [w for w, _ in fp8_ws]
+        skinny_op = ops_for(name)[1]
         xs = {m: torch.randn(m, SHAPES[name][1], device="cuda", dtype=torch.bfloat16)
               for m in ms}
         timed = []
         for config in grids[name]:
             try:
                 times = {m: graph_time_us(
-                    lambda x_, w_, c=config: skinny_gemm(x_, w_, config=c,
-                                                         weight_scale=scale_of[id(w_)]),
+                    lambda x_, w_, c=config: skinny_op(x_, w_, scale_of[id(w_)], config=c),
                     scaled, xs[m], calls, replays) for m in ms}
             except Exception as exc:
                 print(f"{name} {config}: {type(exc).__name__}: {exc}", flush=True)
@@ -106,7 +128,7 @@ def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default="qkv,o_proj,gate_up,down")  # lm_head stays bf16
+    parser.add_argument("--shapes", default="qkv,o_proj,gate_up_silu,down")  # lm_head: bf16
     parser.add_argument("--m", default="1,2,4,8,16,32,64,256,1024,4096")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--replays", type=int, default=15)

@@ -13,7 +13,7 @@ from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from services.worker.weights import load_model
 from shared.messages import SamplingParams
-from shared.models import resolve_model
+from tests.services.worker.conftest import dummy_preset
 from tests.services.worker.model_checks import BLOCK_SIZE, run_chunks
 
 pytestmark = [pytest.mark.gpu,
@@ -21,11 +21,16 @@ pytestmark = [pytest.mark.gpu,
 CUDA = torch.device("cuda")
 
 
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return dummy_preset(tmp_path_factory, "qwen3-0.6b")
+
+
 @torch.inference_mode()
-def test_fp8_logits_follow_bf16_at_prefill_and_decode_sizes():
+def test_fp8_logits_follow_bf16_at_prefill_and_decode_sizes(qwen3):
     """Qwen3-0.6B's shapes (scaled FP8 GEMMs at every size): a 40-token prompt chunk, then
     one decode; cosine of every position's logits with bf16's."""
-    path = resolve_model("dummy:qwen3-0.6b").path
+    path = qwen3.path
     seq = torch.randint(100, 40_000, (41,), generator=torch.Generator().manual_seed(4)).tolist()
     steps, block_tables = [[(seq[:40], 0)], [(seq[40:], 40)]], [[3, 0, 6]]
     logits = {}
@@ -41,10 +46,10 @@ def test_fp8_logits_follow_bf16_at_prefill_and_decode_sizes():
     assert cosine.min() > 0.98, cosine
 
 
-def test_fp8_graph_decode_equals_eager():
+def test_fp8_graph_decode_equals_eager(qwen3):
     """Qwen3-0.6B through the engine: steps in CUDA graphs (the scaled FP8 GEMMs and their
     activation quantization captured) give the tokens eager steps give."""
-    model_files = resolve_model("dummy:qwen3-0.6b")
+    model_files = qwen3
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 40_000, (int(n),), generator=generator).tolist()
                for n in torch.randint(3, 90, (8,), generator=generator)]
