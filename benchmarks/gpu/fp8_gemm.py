@@ -68,6 +68,19 @@ def time_row(name: str, m: int, bf16_ws, fp8_ws, calls: int, replays: int) -> di
     return row
 
 
+def fp8_grid(n: int, k: int) -> list[SkinnyConfig]:
+    """benchmarks/gpu/skinny_gemm.py's grid, widened where an FP8 tile (half the bytes) may
+    want it: 16-column tiles, 512-wide K tiles, 5 stages, two splits for the widest N."""
+    grid = sweep_grid(n, k)
+    splits = (1, 2) if n >= 16384 else (1, 2, 4)
+    grid += [SkinnyConfig(16, block_k, split, 4, stages)
+             for block_k in (256, 512) for split in splits for stages in (3, 4, 5)]
+    grid += [SkinnyConfig(32, block_k, split, 4, 5) for block_k in (256, 512) for split in splits]
+    if n >= 16384:
+        grid += [SkinnyConfig(32, 256, 2, 4, stages) for stages in (3, 4)]
+    return list(dict.fromkeys(grid))
+
+
 def _compile(job) -> None:
     """Sweep helper, in a spawned process: compile each config (fills Triton's disk cache)."""
     n, k, configs, gated = job
@@ -87,10 +100,7 @@ def _compile(job) -> None:
 def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) -> list[dict]:
     """Each shape's grid (wider K tiles too: an FP8 tile is half the bytes) at ``ms``; the
     five fastest at ms[0] printed per shape."""
-    grids = {name: sweep_grid(*SHAPES[name]) + [
-        SkinnyConfig(c.block_n, 512, c.split_k, c.num_warps, c.num_stages)
-        for c in sweep_grid(*SHAPES[name]) if c.block_k == 256 and c.block_n <= 64]
-        for name in names}
+    grids = {name: fp8_grid(*SHAPES[name]) for name in names}
     for name in GATED & set(names):  # block_n counts output columns: 2 * block_n weight rows
         grids[name] = [SkinnyConfig(c.block_n // 2, c.block_k, 1, c.num_warps, c.num_stages)
                        for c in grids[name]]

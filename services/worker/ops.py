@@ -30,10 +30,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None) -> torch.Tensor:
     """An FP8 projection the skinny GEMM does not take: on CUDA, x quantized per token and the
-    FP8 tensor cores (kernels/fp8.py); elsewhere (tests, the CPU's numerics) the same math in
-    fp32. x [..., in_features]."""
+    FP8 tensor cores (kernels/fp8.py); elsewhere, and for fp32 x (tests: the scaled GEMM
+    writes bf16), the same math in fp32. x [..., in_features]."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.is_cuda and fp8.scaled_mm_serves(weight):
+    if rows.is_cuda and rows.dtype != torch.float32 and fp8.scaled_mm_serves(weight):
         out = fp8.fp8_linear(rows.contiguous(), weight, weight_scale, bias)
     else:
         out = fp8.fp8_linear_ref(rows, weight, weight_scale, bias)

@@ -109,7 +109,7 @@ def test_operand_errors_name_what_is_wrong():
     weight_fp8, scale = fp8_weight(32, 64, seed=9)
     x = randn(2, 64, seed=10, dtype=HALF)
     with pytest.raises(ValueError, match="FP8 weight"):
-        skinny_gemm(x.float(), weight_fp8, weight_scale=scale)
+        skinny_gemm(x.to(fp8.FP8_DTYPE), weight_fp8, weight_scale=scale)
     with pytest.raises(ValueError, match="weight_scale must be"):
         skinny_gemm(x, weight_fp8, weight_scale=scale[:16])
     with pytest.raises(ValueError, match="weight"):
