@@ -32,6 +32,7 @@ from torch import nn
 from kernels.rotary import build_cos_sin_cache
 from services.worker import ops
 from services.worker.cpu_attention import DecodeContext
+from services.worker.fp8_checkpoints import checkpoint_fp8
 
 log = structlog.get_logger()
 
@@ -61,7 +62,8 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over head_dim of each q and k head, before rotary (Qwen3)
     sliding_window: int | None = None  # the window some layers use (not implemented: caps context)
     # "fp8": the projections' weights (not embeddings, norms or lm_head) are FP8 with a scale
-    # per output channel (``Linear``); "none": all in the model's dtype
+    # per output channel (``Linear``): the checkpoint's own (fp8_checkpoints.py) or
+    # --quantization fp8's; "none": all in the model's dtype
     quantization: str = "none"
 
     @classmethod
@@ -84,7 +86,8 @@ class ModelConfig:
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             qkv_bias=attention_bias or family == "qwen2", o_proj_bias=attention_bias,
             mlp_bias=family == "llama" and config.get("mlp_bias", False),
-            qk_norm=family == "qwen3", sliding_window=_sliding_window(config, family))
+            qk_norm=family == "qwen3", sliding_window=_sliding_window(config, family),
+            quantization="fp8" if checkpoint_fp8(config) else "none")
         if model_config.sliding_window is not None:
             log.warning("sliding_window_caps_context", sliding_window=model_config.sliding_window,
                         max_position_embeddings=model_config.max_position_embeddings)

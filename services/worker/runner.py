@@ -65,7 +65,8 @@ class ModelRunner:
         self.model_path: Path = model_files.path
         self.seed: int = config.seed
         self.model = load_model(model_files.path, self._device, self._dtype, seed=config.seed,
-                                quantization=check_quantization(config.quantization, self._device))
+                                quantization=check_quantization(model_files.path,
+                                                                config.quantization, self._device))
         model_config = self.model.config
         self.block_size: int = config.block_size
         self.max_model_len: int = model_config.usable_context_len(config.max_model_len)

@@ -8,6 +8,7 @@ projection in the model's dtype); the model's FP8 ``Linear`` modules say which w
 from __future__ import annotations
 
 import dataclasses
+import json
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,8 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from kernels.fp8 import quantize_per_channel
+from kernels.fp8 import FP8_DTYPE, quantize_per_channel
+from services.worker.fp8_checkpoints import checkpoint_fp8, per_channel_weights
 from kernels.rotary import build_cos_sin_cache
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
 from shared.models import DUMMY_MARKER
@@ -29,20 +31,26 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int =
     """Build the model from a Hugging Face directory without materializing random weights first.
 
     A dummy-model directory (``DUMMY_MARKER``) gets random weights from ``seed`` instead, made
-    directly on ``device`` in ``dtype``. ``quantization``: "none" or "fp8" (``ModelConfig``).
+    directly on ``device`` in ``dtype``. ``quantization``: "none" or "fp8" (``ModelConfig``);
+    a checkpoint of FP8 weights (fp8_checkpoints.py) loads as FP8 either way.
     """
-    config = dataclasses.replace(ModelConfig.from_path(path), quantization=quantization)
+    config = ModelConfig.from_path(path)
+    if quantization == "fp8":
+        config = dataclasses.replace(config, quantization=quantization)
     with torch.device("meta"):
         model = Transformer(config)
     model.requires_grad_(False)  # inference only; an FP8 parameter could not require grad
     if (path / DUMMY_MARKER).exists():
         state_dict = random_weights(model, device, dtype, seed)
         log.info("model_random_weights", family=config.family, seed=seed,
-                 quantization=quantization,
+                 quantization=config.quantization,
                  num_params=sum(t.numel() for t in state_dict.values()))
-    elif quantization != "none":  # fused on the host, each tensor to the device and quantized in turn
-        hf_weights = fuse_hf_weights(read_safetensors(path, torch.device("cpu"), dtype), config)
-        state_dict = dict(place(model, hf_weights, device))
+    elif config.quantization != "none":  # fused on the host, each to the device in turn
+        hf_weights = read_safetensors(path, torch.device("cpu"), dtype)
+        checkpoint = checkpoint_fp8(json.loads((path / "config.json").read_text()))
+        if checkpoint is not None:
+            hf_weights = per_channel_weights(hf_weights, checkpoint)
+        state_dict = dict(place(model, fuse_hf_weights(hf_weights, config), device))
     else:
         state_dict = fuse_hf_weights(read_safetensors(path, device, dtype), config)
     model.load_state_dict(state_dict, strict=True, assign=True)
@@ -82,7 +90,7 @@ def place(model: Transformer, weights: Iterator[tuple[str, torch.Tensor]] | dict
               if name.endswith("weight_scale")}
     for name, tensor in (weights.items() if isinstance(weights, dict) else weights):
         tensor = tensor.to(device)
-        if name in scaled:
+        if name in scaled and tensor.dtype != FP8_DTYPE:  # (a checkpoint's FP8 comes scaled)
             tensor, scale = quantize_per_channel(tensor)
             yield f"{name}_scale", scale
         yield name, tensor
@@ -97,8 +105,12 @@ def read_safetensors(path: Path, device: torch.device, dtype: torch.dtype
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                if "rotary_emb" not in name:
-                    tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                if "rotary_emb" in name:
+                    continue
+                tensor = f.get_tensor(name)
+                # an FP8 checkpoint's weights and scales keep their dtypes (fp8_checkpoints.py)
+                keep = tensor.dtype == FP8_DTYPE or "_scale" in name.rpartition(".")[2]
+                tensors[name] = tensor.to(device=device, dtype=None if keep else dtype)
     return tensors
 
 
@@ -127,17 +139,21 @@ def fuse_hf_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
     return fused
 
 
-def check_quantization(quantization: str, device: torch.device) -> str:
-    """``quantization`` if ``device`` can run it; a clear error naming the flag if not (FP8
-    needs the FP8 tensor cores of compute capability 8.9+)."""
-    if quantization == "none":
-        return quantization
+def check_quantization(path: Path, requested: str, device: torch.device) -> str:
+    """The model's quantization, "fp8" when ``requested`` (--quantization) or when the checkpoint
+    at ``path`` ships FP8 weights, if ``device`` can run it; a clear error naming the cause if
+    not (FP8 needs the FP8 tensor cores of compute capability 8.9+)."""
+    from_checkpoint = ModelConfig.from_path(path).quantization
+    if "fp8" not in (requested, from_checkpoint):
+        return "none"
+    cause = (f"--quantization {requested}" if requested == "fp8"
+             else f"{path.name} (its weights are FP8: quantization_config in config.json)")
     if device.type != "cuda":
-        raise ValueError(f"--quantization {quantization} needs a CUDA GPU with FP8 tensor cores "
-                         f"(compute capability 8.9+); this worker runs on {device.type}")
+        raise ValueError(f"{cause} needs a CUDA GPU with FP8 tensor cores (compute capability "
+                         f"8.9+); this worker runs on {device.type}")
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        raise ValueError(f"--quantization {quantization} needs compute capability 8.9+ (FP8 "
-                         f"tensor cores); {torch.cuda.get_device_name(device)} has "
+        raise ValueError(f"{cause} needs compute capability 8.9+ (FP8 tensor cores); "
+                         f"{torch.cuda.get_device_name(device)} has "
                          f"{capability[0]}.{capability[1]}")
-    return quantization
+    return "fp8"

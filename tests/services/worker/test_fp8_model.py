@@ -61,6 +61,6 @@ def test_fp8_logits_follow_the_unquantized_model(tiny):
 def test_a_cpu_worker_refuses_fp8_naming_the_flag(tiny):
     with pytest.raises(ValueError, match="--quantization fp8 needs a CUDA GPU"):
         ModelRunner(WorkerConfig(device="cpu", quantization="fp8"), tiny)
-    assert check_quantization("none", CPU) == "none"
+    assert check_quantization(tiny.path, "none", CPU) == "none"
     with pytest.raises(ValueError, match="quantization must be one of none, fp8"):
         WorkerConfig(quantization="int4")
