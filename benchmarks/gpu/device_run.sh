@@ -142,6 +142,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
         done;;
     fp8-numerics) python3 -m benchmarks.fp8_numerics --model $M/dummy-llama-3.1-8b --device cuda \
         --dtype bfloat16 2>&1 | tail -16;;
+    # issue 29: the 70B-class dummy in FP8 on one GPU (needs an H200: ~74 GB of weights):
+    # ShareGPT 1,000 offline and batch-1 decode
+    fp8-70b) python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.3-70b \
+            --workload sharegpt --num-prompts 1000 $E_DATA --max-num-seqs 1024 \
+            --max-num-batched-tokens 16384 --quantization fp8 2>&1 | grep -E "num_blocks|^sharegpt"
+        python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.3-70b --quantization fp8 \
+            2>&1 | grep -E "^batch-1";;
+    # issue 28: n-gram speculation on the GPU against the same engine without it
+    # (benchmarks/gpu/speculative.py; SPEC_ARGS: e.g. --spec JSON)
+    spec-gpu) python3 -m benchmarks.gpu.speculative --model $M/dummy-llama-3.1-8b ${SPEC_ARGS:-} \
+        2>&1 | grep -v "identity_outputs\|^20[0-9][0-9]-" | tail -30;;
     *) echo "unknown stage $stage";;
   esac
 done

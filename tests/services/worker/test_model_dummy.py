@@ -22,6 +22,7 @@ from tests.services.worker.model_checks import BLOCK_SIZE, run_chunks
 CPU = torch.device("cpu")
 # preset: (family, published parameter count in billions, to 2 decimals)
 PRESETS = {"llama-3.1-8b": ("llama", 8.03), "llama-3.2-1b": ("llama", 1.24),
+           "llama-3.3-70b": ("llama", 70.55),
            "qwen2.5-7b": ("qwen2", 7.62), "qwen3-0.6b": ("qwen3", 0.60),
            "tiny-llama": ("llama", 0.00)}
 

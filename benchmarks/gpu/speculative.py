@@ -1,0 +1,119 @@
+"""Issue 28 on the GPU: n-gram speculative decoding through the in-process engine (the real
+scheduler and ModelRunner, CUDA graphs and overlapped steps on), dummy Llama-3.1-8B bf16,
+with drafts against the same engine without them.
+
+    python -m benchmarks.gpu.speculative --model DIR [--spec JSON]
+
+- ``identity``: 200 prompts (vLLM #41758's ``"serving" * 48`` among them: token ids repeated,
+  random-token prompts, prompts that repeat a random phrase), all 200 in batches of 64 and the
+  first 16, 32, 64 in batches of 1, 4, 16, 24 greedy tokens each: how many come out identical
+  with drafts and without.
+- ``batch1``: one repetitive prompt at a time (a phrase of 16 random ids, 32 times), 256
+  tokens: ms per token after the first, drafts kept per draft, on against off.
+- ``batch32``: 32 such prompts at once: output tokens per second, on against off.
+Random weights write no text, but a random model's greedy output falls into loops that n-gram
+lookup finds, so acceptance is the model's own. Results: $OUT/speculative_gpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from benchmarks.gpu.common import device_name, save
+from cli.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
+from shared.messages import SamplingParams
+from shared.models import resolve_model
+
+# drafts at every batch size (the default turns them off above 16 running requests)
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}'
+# (batch size, prompts run at it): every one of the 200 at 64, the first ones at the others
+IDENTITY_BATCHES = ((1, 16), (4, 32), (16, 64), (64, 200))
+
+
+def build(model: str, spec: str, max_num_seqs: int) -> Engine:
+    return Engine(SchedulerConfig(speculative_config=spec, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=8192),
+                  WorkerConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
+                               max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
+                               gpu_memory_utilization=0.45),
+                  resolve_model(model))
+
+
+def identity_prompts(count: int) -> list[list[int]]:
+    rng = random.Random(3)
+    prompts = [[12000 + rng.randrange(3)] * 48]  # "serving" * 48: one id, many times
+    while len(prompts) < count:
+        phrase = [rng.randrange(100, 40_000) for _ in range(rng.randint(3, 12))]
+        prompts.append(phrase * rng.randint(2, 8) if rng.random() < 0.6
+                       else [rng.randrange(100, 40_000) for _ in range(rng.randint(4, 200))])
+    return prompts
+
+
+def repetitive(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40_000) for _ in range(16)] * 32 for _ in range(count)]
+
+
+def generate(engine: Engine, prompts: list[list[int]], max_tokens: int):
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+              for _ in prompts]
+    drafter = engine.scheduler.drafter
+    drafts_before = getattr(drafter, "num_draft_tokens", 0)
+    kept_before = getattr(drafter, "num_accepted_drafts", 0)
+    completions, stats = engine.generate(prompts, params)
+    return completions, stats, (getattr(drafter, "num_draft_tokens", 0) - drafts_before,
+                                getattr(drafter, "num_accepted_drafts", 0) - kept_before)
+
+
+def measure(engine: Engine) -> dict:
+    """The three parts on one engine: identity outputs, batch-1 ms/token, batch-32 tok/s."""
+    generate(engine, repetitive(4, 99), 32)  # warm-up
+    outputs = []
+    for batch_size, num_prompts in IDENTITY_BATCHES:
+        prompts = identity_prompts(200)[:num_prompts]
+        for start in range(0, num_prompts, batch_size):
+            chunk = prompts[start:start + batch_size]
+            outputs += [c.output_token_ids for c in generate(engine, chunk, 24)[0]]
+    ms, drafts, kept = [], 0, 0
+    for prompt in repetitive(4, 1):
+        (completion,), _, (num_drafts, num_kept) = generate(engine, [prompt], 256)
+        ms.append((completion.finish_time - completion.first_token_time) / 255 * 1e3)
+        drafts, kept = drafts + num_drafts, kept + num_kept
+    completions, stats, _ = generate(engine, repetitive(32, 2), 256)
+    return {"identity_outputs": outputs, "batch1_ms_per_token": sorted(ms)[len(ms) // 2],
+            "batch1_runs_ms": ms, "batch1_drafts": drafts, "batch1_kept": kept,
+            "batch32_output_tok_s": 32 * 256 / stats.elapsed_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--spec", default=NGRAM)
+    args = parser.parse_args()
+    runs = {}
+    for name, spec in (("off", ""), ("on", args.spec)):
+        engine = build(args.model, spec, 64)
+        runs[name] = measure(engine)
+        del engine
+        torch.cuda.empty_cache()
+    off, on = runs["off"], runs["on"]
+    same = sum(a == b for a, b in zip(off["identity_outputs"], on["identity_outputs"], strict=True))
+    result = {"benchmark": "speculative_gpu", "device": device_name(), "model": args.model,
+              "spec": args.spec, "identity": f"{same}/{len(off['identity_outputs'])}",
+              "batch1_ms_per_token": {"off": off["batch1_ms_per_token"],
+                                      "on": on["batch1_ms_per_token"]},
+              "batch1_speedup": off["batch1_ms_per_token"] / on["batch1_ms_per_token"],
+              "batch1_acceptance": on["batch1_kept"] / max(on["batch1_drafts"], 1),
+              "batch32_output_tok_s": {"off": off["batch32_output_tok_s"],
+                                       "on": on["batch32_output_tok_s"]},
+              "batch32_speedup": on["batch32_output_tok_s"] / off["batch32_output_tok_s"]}
+    save("speculative_gpu", result)
+
+
+if __name__ == "__main__":
+    main()
