@@ -2,7 +2,7 @@
 scheduler and ModelRunner, CUDA graphs and overlapped steps on), dummy Llama-3.1-8B bf16,
 with drafts against the same engine without them.
 
-    python -m benchmarks.gpu.speculative --model DIR [--spec JSON]
+    python -m benchmarks.gpu.speculative --model DIR --run off   # then --run on, then neither
 
 - ``identity``: 200 prompts (vLLM #41758's ``"serving" * 48`` among them: token ids repeated,
   random-token prompts, prompts that repeat a random phrase), all 200 in batches of 64 and the
@@ -18,9 +18,10 @@ lookup finds, so acceptance is the model's own. Results: $OUT/speculative_gpu.js
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
-
-import torch
+from pathlib import Path
 
 from benchmarks.gpu.common import device_name, save
 from cli.engine import Engine
@@ -30,6 +31,7 @@ from shared.messages import SamplingParams
 from shared.models import resolve_model
 
 # drafts at every batch size (the default turns them off above 16 running requests)
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}'
 # (batch size, prompts run at it): every one of the 200 at 64, the first ones at the others
 IDENTITY_BATCHES = ((1, 16), (4, 32), (16, 64), (64, 200))
@@ -40,7 +42,7 @@ def build(model: str, spec: str, max_num_seqs: int) -> Engine:
                                   max_num_batched_tokens=8192),
                   WorkerConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                               gpu_memory_utilization=0.45),
+                               gpu_memory_utilization=0.9),
                   resolve_model(model))
 
 
@@ -94,14 +96,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--spec", default=NGRAM)
+    parser.add_argument("--run", choices=("off", "on"), default=None,
+                        help="measure one engine and keep its outputs in $OUT (each in its own "
+                        "process, so each has the whole GPU); without it, compare the two files")
     args = parser.parse_args()
-    runs = {}
-    for name, spec in (("off", ""), ("on", args.spec)):
-        engine = build(args.model, spec, 64)
-        runs[name] = measure(engine)
-        del engine
-        torch.cuda.empty_cache()
-    off, on = runs["off"], runs["on"]
+    if args.run:
+        engine = build(args.model, args.spec if args.run == "on" else "", 64)
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / f"speculative_gpu_{args.run}.json").write_text(json.dumps(measure(engine)))
+        return
+    off, on = (json.loads((OUT / f"speculative_gpu_{run}.json").read_text())
+               for run in ("off", "on"))
     same = sum(a == b for a, b in zip(off["identity_outputs"], on["identity_outputs"], strict=True))
     result = {"benchmark": "speculative_gpu", "device": device_name(), "model": args.model,
               "spec": args.spec, "identity": f"{same}/{len(off['identity_outputs'])}",
