@@ -149,6 +149,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
             --max-num-batched-tokens 16384 --quantization fp8 2>&1 | grep -E "num_blocks|^sharegpt"
         python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.3-70b --quantization fp8 \
             2>&1 | grep -E "^batch-1";;
+    fp8-70b-online) python3 -m benchmarks.gpu.online_serve --model $M/dummy-llama-3.3-70b \
+        --out "$OUT/online" --skip-vllm --serve-args "--quantization fp8" --max-duration 240 \
+        --budget 330 --dataset-path $M/sharegpt-1000.json 2>&1 | tail -25;;
     # issue 28: n-gram speculation on the GPU against the same engine without it
     # (benchmarks/gpu/speculative.py; SPEC_ARGS: e.g. --spec JSON)
     spec-gpu) for run in off on; do
