@@ -1,4 +1,5 @@
-"""Issue 29: the FP8 projections against bf16 on the Llama-3.1-8B shapes, per row count.
+"""Issue 29: the FP8 projections against bf16 on the Llama-3.1-8B (and, with ``--shapes
+qkv_70b,...``, Llama-3.3-70B) shapes, per row count.
 
     python -m benchmarks.gpu.fp8_gemm                      # M = 1 .. 4096, the table's configs
     python -m benchmarks.gpu.fp8_gemm --sweep --m 1,8      # skinny FP8 configs, best per shape
@@ -30,7 +31,10 @@ from kernels.activation import silu_and_mul
 from kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_gemm, skinny_gemm_silu_and_mul
 from services.worker import ops
 
-SHAPES = {**PLAIN_SHAPES, "gate_up_silu": PLAIN_SHAPES["gate_up"]}
+SHAPES = {**PLAIN_SHAPES, "gate_up_silu": PLAIN_SHAPES["gate_up"],
+          # Llama-3.3-70B's projections
+          "qkv_70b": (10240, 8192), "o_proj_70b": (8192, 8192), "gate_up_70b": (57344, 8192),
+          "down_70b": (8192, 28672)}
 GATED = {"gate_up_silu"}
 
 
