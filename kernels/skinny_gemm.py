@@ -96,6 +96,12 @@ FP8_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (4096, 4096): SkinnyConfig(64, 128, split_k=4, num_warps=8, max_m=16),
     (28672, 4096): SkinnyConfig(32, 256, max_m=16),  # gate_up: 40.1 / 40.5 vs 62.5
     (4096, 14336): SkinnyConfig(32, 256, split_k=4, max_m=16),  # down: 24.1 / 24.3 vs 31.5
+    # Llama-3.3-70B (the scaled FP8 GEMM at M = 1: 51.8, 45.3, 184.9, 124.6)
+    (10240, 8192): SkinnyConfig(32, 256, split_k=4, max_m=16),  # qkv: 31.4 / 32.1 vs 46.0
+    (8192, 8192): SkinnyConfig(32, 256, split_k=4, max_m=16),  # o_proj: 26.2 / 26.8 vs 33.8
+    (57344, 8192): SkinnyConfig(32, 256, max_m=16),  # gate_up: 147.3 / 147.7 vs 211.5
+    # down: 78.4 / 79.5 vs 110.7
+    (8192, 28672): SkinnyConfig(64, 256, split_k=4, num_warps=8, num_stages=4, max_m=16),
 }
 # No fused gate_up + SwiGLU launch for FP8: its best (32, 256) took 49.3 µs at M = 1 against
 # 40.4 for the plain launch (H200, same run), so gate_up runs plain and silu_and_mul after it.
