@@ -57,6 +57,15 @@ def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
             "tokenizer": flags(max_model_len=args.max_model_len)}
 
 
+def engine_flag_error(args: argparse.Namespace) -> str | None:
+    """What the worker would refuse at start, said before anything starts (else the stack would
+    restart a worker that cannot start until it gives up): None when the flags can run."""
+    if args.quantization == "fp8" and not worker_uses_gpu(args.device):
+        return ("--quantization fp8 needs a CUDA GPU with FP8 tensor cores (compute "
+                "capability 8.9+); the worker would run on the CPU")
+    return None
+
+
 def worker_uses_gpu(device: str | None) -> bool:
     """Whether a worker started with ``--device device`` (None: its default, auto) runs on CUDA."""
     if device is not None and device != "auto":

@@ -10,10 +10,11 @@ import threading
 from pathlib import Path
 
 from cli import bench
-from cli.engine_flags import add_engine_flags, engine_service_args
+from cli.engine_flags import add_engine_flags, engine_flag_error, engine_service_args
 from cli.stack import Stack, StackOptions, flags
 from services.gateway.config import RoutingPolicy
 from services.scheduler.config import SchedulingPolicy
+from services.scheduler.speculation import parse_speculative_config
 
 STOP_MARGIN_S = 10.0  # beyond --shutdown-timeout: the services' own exit after their drain
 SUPERVISE_EVERY_S = 0.5
@@ -104,9 +105,23 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
         kv_node_id=args.kv_node_id)
 
 
+def flag_error(args: argparse.Namespace) -> str | None:
+    """A flag the services would refuse at start (the stack would restart them until it gave
+    up), said at once: None when every flag can run."""
+    try:
+        parse_speculative_config(args.speculative_config or "")
+    except ValueError as exc:
+        return str(exc)
+    return engine_flag_error(args)
+
+
 def serve(args: argparse.Namespace) -> int:
     """Start the stack, restart any child that exits (give up, exit 1, when one keeps
     crashing), and stop it in order on the first Ctrl-C/SIGTERM; the second kills it."""
+    error = flag_error(args)
+    if error:
+        print(f"flotilla: {error}", file=sys.stderr, flush=True)
+        return 2
     options = serve_options(args)
     stack = Stack(options)
     stopping = threading.Event()

@@ -4,7 +4,7 @@ starts reach the right services."""
 from __future__ import annotations
 
 from cli.engine_flags import engine_service_args
-from cli.main import build_parser
+from cli.main import build_parser, main
 
 
 def test_serve_and_bench_pass_the_same_engine_flags():
@@ -37,3 +37,14 @@ def test_batch_limits_default_to_vllms_on_a_gpu():
     cpu = build_parser().parse_args(["serve", "--device", "cpu"])
     assert engine_service_args(cpu) == {"worker": ["--device", "cpu"], "scheduler": [],
                                         "tokenizer": []}
+
+
+def test_serve_refuses_flags_its_services_would_refuse_before_starting_anything(capsys):
+    """Exit 2 with the reason at once, instead of a stack restarting a worker (or scheduler)
+    that cannot start until it gives up."""
+    assert main(["serve", "--device", "cpu", "--quantization", "fp8"]) == 2
+    assert "--quantization fp8 needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["serve", "--device", "cpu", "--speculative-config", '{"method": "eagle"}']) == 2
+    assert "--speculative-config" in capsys.readouterr().err
+    gpu = build_parser().parse_args(["serve", "--device", "cuda", "--quantization", "fp8"])
+    assert engine_service_args(gpu)["worker"][-2:] == ["--quantization", "fp8"]
