@@ -273,6 +273,8 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     # cumulative, speculative decoding: drafts sent to be verified, and of those kept
     num_draft_tokens: int = 0
     num_accepted_drafts: int = 0
+    num_drafted_steps: int = 0  # a request's verify passes
+    num_accepted_per_position: list[int] = []  # [i]: drafts kept at position i
 
 
 class SchedulerBlockEvent(Struct, frozen=True, kw_only=True):

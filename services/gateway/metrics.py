@@ -93,6 +93,13 @@ class GatewayMetrics:
         self.accepted_drafts = Counter("flotilla_spec_decode_accepted_tokens",
                                        "Speculative drafts kept (acceptance rate: over the "
                                        "draft tokens)", labels, registry=r)
+        self.drafted_steps = Counter("flotilla_spec_decode_drafts",
+                                     "Verify passes of a request with drafts (mean accepted "
+                                     "length: accepted tokens over these)", labels, registry=r)
+        self.accepted_per_position = Counter(
+            "flotilla_spec_decode_accepted_tokens_per_pos",
+            "Drafts kept at each position (acceptance at a position: over the drafts)",
+            (*labels, "position"), registry=r)
         self.worker_busy = Counter("flotilla_worker_busy_seconds",
                                    "Time the worker spent computing steps", labels, registry=r)
         self.worker_idle_ratio = Gauge(
@@ -130,11 +137,17 @@ class GatewayMetrics:
                                (self.kv_tier_hits, "num_kv_tier_hits"),
                                (self.draft_tokens, "num_draft_tokens"),
                                (self.accepted_drafts, "num_accepted_drafts"),
+                               (self.drafted_steps, "num_drafted_steps"),
                                (self.worker_busy, "worker_busy_s")):
             value = getattr(stats, field)
             before = getattr(last, field) if last is not None else 0
             # cumulative on the scheduler; it starts over when it re-attaches a worker
             counter.labels(*labels).inc(value - before if value >= before else value)
+        before = last.num_accepted_per_position if last is not None else []
+        for position, value in enumerate(stats.num_accepted_per_position):
+            previous = before[position] if position < len(before) else 0
+            self.accepted_per_position.labels(*labels, str(position)).inc(
+                value - previous if value >= previous else value)
         self._last[stats.scheduler_id] = stats
         for num_tokens, seconds in zip(stats.recent_step_tokens, stats.recent_step_times_s):
             self.step_tokens.observe(num_tokens)

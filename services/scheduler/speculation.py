@@ -112,6 +112,8 @@ class NoDrafts:
     def __init__(self) -> None:
         self.num_draft_tokens = 0  # cumulative: drafts verified
         self.num_accepted_drafts = 0  # of those, kept
+        self.num_drafted_steps = 0  # a request's verify passes (mean kept: accepted over these)
+        self.num_accepted_per_position: list[int] = []  # [i]: kept as the (i + 1)-th draft
 
     def for_request(self, req: Request, budget: int, max_model_len: int) -> list[int]:
         """Drafts for a decode whose last token is known (none in flight), within its
@@ -130,9 +132,18 @@ class NoDrafts:
             return []
         self.num_draft_tokens += len(drafts)
         self.num_accepted_drafts += num_accepted
+        self.num_drafted_steps += 1
+        self._count_positions(len(drafts), num_accepted)
         if req.known_to_worker:  # (a preempted request recomputes from 0 anyway)
             req.num_computed_tokens -= len(drafts) - num_accepted
         return drafts[:num_accepted]
+
+    def _count_positions(self, num_drafts: int, num_accepted: int) -> None:
+        """A draft at position i is kept when the first i + 1 are."""
+        missing = num_drafts - len(self.num_accepted_per_position)
+        self.num_accepted_per_position += [0] * max(missing, 0)
+        for position in range(num_accepted):
+            self.num_accepted_per_position[position] += 1
 
     def drafts(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
                limit: int) -> list[int]:

@@ -66,6 +66,9 @@ class StepStats:
             num_prefix_hits=core.num_prefix_hits if core else 0,
             num_draft_tokens=core.drafter.num_draft_tokens if core else 0,
             num_accepted_drafts=core.drafter.num_accepted_drafts if core else 0,
+            num_drafted_steps=core.drafter.num_drafted_steps if core else 0,
+            num_accepted_per_position=list(core.drafter.num_accepted_per_position)
+            if core else [],
             worker_busy_s=self.worker_busy_s, worker_idle_ratio=idle_ratio,
             recent_step_tokens=[tokens for tokens, _ in samples],
             recent_step_times_s=[seconds for _, seconds in samples], **fields)

@@ -44,3 +44,9 @@ def test_greedy_chats_equal_the_reference_and_drafts_are_counted(
     assert wait_for(lambda: metric(url, "flotilla_spec_decode_accepted_tokens_total") > 0)
     assert metric(url, "flotilla_spec_decode_draft_tokens_total") >= \
         metric(url, "flotilla_spec_decode_accepted_tokens_total")
+    # kept drafts by position add up to the kept drafts; the first position is kept no more
+    # often than there were verify passes
+    assert wait_for(lambda: metric(url, "flotilla_spec_decode_accepted_tokens_per_pos_total")
+                    == metric(url, "flotilla_spec_decode_accepted_tokens_total"))
+    assert 0 < metric(url, "flotilla_spec_decode_accepted_tokens_per_pos_total",
+                      'position="0"') <= metric(url, "flotilla_spec_decode_drafts_total")

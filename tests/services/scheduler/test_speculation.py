@@ -125,6 +125,9 @@ def test_a_verify_step_outputs_the_kept_drafts_then_its_token():
     # computed: the prompt, 3, and the kept 4 and 1; 7 is the next step's input
     assert req.num_computed_tokens == 10 and req.num_tokens == 11
     assert (core.drafter.num_draft_tokens, core.drafter.num_accepted_drafts) == (3, 2)
+    # one verify pass; its first two draft positions kept, the third not
+    assert core.drafter.num_drafted_steps == 1
+    assert core.drafter.num_accepted_per_position == [1, 1, 0]
     next_plan = core.schedule()
     assert next_plan.scheduled[0].num_new_tokens == 1 + len(next_plan.scheduled[0].draft_token_ids)
 
