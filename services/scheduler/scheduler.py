@@ -477,7 +477,7 @@ class Scheduler:
         writes them: the worker runs steps in order, so a later step reusing them
         writes after it."""
         self.requests.pop(req.request_id, None)
-        self.drafter.forget(req.request_id)
+        self.drafter.forget(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

@@ -6,7 +6,10 @@ lookup: the request's last n tokens (n from ``prompt_lookup_max`` down to
 ``prompt_lookup_min``) are looked for earlier in its prompt and output, and the tokens
 that followed their latest earlier occurrence are proposed, up to
 ``num_speculative_tokens``. Drafting costs a few dictionary operations on the host per new
-token (an n-gram index per request), nothing on the device.
+token (an n-gram index per request), nothing on the device. ``method: "suffix"``
+(suffix.py) matches the longest suffix, up to ``suffix_decoding_max_tree_depth`` tokens, in
+the request's own tokens and in recent requests' responses, and proposes more tokens the
+longer the match (``suffix_decoding_max_spec_factor`` per matched token).
 
 The worker computes the request's last token and its drafts in one query; under greedy
 decoding it keeps each draft while it equals the model's argmax at the position before,
@@ -22,12 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+
 import msgspec
 
 from services.scheduler.request import Request
+from services.scheduler.suffix import ResponseCache, SuffixIndex
 from shared.messages import SamplingParams
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -38,6 +44,11 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # no drafts while more requests than this run: a large batch keeps the device busy, and
     # a rejected draft then costs as much as a real token (0: no limit)
     disable_by_batch_size: int = 16
+    # suffix: the longest suffix matched, the responses kept to match in, and the drafts per
+    # matched token (vLLM's names; vLLM's defaults 24, 10,000, 1.0)
+    suffix_decoding_max_tree_depth: int = 16
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -49,6 +60,12 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.disable_by_batch_size < 0:
             raise ValueError("disable_by_batch_size must be 0 (no limit) or more")
+        if not self.prompt_lookup_min <= self.suffix_decoding_max_tree_depth <= 64:
+            raise ValueError("need prompt_lookup_min <= suffix_decoding_max_tree_depth <= 64")
+        if self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be 0 (none) or more")
+        if self.suffix_decoding_max_spec_factor <= 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be positive")
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -153,8 +170,8 @@ class NoDrafts:
                       sampling: SamplingParams) -> bool:
         return False
 
-    def forget(self, request_id: str) -> None:
-        pass
+    def forget(self, req: Request) -> None:
+        """The request finished (or was aborted): drop what was kept for it."""
 
 
 class NgramDrafts(NoDrafts):
@@ -195,9 +212,51 @@ class NgramDrafts(NoDrafts):
         planned ahead as usual (overlapped steps), and tries drafts when its result is in."""
         return can_speculate(sampling) and bool(self._index(request_id).drafts(token_ids, 1))
 
-    def forget(self, request_id: str) -> None:
-        self._indexes.pop(request_id, None)
+    def forget(self, req: Request) -> None:
+        self._indexes.pop(req.request_id, None)
+
+
+class SuffixDrafts(NgramDrafts):
+    """Suffix-lookup drafts (suffix.py): the longest earlier match of a request's suffix in
+    its own tokens or in the responses of the last ``suffix_decoding_max_cached_requests``
+    requests; a match of n tokens proposes up to ``ceil(n * max_spec_factor)``."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        self._suffixes: dict[str, SuffixIndex] = {}
+        self.responses = ResponseCache(config.prompt_lookup_min,
+                                       config.suffix_decoding_max_tree_depth,
+                                       config.suffix_decoding_max_cached_requests)
+
+    def drafts(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
+               limit: int) -> list[int]:
+        if limit <= 0 or not can_speculate(sampling):
+            return []
+        index = self._suffixes.get(request_id)
+        if index is None:
+            index = self._suffixes[request_id] = SuffixIndex(
+                self.config.prompt_lookup_min, self.config.suffix_decoding_max_tree_depth)
+        index.add(request_id, token_ids)
+        own = index.match(token_ids)
+        tokens, matched = ((list(token_ids[own[1]:]), own[2]) if own is not None else ([], 0))
+        cached, cached_matched = self.responses.continuation(token_ids)
+        if cached_matched > matched:
+            tokens, matched = cached, cached_matched
+        factor = self.config.suffix_decoding_max_spec_factor
+        return tokens[:min(limit, self.config.num_speculative_tokens,
+                           max(1, math.ceil(matched * factor)))]
+
+    def worth_waiting(self, request_id: str, token_ids: Sequence[int],
+                      sampling: SamplingParams) -> bool:
+        return bool(self.drafts(request_id, token_ids, sampling, 1))
+
+    def forget(self, req: Request) -> None:
+        """Its output joins the responses later requests draft from."""
+        self._suffixes.pop(req.request_id, None)
+        self.responses.add(req.output_token_ids)
 
 
 def drafter(config: SpeculativeConfig | None) -> NoDrafts:
-    return NgramDrafts(config) if config is not None else NoDrafts()
+    if config is None:
+        return NoDrafts()
+    return SuffixDrafts(config) if config.method == "suffix" else NgramDrafts(config)

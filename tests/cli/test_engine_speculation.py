@@ -1,7 +1,7 @@
 """Greedy output never changes with speculative decoding: SmolLM2 (fp32, CPU) through the
 in-process engine (the real scheduler and ModelRunner) gives every one of 200 prompts the
-same tokens with n-gram drafts as without, at batch sizes from 1 to 64. The prompts mix
-copy-heavy text (where drafts are kept), the "serving" * 48 prompt of vLLM #41758, and
+same tokens with n-gram drafts, and with suffix drafts, as without, at batch sizes from 1
+to 64. The prompts mix copy-heavy text (where drafts are kept), the "serving" * 48 prompt of vLLM #41758, and
 short random-token prompts."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from shared.models import resolve_model
 
 pytestmark = pytest.mark.integration
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}'
+SUFFIX = '{"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": 0}'
 COPY = ["Repeat this list exactly: {w}. Again: {w}. Again:",
         "Copy the line: {w}\nCopy the line: {w}\nCopy the line:",
         "def {a}(x):\n    return x + {n}\n\ndef {a}_twice(x):\n    return {a}({a}(x))\n\n"
@@ -68,9 +69,10 @@ def test_two_hundred_prompts_give_the_same_tokens_with_and_without_drafts(model)
             batches.append(all_prompts[start:start + size])
             start += size
     plain, _ = run(model, "", batches)
-    speculative, engine = run(model, NGRAM, batches)
-    different = [i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b]
-    assert not different, f"prompts {different} differ with speculation"
-    scheduler = engine.scheduler.drafter
-    assert scheduler.num_draft_tokens > 200  # the copy-heavy prompts were drafted for
-    assert scheduler.num_accepted_drafts > scheduler.num_draft_tokens // 2
+    for spec in (NGRAM, SUFFIX):
+        speculative, engine = run(model, spec, batches)
+        different = [i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b]
+        assert not different, f"prompts {different} differ with {spec}"
+        drafter = engine.scheduler.drafter
+        assert drafter.num_draft_tokens > 200  # the copy-heavy prompts were drafted for
+        assert drafter.num_accepted_drafts > drafter.num_draft_tokens // 2, spec
