@@ -190,8 +190,8 @@ def _skinny_gemm_kernel(
     """Program (column tile, K split). N counts output columns: with GATED, W holds 2N rows
     (gate then up) and a program multiplies the gate rows of its columns and the matching up
     rows, then writes silu(gate) * up. With HAS_SCALE, W is FP8 and each column's sum is
-    multiplied by its weight scale (kernels/fp8.py) before the bias. With PDL (kernels/pdl.py) it waits for the previous
-    kernel after loading its first weight tile."""
+    multiplied by its weight scale (kernels/fp8.py) before the bias. With PDL
+    (kernels/pdl.py) it waits for the previous kernel after loading its first weight tile."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -340,8 +340,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight_scale: torch.Tensor | None, out: torch.Tensor, config: SkinnyConfig,
             gated: bool, norm: tuple | None = None) -> None:
     """One launch writing out [M, N] (N = weight rows, or half of them when gated), and the
-    reduce when K is split; ``weight_scale`` [weight rows] with an FP8 weight. With ``norm`` = (residual, norm_weight, eps) (split K only) the
-    reduce adds each row to the residual, in place, and writes its RMSNorm to out instead."""
+    reduce when K is split; ``weight_scale`` [weight rows] with an FP8 weight. With ``norm`` =
+    (residual, norm_weight, eps) (split K only) the reduce adds each row to the residual, in
+    place, and writes its RMSNorm to out instead."""
     m, k = x.shape
     n = out.shape[1]
     k_per_split, split_k = _split(k, config)

@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from kernels.fp8 import FP8_DTYPE, quantize_per_channel
-from services.worker.fp8_checkpoints import checkpoint_fp8, per_channel_weights
 from kernels.rotary import build_cos_sin_cache
+from services.worker.fp8_checkpoints import checkpoint_fp8, per_channel_weights
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
 from shared.models import DUMMY_MARKER
 
@@ -123,7 +123,7 @@ def fuse_hf_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[st
         raise ValueError("checkpoint has no lm_head.weight and tie_word_embeddings is false")
     fused = {}
     for name, tensor in hf.items():
-        prefix, _, suffix = name.rpartition(".")  # suffix: weight or bias
+        prefix, _, suffix = name.rpartition(".")  # suffix: weight, bias or weight_scale
         if prefix.endswith(("self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj")):
             continue  # consumed with q_proj / gate_proj
         if prefix.endswith("self_attn.q_proj"):
