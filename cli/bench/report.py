@@ -141,6 +141,15 @@ def prefix_cache_table(summary: dict, server: dict | None) -> str:
     return "\n".join(lines)
 
 
+def speculative_line(figures: dict) -> str:
+    """The server's speculative decoding over a run (server_metrics.speculative_decoding)."""
+    by_position = " ".join(_percent(rate) for rate in figures["acceptance_by_position"])
+    return (f"Speculative decoding (server): {figures['accepted_tokens']:,.0f} of "
+            f"{figures['draft_tokens']:,.0f} drafts kept ({_percent(figures['acceptance_rate'])}),"
+            f" {figures['mean_accepted_length']:.2f} a verify pass; kept by position: "
+            f"{by_position}")
+
+
 def _percent(rate: float) -> str:
     return "n/a" if rate is None or not math.isfinite(rate) else f"{rate:.1%}"
 

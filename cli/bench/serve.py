@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import time
 
-from cli.bench import multi_turn, options, report, target, workload
+from cli.bench import multi_turn, options, report, server_metrics, target, workload
 from cli.bench.client import RequestSettings
 from cli.bench.datasets import BenchRequest
 from cli.bench.deadline import (
@@ -80,6 +80,7 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Be
             load = LoadSettings(rate, args.burstiness, max_concurrency, args.seed)
             report.notice(f"{RUN_STARTED} {len(requests)} requests ({label}, deadline in "
                           f"{remaining_s:.0f} s)")
+            before = await server_metrics.read_counters(base_url, args.api_key)
             with tqdm(total=len(requests), desc=label, disable=args.disable_tqdm) as bar:
                 result = await run_load(client, requests, settings, load,
                                         on_done=lambda record: bar.update(1),
@@ -91,10 +92,25 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Be
                               f"{result.num_not_sent} never sent")
             runs.append({"max_concurrency": max_concurrency, "request_rate": rate,
                          "label": label, "summary": result.summary(args.slo),
+                         "server_speculative": await speculative_figures(base_url, args,
+                                                                         before),
                          "dataset": workload.dataset_settings(args, requests),
                          "requests": [report.record_dict(r) for r in result.records],
                          "unfinished_requests": [report.record_dict(r) for r in result.in_flight]})
     return runs
+
+
+async def speculative_figures(base_url: str, args: argparse.Namespace,
+                              before: server_metrics.Counters | None) -> dict | None:
+    """Speculative decoding over a run from the server's counters (server_metrics.py), read
+    once the schedulers' stats have caught up; None without drafts or without flotilla's
+    /metrics."""
+    if before is None:
+        return None
+    await asyncio.sleep(server_metrics.STATS_SETTLE_S)
+    after = await server_metrics.read_counters(base_url, args.api_key)
+    return server_metrics.speculative_decoding(
+        server_metrics.counter_deltas(before, after)) if after else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         if run_["label"] != "requests":
             title += f" ({run_['label']})"
         print(report.serve_table(run_["summary"], title))
+        if run_["server_speculative"]:
+            print(report.speculative_line(run_["server_speculative"]))
     if len(runs) > 1:
         print(report.sweep_table(runs))
     if args.result_json:

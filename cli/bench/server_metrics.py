@@ -1,6 +1,7 @@
 """The server's own counters around a run: flotilla's gateway /metrics (prefix-cache
-queries and hits per replica, from the schedulers' stats; routing counters if any), read
-before and after, and their difference. Another server's /metrics, or none, gives none."""
+queries and hits per replica, from the schedulers' stats; speculative decoding's drafts;
+routing counters if any), read before and after, and their difference. Another server's
+/metrics, or none, gives none."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import re
 
 import httpx
 
-# counters worth a delta: the scheduler-side prefix cache (per replica) and routing
-COUNTER_PREFIXES = ("flotilla_prefix_cache_", "flotilla_rout")
+# counters worth a delta: the scheduler-side prefix cache (per replica), speculative
+# decoding and routing
+COUNTER_PREFIXES = ("flotilla_prefix_cache_", "flotilla_spec_decode_", "flotilla_rout")
 QUERIES = "flotilla_prefix_cache_queries_total"  # prompt tokens looked up
 HITS = "flotilla_prefix_cache_hits_total"  # prompt tokens found in the worker's own cache
 TIER_HITS = "flotilla_prefix_cache_tier_hits_total"  # loaded from the kvstore's tiers instead
+DRAFT_TOKENS = "flotilla_spec_decode_draft_tokens_total"  # drafts verified
+ACCEPTED = "flotilla_spec_decode_accepted_tokens_total"  # drafts kept
+DRAFTS = "flotilla_spec_decode_drafts_total"  # a request's verify passes
+ACCEPTED_PER_POS = "flotilla_spec_decode_accepted_tokens_per_pos_total"  # kept, by position
 # a scheduler's instance id changes when it restarts: its replica is what stays
 _DROPPED_LABELS = ("scheduler_id",)
 # the schedulers' stats reach the gateway every 0.5 s: wait this long before the last read
@@ -68,6 +74,28 @@ def scheduler_prefix_cache(deltas: Counters) -> dict:
     return {**figures(of(QUERIES), of(HITS), of(TIER_HITS)),
             "by_replica": {key: figures(of(QUERIES, key), of(HITS, key), of(TIER_HITS, key))
                            for key in sorted(deltas.get(QUERIES, {}))}}
+
+
+def speculative_decoding(deltas: Counters) -> dict | None:
+    """Speculative decoding over the run, all replicas: drafts verified and kept, the
+    acceptance rate, the mean accepted length (kept drafts per verify pass) and the share of
+    verify passes that kept a draft at each position; None when no draft was verified."""
+    def total(name: str) -> float:
+        return sum(deltas.get(name, {}).values())
+
+    num_drafts = total(DRAFTS)
+    if not total(DRAFT_TOKENS) or not num_drafts:
+        return None
+    by_position: dict[int, float] = {}
+    for key, value in deltas.get(ACCEPTED_PER_POS, {}).items():
+        position = int(dict(part.split("=", 1) for part in key.split(","))["position"])
+        by_position[position] = by_position.get(position, 0.0) + value
+    return {"draft_tokens": total(DRAFT_TOKENS), "accepted_tokens": total(ACCEPTED),
+            "verify_passes": num_drafts,
+            "acceptance_rate": total(ACCEPTED) / total(DRAFT_TOKENS),
+            "mean_accepted_length": total(ACCEPTED) / num_drafts,
+            "acceptance_by_position": [by_position[i] / num_drafts
+                                       for i in sorted(by_position)]}
 
 
 async def read_counters(base_url: str, api_key: str | None) -> Counters | None:
