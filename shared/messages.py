@@ -79,6 +79,7 @@ class SamplingParams(Struct, frozen=True, kw_only=True, gc=False):
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     structured: StructuredSpec | None = None
+    speculative: bool = True  # False: never drafted for (--speculative-config), this request
 
     @property
     def is_greedy(self) -> bool:

@@ -8,7 +8,8 @@ here (audio output, web search...). A null means the parameter's default. Unknow
 parameters are a 400, as with OpenAI, unless the gateway runs with
 ``--accept-unknown-fields`` (then they are dropped and logged). Extensions (vLLM's names):
 top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, priority,
-cache_salt.
+cache_salt; and flotilla's own ``speculative`` (false: no speculative drafts for this
+request).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class _SamplingFields(OpenAIModel):
     # extension: lower runs first under --scheduling-policy priority
     priority: int = Field(default=0, ge=-INT32_LIMIT, lt=INT32_LIMIT)
     cache_salt: str | None = Field(default=None, min_length=1)  # extension: prefix-cache isolation
+    speculative: bool = True  # extension (flotilla's): false opts out of speculative drafts
 
     @model_validator(mode="after")
     def _check_common(self):
@@ -133,7 +135,8 @@ class _SamplingFields(OpenAIModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=_first(self.repetition_penalty, defaults.repetition_penalty, 1.0),
             logit_bias=_logit_bias(self.logit_bias, vocab_size), min_tokens=self.min_tokens,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured=structured,
+            speculative=self.speculative)
 
 
 def _first(*values):

@@ -82,8 +82,9 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
 
 def can_speculate(sampling: SamplingParams) -> bool:
     """Greedy, with logits nothing adjusts and nothing reported per token: verifying
-    drafts by the argmax then gives exactly the tokens plain decoding gives."""
-    return sampling.is_greedy and not (
+    drafts by the argmax then gives exactly the tokens plain decoding gives; and not opted
+    out (the request's ``speculative: false``)."""
+    return sampling.speculative and sampling.is_greedy and not (
         sampling.logit_bias or sampling.min_tokens or sampling.structured is not None
         or sampling.has_penalties or sampling.logprobs is not None
         or sampling.prompt_logprobs is not None)

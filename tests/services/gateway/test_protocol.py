@@ -18,7 +18,8 @@ def test_every_sampling_parameter_reaches_sampling_params():
         **CHAT, "temperature": 0.5, "top_p": 0.9, "top_k": 7, "min_p": 0.1, "seed": 3,
         "presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.1,
         "logit_bias": {"5": 10, "7": -100}, "min_tokens": 2, "ignore_eos": True,
-        "stop_token_ids": [9], "logprobs": True, "top_logprobs": 4, "n": 3})
+        "stop_token_ids": [9], "logprobs": True, "top_logprobs": 4, "n": 3,
+        "speculative": False})
     params = req.sampling_params(8, VOCAB_SIZE, logprobs=req.num_logprobs)
     assert (params.temperature, params.top_p, params.top_k, params.min_p, params.seed) == \
         (0.5, 0.9, 7, 0.1, 3)
@@ -26,13 +27,13 @@ def test_every_sampling_parameter_reaches_sampling_params():
         (0.5, -1.0, 1.1)
     assert params.logit_bias == {5: 10.0, 7: -100.0}
     assert (params.min_tokens, params.ignore_eos, params.stop_token_ids) == (2, True, [9])
-    assert params.logprobs == 4 and req.n == 3
+    assert params.logprobs == 4 and req.n == 3 and params.speculative is False
 
 
 def test_defaults_are_no_ops():
     params = parse_request(CompletionRequest, COMPLETION).sampling_params(16, VOCAB_SIZE)
     assert not params.has_penalties and params.logit_bias == {} and params.min_p == 0.0
-    assert params.logprobs is None and params.prompt_logprobs is None
+    assert params.logprobs is None and params.prompt_logprobs is None and params.speculative
 
 
 @pytest.mark.parametrize("model, extra, param", [

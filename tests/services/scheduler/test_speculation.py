@@ -85,6 +85,7 @@ def test_only_requests_whose_logits_nothing_adjusts_are_drafted_for():
                   SamplingParams(temperature=0.0, repetition_penalty=1.1),
                   SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
                   SamplingParams(temperature=0.0, min_tokens=4),
+                  SamplingParams(temperature=0.0, speculative=False),  # opted out
                   SamplingParams(temperature=0.0, structured=StructuredSpec(kind="json_object"))):
         assert not can_speculate(other)
         assert NgramDrafts(SpeculativeConfig()).drafts("r", [1, 2, 1, 2], other, 4) == []
