@@ -238,7 +238,7 @@ class SuffixDrafts(NgramDrafts):
             index = self._suffixes[request_id] = SuffixIndex(
                 self.config.prompt_lookup_min, self.config.suffix_decoding_max_tree_depth)
         index.add(request_id, token_ids)
-        own = index.match(token_ids)
+        own = index.match(token_ids, lambda _key: token_ids)
         tokens, matched = ((list(token_ids[own[1]:]), own[2]) if own is not None else ([], 0))
         cached, cached_matched = self.responses.continuation(token_ids)
         if cached_matched > matched:

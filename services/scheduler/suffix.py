@@ -6,44 +6,57 @@ own prompt and output or in the responses of recent requests, and proposes what 
 the longer the match, the more tokens it proposes (``max_spec_factor`` per matched token). A
 server answering similar requests (agent loops, templated tools, repeated edits) then drafts
 from earlier answers as well as from the prompt. The idea is Arctic Inference's suffix
-decoding; this is a hash index of suffixes, not its suffix tree, and proposes the continuation
-of the latest occurrence (no frequency statistics).
+decoding; this is not its suffix tree but an index of ``min_n``-grams (one dictionary insert per
+token) whose latest occurrences are extended backwards at lookup, and it proposes the
+continuation of the longest (then latest) match, with no frequency statistics.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class SuffixIndex:
-    """Token sequences' n-grams (``min_n``..``max_n`` tokens) -> (sequence key, where the latest
-    occurrence ends), grown as sequences are appended to (they only ever are)."""
+    """Token sequences' ``min_n``-grams -> the last ``max_candidates`` places each ended (one
+    dictionary insert per token). A lookup extends each candidate backwards, token by token,
+    to the longest match up to ``max_n``: the longest suffix match among the latest
+    occurrences of the sequence's last ``min_n`` tokens. Sequences only ever grow."""
 
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.sizes = range(max_n, min_n - 1, -1)
-        self.ends: dict[tuple[int, ...], tuple[object, int]] = {}
+    def __init__(self, min_n: int, max_n: int, max_candidates: int = 8) -> None:
+        self.min_n, self.max_n, self.max_candidates = min_n, max_n, max_candidates
+        self.ends: dict[tuple[int, ...], list[tuple[object, int]]] = {}
         self.num_indexed: dict[object, int] = {}  # per sequence: its tokens indexed so far
 
-    def add(self, key: object, token_ids: Sequence[int], upto: int | None = None) -> None:
-        """Index the n-grams of ``token_ids[:upto]`` not indexed yet (a continuation must
-        follow an n-gram, so one ending at ``upto`` is indexed once a token follows it)."""
-        end = len(token_ids) if upto is None else upto
-        start = self.num_indexed.get(key, 0)
-        for stop in range(max(start, 1), end):  # n-grams ending before index ``stop``
-            for n in self.sizes:
-                if stop - n >= 0:
-                    self.ends[tuple(token_ids[stop - n:stop])] = (key, stop)
-        self.num_indexed[key] = max(start, end)
+    def add(self, key: object, token_ids: Sequence[int]) -> None:
+        """Index the n-grams not indexed yet that a token follows (a continuation must follow a
+        match, so the one ending the sequence waits for the next token)."""
+        n, start = self.min_n, self.num_indexed.get(key, 0)
+        for stop in range(max(start, n), len(token_ids)):  # the n-gram ending before ``stop``
+            places = self.ends.setdefault(tuple(token_ids[stop - n:stop]), [])
+            places.append((key, stop))
+            if len(places) > self.max_candidates:
+                del places[0]
+        self.num_indexed[key] = max(start, len(token_ids))
 
-    def match(self, token_ids: Sequence[int]) -> tuple[object, int, int] | None:
-        """(key, end, n) of the longest suffix of ``token_ids`` indexed, or None."""
-        for n in self.sizes:
-            if len(token_ids) >= n:
-                found = self.ends.get(tuple(token_ids[-n:]))
-                if found is not None:
-                    return found[0], found[1], n
-        return None
+    def match(self, token_ids: Sequence[int],
+              sequence: Callable[[object], Sequence[int] | None]) -> tuple[object, int, int] | None:
+        """(key, end, length) of the longest match of ``token_ids``' suffix, the latest of equal
+        ones; ``sequence(key)`` gives a key's tokens (None: gone). None when nothing matches."""
+        if len(token_ids) < self.min_n:
+            return None
+        best = None
+        for key, stop in reversed(self.ends.get(tuple(token_ids[-self.min_n:]), ())):
+            tokens = sequence(key)
+            if tokens is None:
+                continue
+            length = self.min_n
+            while (length < self.max_n and length < stop and length < len(token_ids)
+                   and tokens[stop - length - 1] == token_ids[-length - 1]):
+                length += 1
+            if best is None or length > best[2]:
+                best = (key, stop, length)
+        return best
 
 
 class ResponseCache:
@@ -79,8 +92,8 @@ class ResponseCache:
 
     def continuation(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """(the tokens after the longest cached match of ``token_ids``' suffix, its length)."""
-        found = self.index.match(token_ids)
-        if found is None or found[0] not in self.responses:
+        found = self.index.match(token_ids, self.responses.get)
+        if found is None:
             return [], 0
         key, end, n = found
         return self.responses[key][end:], n

@@ -28,16 +28,27 @@ def finished(request_id: str, prompt: list[int], output: list[int]) -> Request:
 
 
 def test_the_index_finds_what_a_scan_finds_for_the_longest_suffix():
+    """With room for every occurrence, the longest (then latest) match is the scan's."""
     rng = random.Random(5)
     for _ in range(200):
         tokens = [rng.randrange(4) for _ in range(rng.randint(1, 30))]
-        index = SuffixIndex(2, 6)
+        index = SuffixIndex(2, 6, max_candidates=64)
         for length in range(1, len(tokens) + 1):  # grown token by token, as a request is
             index.add("r", tokens[:length])
-            found = index.match(tokens[:length])
+            found = index.match(tokens[:length], lambda _key: tokens[:length])
             expected = ngram_drafts(tokens[:length], 64, 2, 6)
             got = list(tokens[found[1]:length]) if found else []
             assert got == expected, (tokens[:length], found)
+
+
+def test_only_the_latest_occurrences_are_candidates():
+    tokens = [9, 1, 2, 5, 7, 1, 2, 6, 9, 1, 2]  # [9, 1, 2] matches 3 long at the start only
+    latest_only = SuffixIndex(2, 6, max_candidates=1)
+    latest_only.add("r", tokens)
+    assert latest_only.match(tokens, lambda _key: tokens)[1:] == (7, 2)  # [1, 2] then 6
+    both = SuffixIndex(2, 6, max_candidates=2)
+    both.add("r", tokens)
+    assert both.match(tokens, lambda _key: tokens)[1:] == (3, 3)  # [9, 1, 2] then 5
 
 
 def test_a_longer_match_proposes_more_tokens():
