@@ -103,16 +103,9 @@ FP8_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     # down: 78.4 / 79.5 vs 110.7
     (8192, 28672): SkinnyConfig(64, 256, split_k=4, num_warps=8, num_stages=4, max_m=16),
 }
-# No fused gate_up + SwiGLU launch for FP8: its best (32, 256) took 49.3 µs at M = 1 against
-# 40.4 for the plain launch (H200, same run), so gate_up runs plain and silu_and_mul after it.
-FP8_GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {}
-
-
-def _tables(dtype: torch.dtype) -> tuple[dict, dict]:
-    """(plain, gated) config tables for weights of ``dtype``."""
-    if dtype == FP8_DTYPE:
-        return FP8_CONFIGS, FP8_GATED_CONFIGS
-    return CONFIGS, GATED_CONFIGS
+# No fused gate_up + SwiGLU launch for FP8 weights: its best (32, 256) took 49.3 µs at M = 1
+# against 40.4 for the plain launch (H200, same run), so FP8 gate_up runs plain and
+# silu_and_mul after it, and the gated launch takes bf16/fp16 weights only.
 
 
 def default_config(n: int, k: int) -> SkinnyConfig:
@@ -120,21 +113,26 @@ def default_config(n: int, k: int) -> SkinnyConfig:
     return SkinnyConfig(block_n=16, block_k=min(256, max(16, triton.next_power_of_2(k))))
 
 
+def _table(dtype: torch.dtype) -> dict[tuple[int, int], SkinnyConfig]:
+    """The plain launch's config table for weights of ``dtype``."""
+    return FP8_CONFIGS if dtype == FP8_DTYPE else CONFIGS
+
+
 def config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
     """The launch for a [n, k] weight of ``dtype``."""
-    return _tables(dtype)[0].get((n, k)) or default_config(n, k)
+    return _table(dtype).get((n, k)) or default_config(n, k)
 
 
-def gated_config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
+def gated_config_for(n: int, k: int) -> SkinnyConfig:
     """The gated launch for a [n, k] gate_up weight (n / 2 output columns)."""
-    return _tables(dtype)[1].get((n, k)) or default_config(n // 2, k)
+    return GATED_CONFIGS.get((n, k)) or default_config(n // 2, k)
 
 
 def serves(num_rows: int, weight: torch.Tensor) -> bool:
     """Whether the worker should use the skinny GEMM: a CUDA bf16/fp16 or FP8 weight of a
     swept shape, at most its ``max_m`` rows (where it beat cuBLAS, or for FP8 the scaled FP8
     GEMM, on the H200)."""
-    return _serves(num_rows, weight, _tables(weight.dtype)[0])
+    return _serves(num_rows, weight, _table(weight.dtype))
 
 
 def _serves(num_rows: int, weight: torch.Tensor, configs: dict) -> bool:
@@ -166,16 +164,12 @@ def _dot(x, w, acc, FP32_IEEE: tl.constexpr):
 
 
 @triton.jit
-def _times_weight_scale(acc, acc_up, scale_ptr, offs_n, n_mask, N, HAS_SCALE: tl.constexpr,
-                        GATED: tl.constexpr):
-    """With HAS_SCALE (an FP8 weight), each column's sum times its weight scale (and, gated,
-    the up rows' by theirs, N further on). Per output channel, so scaling each split's partial
-    scales their sum."""
+def _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE: tl.constexpr):
+    """With HAS_SCALE (an FP8 weight; never gated), each column's sum times its weight scale.
+    Per output channel, so scaling each split's partial scales their sum."""
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-        if GATED:
-            acc_up *= tl.load(scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
-    return acc, acc_up
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
@@ -242,7 +236,7 @@ def _skinny_gemm_kernel(
             acc_up = _dot(x, w_up, acc_up, FP32_IEEE)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    acc, acc_up = _times_weight_scale(acc, acc_up, scale_ptr, offs_n, n_mask, N, HAS_SCALE, GATED)
+    acc = _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE)
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * out_stride_m + offs_n[None, :]
     if SPLIT_K > 1:  # an fp32 partial per split; _reduce_splits_kernel adds them
@@ -399,8 +393,9 @@ def serves_add_rms_norm(num_rows: int, weight: torch.Tensor, residual: torch.Ten
 
 
 def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
-    """``serves`` for the fused gate_up + SwiGLU launch (``GATED_CONFIGS``)."""
-    return _serves(num_rows, weight, _tables(weight.dtype)[1])
+    """``serves`` for the fused gate_up + SwiGLU launch (``GATED_CONFIGS``; bf16/fp16 weights
+    only)."""
+    return weight.dtype != FP8_DTYPE and _serves(num_rows, weight, GATED_CONFIGS)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -457,24 +452,23 @@ def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                              bias: torch.Tensor | None = None,
-                             config: SkinnyConfig | None = None,
-                             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                             config: SkinnyConfig | None = None) -> torch.Tensor:
     """SwiGLU of a fused gate_up projection in one launch: x [M, K], weight [2 * d, K] (gate
     rows then up rows), bias [2 * d] or None -> [M, d] = silu(gate) * up, rounded as
     ``silu_and_mul(skinny_gemm(x, weight, bias))`` rounds it (bitwise the same).
     ``config``: its block_n counts output columns (default: ``gated_config_for(2 * d, K)``).
-    An FP8 weight comes with ``weight_scale`` [2 * d]."""
-    _check_operands(x, weight, bias, weight_scale)
+    bf16/fp16/fp32 weights (FP8: ``skinny_gemm`` then silu_and_mul)."""
+    _check_operands(x, weight, bias, None)
     m, k = x.shape
     d = weight.shape[0] // 2
     if weight.shape[0] != 2 * d or k == 0:
         raise ValueError(f"weight {tuple(weight.shape)}: needs an even number of rows and K > 0")
-    config = config or gated_config_for(2 * d, k, weight.dtype)
+    config = config or gated_config_for(2 * d, k)
     if config.split_k != 1:
         raise ValueError("the gated GEMM does not split K")
     out = torch.empty(m, d, dtype=x.dtype, device=x.device)
     if m > 0 and d > 0:
-        _launch(x, weight, bias, weight_scale, out, config, gated=True)
+        _launch(x, weight, bias, None, out, config, gated=True)
     return out
 
 

@@ -64,12 +64,11 @@ def repetitive(count: int, seed: int) -> list[list[int]]:
 def generate(engine: Engine, prompts: list[list[int]], max_tokens: int):
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
               for _ in prompts]
-    drafter = engine.scheduler.drafter
-    drafts_before = getattr(drafter, "num_draft_tokens", 0)
-    kept_before = getattr(drafter, "num_accepted_drafts", 0)
+    drafter = engine.scheduler.drafter  # (NoDrafts keeps the same counts, at zero)
+    drafts_before, kept_before = drafter.num_draft_tokens, drafter.num_accepted_drafts
     completions, stats = engine.generate(prompts, params)
-    return completions, stats, (getattr(drafter, "num_draft_tokens", 0) - drafts_before,
-                                getattr(drafter, "num_accepted_drafts", 0) - kept_before)
+    return completions, stats, (drafter.num_draft_tokens - drafts_before,
+                                drafter.num_accepted_drafts - kept_before)
 
 
 def measure(engine: Engine) -> dict:

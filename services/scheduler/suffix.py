@@ -69,7 +69,8 @@ class ResponseCache:
         self.responses: OrderedDict[int, list[int]] = OrderedDict()
         self.index = SuffixIndex(min_n, max_n)
         self._next_key = 0
-        self._indexed_tokens = 0
+        self._indexed_tokens = 0  # in the index, evicted responses' included
+        self._live_tokens = 0  # in the responses kept
 
     def add(self, token_ids: Sequence[int]) -> None:
         if self.max_responses == 0 or len(token_ids) <= self.min_n:
@@ -78,17 +79,17 @@ class ResponseCache:
         self.responses[key] = list(token_ids)
         self.index.add(key, self.responses[key])
         self._indexed_tokens += len(token_ids)
+        self._live_tokens += len(token_ids)
         while len(self.responses) > self.max_responses:
-            self.responses.popitem(last=False)
-        live = sum(map(len, self.responses.values()))
-        if self._indexed_tokens > 2 * live:
-            self._rebuild(live)
+            self._live_tokens -= len(self.responses.popitem(last=False)[1])
+        if self._indexed_tokens > 2 * self._live_tokens:
+            self._rebuild()
 
-    def _rebuild(self, live: int) -> None:
+    def _rebuild(self) -> None:
         self.index = SuffixIndex(self.min_n, self.max_n)
         for key, tokens in self.responses.items():
             self.index.add(key, tokens)
-        self._indexed_tokens = live
+        self._indexed_tokens = self._live_tokens
 
     def continuation(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
         """(the tokens after the longest cached match of ``token_ids``' suffix, its length)."""
