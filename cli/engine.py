@@ -14,6 +14,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
+from services.worker.tp_group import SingleRank, start_group
 from shared.messages import GenerateRequest, SamplingParams, StepPlan, StepResult
 from shared.models import ModelFiles
 
@@ -52,11 +53,18 @@ class EngineStats:
 class Engine:
     def __init__(self, scheduler_config: SchedulerConfig, worker_config: WorkerConfig,
                  model_files: ModelFiles) -> None:
-        self.runner = ModelRunner(worker_config, model_files)
+        ranks = SingleRank()
+        if worker_config.tensor_parallel_size > 1:  # ranks 1.. as processes (tp_group.py)
+            ranks, worker_config = start_group(worker_config)
+        self.runner = ModelRunner(worker_config, model_files, ranks)
         self.scheduler = Scheduler(
             scheduler_config, num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
             max_model_len=self.runner.max_model_len, eos_token_ids=self.runner.eos_token_ids,
             model_name=self.runner.model_name)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any."""
+        self.runner.ranks.close()
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]
                  ) -> tuple[list[Completion], EngineStats]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from cli.stack import flags
 from services.worker.config import Dtype, Quantization
@@ -37,6 +38,9 @@ def add_engine_flags(parser) -> None:
     parser.add_argument("--max-model-len", default=None,
                         help="context length limit (default: the model's own)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="spread each worker's model over N GPUs (one process each; a "
+                        "stack of R replicas uses N*R GPUs). Default 1; docs/tensor-parallel.md")
 
 
 def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
@@ -50,7 +54,7 @@ def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
         or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else None))
     worker = batch_limits + flags(
         kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
-        quantization=args.quantization,
+        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
     return {"worker": worker + (["--enforce-eager"] if args.enforce_eager else []),
             "scheduler": batch_limits + flags(max_queued_requests=args.max_queued_requests),
@@ -63,7 +67,44 @@ def engine_flag_error(args: argparse.Namespace) -> str | None:
     if args.quantization == "fp8" and not worker_uses_gpu(args.device):
         return ("--quantization fp8 needs a CUDA GPU with FP8 tensor cores (compute "
                 "capability 8.9+); the worker would run on the CPU")
+    tensor_parallel_size = tensor_parallel_size_of(args)
+    if tensor_parallel_size < 1:
+        return f"--tensor-parallel-size must be at least 1, not {args.tensor_parallel_size}"
+    if worker_uses_gpu(args.device):
+        return gpu_count_error(tensor_parallel_size, getattr(args, "replicas", 1), args.device)
     return None
+
+
+def gpu_count_error(tensor_parallel_size: int, replicas: int, device: str | None) -> str | None:
+    """Why the visible GPUs are too few, or None: each replica's worker gets its own
+    ``tensor_parallel_size`` of them (gpus_per_replica), unless --device names one for all."""
+    import torch
+
+    needed = tensor_parallel_size * (replicas if pins_replica_gpus(device) else 1)
+    visible = torch.cuda.device_count()  # CUDA_VISIBLE_DEVICES applied
+    if needed <= visible:
+        return None
+    return (f"--tensor-parallel-size {tensor_parallel_size} with --replicas {replicas} needs "
+            f"{needed} GPUs, but {visible} {'is' if visible == 1 else 'are'} visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+
+
+def gpus_per_replica(args: argparse.Namespace) -> int | None:
+    """GPUs the stack gives each replica's worker (StackOptions.worker_gpus), or None: the
+    workers run on the CPU, or --device cuda:K names the GPU they share."""
+    if not pins_replica_gpus(args.device):
+        return None
+    return tensor_parallel_size_of(args)
+
+
+def tensor_parallel_size_of(args: argparse.Namespace) -> int:
+    """--tensor-parallel-size, or the worker's default (1) when not given."""
+    return 1 if args.tensor_parallel_size is None else args.tensor_parallel_size
+
+
+def pins_replica_gpus(device: str | None) -> bool:
+    """Whether the stack chooses each worker's GPUs: on CUDA without a GPU index in --device."""
+    return worker_uses_gpu(device) and ":" not in (device or "")
 
 
 def worker_uses_gpu(device: str | None) -> bool:

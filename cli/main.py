@@ -10,7 +10,10 @@ import threading
 from pathlib import Path
 
 from cli import bench
-from cli.engine_flags import add_engine_flags, engine_flag_error, engine_service_args
+from cli.engine_flags import (
+    add_engine_flags, engine_flag_error, engine_service_args, gpus_per_replica,
+    tensor_parallel_size_of,
+)
 from cli.stack import Stack, StackOptions, flags
 from services.gateway.config import RoutingPolicy
 from services.scheduler.config import SchedulingPolicy
@@ -101,8 +104,9 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         namespace=args.namespace, cache_dir=args.cache_dir, log_level=args.log_level,
         replicas=args.replicas, log_dir=args.log_dir, service_args=service_args, supervise=True,
-        shutdown_timeout_s=args.shutdown_timeout, kvstore=not args.no_kvstore,
-        kv_node_id=args.kv_node_id)
+        shutdown_timeout_s=args.shutdown_timeout, kvstore=not args.no_kvstore
+        and tensor_parallel_size_of(args) == 1,  # a tensor-parallel worker has no kvstore yet
+        kv_node_id=args.kv_node_id, worker_gpus=gpus_per_replica(args))
 
 
 def flag_error(args: argparse.Namespace) -> str | None:

@@ -29,51 +29,14 @@ from functools import cache
 from pathlib import Path
 from typing import IO
 
+from cli.restarts import Backoff, RestartPolicy
+
 REPLICATED = ("worker", "scheduler")  # one pair per model replica
 STOP_ORDER = ("gateway", "scheduler", "worker")  # then the rest (tokenizer), then LAST, then nats
 LAST_TO_STOP = "kvstore"  # after the workers that map its arenas; it finishes its disk writes
 SHUTDOWN_FLAGS = ("--shutdown-timeout", "--shutdown-timeout-s")  # the first one a service takes
 TAIL_LINES = 20  # of a child's output, shown when it is given up on
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """When a supervised child that exited is started again."""
-
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = 10.0  # the wait doubles after each exit, up to this
-    reset_after_s: float = 30.0  # a child up this long starts over from initial_backoff_s
-    max_restarts: int = 5  # this many restarts within window_s and one more exit: give up
-    window_s: float = 60.0
-
-
-class Backoff:
-    """One child's restart state. Pure: the caller passes the clock's time in."""
-
-    def __init__(self, policy: RestartPolicy) -> None:
-        self.policy = policy
-        self.started_at: float | None = None
-        self.next_delay_s = policy.initial_backoff_s
-        self.restart_times: deque[float] = deque()  # exits that got a restart, within window_s
-
-    def started(self, now: float) -> None:
-        self.started_at = now
-
-    def exited(self, now: float) -> float | None:
-        """Seconds to wait before starting the child again, or None: it exited again after
-        ``max_restarts`` restarts within ``window_s``; give up."""
-        policy = self.policy
-        if self.started_at is not None and now - self.started_at >= policy.reset_after_s:
-            self.next_delay_s = policy.initial_backoff_s
-        while self.restart_times and now - self.restart_times[0] > policy.window_s:
-            self.restart_times.popleft()
-        if len(self.restart_times) >= policy.max_restarts:
-            return None
-        self.restart_times.append(now)
-        delay, self.next_delay_s = self.next_delay_s, min(self.next_delay_s * 2,
-                                                          policy.max_backoff_s)
-        return delay
 
 
 class ServiceFailed(RuntimeError):
@@ -102,6 +65,10 @@ class StackOptions:
     # scheduler gets --kv-node-id. Its own flags go in service_args["kvstore"].
     kvstore: bool = True
     kv_node_id: str = "local"
+    # GPUs per worker (its tensor parallel size) when the stack picks them: replica r's worker
+    # gets GPUs r*N..r*N+N-1 (replica_gpus), so replicas don't all land on cuda:0. None: the
+    # workers' environment is left alone (CPU, or their --device names the GPU).
+    worker_gpus: int | None = None
 
 
 def _die_with_parent() -> None:
@@ -125,6 +92,21 @@ def flags(**values: object) -> list[str]:
     """Command-line flags for the values that are set: flags(max_num_seqs=4) -> ['--max-num-seqs', '4']."""
     return [item for name, value in values.items() if value is not None
             for item in ("--" + name.replace("_", "-"), str(value))]
+
+
+def replica_gpus(replica_index: int, tensor_parallel_size: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for replica ``replica_index``'s worker: its own
+    ``tensor_parallel_size`` GPUs, counted from 0, or picked from ``visible`` (the launcher's
+    own CUDA_VISIBLE_DEVICES, indices or UUIDs) when that is set."""
+    first = replica_index * tensor_parallel_size
+    wanted = range(first, first + tensor_parallel_size)
+    if visible is None:
+        return ",".join(str(index) for index in wanted)
+    listed = [device.strip() for device in visible.split(",") if device.strip()]
+    if wanted.stop > len(listed):
+        raise ValueError(f"replica {replica_index} needs GPUs {first}..{wanted.stop - 1} of "
+                         f"CUDA_VISIBLE_DEVICES={visible!r}, which lists {len(listed)}")
+    return ",".join(listed[index] for index in wanted)
 
 
 def nats_server_binary() -> str:
@@ -287,14 +269,26 @@ class Stack:
             command += [drain, f"{o.shutdown_timeout_s:g}"]
         return command + list(o.service_args.get(kind, []))
 
+    def service_env(self, name: str) -> dict[str, str]:
+        """The environment a service starts with (start_service adds PYTHONUNBUFFERED when
+        its output is piped)."""
+        o = self.options
+        env = {**os.environ, **o.env, "TOKENIZERS_PARALLELISM": "false"}
+        kind, _, replica_id = name.partition("-")
+        if name == "gateway" and o.supervise:
+            env["FLOTILLA_RESTARTS_FILE"] = str(self.restarts_file)
+        if kind != "worker":
+            env["OMP_NUM_THREADS"] = "1"  # the cores belong to the workers
+        elif o.worker_gpus is not None and (o.replicas > 1 or o.worker_gpus > 1):
+            # one replica on one GPU keeps the launcher's view (what the worker did before)
+            env["CUDA_VISIBLE_DEVICES"] = replica_gpus(int(replica_id or 0), o.worker_gpus,
+                                                       env.get("CUDA_VISIBLE_DEVICES"))
+        return env
+
     def start_service(self, name: str) -> subprocess.Popen:
         """Start (or start again) one service. Its own process group: a Ctrl-C in the
         terminal reaches only the launcher, which stops the services in order."""
-        env = {**os.environ, **self.options.env, "TOKENIZERS_PARALLELISM": "false"}
-        if name == "gateway" and self.options.supervise:
-            env["FLOTILLA_RESTARTS_FILE"] = str(self.restarts_file)
-        if not name.startswith("worker"):
-            env["OMP_NUM_THREADS"] = "1"  # the cores belong to the workers
+        env = self.service_env(name)
         log = self._log_target(name)
         if log is None:
             env["PYTHONUNBUFFERED"] = "1"  # piped to our stderr: lines as they come

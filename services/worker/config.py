@@ -50,6 +50,11 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_graph_tokens: int = 512
     overlap_steps: OverlapSteps = OverlapSteps.AUTO
     seed: int = 0  # random weights of dummy models
+    # GPUs (CPU: processes) one worker spreads the model over: rank 0 is this process and the
+    # only one on NATS; ranks 1.. are its children (tensor_parallel.py, tp_group.py)
+    tensor_parallel_size: int = 1
+    # s a step may take on the group before a rank is taken for hung and the group exits
+    tensor_parallel_step_timeout: float = 30.0
     block_size: int = 16  # tokens per KV block
     max_model_len: int = limits.MAX_MODEL_LEN  # the tokenizer's too (shared/limits.py)
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
@@ -85,6 +90,12 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "overlap_steps": "queue each step before the one before it is read back, so host work "
                          "hides behind the GPU's: auto (on CUDA), on or off",
         "seed": "seed of dummy models' random weights",
+        "tensor_parallel_size": "spread the model over this many GPUs of this host (one process "
+                                "each, NCCL; on CPU, processes over gloo): attention heads, MLP "
+                                "and vocabulary split between them (docs/tensor-parallel.md)",
+        "tensor_parallel_step_timeout": "seconds a step may take on a tensor-parallel group "
+                                        "before the group is taken for hung and exits (its "
+                                        "supervisor restarts it; requests migrate)",
         "block_size": "tokens per KV cache block",
         **limits.CONTEXT_LIMIT_HELP,
         "num_threads": "torch CPU threads (0: torch default)",
@@ -104,5 +115,14 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         if self.kv_load_layer_groups < 1:
             raise ValueError(f"kv_load_layer_groups must be at least 1, not "
                              f"{self.kv_load_layer_groups}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, not "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kv_node_id:
+            raise ValueError("a tensor-parallel worker (tensor_parallel_size > 1) cannot use "
+                             "the kvstore yet: leave kv_node_id empty")
+        if self.tensor_parallel_step_timeout <= 0:
+            raise ValueError(f"tensor_parallel_step_timeout must be positive, not "
+                             f"{self.tensor_parallel_step_timeout}")
         limits.check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
         limits.check_context_limit(self.max_model_len)

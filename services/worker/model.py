@@ -33,6 +33,7 @@ from kernels.rotary import build_cos_sin_cache
 from services.worker import ops
 from services.worker.cpu_attention import DecodeContext
 from services.worker.fp8_checkpoints import checkpoint_fp8
+from services.worker.tensor_parallel import TensorParallel, VocabParallelEmbedding
 
 log = structlog.get_logger()
 
@@ -204,19 +205,35 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear whose weight may be FP8 (e4m3) with ``weight_scale`` [out_features] fp32, one
-    scale per output channel (kernels/fp8.py); without FP8 that buffer is None."""
+    scale per output channel (kernels/fp8.py); without FP8 that buffer is None. With ``reduce``
+    (tensor parallel o_proj and down: a slice of the input features) the ranks' partial
+    outputs are summed."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelConfig):
+    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelConfig,
+                 reduce: TensorParallel | None = None):
         super().__init__(in_features, out_features, bias=bias)
         fp8 = config.quantization == "fp8"
         self.register_buffer("weight_scale", torch.empty(out_features) if fp8 else None)
+        self.reduce = reduce if reduce is not None and reduce.size > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, self.weight_scale)
+        out = ops.linear(x, self.weight, self.bias, self.weight_scale)
+        return out if self.reduce is None else self.reduce.all_reduce(out)
+
+
+def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RMSNorm
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(proj(x) + residual), proj(x) + residual), the sum written into residual: in the
+    projection's reduce where ``ops.linear_add_rms_norm`` can, after the ranks' sum when
+    tensor parallel."""
+    if proj.reduce is not None:
+        return norm(proj(x), residual)
+    return ops.linear_add_rms_norm(x, proj.weight, proj.bias, residual, norm.weight, norm.eps,
+                                   proj.weight_scale)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
@@ -225,7 +242,7 @@ class Attention(nn.Module):
         self.scale = config.head_dim ** -0.5
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                config.qkv_bias, config)
-        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, config)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, config, tp)
         if config.qk_norm:  # Qwen3: one [head_dim] weight shared by all heads
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -262,12 +279,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size,
                                    config.mlp_bias, config)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias,
-                                config)
+                                config, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
         gate_up = self.gate_up_proj
@@ -276,12 +293,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin_cache: torch.Tensor, metadata: AttentionMetadata, normed: bool = False,
@@ -317,27 +334,28 @@ class DecoderLayer(nn.Module):
         stream before it); with ``next_norm`` (the next layer's input norm, or the final one),
         (next_norm of the stream after this layer, that stream). Both adds are written into
         ``residual`` in place."""
-        o_proj, norm = self.self_attn.o_proj, self.post_attention_layernorm
-        h, residual = ops.linear_add_rms_norm(attention_out.flatten(1), o_proj.weight,
-                                              o_proj.bias, residual, norm.weight, norm.eps,
-                                              o_proj.weight_scale)
+        h, residual = add_rms_norm(attention_out.flatten(1), self.self_attn.o_proj, residual,
+                                   self.post_attention_layernorm)
         if next_norm is None:
             return self.mlp(h), residual
-        gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
+        gate_up = self.mlp.gate_up_proj
         h = ops.linear_silu_and_mul(h, gate_up.weight, gate_up.bias, gate_up.weight_scale)
-        return ops.linear_add_rms_norm(h, down.weight, down.bias, residual, next_norm.weight,
-                                       next_norm.eps, down.weight_scale)
+        return add_rms_norm(h, self.mlp.down_proj, residual, next_norm)
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel()):
+        """``config``: the whole model's; with ``tp`` this rank builds its part of it
+        (tensor_parallel.py) and ``self.config`` is that part's."""
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.tp = tp
+        self.config = config = tp.local_config(config)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
+                                                   config)
+        self.layers = nn.ModuleList(DecoderLayer(config, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.lm_head = (None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, self.embed_tokens.num_embeddings, bias=False))
         self.register_buffer("inv_freq", compute_inv_freq(config), persistent=False)
         # [max_position_embeddings, head_dim] fp32: cos then sin of position * inv_freq
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(
@@ -372,8 +390,9 @@ class Transformer(nn.Module):
         # Each layer ends with the next one's input norm; the last one with the final norm
         # only where down's reduce carries it (elsewhere ``logits`` normalizes just the
         # sampled rows)
-        final_norm = self.norm if ops.norm_in_reduce(
-            x.shape[0], self.layers[-1].mlp.down_proj.weight, x, self.norm.weight) else None
+        down = self.layers[-1].mlp.down_proj
+        final_norm = self.norm if down.reduce is None and ops.norm_in_reduce(
+            x.shape[0], down.weight, x, self.norm.weight) else None
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final_norm]
         residual, normed = None, False
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
@@ -395,7 +414,8 @@ class Transformer(nn.Module):
         """Final-normed rows [num_sampled, hidden_size] -> logits [num_sampled, vocab_size]
         (fp32)."""
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return ops.linear(x, head_weight).float()
+        logits = ops.linear(x, head_weight)  # [num_sampled, this rank's vocabulary rows]
+        return self.tp.gather_vocab(logits, self.config.vocab_size).float()
 
 
 def wait_events(events: Sequence[torch.cuda.Event]) -> None:

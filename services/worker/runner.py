@@ -42,6 +42,7 @@ from services.worker.step_inputs import (
     LogitsLayout, SequenceChunk, build_step_inputs, fill_pending_inputs, logits_layout,
 )
 from services.worker.step_state import RequestState, StepInFlight, needs_host_tokens
+from services.worker.tp_group import SingleRank
 from services.worker.warmup import warm_up_attention
 from shared.config import parse_size
 from shared.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
@@ -54,7 +55,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class ModelRunner:
-    def __init__(self, config: WorkerConfig, model_files: ModelFiles):
+    def __init__(self, config: WorkerConfig, model_files: ModelFiles,
+                 ranks: SingleRank = SingleRank()):
+        """``ranks``: this runner's tensor-parallel group (tp_group.py); rank 0 sends each
+        call to the others, which run it too."""
+        self.ranks = ranks
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         if config.block_size < 1:
@@ -66,13 +71,15 @@ class ModelRunner:
         self.seed: int = config.seed
         self.model = load_model(model_files.path, self._device, self._dtype, seed=config.seed,
                                 quantization=check_quantization(model_files.path,
-                                                                config.quantization, self._device))
+                                                                config.quantization, self._device),
+                                tp=ranks.tp)
         model_config = self.model.config
         self.block_size: int = config.block_size
         self.max_model_len: int = model_config.usable_context_len(config.max_model_len)
         self.eos_token_ids: list[int] = read_eos_token_ids(model_files.path)
         bytes_per_block = kv_bytes_per_block(self.model, config.block_size, self._dtype)
-        self.num_blocks: int = self._kv_cache_budget(config) // bytes_per_block
+        # every rank the same block space: the fewest any rank's memory holds
+        self.num_blocks: int = ranks.tp.agree_min(self._kv_cache_budget(config) // bytes_per_block)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} holds no block "
                              f"({bytes_per_block} bytes each)")
@@ -158,6 +165,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request and the step in flight (a scheduler attached or a step
         failed); the cache memory stays."""
+        self.ranks.lead_reset()
         self._in_flight = None
         for request_id in list(self._requests):
             self._forget(request_id)
@@ -186,14 +194,19 @@ class ModelRunner:
         """Start ``plan``; return the results of the steps that completed meanwhile, in step
         order: the step in flight before it, and ``plan`` itself unless it is left in flight
         (CUDA, and its sampling needs no host tokens) for ``flush`` or the next ``submit``."""
+        plan = self.ranks.lead_step(plan)
+        with self.ranks.watch():
+            return self._submit(plan)
+
+    def _submit(self, plan: StepPlan) -> list[StepResult]:
         results: list[StepResult] = []
         overlap = self.overlap_steps and not self._needs_host_tokens(plan)
         if self._in_flight is not None and not overlap:
-            results += self.flush()  # its tokens must be on the host before this step samples
+            results += self._flush()  # its tokens must be on the host before this step samples
         if self._in_flight is not None:
             self.num_overlapped_steps += 1
         step = self._launch(plan, defer=overlap)
-        results += self.flush()  # the step before: read back while this one runs
+        results += self._flush()  # the step before: read back while this one runs
         if isinstance(step, StepResult):
             results.append(step)
         else:
@@ -203,6 +216,13 @@ class ModelRunner:
 
     def flush(self) -> list[StepResult]:
         """Read back the step in flight, if any (waits for the device)."""
+        if self._in_flight is None:
+            return []
+        self.ranks.lead_flush()
+        with self.ranks.watch():
+            return self._flush()
+
+    def _flush(self) -> list[StepResult]:
         step, self._in_flight = self._in_flight, None
         if step is None:
             return []

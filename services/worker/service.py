@@ -30,6 +30,7 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_upkeep import KvUpkeep, NoKvUpkeep
 from services.worker.main_thread import MainThreadExecutor
 from services.worker.runner import ModelRunner
+from services.worker.tp_group import SingleRank, start_group
 from shared.bus import EXIT_NATS_LOST, Bus
 from shared.errors import ServiceUnavailable
 from shared.messages import Empty, HealthReply, StepPlan, StepResult, WorkerInfo
@@ -183,6 +184,7 @@ class WorkerService:
             "replica_id": self.config.replica_id, "num_blocks": self.runner.num_blocks,
             "num_steps": self.num_steps, "device": str(self.runner.device),
             "num_overlapped_steps": self.runner.num_overlapped_steps,
+            "tensor_parallel_size": self.runner.ranks.tp.size,
             "draining": self.draining, "nats_disconnects": self.bus.num_disconnects}
         detail |= self.kv_upkeep.health_detail()
         return HealthReply(service="worker", instance_id=self.config.instance_id, detail=detail)
@@ -226,7 +228,10 @@ def run(config: WorkerConfig) -> None:
     # replies waited behind it and the GPU sat idle between steps.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     model_files = resolve_model(config.model, config.cache_dir)
-    runner = ModelRunner(config, model_files)
+    ranks = SingleRank()
+    if config.tensor_parallel_size > 1:  # ranks 1.. spawned; rank 0 on its own GPU
+        ranks, config = start_group(config)
+    runner = ModelRunner(config, model_files, ranks)
     freeze_startup_objects()
     log.info("model_loaded", model=model_files.name, num_blocks=runner.num_blocks,
              kv_cache_bytes=runner.kv_cache_bytes, device=str(runner.device))
@@ -267,5 +272,6 @@ def run(config: WorkerConfig) -> None:
     except RuntimeError:
         pass
     bus_thread.join(timeout=10)
+    ranks.close()
     if outcome["exit_code"]:
         sys.exit(outcome["exit_code"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import structlog
@@ -21,36 +21,43 @@ from kernels.fp8 import FP8_DTYPE, quantize_per_channel
 from kernels.rotary import build_cos_sin_cache
 from services.worker.fp8_checkpoints import checkpoint_fp8, per_channel_weights
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
+from services.worker.tensor_parallel import TensorParallel
 from shared.models import DUMMY_MARKER
 
 log = structlog.get_logger()
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int = 0,
-               quantization: str = "none") -> Transformer:
+               quantization: str = "none", tp: TensorParallel = TensorParallel()
+               ) -> Transformer:
     """Build the model from a Hugging Face directory without materializing random weights first.
 
     A dummy-model directory (``DUMMY_MARKER``) gets random weights from ``seed`` instead, made
     directly on ``device`` in ``dtype``. ``quantization``: "none" or "fp8" (``ModelConfig``);
-    a checkpoint of FP8 weights (fp8_checkpoints.py) loads as FP8 either way.
+    a checkpoint of FP8 weights (fp8_checkpoints.py) loads as FP8 either way. With ``tp``,
+    this rank's part of every weight (tensor_parallel.py): the same weights as one rank's,
+    random ones included, split.
     """
     config = ModelConfig.from_path(path)
     if quantization == "fp8":
         config = dataclasses.replace(config, quantization=quantization)
     with torch.device("meta"):
-        model = Transformer(config)
+        model = Transformer(config, tp)
+        whole = Transformer(config) if tp.size > 1 else model  # the names and whole shapes
     model.requires_grad_(False)  # inference only; an FP8 parameter could not require grad
+    shard = (lambda name, tensor: tp.shard(name, tensor, config)) if tp.size > 1 else None
     if (path / DUMMY_MARKER).exists():
-        state_dict = random_weights(model, device, dtype, seed)
+        state_dict = dict(place(model, draw_random_weights(whole, device, dtype, seed), device,
+                                shard))
         log.info("model_random_weights", family=config.family, seed=seed,
-                 quantization=config.quantization,
+                 quantization=config.quantization, tensor_parallel_rank=tp.rank,
                  num_params=sum(t.numel() for t in state_dict.values()))
-    elif config.quantization != "none":  # fused on the host, each to the device in turn
+    elif config.quantization != "none" or tp.size > 1:  # on the host, each to the device in turn
         hf_weights = read_safetensors(path, torch.device("cpu"), dtype)
         checkpoint = checkpoint_fp8(json.loads((path / "config.json").read_text()))
         if checkpoint is not None:
             hf_weights = per_channel_weights(hf_weights, checkpoint)
-        state_dict = dict(place(model, fuse_hf_weights(hf_weights, config), device))
+        state_dict = dict(place(model, fuse_hf_weights(hf_weights, config), device, shard))
     else:
         state_dict = fuse_hf_weights(read_safetensors(path, device, dtype), config)
     model.load_state_dict(state_dict, strict=True, assign=True)
@@ -68,28 +75,34 @@ def random_weights(model: Transformer, device: torch.device, dtype: torch.dtype,
     (seed, name), on the target device: the same seed gives the same weights there. An FP8
     model's projection weights are these same tensors, quantized (``place``).
     """
-    def draw() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, param in model.named_parameters():
-            tensor = torch.empty(param.shape, device=device, dtype=dtype)
-            if name.endswith("norm.weight"):
-                tensor.fill_(1.0)
-            else:
-                generator = torch.Generator(device=device)
-                generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-                tensor.normal_(0.0, std, generator=generator)
-            yield name, tensor
-    return dict(place(model, draw(), device))
+    return dict(place(model, draw_random_weights(model, device, dtype, seed, std), device))
+
+
+def draw_random_weights(model: Transformer, device: torch.device, dtype: torch.dtype, seed: int,
+                        std: float = 0.02) -> Iterator[tuple[str, torch.Tensor]]:
+    """``random_weights``' tensors one at a time, unquantized, in the shapes of ``model``."""
+    for name, param in model.named_parameters():
+        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            generator = torch.Generator(device=device)
+            generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            tensor.normal_(0.0, std, generator=generator)
+        yield name, tensor
 
 
 def place(model: Transformer, weights: Iterator[tuple[str, torch.Tensor]] | dict,
-          device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each (name, tensor) moved to ``device``; the weight of an FP8 ``Linear`` quantized there,
-    with its ``weight_scale`` after it. One tensor in the model's dtype at a time: a consumer
-    that keeps only what this yields holds the FP8 model plus one projection."""
+          device: torch.device, shard: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+          ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each (name, tensor), this rank's part of it when ``shard`` is given (tensor parallel),
+    moved to ``device``; the weight of an FP8 ``Linear`` quantized there, with its
+    ``weight_scale`` after it. One tensor in the model's dtype at a time: a consumer that
+    keeps only what this yields holds the FP8 model plus one projection."""
     scaled = {name.removesuffix("_scale") for name, _ in model.named_buffers()
               if name.endswith("weight_scale")}
     for name, tensor in (weights.items() if isinstance(weights, dict) else weights):
-        tensor = tensor.to(device)
+        tensor = (tensor if shard is None else shard(name, tensor)).to(device)
         if name in scaled and tensor.dtype != FP8_DTYPE:  # (a checkpoint's FP8 comes scaled)
             tensor, scale = quantize_per_channel(tensor)
             yield f"{name}_scale", scale

@@ -3,7 +3,10 @@ starts reach the right services."""
 
 from __future__ import annotations
 
-from cli.engine_flags import engine_service_args
+import pytest
+import torch
+
+from cli.engine_flags import engine_flag_error, engine_service_args, gpus_per_replica
 from cli.main import build_parser, main
 
 
@@ -48,3 +51,58 @@ def test_serve_refuses_flags_its_services_would_refuse_before_starting_anything(
     assert "--speculative-config" in capsys.readouterr().err
     gpu = build_parser().parse_args(["serve", "--device", "cuda", "--quantization", "fp8"])
     assert engine_service_args(gpu)["worker"][-2:] == ["--quantization", "fp8"]
+
+
+def test_tensor_parallel_size_reaches_only_the_worker():
+    for command in (["serve"], ["bench", "throughput"]):
+        args = build_parser().parse_args([*command, "--device", "cpu",
+                                          "--tensor-parallel-size", "2"])
+        assert engine_service_args(args) == {"worker": ["--device", "cpu",
+                                                        "--tensor-parallel-size", "2"],
+                                             "scheduler": [], "tokenizer": []}
+
+
+def test_serve_refuses_a_tensor_parallel_size_below_one(capsys):
+    assert main(["serve", "--device", "cpu", "--tensor-parallel-size", "0"]) == 2
+    assert "--tensor-parallel-size must be at least 1, not 0" in capsys.readouterr().err
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--tensor-parallel-size", "2"])
+    assert engine_flag_error(args) is None  # on CPU the group is processes: no GPU to count
+
+
+@pytest.mark.parametrize("argv, gpus, error", [
+    (["--tensor-parallel-size", "2", "--replicas", "2"], 4, None),
+    (["--tensor-parallel-size", "2", "--replicas", "2"], 3, "needs 4 GPUs, but 3 are visible"),
+    (["--tensor-parallel-size", "4"], 2, "needs 4 GPUs, but 2 are visible"),
+    (["--replicas", "2"], 1, "needs 2 GPUs, but 1 is visible"),
+    ([], 1, None),
+])
+def test_serve_counts_the_gpus_its_replicas_need(monkeypatch, argv, gpus, error):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    args = build_parser().parse_args(["serve", "--device", "cuda", *argv])
+    message = engine_flag_error(args)
+    assert (message is None) if error is None else (error in message)
+
+
+def test_a_device_with_an_index_is_shared_by_the_replicas(monkeypatch):
+    """--device cuda:0 names the GPU every replica uses (as before): one GPU is enough, and the
+    stack leaves the workers' CUDA_VISIBLE_DEVICES alone."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = build_parser().parse_args(["serve", "--device", "cuda:0", "--replicas", "2"])
+    assert engine_flag_error(args) is None and gpus_per_replica(args) is None
+
+
+def test_bench_counts_one_replica(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    bench = build_parser().parse_args(["bench", "throughput", "--device", "cuda",
+                                       "--tensor-parallel-size", "2"])
+    assert not hasattr(bench, "replicas")
+    assert engine_flag_error(bench) is None and gpus_per_replica(bench) == 2
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "needs 2 GPUs, but 1 is visible" in engine_flag_error(bench)
+
+
+def test_the_stack_picks_gpus_only_for_workers_on_cuda():
+    cpu = build_parser().parse_args(["serve", "--device", "cpu", "--tensor-parallel-size", "2"])
+    assert gpus_per_replica(cpu) is None
+    gpu = build_parser().parse_args(["serve", "--device", "cuda", "--replicas", "3"])
+    assert gpus_per_replica(gpu) == 1

@@ -18,6 +18,7 @@ API_KEY = "sk-test-0123456789"
 VALUE_SETS = {
     "defaults": {},
     "gpu-worker-2-replicas": {"worker": {"gpus": 1, "replicas": 2}},
+    "tensor-parallel": {"worker": {"gpus": 1, "tensorParallelSize": 4, "replicas": 2}},
     "external-nats": {"nats": {"enabled": False}, "externalNats": {"url": EXTERNAL_NATS}},
     "api-key": {"apiKey": {"value": API_KEY}},
     "all-options": {
@@ -138,6 +139,7 @@ def test_defaults_namespace_replica_ids_cpu_and_security(rendered):
             "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}}
         assert workloads[name]["spec"]["replicas"] == 1
     assert env(workloads["worker"])["FLOTILLA_DEVICE"] == {"value": "cpu"}
+    assert env(workloads["worker"])["FLOTILLA_TENSOR_PARALLEL_SIZE"] == {"value": "1"}
     assert not of_kind(rendered["defaults"], "Secret")
     assert {d["metadata"]["name"] for d in of_kind(rendered["defaults"], "PodDisruptionBudget")} >= {
         f"demo-flotilla-{name}" for name in SERVICES}
@@ -157,6 +159,21 @@ def test_gpu_worker_with_two_replicas(rendered):
     for name in ("gateway", "tokenizer", "scheduler"):
         assert "nvidia.com/gpu" not in str(workloads[name]), name
         assert container(workloads[name])["image"] == "flotilla:0.1.0"
+
+
+def test_tensor_parallel_worker_requests_a_gpu_per_rank(rendered):
+    workloads = flotilla_workloads(rendered["tensor-parallel"])
+    worker = workloads["worker"]
+    assert env(worker)["FLOTILLA_TENSOR_PARALLEL_SIZE"] == {"value": "4"}
+    assert container(worker)["resources"]["limits"]["nvidia.com/gpu"] == 4, "max(gpus, size)"
+    assert worker["spec"]["replicas"] == 2 and workloads["scheduler"]["spec"]["replicas"] == 2
+    for name in ("gateway", "tokenizer", "scheduler", "kvstore"):
+        assert "FLOTILLA_TENSOR_PARALLEL_SIZE" not in env(workloads[name]), name
+    more_gpus = flotilla_workloads(helm_template({"worker": {"gpus": 8, "tensorParallelSize": 2}}))
+    assert container(more_gpus["worker"])["resources"]["limits"]["nvidia.com/gpu"] == 8
+    cpu = flotilla_workloads(helm_template({"worker": {"tensorParallelSize": 2}}))["worker"]
+    assert env(cpu)["FLOTILLA_TENSOR_PARALLEL_SIZE"] == {"value": "2"}  # processes on CPU
+    assert env(cpu)["FLOTILLA_DEVICE"] == {"value": "cpu"} and "nvidia.com/gpu" not in str(cpu)
 
 
 # ------------------------------------------------------------------ NATS
@@ -257,6 +274,7 @@ def test_disabled_services_are_not_rendered():
     ({"subjectNamespace": "a.b"}, "/subjectNamespace"),
     ({"externalNats": {"url": "http://nats:4222"}}, "/externalNats/url"),
     ({"worker": {"gpus": -1}}, "/worker/gpus"),
+    ({"worker": {"tensorParallelSize": 0}}, "/worker/tensorParallelSize"),
 ])
 def test_bad_values_fail_with_a_clear_message(values, message):
     with pytest.raises(helm_error()) as failure:

@@ -69,6 +69,16 @@ def test_default_profile_runs_the_cpu_stack_and_gpu_adds_the_cuda_worker(stack):
     assert "deploy" not in cpu and "profiles" not in cpu
 
 
+def test_the_gpu_worker_reserves_a_gpu_per_tensor_parallel_rank(stack):
+    assert stack["worker-gpu"]["environment"]["FLOTILLA_TENSOR_PARALLEL_SIZE"] == "1"
+    services = compose_config("gpu", env={"FLOTILLA_TENSOR_PARALLEL_SIZE": "4"})["services"]
+    gpu = services["worker-gpu"]
+    assert gpu["environment"]["FLOTILLA_TENSOR_PARALLEL_SIZE"] == "4"
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 4
+    cpu = services["worker"]["environment"]
+    assert cpu["FLOTILLA_TENSOR_PARALLEL_SIZE"] == "4"  # the CPU worker: processes
+
+
 def test_nats_has_jetstream_on_a_volume(stack):
     nats = stack["nats"]
     assert "--jetstream" in nats["command"]

@@ -1,0 +1,266 @@
+"""A tensor-parallel worker's ranks as processes (docs/tensor-parallel.md).
+
+Rank 0 is the worker process: it alone talks to NATS. It spawns ranks 1..N-1, one process per
+GPU (on CPU: per share of the cores), and they form a torch.distributed group (NCCL on CUDA,
+gloo on CPU) that the model's all-reduces run over. Every rank holds a full ``ModelRunner``
+over its part of the weights and KV cache, and runs every runner call rank 0 runs, in the same
+order: rank 0 sends each step plan, read-back and reset down a pipe per rank before it runs
+the call itself, so each rank's requests, block tables, sampling parameters, grammar masks and
+in-flight steps are rank 0's. The logits are gathered whole on every rank and every draw is
+seeded (rank 0 seeds a plan's unseeded random requests before sending it), so every rank
+samples the same tokens without another collective.
+
+Failure is the group's: a rank that exits, or a call that runs past
+``tensor_parallel_step_timeout`` (a rank hung in a collective), ends rank 0 with
+EXIT_RANK_LOST at once, and ranks 1.. die with their parent (PR_SET_PDEATHSIG); the supervisor
+(or Kubernetes) restarts the worker and the scheduler migrates its requests as for any worker
+restart. Nobody waits out NCCL's own timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import multiprocessing.connection
+import os
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+
+import msgspec
+import structlog
+import torch
+
+from services.worker.config import WorkerConfig
+from services.worker.tensor_parallel import TensorParallel
+from shared.messages import StepPlan
+
+log = structlog.get_logger()
+
+EXIT_RANK_LOST = 76  # a tensor-parallel rank died or hung: restart the whole group
+WATCH_EVERY_S = 0.2
+JOIN_TIMEOUT = timedelta(minutes=10)  # forming the group: the ranks' model loads race to it
+_STEP, _FLUSH, _RESET, _QUIT = b"S", b"F", b"R", b"Q"
+_plans = msgspec.msgpack.Encoder()
+
+
+class SingleRank:
+    """One rank: the model whole, nothing sent, nothing watched (the null group)."""
+
+    tp = TensorParallel()
+
+    def lead_step(self, plan: StepPlan) -> StepPlan:
+        return plan
+
+    def lead_flush(self) -> None:
+        pass
+
+    def lead_reset(self) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+class FollowerRank(SingleRank):
+    """Ranks 1..N-1: rank 0 leads; they only join in the collectives."""
+
+    def __init__(self, tp: TensorParallel):
+        self.tp = tp
+
+
+class LeaderRank(SingleRank):
+    """Rank 0: sends every runner call down to the other ranks and watches them."""
+
+    def __init__(self, config: WorkerConfig, tp: TensorParallel,
+                 processes: list[multiprocessing.process.BaseProcess], links: list,
+                 on_lost: Callable[[str], None]):
+        self.tp, self.config = tp, config
+        self._processes, self._links = processes, links
+        self._on_lost = on_lost
+        self._busy_since: float | None = None  # when the runner call now running began
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_ranks, name="tp-watch", daemon=True)
+        self._watcher.start()
+
+    def lead_step(self, plan: StepPlan) -> StepPlan:
+        plan = seed_random_draws(plan)
+        self._send(_STEP + _plans.encode(plan))
+        return plan
+
+    def lead_flush(self) -> None:
+        self._send(_FLUSH)
+
+    def lead_reset(self) -> None:
+        self._send(_RESET)
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        self._busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._busy_since = None
+
+    def _send(self, message: bytes) -> None:
+        for link in self._links:
+            link.send_bytes(message)
+
+    def _watch_ranks(self) -> None:
+        sentinels = [process.sentinel for process in self._processes]
+        timeout = self.config.tensor_parallel_step_timeout
+        while not self._closing.is_set():
+            ended = multiprocessing.connection.wait(sentinels, timeout=WATCH_EVERY_S)
+            if self._closing.is_set():
+                return
+            busy_since = self._busy_since
+            if ended:
+                rank = 1 + sentinels.index(ended[0])
+                self._on_lost(f"rank {rank} exited (code {self._processes[rank - 1].exitcode})")
+                return
+            if busy_since is not None and time.monotonic() - busy_since > timeout:
+                self._on_lost(f"a runner call ran past {timeout} s: a rank is hung")
+                return
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0 is stopping)."""
+        self._closing.set()
+        with contextlib.suppress(OSError):
+            self._send(_QUIT)
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+        torch.distributed.destroy_process_group()
+
+
+def seed_random_draws(plan: StepPlan) -> StepPlan:
+    """``plan`` with a seed for each new request that draws at random without one: every rank
+    then draws the same tokens from the same logits."""
+    if not any(not new.sampling.is_greedy and new.sampling.seed is None
+               for new in plan.new_requests):
+        return plan
+    new_requests = [
+        msgspec.structs.replace(new, sampling=msgspec.structs.replace(
+            new.sampling, seed=random.getrandbits(62)))
+        if not new.sampling.is_greedy and new.sampling.seed is None else new
+        for new in plan.new_requests]
+    return msgspec.structs.replace(plan, new_requests=new_requests)
+
+
+def rank_config(config: WorkerConfig, rank: int) -> WorkerConfig:
+    """``config`` as rank ``rank`` runs it: its own GPU (cuda:k+rank for --device cuda:k) or,
+    on CPU, its share of the cores."""
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        _, _, index = device.partition(":")
+        device = f"cuda:{int(index or 0) + rank}"
+    num_threads = config.num_threads
+    if device == "cpu" and not num_threads:
+        num_threads = max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    return msgspec.structs.replace(config, device=device, num_threads=num_threads)
+
+
+def start_group(config: WorkerConfig,
+                on_lost: Callable[[str], None] | None = None) -> tuple[LeaderRank, WorkerConfig]:
+    """Spawn ranks 1..N-1 and form the group -> (rank 0's group, rank 0's config). Each rank
+    then builds its ``ModelRunner`` (the same collectives, in the same order). ``on_lost``:
+    what a lost rank does to rank 0 (default: exit with EXIT_RANK_LOST)."""
+    size = config.tensor_parallel_size
+    port = _free_port()
+    context = multiprocessing.get_context("spawn")
+    processes, links = [], []
+    for rank in range(1, size):
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=follower_main, name=f"tp-rank-{rank}",
+                                  args=(config, rank, port, receive, os.getpid()))
+        process.start()
+        receive.close()
+        processes.append(process)
+        links.append(send)
+    leader_config = rank_config(config, 0)
+    tp = join_group(leader_config, 0, size, port)
+    log.info("tensor_parallel_group_formed", size=size, device=leader_config.device)
+    return LeaderRank(config, tp, processes, links, on_lost or exit_group), leader_config
+
+
+def join_group(config: WorkerConfig, rank: int, size: int, port: int) -> TensorParallel:
+    """This process as ``rank`` of the group: NCCL between GPUs, gloo between CPU processes."""
+    on_cuda = config.device.startswith("cuda")
+    if on_cuda:
+        torch.cuda.set_device(torch.device(config.device))  # NCCL's and Triton's device
+    torch.distributed.init_process_group(
+        "nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        world_size=size, timeout=JOIN_TIMEOUT,
+        device_id=torch.device(config.device) if on_cuda else None)
+    return TensorParallel(rank=rank, size=size, group=torch.distributed.group.WORLD)
+
+
+def exit_group(reason: str) -> None:
+    log.error("tensor_parallel_group_lost", reason=reason, code=EXIT_RANK_LOST)
+    os._exit(EXIT_RANK_LOST)  # now: the main thread may be stuck in a collective
+
+
+def follower_main(config: WorkerConfig, rank: int, port: int, link, parent_pid: int) -> None:
+    """Rank ``rank``'s process: join the group, build the runner, then run what rank 0 sends
+    until it says quit or is gone."""
+    _die_with_parent(parent_pid)
+    from services.worker.runner import ModelRunner  # the runner imports this module
+    from shared.logging import setup_logging
+    from shared.models import resolve_model
+
+    setup_logging("worker", level=config.log_level, json=config.log_json)
+    structlog.contextvars.bind_contextvars(service="worker", instance=config.instance_id,
+                                           tensor_parallel_rank=rank)
+    config = rank_config(config, rank)
+    tp = join_group(config, rank, config.tensor_parallel_size, port)
+    runner = ModelRunner(config, resolve_model(config.model, config.cache_dir),
+                         FollowerRank(tp))
+    while True:
+        try:
+            message = link.recv_bytes()
+        except EOFError:  # rank 0 is gone
+            os._exit(EXIT_RANK_LOST)
+        if message[:1] == _QUIT:
+            return
+        try:
+            _follow(runner, message)
+        except Exception:  # noqa: BLE001 - rank 0 fails the same call and sends a reset
+            log.exception("tensor_parallel_call_failed", rank=rank)
+
+
+def _follow(runner, message: bytes) -> None:
+    kind = message[:1]
+    if kind == _STEP:
+        runner.submit(msgspec.msgpack.decode(message[1:], type=StepPlan))
+    elif kind == _FLUSH:
+        runner.flush()
+    elif kind == _RESET:
+        runner.reset()
+    else:
+        raise ValueError(f"unknown tensor-parallel call {kind!r}")
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when rank 0 dies (Linux); and exit now if it already has."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_RANK_LOST)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
