@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
                         help="fp8: the projections' weights in FP8 (the worker's flag)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="spread the model over this many GPUs (the worker's flag)")
     parser.add_argument("--hf", action="store_true", help="also time transformers generate()")
     parser.add_argument("--hf-tokens", type=int, default=32)
     parser.add_argument("--norm-in-reduce", choices=["on", "off"],
@@ -75,12 +77,14 @@ def main() -> None:
     engine = build_engine(args.model, max_model_len=args.context + args.num_tokens + 16,
                           max_num_seqs=8, max_num_batched_tokens=2048,
                           gpu_memory_utilization=0.45 if args.hf else 0.9,
-                          enforce_eager=args.enforce_eager, quantization=args.quantization)
+                          enforce_eager=args.enforce_eager, quantization=args.quantization,
+                          tensor_parallel_size=args.tensor_parallel_size)
     model = engine.runner.model
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     read_bytes = weight_bytes - (0 if config.tie_word_embeddings else embed_bytes)
+    # this rank's part of the weights and KV cache (tensor parallel: each rank reads its own)
     kv_bytes = 2 * config.num_layers * args.context * config.num_kv_heads * config.head_dim * 2
     floor_ms = (read_bytes + kv_bytes) / bandwidth * 1e3
 
@@ -94,14 +98,18 @@ def main() -> None:
         runs.append((completion.finish_time - completion.first_token_time)
                     / (args.num_tokens - 1) * 1e3)
     ms_per_token = sorted(runs)[1]
-    gpu_ms = graph_replay_ms(engine) if not args.enforce_eager else None
+    # (a graph of collectives replays only with every rank: not under tensor parallelism)
+    gpu_ms = graph_replay_ms(engine) \
+        if not args.enforce_eager and args.tensor_parallel_size == 1 else None
+    engine.close()
     result = {"benchmark": "decode_latency", "device": device_name(), "model": args.model,
               "context": args.context, "num_tokens": args.num_tokens,
               "cuda_graphs": not args.enforce_eager, "ms_per_token": ms_per_token,
               "runs_ms": runs, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms_per_token,
               "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes,
               "graph_replay_ms": gpu_ms, "norm_in_reduce": norm_in_reduce,
-              "pdl": pdl.enabled(), "quantization": args.quantization}
+              "pdl": pdl.enabled(), "quantization": args.quantization,
+              "tensor_parallel_size": args.tensor_parallel_size}
     if args.hf:
         del engine, model
         torch.cuda.empty_cache()
@@ -123,8 +131,10 @@ def main() -> None:
     suffix = f"_norm_in_reduce_{args.norm_in_reduce}" if args.norm_in_reduce else ""
     suffix += f"_pdl_{args.pdl}" if args.pdl else ""
     suffix += f"_{args.quantization}" if args.quantization != "none" else ""
+    suffix += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
-    print(f"\nbatch-1 decode, ctx {args.context}, quantization {args.quantization}"
+    print(f"\nbatch-1 decode, ctx {args.context}, quantization {args.quantization}, "
+          f"TP {args.tensor_parallel_size}"
           f" (norm in reduce {'on' if norm_in_reduce else 'off'},"
           f" PDL {'on' if pdl.enabled() else 'off'})"
           f": {ms_per_token:.2f} ms/token; floor "

@@ -159,6 +159,26 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
               ${SPEC_ARGS:-} 2>&1 | grep -E "Error|error" | tail -5
         done
         python3 -m benchmarks.gpu.speculative --model $M/dummy-llama-3.1-8b ${SPEC_ARGS:-} 2>&1 | tail -20;;
+    # issue 30: tensor parallelism (two GPUs): the GPU tests, then batch-1 decode TP1 vs TP2
+    tp-tests) python3 -m pytest -q -m gpu tests/services/worker/test_tensor_parallel_gpu.py \
+        -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -30;;
+    tp-decode) for tp in ${TP_RUNS:-1 2}; do
+          python3 -m benchmarks.gpu.decode_latency --model $M/${TP_MODEL:-dummy-llama-3.1-8b} \
+              --tensor-parallel-size $tp 2>&1 | grep -E "^batch-1|Error|error" | tail -3
+        done;;
+    tp-sharegpt) for tp in ${TP_RUNS:-2}; do
+          python3 -m benchmarks.gpu.offline_throughput --model $M/${TP_MODEL:-dummy-llama-3.1-8b} \
+              --workload sharegpt --num-prompts 1000 $E_DATA --max-num-seqs 1024 \
+              --max-num-batched-tokens 16384 --tensor-parallel-size $tp 2>&1 \
+              | grep -E "num_blocks|^sharegpt|Error|error" | tail -4
+        done;;
+    # two replicas, one per GPU, each half of the same 1,000 prompts at once (data parallel)
+    tp-replicas) for gpu in 0 1; do
+          CUDA_VISIBLE_DEVICES=$gpu python3 -m benchmarks.gpu.offline_throughput \
+              --model $M/${TP_MODEL:-dummy-llama-3.1-8b} --workload sharegpt --num-prompts 1000 \
+              --part $gpu/2 $E_DATA --max-num-seqs 1024 --max-num-batched-tokens 16384 \
+              > "$OUT/replica$gpu.log" 2>&1 &
+        done; wait; grep -hE "^sharegpt" "$OUT"/replica*.log;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=100, help="uniform: shortest length")
     parser.add_argument("--max-len", type=int, default=1024, help="uniform: longest length")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--part", default="0/1", metavar="K/N",
+                        help="run every N-th prompt from the K-th (replicas side by side)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
                         help="fp8: the projections' weights in FP8 (the worker's flag)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="spread the model over this many GPUs (the worker's flag)")
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--dump-workload", default="",
                         help="write the workload's token ids as JSON ({prompts, output_lens}: "
@@ -95,6 +99,8 @@ def main() -> None:
     args = parser.parse_args()
 
     prompts, output_lens = workload(args)
+    part, num_parts = map(int, args.part.split("/"))
+    prompts, output_lens = prompts[part::num_parts], output_lens[part::num_parts]
     if args.dump_workload:
         Path(args.dump_workload).write_text(json.dumps({"prompts": prompts,
                                                         "output_lens": output_lens}))
@@ -104,7 +110,8 @@ def main() -> None:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enforce_eager=args.enforce_eager, overlap_steps=args.overlap_steps,
-                          quantization=args.quantization)
+                          quantization=args.quantization,
+                          tensor_parallel_size=args.tensor_parallel_size)
     # Warm-up over varied shapes, so Triton compiles its kernel variants before the clock runs.
     rng = random.Random(args.seed + 1)
     warm_prompts = [[rng.randrange(100, 40_000) for _ in range(rng.randint(1, 2048))]
@@ -132,12 +139,13 @@ def main() -> None:
         "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager, "overlap_steps": args.overlap_steps,
-        "quantization": args.quantization,
+        "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
         "num_overlapped_steps": engine.runner.num_overlapped_steps,
         "wall_ms_per_step": 1e3 * stats.elapsed_s / max(stats.num_steps, 1),
         # the last request finishes when the run ends: finish times from the run's start
         "done_s_percentiles": done_percentiles([
             c.finish_time - last_finish + stats.elapsed_s for c in completions])}
+    engine.close()
     if args.hf_batch_sizes:
         model_files = resolve_model(args.model)
         del engine, completions
@@ -152,8 +160,9 @@ def main() -> None:
                    "output_ratio_vs_hf": result["output_tok_s"] / best["output_tok_s"],
                    "total_ratio_vs_hf": result["total_tok_s"] / best["total_tok_s"]}
     quantized = f"_{args.quantization}" if args.quantization != "none" else ""
+    quantized += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     save(f"throughput_{args.workload}_{args.model.replace(':', '_')}{quantized}", result)
-    print(f"\n{args.workload} {args.model} {args.quantization} (seqs {args.max_num_seqs}, tokens "
+    print(f"\n{args.workload} {args.model} {args.quantization} TP{args.tensor_parallel_size} (seqs {args.max_num_seqs}, tokens "
           f"{args.max_num_batched_tokens}, overlap {args.overlap_steps}): "
           f"{result['total_tok_s']:,.0f} total tok/s, "
           f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s, "

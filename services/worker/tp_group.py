@@ -178,7 +178,7 @@ def start_group(config: WorkerConfig,
     then builds its ``ModelRunner`` (the same collectives, in the same order). ``on_lost``:
     what a lost rank does to rank 0 (default: exit with EXIT_RANK_LOST)."""
     size = config.tensor_parallel_size
-    port = _free_port()
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     processes, links = [], []
     for rank in range(1, size):
@@ -260,7 +260,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(EXIT_RANK_LOST)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
