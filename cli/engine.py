@@ -55,7 +55,7 @@ class Engine:
                  model_files: ModelFiles) -> None:
         ranks = SingleRank()
         if worker_config.tensor_parallel_size > 1:  # ranks 1.. as processes (tp_group.py)
-            ranks, worker_config = start_group(worker_config)
+            ranks, worker_config = start_group(worker_config, model_files)
         self.runner = ModelRunner(worker_config, model_files, ranks)
         self.scheduler = Scheduler(
             scheduler_config, num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,

@@ -230,7 +230,7 @@ def run(config: WorkerConfig) -> None:
     model_files = resolve_model(config.model, config.cache_dir)
     ranks = SingleRank()
     if config.tensor_parallel_size > 1:  # ranks 1.. spawned; rank 0 on its own GPU
-        ranks, config = start_group(config)
+        ranks, config = start_group(config, model_files)
     runner = ModelRunner(config, model_files, ranks)
     freeze_startup_objects()
     log.info("model_loaded", model=model_files.name, num_blocks=runner.num_blocks,

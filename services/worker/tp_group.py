@@ -39,6 +39,7 @@ import torch
 from services.worker.config import WorkerConfig
 from services.worker.tensor_parallel import TensorParallel
 from shared.messages import StepPlan
+from shared.models import ModelFiles
 
 log = structlog.get_logger()
 
@@ -125,7 +126,9 @@ class LeaderRank(SingleRank):
             busy_since = self._busy_since
             if ended:
                 rank = 1 + sentinels.index(ended[0])
-                self._on_lost(f"rank {rank} exited (code {self._processes[rank - 1].exitcode})")
+                process = self._processes[rank - 1]
+                process.join(timeout=1)
+                self._on_lost(f"rank {rank} exited (code {process.exitcode})")
                 return
             if busy_since is not None and time.monotonic() - busy_since > timeout:
                 self._on_lost(f"a runner call ran past {timeout} s: a rank is hung")
@@ -172,11 +175,11 @@ def rank_config(config: WorkerConfig, rank: int) -> WorkerConfig:
     return msgspec.structs.replace(config, device=device, num_threads=num_threads)
 
 
-def start_group(config: WorkerConfig,
+def start_group(config: WorkerConfig, model_files: ModelFiles,
                 on_lost: Callable[[str], None] | None = None) -> tuple[LeaderRank, WorkerConfig]:
     """Spawn ranks 1..N-1 and form the group -> (rank 0's group, rank 0's config). Each rank
-    then builds its ``ModelRunner`` (the same collectives, in the same order). ``on_lost``:
-    what a lost rank does to rank 0 (default: exit with EXIT_RANK_LOST)."""
+    then builds its ``ModelRunner`` of ``model_files`` (the same collectives, in the same
+    order). ``on_lost``: what a lost rank does to rank 0 (default: exit with EXIT_RANK_LOST)."""
     size = config.tensor_parallel_size
     port = free_port()
     context = multiprocessing.get_context("spawn")
@@ -184,7 +187,8 @@ def start_group(config: WorkerConfig,
     for rank in range(1, size):
         receive, send = context.Pipe(duplex=False)
         process = context.Process(target=follower_main, name=f"tp-rank-{rank}",
-                                  args=(config, rank, port, receive, os.getpid()))
+                                  args=(config, model_files, rank, port, receive,
+                                        os.getpid()))
         process.start()
         receive.close()
         processes.append(process)
@@ -212,21 +216,20 @@ def exit_group(reason: str) -> None:
     os._exit(EXIT_RANK_LOST)  # now: the main thread may be stuck in a collective
 
 
-def follower_main(config: WorkerConfig, rank: int, port: int, link, parent_pid: int) -> None:
+def follower_main(config: WorkerConfig, model_files: ModelFiles, rank: int, port: int, link,
+                  parent_pid: int) -> None:
     """Rank ``rank``'s process: join the group, build the runner, then run what rank 0 sends
     until it says quit or is gone."""
     _die_with_parent(parent_pid)
     from services.worker.runner import ModelRunner  # the runner imports this module
     from shared.logging import setup_logging
-    from shared.models import resolve_model
 
     setup_logging("worker", level=config.log_level, json=config.log_json)
     structlog.contextvars.bind_contextvars(service="worker", instance=config.instance_id,
                                            tensor_parallel_rank=rank)
     config = rank_config(config, rank)
     tp = join_group(config, rank, config.tensor_parallel_size, port)
-    runner = ModelRunner(config, resolve_model(config.model, config.cache_dir),
-                         FollowerRank(tp))
+    runner = ModelRunner(config, model_files, FollowerRank(tp))
     while True:
         try:
             message = link.recv_bytes()

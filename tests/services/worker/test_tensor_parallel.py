@@ -125,7 +125,7 @@ def test_two_ranks_over_gloo_generate_one_ranks_text(model_files):
 def test_a_rank_that_dies_fails_the_group_within_seconds(model_files):
     lost = []
     config = WorkerConfig(device="cpu", model=str(model_files.path), tensor_parallel_size=2)
-    leader, _ = start_group(config, on_lost=lost.append)
+    leader, _ = start_group(config, model_files, on_lost=lost.append)
     try:
         follower = leader._processes[0]
         os.kill(follower.pid, signal.SIGKILL)
@@ -141,7 +141,7 @@ def test_a_call_that_outlives_the_step_timeout_fails_the_group(model_files):
     lost = []
     config = WorkerConfig(device="cpu", model=str(model_files.path), tensor_parallel_size=2,
                           tensor_parallel_step_timeout=0.5)
-    leader, _ = start_group(config, on_lost=lost.append)
+    leader, _ = start_group(config, model_files, on_lost=lost.append)
     try:
         with leader.watch():  # a runner call stuck (as in a collective a rank never joins)
             deadline = time.monotonic() + 10
