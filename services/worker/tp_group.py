@@ -135,15 +135,19 @@ class LeaderRank(SingleRank):
                 return
 
     def close(self) -> None:
-        """Stop the other ranks (rank 0 is stopping)."""
+        """Stop the other ranks (rank 0 is stopping): each takes the group down with rank 0
+        (NCCL's teardown waits for every rank), then exits."""
         self._closing.set()
         with contextlib.suppress(OSError):
             self._send(_QUIT)
+        # (NCCL's teardown with a rank gone would wait for it: rank 0 is exiting then anyway)
+        if all(process.is_alive() for process in self._processes) \
+                or torch.distributed.get_backend() == "gloo":
+            torch.distributed.destroy_process_group()
         for process in self._processes:
             process.join(timeout=10)
             if process.is_alive():
                 process.kill()
-        torch.distributed.destroy_process_group()
 
 
 def seed_random_draws(plan: StepPlan) -> StepPlan:
@@ -236,6 +240,7 @@ def follower_main(config: WorkerConfig, model_files: ModelFiles, rank: int, port
         except EOFError:  # rank 0 is gone
             os._exit(EXIT_RANK_LOST)
         if message[:1] == _QUIT:
+            torch.distributed.destroy_process_group()
             return
         try:
             _follow(runner, message)

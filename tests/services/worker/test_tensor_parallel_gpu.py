@@ -36,12 +36,12 @@ def _steps(vocab_size: int) -> list[list[tuple[list[int], int]]]:
 
 
 @torch.inference_mode()
-def _logits(path, device: str, tp=None) -> torch.Tensor:
+def _logits(path, device: str, tp=None, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     kwargs = {} if tp is None else {"tp": tp}
-    model = load_model(path, torch.device(device), torch.bfloat16, seed=3, **kwargs)
+    model = load_model(path, torch.device(device), dtype, seed=3, **kwargs)
     config = model.config
     model.bind_kv_cache(allocate_kv_cache(config.num_layers, NUM_BLOCKS, 4, config.num_kv_heads,
-                                          config.head_dim, torch.bfloat16, device))
+                                          config.head_dim, dtype, device))
     table = [list(range(NUM_BLOCKS))]
     logits = run_chunks(model, _steps(config.vocab_size), [table[0]], torch.device(device))
     return torch.cat(logits).float().cpu()  # [num_positions, vocab_size]
@@ -65,9 +65,15 @@ def test_two_ranks_give_one_ranks_teacher_forced_logits(tmp_path_factory):
         torch.distributed.destroy_process_group()
     finally:
         follower.join(timeout=120)
-    cosine = torch.nn.functional.cosine_similarity(split, whole, dim=-1)  # [num_positions]
-    assert split.shape == whole.shape
-    assert cosine.min().item() >= 0.9999, cosine
+    # Both bf16 runs are measured against fp32 on the same weights: on the H200, TP1 0.99982
+    # and TP2 0.99981 at their worst position, so TP2 vs TP1 (0.99974) is two bf16 roundings
+    # apart, not a split that loses precision
+    exact = _logits(path, "cuda:0", dtype=torch.float32)
+    assert split.shape == whole.shape == exact.shape
+    whole_error = 1 - torch.nn.functional.cosine_similarity(whole, exact, dim=-1).min().item()
+    split_error = 1 - torch.nn.functional.cosine_similarity(split, exact, dim=-1).min().item()
+    assert split_error <= 1.25 * whole_error, (split_error, whole_error)
+    assert torch.nn.functional.cosine_similarity(split, whole, dim=-1).min().item() >= 0.9995
     assert (split.argmax(-1) == whole.argmax(-1)).float().mean() >= 0.95
 
 
