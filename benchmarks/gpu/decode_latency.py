@@ -101,7 +101,6 @@ def main() -> None:
     # (a graph of collectives replays only with every rank: not under tensor parallelism)
     gpu_ms = graph_replay_ms(engine) \
         if not args.enforce_eager and args.tensor_parallel_size == 1 else None
-    engine.close()
     result = {"benchmark": "decode_latency", "device": device_name(), "model": args.model,
               "context": args.context, "num_tokens": args.num_tokens,
               "cuda_graphs": not args.enforce_eager, "ms_per_token": ms_per_token,
@@ -111,6 +110,7 @@ def main() -> None:
               "pdl": pdl.enabled(), "quantization": args.quantization,
               "tensor_parallel_size": args.tensor_parallel_size}
     if args.hf:
+        engine.close()
         del engine, model
         torch.cuda.empty_cache()
         hf_model = hf_random_model(resolve_model(args.model))
@@ -141,6 +141,8 @@ def main() -> None:
           f"{floor_ms:.2f} ms ({floor_ms / ms_per_token:.0%} of floor)"
           + (f"; graph replay {gpu_ms:.3f} ms" if gpu_ms is not None else "")
           + (f"; HF {result['hf_ms_per_token']:.1f} ms" if args.hf else ""))
+    if not args.hf:
+        engine.close()
 
 
 if __name__ == "__main__":

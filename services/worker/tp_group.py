@@ -135,14 +135,13 @@ class LeaderRank(SingleRank):
                 return
 
     def close(self) -> None:
-        """Stop the other ranks (rank 0 is stopping): each takes the group down with rank 0
-        (NCCL's teardown waits for every rank), then exits."""
+        """Stop the other ranks (rank 0 is stopping)."""
         self._closing.set()
         with contextlib.suppress(OSError):
             self._send(_QUIT)
-        # (NCCL's teardown with a rank gone would wait for it: rank 0 is exiting then anyway)
-        if all(process.is_alive() for process in self._processes) \
-                or torch.distributed.get_backend() == "gloo":
+        # gloo only: NCCL's teardown after graphs that hold its collectives did not return on
+        # an H200 pair; rank 0 is exiting then, and its exit frees the communicator
+        if torch.distributed.get_backend() == "gloo":
             torch.distributed.destroy_process_group()
         for process in self._processes:
             process.join(timeout=10)
@@ -240,8 +239,7 @@ def follower_main(config: WorkerConfig, model_files: ModelFiles, rank: int, port
         except EOFError:  # rank 0 is gone
             os._exit(EXIT_RANK_LOST)
         if message[:1] == _QUIT:
-            torch.distributed.destroy_process_group()
-            return
+            os._exit(0)  # no teardown: see LeaderRank.close
         try:
             _follow(runner, message)
         except Exception:  # noqa: BLE001 - rank 0 fails the same call and sends a reset
