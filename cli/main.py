@@ -55,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="steps each scheduler sends ahead to its worker (default 2)")
     serve.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="speculative decoding, vLLM's fields: '{\"method\": \"ngram\", "
-                       "\"num_speculative_tokens\": 4}' (prompt lookup for greedy requests; "
+                       "\"num_speculative_tokens\": 4}' (prompt lookup; greedy requests keep "
+                       "their text, sampled ones their distribution; "
                        "docs/speculative-decoding.md)")
     kv = serve.add_argument_group("kvstore", "the node's KV tiers below the worker's cache "
                                   "(docs/kvstore.md)")

@@ -16,8 +16,10 @@ decoding it keeps each draft while it equals the model's argmax at the position 
 then the argmax after the last kept one (docs/speculative-decoding.md). So the output is
 the tokens plain greedy decoding gives, one to ``num_speculative_tokens + 1`` a step.
 
-Only greedy requests whose logits nothing adjusts are drafted for (no penalties, logit
-bias, min_tokens, grammar, logprobs); the others decode as before in the same steps.
+A request that samples keeps each draft with the model's probability of it and draws a
+replacement at the first rejection (rejection sampling): the same distribution as plain
+sampling. Only requests whose logits nothing adjusts are drafted for (no penalties, logit
+bias, min_tokens, min_p, grammar, logprobs); the others decode as before in the same steps.
 ``NoDrafts`` is the seam's null side: no speculation.
 """
 
@@ -81,13 +83,15 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
 
 
 def can_speculate(sampling: SamplingParams) -> bool:
-    """Greedy, with logits nothing adjusts and nothing reported per token: verifying
-    drafts by the argmax then gives exactly the tokens plain decoding gives; and not opted
-    out (the request's ``speculative: false``)."""
-    return sampling.speculative and sampling.is_greedy and not (
+    """Logits nothing adjusts and nothing reported per token: verifying drafts by the argmax
+    (greedy) then gives exactly the tokens plain decoding gives, and by rejection sampling
+    (temperature, top-k, top-p) exactly its distribution; and not opted out (the request's
+    ``speculative: false``)."""
+    return sampling.speculative and not (
         sampling.logit_bias or sampling.min_tokens or sampling.structured is not None
         or sampling.has_penalties or sampling.logprobs is not None
-        or sampling.prompt_logprobs is not None)
+        or sampling.prompt_logprobs is not None
+        or (sampling.min_p > 0.0 and not sampling.is_greedy))
 
 
 class NgramIndex:

@@ -18,6 +18,7 @@ kvstore it is ``NoKvConnector``, which computes a plan's loads instead.
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -45,7 +46,9 @@ from services.worker.step_state import RequestState, StepInFlight, needs_host_to
 from services.worker.tp_group import SingleRank
 from services.worker.warmup import warm_up_attention
 from shared.config import parse_size
-from shared.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
+from shared.messages import (
+    NewRequestData, SamplingParams, ScheduledRequest, StepPlan, StepResult, TokenLogprobs,
+)
 from shared.kv_messages import KvLayout
 from shared.models import ModelFiles, read_eos_token_ids
 
@@ -315,19 +318,25 @@ class ModelRunner:
             return _Sampled(None, [], [], {})
         prompt_logprobs = self._prompt_logprobs(plan.scheduled, chunks, layout.first_rows,
                                                 logits)
-        rows, num_accepted = verify_drafts(logits, layout, chunks)  # speculation.py
+        params = [s.sampling for s in states]
+        rows, num_accepted, residual_tokens = verify_drafts(  # speculation.py
+            logits, layout, chunks, params, [draw_seed_of(p) for p in params],
+            [s.num_outputs for s in states])
         if len(rows) != logits.shape[0]:
             logits = logits[rows]  # [num_sampled, vocab_size]
-        for state in states:
-            state.seed_next_draw()
-        params = [s.sampling for s in states]
-        output_indices = [s.num_outputs for s in states]
+        # a request's next draw is its output number num_outputs + the drafts it keeps
+        output_indices = [s.num_outputs + (num_accepted[i] if num_accepted else 0)
+                          for i, s in enumerate(states)]
+        for state, output_index in zip(states, output_indices):
+            state.seed_next_draw(output_index)
         generators = [s.generator for s in states]
         if defer:
             return _Sampled(self.sampler.sample_on_device(  # [num_sampled]
                 logits, sampled_ids, params, output_indices, generators), [], [], prompt_logprobs)
         token_ids, logprobs = self.sampler.sample(logits, sampled_ids, params, output_indices,
                                                   generators)
+        for index, token_id in residual_tokens.items():  # a rejected draft's replacement
+            token_ids[index] = token_id
         return _Sampled(None, token_ids, logprobs, prompt_logprobs, num_accepted)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -446,6 +455,12 @@ class _Sampled(NamedTuple):
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     num_accepted: list[int] | tuple = ()  # per sampled row: drafts kept ((): none sent)
+
+
+def draw_seed_of(sampling: SamplingParams) -> int:
+    """The request's seed, or a fresh one (a tensor-parallel group's leader seeds every random
+    request, so its ranks agree)."""
+    return sampling.seed if sampling.seed is not None else random.getrandbits(62)
 
 
 def mixed_graph_tokens(config: WorkerConfig) -> int:

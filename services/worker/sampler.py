@@ -191,7 +191,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if random_rows:
         random_params = [params[i] for i in random_rows]
         # [num_random, vocab_size]
-        probs = _filtered_probs(logits[random_rows].float(), random_params)
+        probs = filtered_probs(logits[random_rows].float(), random_params)
         for row, i in enumerate(random_rows):
             token_ids[i] = torch.multinomial(probs[row], 1, generator=generators[i])[0]
     return token_ids.tolist()
@@ -214,7 +214,7 @@ def sample_with_kernel(logits: torch.Tensor, params: list[SamplingParams],
 
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, then top-p. logits: [num_rows, vocab_size] fp32 -> probabilities."""
     num_rows, vocab_size = logits.shape
     device = logits.device

@@ -2,40 +2,91 @@
 
 A request scheduled with drafts (``ScheduledRequest.draft_token_ids``, proposed by the
 scheduler: services/scheduler/speculation.py) computes its last known token and the
-drafts in one query, so the step has logits at each of those positions. Greedy
-verification keeps draft i while it equals the argmax at the position before it; the
-token sampled from the row after the last kept draft follows them. That is the token
-plain decoding would have sampled there (the sampler draws it, from the same row), so
-the request's tokens are the ones it gets without speculation, 1 to K + 1 a step.
+drafts in one query, so the step has logits at each of those positions.
+
+Greedy verification keeps draft i while it equals the argmax at the position before it; the
+token sampled from the row after the last kept draft follows them. That is the token plain
+decoding would have sampled there (the sampler draws it, from the same row), so the
+request's tokens are the ones it gets without speculation, 1 to K + 1 a step.
+
+A request that samples (temperature > 0) verifies by rejection sampling, which keeps the
+target's distribution exactly: the drafter proposes one token with certainty, so draft i is
+kept with the target's probability of it, p_i(draft) (after temperature, top-k and top-p),
+and at the first rejection the token is drawn from p_i with the draft removed, renormalized;
+when every draft is kept, the sampler draws the next token from the row after them. Each
+uniform and each residual draw is seeded by (seed, output index) like any seeded draw, so a
+seeded request given the same drafts gives the same tokens.
+
 Rejected drafts' positions count as not computed: their KV slots are written again.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from kernels.sampling import draw_seed
+from services.worker.sampler import filtered_probs
 from services.worker.step_inputs import LogitsLayout, SequenceChunk
+from shared.messages import SamplingParams
+
+_RESIDUAL_SALT = 0x5EED  # the residual draw's seed differs from the same position's uniform
 
 
-def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[SequenceChunk]
-                  ) -> tuple[list[int], list[int]]:
-    """logits: [num_logit_rows, vocab_size] -> (per sampled chunk: the row to sample from,
-    the drafts it keeps; [] when the step has none). One argmax over the verify rows, one
-    read back."""
+class Verified(NamedTuple):
+    rows: list[int]  # per sampled chunk: the logits row its next token comes from
+    num_accepted: list[int]  # per sampled chunk: drafts kept ([] when the step has none)
+    # sampled-chunk index -> the token drawn from a rejected draft's residual distribution
+    residual_tokens: dict[int, int]
+
+
+def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[SequenceChunk],
+                  params: list[SamplingParams], seeds: list[int], output_indices: list[int]
+                  ) -> Verified:
+    """logits: [num_logit_rows, vocab_size]; params, seeds, output_indices: per sampled chunk
+    (its request's sampling, seed and tokens generated so far). Greedy chunks: one argmax over
+    their verify rows, one read back; sampling ones: ``reject_drafts``."""
     sampled = [chunk for chunk in chunks if chunk.sample]
     rows = list(layout.sample_rows)
     if not any(chunk.num_drafts for chunk in sampled):
-        return rows, []
-    verify = [(row, chunk) for row, chunk in zip(rows, sampled) if chunk.num_drafts]
-    index = [row + i for row, chunk in verify for i in range(chunk.num_drafts)]
-    argmax = iter(logits[index].argmax(-1).tolist())  # [num draft rows]
-    kept = {}
-    for row, chunk in verify:
+        return Verified(rows, [], {})
+    verify = [(index, row, chunk) for index, (row, chunk) in enumerate(zip(rows, sampled))
+              if chunk.num_drafts]
+    greedy = [(row, chunk) for index, row, chunk in verify if params[index].is_greedy]
+    argmax = iter(logits[[row + i for row, chunk in greedy for i in range(chunk.num_drafts)]]
+                  .argmax(-1).tolist() if greedy else [])  # [num greedy draft rows]
+    accepted, residual_tokens = [0] * len(rows), {}
+    for index, row, chunk in verify:
         drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
-        matches = [next(argmax) == draft for draft in drafts]
-        kept[row] = matches.index(False) if False in matches else len(drafts)
-    accepted = [kept.get(row, 0) for row in rows]
-    return [row + num for row, num in zip(rows, accepted)], accepted
+        if params[index].is_greedy:
+            matches = [next(argmax) == draft for draft in drafts]
+            accepted[index] = matches.index(False) if False in matches else len(drafts)
+            continue
+        probs = filtered_probs(logits[row:row + len(drafts)].float(),
+                               [params[index]] * len(drafts))  # [num_drafts, vocab_size]
+        accepted[index], token = reject_drafts(probs, drafts, seeds[index],
+                                               output_indices[index])
+        if token is not None:
+            residual_tokens[index] = token
+    return Verified([row + num for row, num in zip(rows, accepted)], accepted, residual_tokens)
+
+
+def reject_drafts(probs: torch.Tensor, drafts: list[int], seed: int, output_index: int
+                  ) -> tuple[int, int | None]:
+    """probs: [num_drafts, vocab_size], the target's distribution at each draft's position ->
+    (drafts kept, the token drawn at the first rejection, or None when all were kept)."""
+    draft_probs = probs[torch.arange(len(drafts), device=probs.device),
+                        torch.tensor(drafts, device=probs.device)].tolist()
+    for i, (draft, p_draft) in enumerate(zip(drafts, draft_probs)):
+        generator = torch.Generator().manual_seed(draw_seed(seed, output_index + i))
+        if torch.rand((), generator=generator).item() < p_draft:
+            continue
+        residual = probs[i].cpu().clone()  # [vocab_size]: p_i with the draft removed
+        residual[draft] = 0.0
+        generator.manual_seed(draw_seed(seed ^ _RESIDUAL_SALT, output_index + i))
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(drafts), None
 
 
 def keep_accepted(states: list, chunks: list[SequenceChunk], num_accepted: list[int]) -> None:

@@ -35,11 +35,13 @@ class RequestState:
     def num_outputs(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 
-    def seed_next_draw(self) -> None:
+    def seed_next_draw(self, output_index: int | None = None) -> None:
         """A seeded draw depends only on (seed, output index), so a request preempted and
-        recomputed draws exactly what it would have drawn, whatever the batch."""
+        recomputed draws exactly what it would have drawn, whatever the batch. The output
+        index is ``num_outputs`` unless given (after kept drafts, further on)."""
         if self.generator is not None:
-            self.generator.manual_seed(draw_seed(self.sampling.seed, self.num_outputs))
+            index = self.num_outputs if output_index is None else output_index
+            self.generator.manual_seed(draw_seed(self.sampling.seed, index))
 
 
 def needs_host_tokens(sampling: SamplingParams) -> bool:

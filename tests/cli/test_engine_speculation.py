@@ -76,3 +76,27 @@ def test_two_hundred_prompts_give_the_same_tokens_with_and_without_drafts(model)
         drafter = engine.scheduler.drafter
         assert drafter.num_draft_tokens > 200  # the copy-heavy prompts were drafted for
         assert drafter.num_accepted_drafts > drafter.num_draft_tokens // 2, spec
+
+
+def test_sampled_requests_are_drafted_for_and_reproducible(model):
+    """Requests that sample (seeded, temperature 0.5) get drafts too, verified by rejection
+    sampling: on copy-heavy prompts many are kept, and a second run gives the same tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+    batch = [p for p in prompts(tokenizer, 40) if len(p) > 12][:16]
+    sampling = [SamplingParams(temperature=0.5, seed=index, max_tokens=16, ignore_eos=True)
+                for index in range(len(batch))]
+
+    def generate() -> tuple[list[list[int]], Engine]:
+        engine = Engine(SchedulerConfig(speculative_config=NGRAM, max_num_seqs=64),
+                        WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB"),
+                        model)
+        return [c.output_token_ids for c in engine.generate(batch, sampling)[0]], engine
+
+    first, engine = generate()
+    again, _ = generate()
+    assert first == again
+    assert all(len(tokens) == 16 for tokens in first)
+    drafter = engine.scheduler.drafter
+    assert drafter.num_accepted_drafts > drafter.num_draft_tokens // 4 > 0

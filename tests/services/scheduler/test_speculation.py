@@ -81,7 +81,10 @@ def test_the_config_takes_vllms_names_and_refuses_what_it_cannot_do():
 def test_only_requests_whose_logits_nothing_adjusts_are_drafted_for():
     greedy = SamplingParams(temperature=0.0)
     assert can_speculate(greedy) and can_speculate(SamplingParams(top_k=1))
-    for other in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.0, logprobs=2),
+    # sampling with temperature, top-k and top-p: rejection sampling keeps the distribution
+    assert can_speculate(SamplingParams(temperature=0.7, top_k=20, top_p=0.9))
+    for other in (SamplingParams(temperature=0.7, min_p=0.1),
+                  SamplingParams(temperature=0.0, logprobs=2),
                   SamplingParams(temperature=0.0, repetition_penalty=1.1),
                   SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
                   SamplingParams(temperature=0.0, min_tokens=4),
