@@ -91,8 +91,9 @@ def test_unseeded_random_draws_get_a_seed_every_rank_shares():
     assert plan.new_requests[2].sampling.seed is not None
 
 
-def _generate(model_files, prompts, tensor_parallel_size: int):
-    engine = Engine(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4),
+def _generate(model_files, prompts, tensor_parallel_size: int, speculative_config: str = ""):
+    engine = Engine(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4,
+                                    speculative_config=speculative_config),
                     WorkerConfig(device="cpu", kv_cache_memory="3MiB", block_size=8,
                                  tensor_parallel_size=tensor_parallel_size), model_files)
     try:
@@ -101,7 +102,8 @@ def _generate(model_files, prompts, tensor_parallel_size: int):
         sampling[-1] = SamplingParams(temperature=0.8, seed=11, max_tokens=NUM_NEW_TOKENS,
                                       ignore_eos=True)
         completions, stats = engine.generate(prompts, sampling)
-        return [c.output_token_ids for c in completions], stats, engine.scheduler.num_prefix_hits
+        return [c.output_token_ids for c in completions], stats, engine.scheduler
+
     finally:
         engine.close()
 
@@ -114,12 +116,18 @@ def test_two_ranks_over_gloo_generate_one_ranks_text(model_files):
     texts = [shared + " complicated, and", shared + " it began", "def fibonacci(n):",
              "Write a short poem about the sea.", shared + " ended in"]
     prompts = [tokenizer(text)["input_ids"] for text in texts]
-    whole, whole_stats, whole_hits = _generate(model_files, prompts, 1)
-    split, split_stats, split_hits = _generate(model_files, prompts, 2)
+    whole, whole_stats, whole_scheduler = _generate(model_files, prompts, 1)
+    split, split_stats, split_scheduler = _generate(model_files, prompts, 2)
     assert whole_stats.num_preemptions > 0 and split_stats.num_preemptions > 0
-    assert whole_hits > 0 and split_hits > 0
+    assert whole_scheduler.num_prefix_hits > 0 and split_scheduler.num_prefix_hits > 0
     assert all(len(tokens) == NUM_NEW_TOKENS for tokens in whole)
     assert split == whole
+    # n-gram drafts verified on both ranks (the greedy text stays; the seeded sampled request
+    # draws by rejection sampling instead, so it is left out)
+    drafted, _, scheduler = _generate(model_files, prompts, 2,
+                                      '{"method": "ngram", "num_speculative_tokens": 4}')
+    assert drafted[:-1] == whole[:-1]
+    assert scheduler.drafter.num_accepted_drafts > 0
 
 
 def test_a_rank_that_dies_fails_the_group_within_seconds(model_files):
