@@ -18,7 +18,6 @@ kvstore it is ``NoKvConnector``, which computes a plan's loads instead.
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -46,9 +45,7 @@ from services.worker.step_state import RequestState, StepInFlight, needs_host_to
 from services.worker.tp_group import SingleRank
 from services.worker.warmup import warm_up_attention
 from shared.config import parse_size
-from shared.messages import (
-    NewRequestData, SamplingParams, ScheduledRequest, StepPlan, StepResult, TokenLogprobs,
-)
+from shared.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from shared.kv_messages import KvLayout
 from shared.models import ModelFiles, read_eos_token_ids
 
@@ -168,7 +165,8 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request and the step in flight (a scheduler attached or a step
         failed); the cache memory stays."""
-        self.ranks.lead_reset()
+        with self.ranks.watch():  # (a rank that stopped reading fills its pipe)
+            self.ranks.lead_reset()
         self._in_flight = None
         for request_id in list(self._requests):
             self._forget(request_id)
@@ -197,9 +195,8 @@ class ModelRunner:
         """Start ``plan``; return the results of the steps that completed meanwhile, in step
         order: the step in flight before it, and ``plan`` itself unless it is left in flight
         (CUDA, and its sampling needs no host tokens) for ``flush`` or the next ``submit``."""
-        plan = self.ranks.lead_step(plan)
         with self.ranks.watch():
-            return self._submit(plan)
+            return self._submit(self.ranks.lead_step(plan))
 
     def _submit(self, plan: StepPlan) -> list[StepResult]:
         results: list[StepResult] = []
@@ -221,8 +218,8 @@ class ModelRunner:
         """Read back the step in flight, if any (waits for the device)."""
         if self._in_flight is None:
             return []
-        self.ranks.lead_flush()
         with self.ranks.watch():
+            self.ranks.lead_flush()
             return self._flush()
 
     def _flush(self) -> list[StepResult]:
@@ -320,8 +317,7 @@ class ModelRunner:
                                                 logits)
         params = [s.sampling for s in states]
         rows, num_accepted, residual_tokens = verify_drafts(  # speculation.py
-            logits, layout, chunks, params, [draw_seed_of(p) for p in params],
-            [s.num_outputs for s in states])
+            logits, layout, chunks, params, [s.num_outputs for s in states])
         if len(rows) != logits.shape[0]:
             logits = logits[rows]  # [num_sampled, vocab_size]
         # a request's next draw is its output number num_outputs + the drafts it keeps
@@ -455,12 +451,6 @@ class _Sampled(NamedTuple):
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     num_accepted: list[int] | tuple = ()  # per sampled row: drafts kept ((): none sent)
-
-
-def draw_seed_of(sampling: SamplingParams) -> int:
-    """The request's seed, or a fresh one (a tensor-parallel group's leader seeds every random
-    request, so its ranks agree)."""
-    return sampling.seed if sampling.seed is not None else random.getrandbits(62)
 
 
 def mixed_graph_tokens(config: WorkerConfig) -> int:

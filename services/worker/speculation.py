@@ -22,6 +22,7 @@ Rejected drafts' positions count as not computed: their KV slots are written aga
 
 from __future__ import annotations
 
+import random
 from typing import NamedTuple
 
 import torch
@@ -42,11 +43,12 @@ class Verified(NamedTuple):
 
 
 def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[SequenceChunk],
-                  params: list[SamplingParams], seeds: list[int], output_indices: list[int]
-                  ) -> Verified:
-    """logits: [num_logit_rows, vocab_size]; params, seeds, output_indices: per sampled chunk
-    (its request's sampling, seed and tokens generated so far). Greedy chunks: one argmax over
-    their verify rows, one read back; sampling ones: ``reject_drafts``."""
+                  params: list[SamplingParams], output_indices: list[int]) -> Verified:
+    """logits: [num_logit_rows, vocab_size]; params, output_indices: per sampled chunk (its
+    request's sampling and tokens generated so far). Greedy chunks: one argmax over their
+    verify rows, one read back; sampling ones: ``reject_drafts``, with the request's seed or
+    a fresh one (a tensor-parallel group's leader seeds every random request, so its ranks
+    agree)."""
     sampled = [chunk for chunk in chunks if chunk.sample]
     rows = list(layout.sample_rows)
     if not any(chunk.num_drafts for chunk in sampled):
@@ -65,8 +67,10 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
             continue
         probs = filtered_probs(logits[row:row + len(drafts)].float(),
                                [params[index]] * len(drafts))  # [num_drafts, vocab_size]
-        accepted[index], token = reject_drafts(probs, drafts, seeds[index],
-                                               output_indices[index])
+        seed = params[index].seed
+        accepted[index], token = reject_drafts(
+            probs, drafts, seed if seed is not None else random.getrandbits(62),
+            output_indices[index])
         if token is not None:
             residual_tokens[index] = token
     return Verified([row + num for row, num in zip(rows, accepted)], accepted, residual_tokens)

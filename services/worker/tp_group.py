@@ -82,10 +82,12 @@ class FollowerRank(SingleRank):
 class LeaderRank(SingleRank):
     """Rank 0: sends every runner call down to the other ranks and watches them."""
 
-    def __init__(self, config: WorkerConfig, tp: TensorParallel,
+    def __init__(self, config: WorkerConfig,
                  processes: list[multiprocessing.process.BaseProcess], links: list,
                  on_lost: Callable[[str], None]):
-        self.tp, self.config = tp, config
+        """Watches the ranks from here on, so a rank lost while the group forms fails it
+        too; ``tp`` is set once the group has formed."""
+        self.config = config
         self._processes, self._links = processes, links
         self._on_lost = on_lost
         self._busy_since: float | None = None  # when the runner call now running began
@@ -196,10 +198,11 @@ def start_group(config: WorkerConfig, model_files: ModelFiles,
         receive.close()
         processes.append(process)
         links.append(send)
+    leader = LeaderRank(config, processes, links, on_lost or exit_group)
     leader_config = rank_config(config, 0)
-    tp = join_group(leader_config, 0, size, port)
+    leader.tp = join_group(leader_config, 0, size, port)
     log.info("tensor_parallel_group_formed", size=size, device=leader_config.device)
-    return LeaderRank(config, tp, processes, links, on_lost or exit_group), leader_config
+    return leader, leader_config
 
 
 def join_group(config: WorkerConfig, rank: int, size: int, port: int) -> TensorParallel:
