@@ -1,5 +1,7 @@
-"""What ``--quantization fp8`` does to a model's numbers (issue 29): one teacher-forced pass
-over a fixed text, the model in its dtype against the same weights with FP8 projections.
+"""What ``--quantization fp8`` and ``--kv-cache-dtype fp8`` do to a model's numbers (issue 29):
+one teacher-forced pass over a fixed text, the model in its dtype against the same weights with
+FP8 projections, with an FP8 KV cache (its scales calibrated as the worker calibrates them), and
+with both.
 
     python -m benchmarks.fp8_numerics                       # SmolLM2-135M-Instruct, CPU, fp32
     python -m benchmarks.fp8_numerics --model DIR --device cuda --dtype bfloat16
@@ -9,8 +11,9 @@ the cosine of each position's logits, and per layer the relative error of the re
 (||fp8 - ref|| / ||ref|| after each decoder layer). On CUDA the FP8 model runs the kernels the
 worker runs (a prompt chunk over 16 tokens: per-token activation quantization and
 torch._scaled_mm); on CPU the same math in fp32 (kernels/fp8.py's reference: weights
-dequantized, activations quantized per token), so a CPU figure is the quantization's own
-error, not the kernels'. Results: $OUT/fp8_numerics.json.
+dequantized, activations quantized per token; the FP8 cache through the reference attention),
+so a CPU figure is the quantization's own error, not the kernels'. Results:
+$OUT/fp8_numerics.json.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from kernels.paged_attention_ref import allocate_kv_cache
+from kernels.paged_attention_ref import FP8_KV_DTYPE, allocate_kv_cache
+from services.worker.kv_quant import set_fp8_kv_scales
 from services.worker.step_inputs import SequenceChunk, build_step_inputs
 from services.worker.weights import load_model
 from shared.models import resolve_model
@@ -32,6 +36,8 @@ from shared.models import resolve_model
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 BLOCK_SIZE = 16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# (--quantization, --kv-cache-dtype) of each run against the unquantized one
+VARIANTS = {"fp8_weights": ("fp8", "auto"), "fp8_kv": ("none", "fp8"), "both": ("fp8", "fp8")}
 # A fixed text of ordinary prose (written for this benchmark): what perplexity is measured on.
 TEXT = (
     "The lighthouse keeper kept a notebook of every ship that passed the point. In the spring "
@@ -47,15 +53,19 @@ TEXT = (
 
 
 @torch.inference_mode()
-def teacher_forced(model, token_ids: list[int], device: torch.device
+def teacher_forced(model, token_ids: list[int], device: torch.device, fp8_kv: bool = False
                    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One prefill chunk of the whole text -> (logits [num_tokens, vocab] fp32, the residual
-    stream after each layer [num_tokens, hidden] fp32)."""
+    """One prefill chunk of the whole text (its attention reads the keys and values back from
+    the cache) -> (logits [num_tokens, vocab] fp32, the residual stream after each layer
+    [num_tokens, hidden] fp32)."""
     config = model.config
     num_blocks = -(-len(token_ids) // BLOCK_SIZE)
+    dtype = model.embed_tokens.weight.dtype
+    if fp8_kv:
+        set_fp8_kv_scales(model, BLOCK_SIZE, device, dtype)
     model.bind_kv_cache(allocate_kv_cache(config.num_layers, num_blocks, BLOCK_SIZE,
                                           config.num_kv_heads, config.head_dim,
-                                          model.embed_tokens.weight.dtype, device))
+                                          FP8_KV_DTYPE if fp8_kv else dtype, device))
     chunk = SequenceChunk(token_ids=token_ids, start=0, block_table=list(range(num_blocks)),
                           sample=True)
     input_ids, positions, metadata = build_step_inputs([chunk], BLOCK_SIZE, device)
@@ -102,18 +112,20 @@ def main() -> None:
     model_files = resolve_model(args.model)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     token_ids = AutoTokenizer.from_pretrained(str(model_files.path))(TEXT)["input_ids"]
-    runs = {}
-    for quantization in ("none", "fp8"):
-        model = load_model(model_files.path, device, dtype, quantization=quantization)
-        runs[quantization] = teacher_forced(model, token_ids, device)
-        del model
+    reference = teacher_forced(load_model(model_files.path, device, dtype), token_ids, device)
     result = {"benchmark": "fp8_numerics", "model": model_files.name, "device": args.device,
-              "dtype": args.dtype, **compare(runs["none"], runs["fp8"], token_ids)}
+              "dtype": args.dtype, "text": TEXT}
+    for name, (quantization, kv_cache_dtype) in VARIANTS.items():
+        model = load_model(model_files.path, device, dtype, quantization=quantization)
+        result[name] = compare(reference, teacher_forced(model, token_ids, device,
+                                                         kv_cache_dtype == "fp8"), token_ids)
+        del model
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "fp8_numerics.json").write_text(json.dumps(result, indent=2))
-    errors = result.pop("layer_relative_error")
-    print(json.dumps(result, indent=2))
-    print("layer relative error:", " ".join(f"{e:.4f}" for e in errors))
+    for name in VARIANTS:
+        errors = result[name].pop("layer_relative_error")
+        print(name, json.dumps(result[name]))
+        print(f"{name} layer relative error:", " ".join(f"{e:.4f}" for e in errors))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from cli.stack import flags
-from services.worker.config import Dtype, Quantization
+from services.worker.config import Dtype, KvCacheDtype, Quantization
 from shared import limits
 
 # On a GPU the batch limits default to vLLM's (the worker sizes its KV cache after the CUDA
@@ -33,6 +33,10 @@ def add_engine_flags(parser) -> None:
     parser.add_argument("--quantization", default=None, choices=list(Quantization),
                         help="fp8: projection weights in FP8, quantized while loading (CUDA, "
                         "compute capability 8.9+; docs/quantization.md). Default none")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=list(KvCacheDtype),
+                        help="fp8: keys and values in FP8, twice the KV blocks of bf16 (CUDA, "
+                        "compute capability 8.9+; docs/quantization.md). Default auto: the "
+                        "model's dtype")
     parser.add_argument("--gpu-memory-utilization", default=None,
                         help="share of GPU memory the worker uses (default 0.9)")
     parser.add_argument("--max-model-len", default=None,
@@ -54,7 +58,8 @@ def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
         or (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else None))
     worker = batch_limits + flags(
         kv_cache_memory=args.kv_cache_memory, device=args.device, dtype=args.dtype,
-        quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
     return {"worker": worker + (["--enforce-eager"] if args.enforce_eager else []),
             "scheduler": batch_limits + flags(max_queued_requests=args.max_queued_requests),
@@ -67,6 +72,9 @@ def engine_flag_error(args: argparse.Namespace) -> str | None:
     if args.quantization == "fp8" and not worker_uses_gpu(args.device):
         return ("--quantization fp8 needs a CUDA GPU with FP8 tensor cores (compute "
                 "capability 8.9+); the worker would run on the CPU")
+    if args.kv_cache_dtype == "fp8" and not worker_uses_gpu(args.device):
+        return ("--kv-cache-dtype fp8 needs a CUDA GPU with FP8 support (compute capability "
+                "8.9+); the worker would run on the CPU")
     tensor_parallel_size = tensor_parallel_size_of(args)
     if tensor_parallel_size < 1:
         return f"--tensor-parallel-size must be at least 1, not {args.tensor_parallel_size}"

@@ -25,6 +25,10 @@ The kernel (``paged_attention``; design notes above ``_paged_attention_kernel``)
 - ``num_decodes`` (a host int from the scheduler, which puts decodes first) lets a mixed batch run
   as two launches: the decodes with 16-row tiles (and split-KV), the chunks with 128-row tiles, so
   decodes don't waste 7/8 of a prefill-sized tile and chunks keep their K/V reuse.
+- an FP8 cache (``--kv-cache-dtype fp8``) is widened to the query's dtype tile by tile, exact
+  for the power-of-2 scales the worker calibrates; the dots still accumulate in fp32. The key
+  scale is folded into the softmax scale and the value scale into the output, so no tile is
+  multiplied by a scale.
 - nothing in the launcher reads device memory: grids, tile sizes and scratch depend on shapes and
   the host ints only, so a decode step (fixed num_tokens, num_seqs, max_query_len, max_seq_len) can
   be captured in a CUDA graph. Pass a ``workspace`` (``workspace_numel``) to keep scratch out of it.
@@ -40,6 +44,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.paged_attention_ref import FP8_KV_DTYPE
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     max_seq_len: int, out: torch.Tensor | None = None, num_decodes: int = 0,
                     workspace: torch.Tensor | None = None, num_segments: int | None = None,
                     decode_config: AttentionConfig | None = None,
-                    chunk_config: AttentionConfig | None = None) -> torch.Tensor:
+                    chunk_config: AttentionConfig | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """``paged_attention_ref`` in Triton, without a host-device sync (CUDA-graph capturable).
 
     query, out: [num_tokens, num_heads, head_dim]; the rest as in ``paged_attention_ref``.
@@ -87,6 +93,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         here (a deterministic torch.empty, fine under capture too) when None.
     num_segments: force the split-KV segment count (a power of 2; tests and benchmarks).
     decode_config, chunk_config: override the tile configs (benchmark sweeps).
+    k_scale, v_scale: an FP8 cache's scales (it holds x / scale); other caches ignore them.
     returns: out, [num_tokens, num_heads, head_dim] in the query's dtype
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -100,7 +107,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         num_decodes = num_seqs
     if not 0 <= num_decodes <= num_seqs:
         raise ValueError(f"num_decodes={num_decodes} with {num_seqs} sequences")
-    args = (query, key_cache, value_cache, out, scale, max_seq_len, workspace)
+    fp8 = key_cache.dtype == FP8_KV_DTYPE
+    # the key scale folds into the softmax's, the value scale into the output (1: exact)
+    args = (query, key_cache, value_cache, out, scale * (k_scale if fp8 else 1.0),
+            v_scale if fp8 else 1.0, max_seq_len, workspace)
     if num_decodes > 0:
         segments = num_segments or choose_num_segments(
             num_decodes, key_cache.shape[2], max_seq_len, _sm_count(query.device))
@@ -201,8 +211,9 @@ def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, 
         raise ValueError("block_tables rows must be contiguous")
 
 
-def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, block_tables,
-            seq_lens, query_start_loc, num_tokens, max_query_len, num_segments, config) -> None:
+def _launch(query, key_cache, value_cache, out, scale, v_scale, max_seq_len, workspace,
+            block_tables, seq_lens, query_start_loc, num_tokens, max_query_len, num_segments,
+            config) -> None:
     """One kernel launch over a contiguous run of sequences (and the combine, if split).
 
     num_tokens: a bound on the tokens of these sequences (grid and scratch size).
@@ -232,13 +243,14 @@ def _launch(query, key_cache, value_cache, out, scale, max_seq_len, workspace, b
         part_sum = workspace[num_rows * (head_dim_p2 + 1):numel]
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_segments)](
         query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        part_acc, part_max, part_sum, scale * LOG2E, num_seqs,
+        part_acc, part_max, part_sum, scale * LOG2E, v_scale, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         ONE_TILE_PER_SEQ=one_tile_per_seq, SEQ_CHUNK=SEQ_CHUNK, NUM_SEGMENTS=num_segments,
+        SCALED_V=v_scale != 1.0,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())
     if num_segments > 1:
@@ -300,7 +312,9 @@ def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_pt
     slots = keys % BLOCK_SIZE
     k_ptrs = (k_base + (block_ids * stride_k_blk + slots * stride_k_tok)[None, :]
               + offs_d[:, None])  # [HEAD_DIM_P2, BLOCK_N]
+    # an FP8 cache's tile widened to q's dtype (its scale is in qk_scale)
     k = _load_tile(k_ptrs, key_ok[None, :], (offs_d < HEAD_DIM)[:, None], MASKED, PAD_D)
+    k = k.to(q.dtype)
     scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (keys[None, :] <= query_pos[:, None]) & key_ok[None, :]
@@ -312,6 +326,7 @@ def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_pt
     v_ptrs = (v_base + (block_ids * stride_v_blk + slots * stride_v_tok)[:, None]
               + offs_d[None, :])  # [BLOCK_N, HEAD_DIM_P2]
     v = _load_tile(v_ptrs, key_ok[:, None], (offs_d < HEAD_DIM)[None, :], MASKED, PAD_D)
+    v = v.to(q.dtype)  # (an FP8 cache's tile widened; its scale goes on the output)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -324,14 +339,16 @@ def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_pt
                                "part_sum_ptr"])
 def _paged_attention_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, num_seqs,
+        query_start_loc_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, v_scale,
+        num_seqs,
         stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
         stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
         stride_bt_seq,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+        NUM_SEGMENTS: tl.constexpr, SCALED_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr):
     """Program (tile, kv_head, segment): BLOCK_Q queries of one sequence x the GROUP query heads
     of kv_head (row r: query tile_first + r // GROUP, head kv_head * GROUP + r % GROUP), over
     its segment of the context (all of it unless split)."""
@@ -367,6 +384,8 @@ def _paged_attention_kernel(
         key_cache_ptr, value_cache_ptr, stride_bt_seq, stride_k_blk, stride_k_tok, stride_k_head,
         stride_v_blk, stride_v_tok, stride_v_head, qk_scale, BLOCK_Q, BLOCK_SIZE, BLOCK_M,
         BLOCK_N, HEAD_DIM, HEAD_DIM_P2, NUM_SEGMENTS, DOT_PRECISION)
+    if SCALED_V:  # an FP8 cache's values: sum(p * v / v_scale) * v_scale
+        acc *= v_scale
     _store_rows(acc, m_i, l_i, tokens, heads, row_ok, segment, out_ptr, part_acc_ptr, part_max_ptr,
                 part_sum_ptr, query_start_loc_ptr, stride_o_tok, stride_o_head, GROUP, HEAD_DIM,
                 HEAD_DIM_P2, NUM_SEGMENTS)

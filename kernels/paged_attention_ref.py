@@ -12,6 +12,10 @@ Layout (the reference ops and the Triton kernels share it):
 - a sequence's ``block_table`` row lists its block ids in order; rows are padded to the longest with
   any valid block id (0), since padding is gathered and then masked out.
 
+An FP8 cache (``FP8_KV_DTYPE``) holds each layer's keys divided by its ``k_scale`` and values
+by its ``v_scale`` (clamped to e4m3's range, rounded to nearest): the attention multiplies them
+back, in fp32, before it uses them.
+
 ``allocate_kv_cache`` lives here, beside the layout it allocates: the layout is defined in this
 module, the allocation is plain torch used on every device, and the kernel modules only read it.
 
@@ -28,6 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+FP8_KV_DTYPE = torch.float8_e4m3fn  # --kv-cache-dtype fp8
+FP8_KV_MAX = 448.0  # torch.finfo(FP8_KV_DTYPE).max
+
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                       head_dim: int, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -38,15 +45,21 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 
 def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                       value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter this step's keys and values into their slots (in place).
 
     key, value: [num_tokens, num_kv_heads, head_dim]
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (contiguous)
     slot_mapping: [num_tokens] int, block_id * block_size + offset; < 0 means skip (padding),
         as in the kernel
+    k_scale, v_scale: an FP8 cache's scales (it holds x / scale); other caches ignore them
     """
     num_kv_heads, head_dim = key_cache.shape[-2:]
+    if key_cache.dtype == FP8_KV_DTYPE:  # (index_copy_ has no FP8 kernel: copied as bytes)
+        key = quantize_kv(key, k_scale).view(torch.uint8)
+        value = quantize_kv(value, v_scale).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     slot_mapping = slot_mapping.long()
     if slot_mapping.numel() and int(slot_mapping.min()) < 0:
         keep = slot_mapping >= 0
@@ -55,9 +68,15 @@ def write_kv_cache_ref(key: torch.Tensor, value: torch.Tensor, key_cache: torch.
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+def quantize_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x as an FP8 cache holds it: x * (1 / scale) in fp32, clamped, rounded to e4m3."""
+    return (x.float() * (1.0 / scale)).clamp(-FP8_KV_MAX, FP8_KV_MAX).to(FP8_KV_DTYPE)
+
+
 def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                        query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+                        query_start_loc: torch.Tensor, scale: float, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> torch.Tensor:
     """Causal GQA attention of packed queries over their sequences' cached context.
 
     query: [num_tokens, num_heads, head_dim]
@@ -65,8 +84,12 @@ def paged_attention_ref(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     block_tables: [num_seqs, max_blocks_per_seq] int, padded with a valid block id
     seq_lens: [num_seqs] int, context length including this step's tokens
     query_start_loc: [num_seqs + 1] int, prefix sums of the per-sequence query lengths
+    k_scale, v_scale: an FP8 cache's scales (the whole cache is dequantized: a reference)
     returns: [num_tokens, num_heads, head_dim]
     """
+    if key_cache.dtype == FP8_KV_DTYPE:
+        key_cache = (key_cache.float() * k_scale).to(query.dtype)
+        value_cache = (value_cache.float() * v_scale).to(query.dtype)
     output = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
     seq_len_list = seq_lens.tolist()
     starts = query_start_loc.tolist()

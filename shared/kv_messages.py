@@ -14,9 +14,10 @@ import msgspec
 from msgspec import Struct
 
 
-class KvLayout(Struct, frozen=True, kw_only=True):
+class KvLayout(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What one block's KV bytes are. Blocks of another layout or other weights never
-    mix: the kvstore keys every block by (namespace, block hash)."""
+    mix: the kvstore keys every block by (namespace, block hash). Fields added later have
+    defaults left out of the encoding, so earlier layouts keep their namespaces."""
 
     weights_version: str  # shared.models.weights_version: changes when the weights do
     dtype: str  # torch dtype name of the KV cache, e.g. "bfloat16"
@@ -24,6 +25,7 @@ class KvLayout(Struct, frozen=True, kw_only=True):
     block_size: int
     num_kv_heads: int
     head_dim: int
+    kv_scales: str = ""  # an FP8 cache's scales (kv_quant.kv_scales_tag); "": unscaled
 
     @property
     def slot_shape(self) -> tuple[int, ...]:

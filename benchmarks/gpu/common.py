@@ -38,10 +38,11 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, prefix_caching: bool = False,
                  overlap_steps: str = "auto", quantization: str = "none",
-                 tensor_parallel_size: int = 1) -> Engine:
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> Engine:
     """``tensor_parallel_size`` > 1: ranks 1.. spawned on cuda:1.. (``engine.close()`` stops
     them)."""
     worker = WorkerConfig(device="cuda", dtype="bfloat16", quantization=quantization,
+                          kv_cache_dtype=kv_cache_dtype,
                           tensor_parallel_size=tensor_parallel_size,
                           max_model_len=max_model_len,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
                         help="fp8: the projections' weights in FP8 (the worker's flag)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="fp8: keys and values in FP8 (the worker's flag)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="spread the model over this many GPUs (the worker's flag)")
     parser.add_argument("--hf", action="store_true", help="also time transformers generate()")
@@ -78,14 +80,16 @@ def main() -> None:
                           max_num_seqs=8, max_num_batched_tokens=2048,
                           gpu_memory_utilization=0.45 if args.hf else 0.9,
                           enforce_eager=args.enforce_eager, quantization=args.quantization,
-                          tensor_parallel_size=args.tensor_parallel_size)
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          kv_cache_dtype=args.kv_cache_dtype)
     model = engine.runner.model
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     read_bytes = weight_bytes - (0 if config.tie_word_embeddings else embed_bytes)
     # this rank's part of the weights and KV cache (tensor parallel: each rank reads its own)
-    kv_bytes = 2 * config.num_layers * args.context * config.num_kv_heads * config.head_dim * 2
+    kv_bytes = (2 * config.num_layers * args.context * config.num_kv_heads * config.head_dim
+                * engine.runner.kv_cache.element_size())
     floor_ms = (read_bytes + kv_bytes) / bandwidth * 1e3
 
     generator = torch.Generator().manual_seed(0)
@@ -108,7 +112,8 @@ def main() -> None:
               "copy_bandwidth_tb_s": bandwidth / 1e12, "weight_bytes": weight_bytes,
               "graph_replay_ms": gpu_ms, "norm_in_reduce": norm_in_reduce,
               "pdl": pdl.enabled(), "quantization": args.quantization,
-              "tensor_parallel_size": args.tensor_parallel_size}
+              "tensor_parallel_size": args.tensor_parallel_size,
+              "kv_cache_dtype": args.kv_cache_dtype}
     if args.hf:
         engine.close()
         del engine, model
@@ -132,8 +137,10 @@ def main() -> None:
     suffix += f"_pdl_{args.pdl}" if args.pdl else ""
     suffix += f"_{args.quantization}" if args.quantization != "none" else ""
     suffix += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    suffix += "_fp8kv" if args.kv_cache_dtype == "fp8" else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
     print(f"\nbatch-1 decode, ctx {args.context}, quantization {args.quantization}, "
+          f"KV {args.kv_cache_dtype}, "
           f"TP {args.tensor_parallel_size}"
           f" (norm in reduce {'on' if norm_in_reduce else 'off'},"
           f" PDL {'on' if pdl.enabled() else 'off'})"

@@ -127,7 +127,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     # batch-1 decode and ShareGPT 1,000 offline, bf16 and FP8 alternating (FP8_RUNS);
     # what FP8 does to the 8B's numbers (random weights: perplexity means nothing there)
     fp8-tests) python3 -m pytest -q -m gpu tests/kernels/test_fp8.py tests/kernels/test_skinny_gemm.py \
-        tests/kernels/test_norm_in_reduce.py tests/services/worker/test_fp8_gpu.py \
+        tests/kernels/test_norm_in_reduce.py tests/services/worker/test_fp8_gpu.py tests/kernels/test_fp8_kv_cache.py \
         tests/services/worker/test_model_norm_in_reduce.py -p no:cacheprovider -W ignore \
         --tb=short 2>&1 | tail -30;;
     fp8-gemm) python3 -m benchmarks.gpu.fp8_gemm ${FP8_GEMM_ARGS:-} 2>&1 | tail -60;;
@@ -142,6 +142,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
         done;;
     fp8-numerics) python3 -m benchmarks.fp8_numerics --model $M/dummy-llama-3.1-8b --device cuda \
         --dtype bfloat16 2>&1 | tail -16;;
+    # issue 29: --kv-cache-dtype fp8 against the bf16 cache, 20k-token prompts 8 at a time (KV
+    # blocks and total tok/s), and batch-1 decode at a 16k context (KV_RUNS: the cache dtypes)
+    fp8-kv) for kv in ${KV_RUNS:-auto fp8}; do
+          python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b \
+              --workload fixed --num-prompts 32 --input-len 20000 --output-len 256 \
+              --max-model-len 20480 --max-num-seqs 8 --max-num-batched-tokens 16384 \
+              --kv-cache-dtype $kv 2>&1 | grep -E "num_blocks|^fixed|Error|error" | tail -3
+          python3 -c "import json,glob; r=json.load(open(sorted(glob.glob('$OUT/throughput_fixed*'), key=lambda p: __import__('os').path.getmtime(p))[-1])); print('num_blocks', r['num_blocks'], 'decode_step_ms', round(r['decode_step_ms'], 2))"
+          python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b --context 16000 \
+              --kv-cache-dtype $kv 2>&1 | grep -E "^batch-1|Error|error" | tail -2
+        done;;
     # issue 29: the 70B-class dummy in FP8 on one GPU (needs an H200: ~74 GB of weights):
     # ShareGPT 1,000 offline and batch-1 decode
     fp8-70b) python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.3-70b \

@@ -88,6 +88,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
                         help="fp8: the projections' weights in FP8 (the worker's flag)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                        help="fp8: keys and values in FP8 (the worker's flag)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="spread the model over this many GPUs (the worker's flag)")
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto")
@@ -111,7 +113,8 @@ def main() -> None:
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enforce_eager=args.enforce_eager, overlap_steps=args.overlap_steps,
                           quantization=args.quantization,
-                          tensor_parallel_size=args.tensor_parallel_size)
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          kv_cache_dtype=args.kv_cache_dtype)
     # Warm-up over varied shapes, so Triton compiles its kernel variants before the clock runs.
     rng = random.Random(args.seed + 1)
     warm_prompts = [[rng.randrange(100, 40_000) for _ in range(rng.randint(1, 2048))]
@@ -140,6 +143,7 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager, "overlap_steps": args.overlap_steps,
         "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
+              "kv_cache_dtype": args.kv_cache_dtype,
         "num_overlapped_steps": engine.runner.num_overlapped_steps,
         "wall_ms_per_step": 1e3 * stats.elapsed_s / max(stats.num_steps, 1),
         # the last request finishes when the run ends: finish times from the run's start
@@ -161,8 +165,10 @@ def main() -> None:
                    "total_ratio_vs_hf": result["total_tok_s"] / best["total_tok_s"]}
     quantized = f"_{args.quantization}" if args.quantization != "none" else ""
     quantized += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
+    quantized += "_fp8kv" if args.kv_cache_dtype == "fp8" else ""
     save(f"throughput_{args.workload}_{args.model.replace(':', '_')}{quantized}", result)
-    print(f"\n{args.workload} {args.model} {args.quantization} TP{args.tensor_parallel_size} (seqs {args.max_num_seqs}, tokens "
+    print(f"\n{args.workload} {args.model} {args.quantization} KV {args.kv_cache_dtype} "
+          f"TP{args.tensor_parallel_size} (seqs {args.max_num_seqs}, tokens "
           f"{args.max_num_batched_tokens}, overlap {args.overlap_steps}): "
           f"{result['total_tok_s']:,.0f} total tok/s, "
           f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s, "

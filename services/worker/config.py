@@ -24,6 +24,13 @@ class Quantization(StrEnum):
     FP8 = "fp8"  # e4m3, a scale per output channel, quantized while loading; CUDA (sm 8.9+) only
 
 
+class KvCacheDtype(StrEnum):
+    """What the KV cache stores (docs/quantization.md)."""
+
+    AUTO = "auto"  # the model's dtype
+    FP8 = "fp8"  # e4m3, a scale per layer for keys and one for values; CUDA (sm 8.9+) only
+
+
 class OverlapSteps(StrEnum):
     """Whether step N+1 is queued before step N is read back."""
 
@@ -39,6 +46,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1"
     dtype: Dtype = Dtype.AUTO
     quantization: Quantization = Quantization.NONE
+    kv_cache_dtype: KvCacheDtype = KvCacheDtype.AUTO
     kv_cache_memory: str = "auto"  # bytes or e.g. 512MiB, 2GiB; auto: 1GiB on CPU, profiled on GPU
     gpu_memory_utilization: float = 0.9  # share of the GPU the worker may use (weights + KV + rest)
     # the scheduler's batch limits (shared/limits.py): the largest step it will be sent sizes
@@ -80,6 +88,10 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
                         "output channel, quantized while loading), activations quantized per "
                         "token; half the weight memory, so more KV blocks. CUDA with FP8 tensor "
                         "cores (compute capability 8.9+: Ada, Hopper) only",
+        "kv_cache_dtype": "auto (the model's dtype) or fp8: keys and values in FP8 (e4m3, a "
+                          "scale per layer from the checkpoint or a calibration prefill at "
+                          "start): twice the blocks of bf16 in the same memory. CUDA, compute "
+                          "capability 8.9+ (docs/quantization.md)",
         "kv_cache_memory": "memory for the KV cache, bytes or e.g. 512MiB, 2GiB (auto: 1GiB on "
                            "CPU; on GPU what --gpu-memory-utilization leaves after profiling)",
         "gpu_memory_utilization": "share of GPU memory to use, 0-1",
@@ -109,6 +121,7 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
                              f"{self.gpu_memory_utilization}")
         check_choice(self.dtype, Dtype, "dtype")
         check_choice(self.quantization, Quantization, "quantization")
+        check_choice(self.kv_cache_dtype, KvCacheDtype, "kv_cache_dtype")
         check_choice(self.overlap_steps, OverlapSteps, "overlap_steps")
         if self.max_graph_tokens < 0:
             raise ValueError(f"max_graph_tokens must be >= 0, not {self.max_graph_tokens}")

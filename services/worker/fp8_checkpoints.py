@@ -13,6 +13,10 @@ in fp32 and requantized per channel, which rounds each weight a second time (e4m
 bits: at most half a step more). Activation scales in a checkpoint (``input_scale``, static
 schemes) are dropped: the worker quantizes activations per token in each step. A projection the
 checkpoint left unquantized (its ``ignore`` list) is quantized per channel here.
+
+A checkpoint calibrated for an FP8 KV cache (compressed-tensors' ``kv_cache_scheme``) ships
+``self_attn.k_scale`` and ``v_scale`` per layer: ``pop_checkpoint_kv_scales`` takes them out
+for ``--kv-cache-dtype fp8`` (services/worker/kv_quant.py), in any checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from kernels.fp8 import FP8_DTYPE, quantize_per_channel
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+KV_SCALE_SUFFIXES = ("self_attn.k_scale", "self_attn.v_scale")  # compressed-tensors' kv_cache_scheme
 
 
 @dataclass(frozen=True)
@@ -98,3 +103,14 @@ def _channel_scaled(hf: dict[str, torch.Tensor], module: str, checkpoint: Fp8Che
     multipliers = scale_inv.repeat_interleave(block_n, 0).repeat_interleave(block_k, 1)[:n, :k]
     return quantize_per_channel(weight.float() * multipliers)
 
+
+def pop_checkpoint_kv_scales(hf_weights: dict[str, torch.Tensor]) -> dict[int, tuple[float, float]]:
+    """Take a checkpoint's KV scales out of its tensors (HF names): {layer: (k_scale,
+    v_scale)} for the layers that have both."""
+    found: dict[int, dict[str, float]] = {}
+    for name in [n for n in hf_weights if n.endswith(KV_SCALE_SUFFIXES)]:
+        tensor = hf_weights.pop(name)
+        layer = int(name.split("layers.")[1].split(".")[0])
+        found.setdefault(layer, {})[name.rpartition(".")[2]] = float(tensor.float().max())
+    return {layer: (scales["k_scale"], scales["v_scale"]) for layer, scales in found.items()
+            if len(scales) == 2}

@@ -45,31 +45,18 @@ def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: 
                            max_model_len: int, block_size: int, gpu_memory_utilization: float,
                            device: torch.device, dtype: torch.dtype,
                            graph_batch_size: int | None = None,
-                           graph_num_tokens: int = 0) -> MemoryProfile:
+                           graph_num_tokens: int = 0,
+                           kv_dtype: torch.dtype | None = None) -> MemoryProfile:
     """graph_batch_size: the largest decode batch captured as a CUDA graph (None: no graphs);
-    graph_num_tokens: the largest step captured as piecewise graphs (0: none)."""
+    graph_num_tokens: the largest step captured as piecewise graphs (0: none); kv_dtype: the
+    cache's (None: dtype)."""
     config = model.config
     seq_lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
     num_blocks = sum(-(-n // block_size) for n in seq_lens)
     scratch = allocate_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads,
-                                config.head_dim, dtype, device)
+                                config.head_dim, kv_dtype or dtype, device)
     model.bind_kv_cache(scratch)
-    max_blocks = max(-(-n // block_size) for n in seq_lens)
-    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    slot_mapping, next_block = [], 0
-    for row, n in enumerate(seq_lens):
-        count = -(-n // block_size)
-        block_tables[row, :count] = torch.arange(next_block, next_block + count)
-        slot_mapping.append(torch.arange(n) + next_block * block_size)
-        next_block += count
-    query_start_loc = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-    query_start_loc[1:] = torch.tensor(seq_lens).cumsum(0)
-    metadata = AttentionMetadata(
-        slot_mapping=torch.cat(slot_mapping).to(device), block_tables=block_tables.to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc=query_start_loc.to(device),
-        logits_indices=torch.arange(min(num_sampled, num_tokens), device=device),
-        max_query_len=max(seq_lens), max_seq_len=max(seq_lens))
+    metadata = prefill_metadata(seq_lens, block_size, num_sampled, device)
     input_ids = torch.randint(0, config.vocab_size, (num_tokens,), device=device)
     positions = torch.cat([torch.arange(n) for n in seq_lens]).to(device)
     torch.cuda.synchronize()
@@ -99,6 +86,28 @@ def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: 
             f"{gpu_memory_utilization:.0%} of {total / 2**30:.1f} GiB; raise "
             "--gpu-memory-utilization or lower --max-num-batched-tokens or --max-num-seqs")
     return profile
+
+
+def prefill_metadata(seq_lens: list[int], block_size: int, num_sampled: int,
+                     device: torch.device) -> AttentionMetadata:
+    """A step of whole prompts of these lengths over consecutive blocks from block 0, sampling
+    the first num_sampled rows (a scratch cache's forward: the profile, KV calibration)."""
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slot_mapping, next_block = [], 0
+    for row, n in enumerate(seq_lens):
+        count = -(-n // block_size)
+        block_tables[row, :count] = torch.arange(next_block, next_block + count)
+        slot_mapping.append(torch.arange(n) + next_block * block_size)
+        next_block += count
+    query_start_loc = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.tensor(seq_lens).cumsum(0)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slot_mapping).to(device), block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=query_start_loc.to(device),
+        logits_indices=torch.arange(min(num_sampled, sum(seq_lens)), device=device),
+        max_query_len=max(seq_lens), max_seq_len=max(seq_lens))
 
 
 def _sample_with_filters(logits: torch.Tensor) -> None:

@@ -250,6 +250,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.key_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.value_cache: torch.Tensor | None = None
+        # an FP8 cache holds keys / k_scale and values / v_scale (kv_quant.py sets them)
+        self.k_scale, self.v_scale = 1.0, 1.0
         self.decode_context: DecodeContext | None = None  # CPU: the decode rows' context, kept
 
     def project(self, x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -267,7 +269,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # q and k rotated in place; k and v written to the cache
         ops.rotary_and_write_kv_cache(q, k, v, positions, cos_sin_cache, self.key_cache,
-                                      self.value_cache, slot_mapping)
+                                      self.value_cache, slot_mapping, self.k_scale, self.v_scale)
         return q
 
     def attend(self, q: torch.Tensor, metadata: AttentionMetadata,
@@ -275,7 +277,8 @@ class Attention(nn.Module):
         """q [num_tokens, num_heads, head_dim] -> attention output, the same shape (into
         ``out`` when given)."""
         return ops.attention(q, self.key_cache, self.value_cache, metadata, self.scale,
-                             self.decode_context, out=out)
+                             self.decode_context, out=out, k_scale=self.k_scale,
+                             v_scale=self.v_scale)
 
 
 class MLP(nn.Module):

@@ -99,31 +99,42 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                   value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                   v_scale: float = 1.0) -> None:
+    """key, value [num_tokens, num_kv_heads, head_dim] to their slots; an FP8 cache holds
+    them divided by k_scale and v_scale."""
     op = kv_cache.write_kv_cache if key.is_cuda else paged_attention_ref.write_kv_cache_ref
-    op(key, value, key_cache, value_cache, slot_mapping)
+    op(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def rotary_and_write_kv_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                               key_cache: torch.Tensor, value_cache: torch.Tensor,
-                              slot_mapping: torch.Tensor) -> None:
+                              slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                              v_scale: float = 1.0) -> None:
     """apply_rotary then write_kv_cache (one kernel on CUDA): query [num_tokens, num_heads,
     head_dim] and key are rotated in place; the rotated keys and the values go to their slots."""
     op = (kv_cache.rotary_and_write_kv_cache if query.is_cuda
           else kv_cache.rotary_and_write_kv_cache_ref)
-    op(query, key, value, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+    op(query, key, value, positions, cos_sin_cache, key_cache, value_cache, slot_mapping,
+       k_scale, v_scale)
 
 
 def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
               metadata, scale: float,
               decode_context: cpu_attention.DecodeContext | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, k_scale: float = 1.0,
+              v_scale: float = 1.0) -> torch.Tensor:
     """Causal paged attention of the step's queries [num_tokens, num_heads, head_dim]
-    (written into ``out`` when given).
+    (written into ``out`` when given); an FP8 cache's scales k_scale and v_scale.
 
     On CPU, ``decode_context`` (the layer's copy of its decode rows' context) spares the
     decodes a gather of their whole context each step; without it, the reference."""
+    if not query.is_cuda and key_cache.dtype == paged_attention_ref.FP8_KV_DTYPE:
+        result = paged_attention_ref.paged_attention_ref(  # (tests: the worker refuses it)
+            query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, scale, k_scale, v_scale)
+        return result if out is None else out.copy_(result)
     if not query.is_cuda:
         result = cpu_attention.attention(query, key_cache, value_cache, metadata, scale,
                                          decode_context)
@@ -131,4 +142,5 @@ def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
     return paged_attention.paged_attention(
         query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, scale, max_query_len=metadata.max_query_len,
-        max_seq_len=metadata.max_seq_len, num_decodes=metadata.num_decodes, out=out)
+        max_seq_len=metadata.max_seq_len, num_decodes=metadata.num_decodes, out=out,
+        k_scale=k_scale, v_scale=v_scale)

@@ -25,13 +25,14 @@ from typing import NamedTuple
 import structlog
 import torch
 
-from kernels.paged_attention_ref import allocate_kv_cache
+from kernels.paged_attention_ref import FP8_KV_DTYPE, allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from services.worker.kv_connector import (
     KvConnector, LayerWaits, NoKvConnector, usable_load_groups,
 )
 from services.worker.kv_offload import KvOffload
+from services.worker.kv_quant import kv_scales_tag, resolve_kv_cache_dtype, set_fp8_kv_scales
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata
 from services.worker.weights import check_quantization, load_model
@@ -77,7 +78,11 @@ class ModelRunner:
         self.block_size: int = config.block_size
         self.max_model_len: int = model_config.usable_context_len(config.max_model_len)
         self.eos_token_ids: list[int] = read_eos_token_ids(model_files.path)
-        bytes_per_block = kv_bytes_per_block(self.model, config.block_size, self._dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self._dtype,
+                                                     self._device)
+        if self.kv_cache_dtype == FP8_KV_DTYPE:  # before the profile and graphs: they use them
+            set_fp8_kv_scales(self.model, config.block_size, self._device, self._dtype)
+        bytes_per_block = kv_bytes_per_block(self.model, config.block_size, self.kv_cache_dtype)
         # every rank the same block space: the fewest any rank's memory holds
         self.num_blocks: int = ranks.tp.agree_min(self._kv_cache_budget(config) // bytes_per_block)
         if self.num_blocks < 1:
@@ -87,7 +92,7 @@ class ModelRunner:
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = allocate_kv_cache(model_config.num_layers, self.num_blocks, self.block_size,
                                           model_config.num_kv_heads, model_config.head_dim,
-                                          self._dtype, self._device)
+                                          self.kv_cache_dtype, self._device)
         self.model.bind_kv_cache(self.kv_cache)
         self._requests: dict[str, RequestState] = {}
         self._in_flight: StepInFlight | None = None
@@ -129,7 +134,7 @@ class ModelRunner:
             self.model, num_tokens=config.max_num_batched_tokens, num_sampled=config.max_num_seqs,
             max_model_len=self.max_model_len, block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization, device=self._device,
-            dtype=self._dtype,
+            dtype=self._dtype, kv_dtype=self.kv_cache_dtype,
             graph_batch_size=None if config.enforce_eager else config.max_num_seqs,
             graph_num_tokens=0 if config.enforce_eager else mixed_graph_tokens(config)
         ).kv_cache_bytes
@@ -149,9 +154,12 @@ class ModelRunner:
     def kv_layout(self, weights_version: str) -> KvLayout:
         """What this worker's KV blocks are, for the kvstore."""
         config = self.model.config
-        return KvLayout(weights_version=weights_version, dtype=self.dtype,
+        fp8 = self.kv_cache_dtype == FP8_KV_DTYPE
+        return KvLayout(weights_version=weights_version,
+                        dtype=str(self.kv_cache_dtype).removeprefix("torch."),
                         num_layers=config.num_layers, block_size=self.block_size,
-                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+                        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                        kv_scales=kv_scales_tag(self.model) if fp8 else "")
 
     def attach_kv(self, offload: KvOffload | None) -> None:
         """Use ``offload`` from the next step on (None: no kvstore); between steps only. The

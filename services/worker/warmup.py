@@ -34,7 +34,7 @@ def warm_up_attention(model: Transformer, block_size: int) -> None:
     started = time.perf_counter()
     attn = model.layers[0].self_attn
     key_cache, value_cache = attn.key_cache, attn.value_cache
-    device, dtype = key_cache.device, key_cache.dtype
+    device, dtype = key_cache.device, model.embed_tokens.weight.dtype  # (an FP8 cache's is not q's)
     num_heads, head_dim = attn.num_heads, attn.head_dim
     width = attn.q_size + 2 * attn.kv_size
     num_blocks = -(-(SPLIT_CONTEXT_RATIO + 1) * max(QUERY_LENS) // block_size)
@@ -53,7 +53,7 @@ def warm_up_attention(model: Transformer, block_size: int) -> None:
             query, key_cache, value_cache, block_tables,
             torch.tensor(seq_lens, dtype=torch.int32, device=device), query_start_loc, attn.scale,
             max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
-            num_segments=num_segments)
+            num_segments=num_segments, k_scale=attn.k_scale, v_scale=attn.v_scale)
 
     split_query_lens = _one_per_tile_shape(num_heads // attn.num_kv_heads, dtype)
     for q_len in QUERY_LENS[1:]:

@@ -19,7 +19,8 @@ from safetensors import safe_open
 
 from kernels.fp8 import FP8_DTYPE, quantize_per_channel
 from kernels.rotary import build_cos_sin_cache
-from services.worker.fp8_checkpoints import checkpoint_fp8, per_channel_weights
+from services.worker.fp8_checkpoints import (checkpoint_fp8, per_channel_weights,
+                                             pop_checkpoint_kv_scales)
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
 from services.worker.tensor_parallel import TensorParallel
 from shared.models import DUMMY_MARKER
@@ -54,12 +55,15 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int =
                  num_params=sum(t.numel() for t in state_dict.values()))
     elif config.quantization != "none" or tp.size > 1:  # on the host, each to the device in turn
         hf_weights = read_safetensors(path, torch.device("cpu"), dtype)
+        model.checkpoint_kv_scales = pop_checkpoint_kv_scales(hf_weights)
         checkpoint = checkpoint_fp8(json.loads((path / "config.json").read_text()))
         if checkpoint is not None:
             hf_weights = per_channel_weights(hf_weights, checkpoint)
         state_dict = dict(place(model, fuse_hf_weights(hf_weights, config), device, shard))
     else:
-        state_dict = fuse_hf_weights(read_safetensors(path, device, dtype), config)
+        hf_weights = read_safetensors(path, device, dtype)
+        model.checkpoint_kv_scales = pop_checkpoint_kv_scales(hf_weights)
+        state_dict = fuse_hf_weights(hf_weights, config)
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.inv_freq = compute_inv_freq(config).to(device)  # the meta-built buffers are empty
     model.cos_sin_cache = build_cos_sin_cache(model.inv_freq, config.max_position_embeddings)

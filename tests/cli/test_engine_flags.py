@@ -51,6 +51,10 @@ def test_serve_refuses_flags_its_services_would_refuse_before_starting_anything(
     assert "--speculative-config" in capsys.readouterr().err
     gpu = build_parser().parse_args(["serve", "--device", "cuda", "--quantization", "fp8"])
     assert engine_service_args(gpu)["worker"][-2:] == ["--quantization", "fp8"]
+    assert main(["serve", "--device", "cpu", "--kv-cache-dtype", "fp8"]) == 2
+    assert "--kv-cache-dtype fp8 needs a CUDA GPU" in capsys.readouterr().err
+    gpu = build_parser().parse_args(["serve", "--device", "cuda", "--kv-cache-dtype", "fp8"])
+    assert engine_service_args(gpu)["worker"][-2:] == ["--kv-cache-dtype", "fp8"]
 
 
 def test_tensor_parallel_size_reaches_only_the_worker():

@@ -80,3 +80,55 @@ def test_fp8_graph_decode_equals_eager(qwen3, monkeypatch):
         del engine
         torch.cuda.empty_cache()
     assert outputs[False] == outputs[True]
+
+
+@torch.inference_mode()
+def test_fp8_kv_cache_logits_follow_bf16(qwen3):
+    """--kv-cache-dtype fp8 on Qwen3-0.6B's shapes: scales calibrated as the worker does, a
+    40-token prompt chunk then a decode through the Triton KV write and attention; every
+    position's logits against the bf16 cache's."""
+    from kernels.paged_attention_ref import FP8_KV_DTYPE
+    from services.worker.kv_quant import set_fp8_kv_scales
+
+    seq = torch.randint(100, 40_000, (41,), generator=torch.Generator().manual_seed(4)).tolist()
+    steps, block_tables = [[(seq[:40], 0)], [(seq[40:], 40)]], [list(range(15, 4, -1))]
+    logits = {}
+    for kv_dtype in (torch.bfloat16, FP8_KV_DTYPE):
+        model = load_model(qwen3.path, CUDA, torch.bfloat16)
+        if kv_dtype == FP8_KV_DTYPE:
+            set_fp8_kv_scales(model, BLOCK_SIZE, CUDA, torch.bfloat16)
+        config = model.config
+        model.bind_kv_cache(allocate_kv_cache(config.num_layers, 16, BLOCK_SIZE,
+                                              config.num_kv_heads, config.head_dim, kv_dtype,
+                                              CUDA))
+        logits[kv_dtype] = torch.cat(run_chunks(model, steps, block_tables, CUDA)).float()
+        del model
+    cosine = torch.nn.functional.cosine_similarity(logits[FP8_KV_DTYPE], logits[torch.bfloat16],
+                                                   dim=-1)
+    assert cosine.min() > 0.98, cosine
+
+
+def test_fp8_kv_cache_engine_holds_more_blocks_and_graphs_equal_eager(qwen3):
+    """An engine with an FP8 cache: four times the blocks of fp32 in the same memory, and
+    decode steps replayed from CUDA graphs give the eager steps' tokens (fp32 model, as
+    test_fp8_graph_decode_equals_eager)."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 40_000, (int(n),), generator=generator).tolist()
+               for n in torch.randint(3, 90, (8,), generator=generator)]
+    greedy = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)] * len(prompts)
+    outputs, num_blocks = {}, {}
+    for kv_cache_dtype, eager in (("auto", True), ("fp8", False), ("fp8", True)):
+        engine = Engine(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256),
+                        WorkerConfig(device="cuda", dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                                     kv_cache_memory="256MiB", max_model_len=512,
+                                     max_num_seqs=16, max_num_batched_tokens=256,
+                                     enforce_eager=eager, max_graph_tokens=0), qwen3)
+        completions, _ = engine.generate(prompts, greedy)
+        outputs[kv_cache_dtype, eager] = [c.output_token_ids for c in completions]
+        num_blocks[kv_cache_dtype] = engine.runner.num_blocks
+        assert engine.runner.kv_cache.dtype == (torch.float32 if kv_cache_dtype == "auto"
+                                                else torch.float8_e4m3fn)
+        del engine
+        torch.cuda.empty_cache()
+    assert num_blocks["fp8"] // 4 == num_blocks["auto"]  # e4m3: a quarter of fp32's bytes
+    assert outputs["fp8", False] == outputs["fp8", True]
