@@ -25,10 +25,8 @@ The kernel (``paged_attention``; design notes above ``_paged_attention_kernel``)
 - ``num_decodes`` (a host int from the scheduler, which puts decodes first) lets a mixed batch run
   as two launches: the decodes with 16-row tiles (and split-KV), the chunks with 128-row tiles, so
   decodes don't waste 7/8 of a prefill-sized tile and chunks keep their K/V reuse.
-- an FP8 cache (``--kv-cache-dtype fp8``) is widened to the query's dtype tile by tile, exact
-  for the power-of-2 scales the worker calibrates; the dots still accumulate in fp32. The key
-  scale is folded into the softmax scale and the value scale into the output, so no tile is
-  multiplied by a scale.
+- an FP8 cache (``--kv-cache-dtype fp8``) is widened tile by tile (to fp16, one cvt a pair), dots
+  accumulate in fp32; the key scale folds into the softmax's, the value scale into the output.
 - nothing in the launcher reads device memory: grids, tile sizes and scratch depend on shapes and
   the host ints only, so a decode step (fixed num_tokens, num_seqs, max_query_len, max_seq_len) can
   be captured in a CUDA graph. Pass a ``workspace`` (``workspace_numel``) to keep scratch out of it.
@@ -61,10 +59,15 @@ class AttentionConfig:
 DECODE_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)  # TUNE: swept on H200
 CHUNK_CONFIG = AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)  # TUNE
 PREFILL_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)  # TUNE
+# An FP8 cache's decodes (H200, 8B heads, 64 x 16k: 700 us vs 1,190 with DECODE_CONFIG, bf16
+# cache 984; batch 1 at 16k: 28 us with segments of 512 vs 34 of 256). TUNE: swept on H200
+FP8_DECODE_CONFIG = AttentionConfig(block_m=16, block_n=128, num_warps=4, num_stages=5)
+# and chunks, up to 64 rows a tile (4 x 2048 prompts 528 us vs 615, bf16 550; 512 after 8k 238)
+FP8_CHUNK_CONFIG = AttentionConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
+FP8_MIN_SEGMENT_LEN = 512
 TARGET_PROGRAMS_PER_SM = 2  # TUNE: split contexts until a decode launch has this many per SM
 MIN_SEGMENT_LEN = 64  # TUNE: never split a context into pieces shorter than this (tokens)
-# (256 left a batch-1 decode graph bounded at ~1.2k tokens 4 segments of 256 keys: 9.8 us a layer
-# with the combine on the H200 at a 1k context, against 6.6 with 16 segments of 64.)
+# (256: a batch-1 decode at a 1k context took 9.8 us a layer in 4 segments, 6.6 in 16 of 64; H200)
 MAX_SEGMENTS = 64  # TUNE: and never into more pieces than this (a power of 2)
 SPLIT_CHUNK_MIN_CONTEXT_RATIO = 4  # a chunk launch splits only with this much more context than queries
 SEQ_CHUNK = 256  # sequences scanned per vector load when a program looks for its sequence
@@ -113,13 +116,15 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
             v_scale if fp8 else 1.0, max_seq_len, workspace)
     if num_decodes > 0:
         segments = num_segments or choose_num_segments(
-            num_decodes, key_cache.shape[2], max_seq_len, _sm_count(query.device))
+            num_decodes, key_cache.shape[2], max_seq_len, _sm_count(query.device),
+            FP8_MIN_SEGMENT_LEN if fp8 else MIN_SEGMENT_LEN)
         _launch(*args, block_tables[:num_decodes], seq_lens[:num_decodes],
                 query_start_loc[:num_decodes + 1], min(num_decodes, num_tokens), 1, segments,
-                decode_config or default_config(1, num_heads // key_cache.shape[2], query.dtype))
+                decode_config or default_config(1, num_heads // key_cache.shape[2], query.dtype,
+                                                fp8))
     if num_decodes < num_seqs:
         config = chunk_config or default_config(max_query_len, num_heads // key_cache.shape[2],
-                                                 query.dtype)
+                                                 query.dtype, fp8)
         segments = num_segments or choose_chunk_segments(
             num_seqs - num_decodes, num_tokens - num_decodes, max_query_len, max_seq_len,
             num_heads // key_cache.shape[2], key_cache.shape[2], config, _sm_count(query.device))
@@ -128,10 +133,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return out
 
 
-def default_config(max_query_len: int, group: int, dtype: torch.dtype) -> AttentionConfig:
-    """The smallest tile of rows that holds a sequence's queries, up to PREFILL_CONFIG's."""
+def default_config(max_query_len: int, group: int, dtype: torch.dtype,
+                   fp8_cache: bool = False) -> AttentionConfig:
+    """The smallest tile of rows that holds a sequence's queries, up to PREFILL_CONFIG's
+    (FP8_*_CONFIG for an FP8 cache's)."""
     rows = max(16, triton.next_power_of_2(max_query_len * group))
-    config = DECODE_CONFIG if rows <= 16 else CHUNK_CONFIG if rows <= 64 else PREFILL_CONFIG
+    fp8 = fp8_cache and dtype != torch.float32
+    config = (FP8_DECODE_CONFIG if rows <= 16 else FP8_CHUNK_CONFIG) if fp8 else (
+        DECODE_CONFIG if rows <= 16 else CHUNK_CONFIG if rows <= 64 else PREFILL_CONFIG)
     block_m = max(min(rows, config.block_m), triton.next_power_of_2(group))
     if dtype == torch.float32:  # twice the bytes per tile: keep the pipeline in shared memory
         return AttentionConfig(max(min(block_m, 64), triton.next_power_of_2(group)),
@@ -139,13 +148,16 @@ def default_config(max_query_len: int, group: int, dtype: torch.dtype) -> Attent
     return AttentionConfig(block_m, config.block_n, config.num_warps, config.num_stages)
 
 
-def choose_num_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int) -> int:
+def choose_num_segments(num_seqs: int, num_kv_heads: int, max_seq_len: int, sm_count: int,
+                        min_segment_len: int = MIN_SEGMENT_LEN) -> int:
     """Split-KV segments for a decode launch, from host ints only: the power of 2 that brings the
     launch to TARGET_PROGRAMS_PER_SM (rounding up: an SM holds several decode programs at once, so
-    one wave of up to ~2x the target still ends together), pieces no shorter than MIN_SEGMENT_LEN."""
+    one wave of up to ~2x the target still ends together), pieces no shorter than
+    min_segment_len (an FP8 cache's are longer: never more segments, so scratch sized by
+    ``decode_workspace_numel`` holds them)."""
     programs = num_seqs * num_kv_heads
     wanted = -(-TARGET_PROGRAMS_PER_SM * sm_count // programs)
-    cap = min(MAX_SEGMENTS, max(1, max_seq_len // MIN_SEGMENT_LEN))
+    cap = min(MAX_SEGMENTS, max(1, max_seq_len // min_segment_len))
     segments = triton.next_power_of_2(wanted)
     while segments > cap:
         segments //= 2
@@ -251,6 +263,7 @@ def _launch(query, key_cache, value_cache, out, scale, v_scale, max_seq_len, wor
         BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         ONE_TILE_PER_SEQ=one_tile_per_seq, SEQ_CHUNK=SEQ_CHUNK, NUM_SEGMENTS=num_segments,
         SCALED_V=v_scale != 1.0,
+        FP16_DOTS=(key_cache.dtype, query.dtype) == (FP8_KV_DTYPE, torch.bfloat16),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())
     if num_segments > 1:
@@ -314,8 +327,7 @@ def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_pt
               + offs_d[:, None])  # [HEAD_DIM_P2, BLOCK_N]
     # an FP8 cache's tile widened to q's dtype (its scale is in qk_scale)
     k = _load_tile(k_ptrs, key_ok[None, :], (offs_d < HEAD_DIM)[:, None], MASKED, PAD_D)
-    k = k.to(q.dtype)
-    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [M, N] tile
     if MASKED:
         visible = (keys[None, :] <= query_pos[:, None]) & key_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -326,8 +338,8 @@ def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_pt
     v_ptrs = (v_base + (block_ids * stride_v_blk + slots * stride_v_tok)[:, None]
               + offs_d[None, :])  # [BLOCK_N, HEAD_DIM_P2]
     v = _load_tile(v_ptrs, key_ok[:, None], (offs_d < HEAD_DIM)[None, :], MASKED, PAD_D)
-    v = v.to(q.dtype)  # (an FP8 cache's tile widened; its scale goes on the output)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    # (an FP8 cache's tiles widened to q's dtype; their scales are in qk_scale and the output)
+    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -347,8 +359,8 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr, SCALED_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PDL: tl.constexpr):
+        NUM_SEGMENTS: tl.constexpr, SCALED_V: tl.constexpr, FP16_DOTS: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, kv_head, segment): BLOCK_Q queries of one sequence x the GROUP query heads
     of kv_head (row r: query tile_first + r // GROUP, head kv_head * GROUP + r % GROUP), over
     its segment of the context (all of it unless split)."""
@@ -378,6 +390,8 @@ def _paged_attention_kernel(
     q_ptrs = (query_ptr + (tokens * stride_q_tok + heads * stride_q_head)[:, None]
               + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
+    if FP16_DOTS:  # FP8 K/V widen to fp16 in one cvt a pair (bf16: several; 1,188 vs 1,320 us)
+        q = q.to(tl.float16)
 
     acc, m_i, l_i = _attend_segment(
         q, query_pos, seq, seq_len, q_len, tile_first, kv_head, segment, block_tables_ptr,

@@ -37,7 +37,9 @@ import triton.testing
 
 
 from kernels.paged_attention import AttentionConfig, default_config, paged_attention
-from kernels.paged_attention_ref import paged_attention_ref
+from kernels.paged_attention_ref import paged_attention_ref, quantize_kv
+
+FP8_SCALE = 2.0 ** -6  # N(0, 1) keys and values land well inside e4m3's range
 
 MODELS = {"llama-3.1-8b": (32, 8, 128), "qwen3-0.6b": (16, 8, 128)}  # heads, kv heads, head_dim
 
@@ -127,12 +129,13 @@ def build_inputs(case: Case, model: str, dtype: torch.dtype, block_size: int, nu
     return pool, seq_lens, query_start_loc, sets
 
 
-def traffic(case: Case, model: str, dtype: torch.dtype, block_size: int) -> tuple[int, int]:
+def traffic(case: Case, model: str, dtype: torch.dtype, block_size: int,
+            kv_elem: int) -> tuple[int, int]:
     """(bytes that must move, flops over visible query-key pairs) for one call."""
     num_heads, num_kv_heads, head_dim = MODELS[model]
     elem = torch.finfo(dtype).bits // 8
     num_tokens = sum(q_len for _, q_len in case.seqs)
-    kv_bytes = 2 * sum(seq_len for seq_len, _ in case.seqs) * num_kv_heads * head_dim * elem
+    kv_bytes = 2 * sum(seq_len for seq_len, _ in case.seqs) * num_kv_heads * head_dim * kv_elem
     qo_bytes = 2 * num_tokens * num_heads * head_dim * elem
     table_bytes = 4 * sum(-(-seq_len // block_size) for seq_len, _ in case.seqs)
     meta_bytes = 4 * (2 * len(case.seqs) + 1)
@@ -142,7 +145,7 @@ def traffic(case: Case, model: str, dtype: torch.dtype, block_size: int) -> tupl
 
 
 def measure(case: Case, variant: Variant, inputs, scale: float, ref: torch.Tensor,
-            graph: bool, rep_ms: int) -> dict:
+            graph: bool, rep_ms: int, kv_scale: float) -> dict:
     pool, seq_lens, query_start_loc, sets = inputs
     max_query_len = max(q_len for _, q_len in case.seqs)
     max_seq_len = max(seq_len for seq_len, _ in case.seqs)
@@ -151,7 +154,8 @@ def measure(case: Case, variant: Variant, inputs, scale: float, ref: torch.Tenso
         paged_attention(s["query"], pool[0], pool[1], s["block_tables"], seq_lens, query_start_loc,
                         scale, max_query_len=max_query_len, max_seq_len=max_seq_len, out=s["out"],
                         num_decodes=case.num_decodes, num_segments=variant.num_segments,
-                        decode_config=variant.decode_config, chunk_config=variant.chunk_config)
+                        decode_config=variant.decode_config, chunk_config=variant.chunk_config,
+                        k_scale=kv_scale, v_scale=kv_scale)
 
     sets[0]["out"].fill_(float("nan"))
     call(sets[0])  # compiles
@@ -196,15 +200,18 @@ def run_case(case: Case, args, copy_bw: float) -> dict:
     head_dim = MODELS[args.model][2]
     scale = head_dim ** -0.5
     inputs = build_inputs(case, args.model, dtype, args.block_size, args.num_sets)
+    kv_scale = FP8_SCALE if args.kv_cache_dtype == "fp8" else 1.0
+    if args.kv_cache_dtype == "fp8":
+        inputs = (quantize_kv(inputs[0], kv_scale), *inputs[1:])
     pool, seq_lens, query_start_loc, sets = inputs
     ref = paged_attention_ref(sets[0]["query"], pool[0], pool[1], sets[0]["block_tables"],
-                              seq_lens, query_start_loc, scale).float()
-    num_bytes, flops = traffic(case, args.model, dtype, args.block_size)
+                              seq_lens, query_start_loc, scale, kv_scale, kv_scale).float()
+    num_bytes, flops = traffic(case, args.model, dtype, args.block_size, pool.element_size())
     results = []
     for variant in variants(case, args.model, dtype, args.sweep):
         try:
             result = measure(case, variant, inputs, scale, ref, graph=not args.eager,
-                             rep_ms=100 if args.sweep else 300)
+                             rep_ms=100 if args.sweep else 300, kv_scale=kv_scale)
         except Exception as error:  # noqa: BLE001 (e.g. a config over the shared memory)
             print(f"  {case.name} {variant.label()}: skipped, {type(error).__name__}: "
                   f"{str(error).splitlines()[0][:120] if str(error) else ''}")
@@ -237,11 +244,14 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="try the TUNE grids per case")
     parser.add_argument("--eager", action="store_true", help="time eager launches, not graphs")
     parser.add_argument("--max-rel-err", type=float, default=2e-2)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the pool quantized to e4m3 (scale 2^-6)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     device = torch.cuda.get_device_name()
     copy_bw = copy_bandwidth()
+    print(f"KV cache {args.kv_cache_dtype}")
     print(f"{device}, torch {torch.__version__}, triton {triton.__version__}; "
           f"copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
     torch.cuda.empty_cache()

@@ -55,7 +55,8 @@ def warm_up_attention(model: Transformer, block_size: int) -> None:
             max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
             num_segments=num_segments, k_scale=attn.k_scale, v_scale=attn.v_scale)
 
-    split_query_lens = _one_per_tile_shape(num_heads // attn.num_kv_heads, dtype)
+    split_query_lens = _one_per_tile_shape(num_heads // attn.num_kv_heads, dtype,
+                                           key_cache.dtype == paged_attention.FP8_KV_DTYPE)
     for q_len in QUERY_LENS[1:]:
         launch([q_len], [CONTEXT + q_len])  # chunks alone
         launch([1, 1, q_len], [CONTEXT, CONTEXT, CONTEXT + q_len])  # after decodes
@@ -70,12 +71,12 @@ def warm_up_attention(model: Transformer, block_size: int) -> None:
     log.info("attention_warmed_up", seconds=round(time.perf_counter() - started, 1))
 
 
-def _one_per_tile_shape(group: int, dtype: torch.dtype) -> list[int]:
+def _one_per_tile_shape(group: int, dtype: torch.dtype, fp8_cache: bool) -> list[int]:
     """The first chunk length of QUERY_LENS for each tile shape (config, and whether a
     sequence fits one tile) a chunk launch can take."""
     seen, query_lens = set(), []
     for q_len in QUERY_LENS[1:]:
-        config = paged_attention.default_config(q_len, group, dtype)
+        config = paged_attention.default_config(q_len, group, dtype, fp8_cache)
         shape = (config, q_len <= max(1, config.block_m // group))
         if shape not in seen:
             seen.add(shape)
