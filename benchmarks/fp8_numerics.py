@@ -49,7 +49,26 @@ TEXT = (
     "notebooks in a crate under the stairs and read them in one night. She said afterwards "
     "that it was the quietest story she had ever read, and the only one in which nothing was "
     "invented. The town museum keeps them now, in a glass case near the door, open at a page "
-    "from a calm week in June when eleven ships went by and every one of them came home.")
+    "from a calm week in June when eleven ships went by and every one of them came home. "
+    "The bakery on the corner opens before the sun is up. Its owner, a tall man with flour in "
+    "his eyebrows, lights the ovens at four and listens to the radio while the dough rises. By "
+    "six the first customers are waiting outside: nurses coming off the night shift, a bus "
+    "driver who always buys two rolls and eats one on the spot, and an old woman who counts "
+    "her coins twice before she hands them over. He knows most of them by name and all of them "
+    "by their orders. On Saturdays his niece helps at the counter, and the queue moves faster, "
+    "because she talks less and smiles more. In winter the windows fog over from the inside, "
+    "and children draw faces in the glass that last until the noon rush wipes them away. "
+    "Nobody in the street remembers a morning without bread, and the baker hopes that nobody "
+    "ever will. "
+    "A river runs along the edge of the old town, slow and brown in summer and fast and grey "
+    "after the spring rains. Three bridges cross it: a stone one built by monks, an iron one "
+    "from the railway years, and a narrow footbridge that sways a little when more than a few "
+    "people walk over it at once. Anglers sit under the willows on the far bank and rarely "
+    "catch anything worth keeping, but they come back every weekend all the same. In the "
+    "evening the swallows skim the water for insects, and the light turns the surface the "
+    "colour of copper. Once a year the town holds a boat race from the stone bridge to the "
+    "mill, and half the population stands on the banks to shout for crews that row badly and "
+    "laugh about it afterwards over cold beer in the square.")
 
 
 @torch.inference_mode()
