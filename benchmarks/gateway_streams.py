@@ -11,7 +11,10 @@ is streams x 1000 / step-ms chunks per second whatever the machine. Clients in a
 process stream completions over plain sockets (no HTTP library: the client must cost less
 than the server) and time every SSE event.
 
-Reported: the gateway's CPU time per chunk (user + system, /proc, over the steady part),
+``--gateway-workers N`` starts N gateway processes on the port (SO_REUSEPORT, as
+``flotilla serve --gateway-workers N``): the kernel spreads the clients' connections.
+
+Reported: the gateways' CPU time per chunk (user + system, /proc, over the steady part),
 the chunks delivered per second, and the gaps between a stream's chunks (p50, p99, max:
 with a gateway that keeps up they equal --step-ms). Results: $OUT/gateway_streams.json.
 """
@@ -151,6 +154,7 @@ def summarize(times: list[list[float]], cpu_s: float, window_s: float, args) -> 
         return gaps[min(len(gaps) - 1, int(q * len(gaps)))] * 1e3 if gaps else float("nan")
 
     return {"streams": args.streams, "step_ms": args.step_ms, "tokens": args.tokens,
+            "gateway_workers": args.gateway_workers,
             "offered_chunks_per_s": args.streams * 1000 / args.step_ms,
             "delivered_chunks": num_chunks, "delivered_chunks_per_s": num_chunks / window_s,
             "gateway_cpu_s": cpu_s, "gateway_cpu_us_per_chunk": cpu_s / num_chunks * 1e6,
@@ -186,6 +190,7 @@ async def measure(args) -> dict:
         " the", add_special_tokens=False)[-1]
     port = free_port()
     stack = Stack(StackOptions(model=args.model, port=port, kvstore=False,
+                               gateways=args.gateway_workers,
                                log_dir=Path(tempfile.mkdtemp(prefix="flotilla-gwbench-")),
                                service_args={"gateway": args.gateway_args}))
     try:
@@ -195,18 +200,23 @@ async def measure(args) -> dict:
         await scheduler.start()
         background = [asyncio.create_task(scheduler.stats_loop(model.name)),
                       asyncio.create_task(scheduler.step_loop())]
-        for name in ("tokenizer", "gateway"):
+        gateways = [name for name in stack.service_names() if name.startswith("gateway")]
+        for name in ["tokenizer", *gateways]:
             stack.start_service(name)
-        await wait_for_replica(port, model.name)
-        gateway_pid = stack.processes["gateway"].pid
+        for _ in gateways:  # (a connection reaches any one of them)
+            await wait_for_replica(port, model.name)
+        await asyncio.sleep(1.0)  # every gateway has taken a stats message
+        pids = [stack.processes[name].pid for name in gateways]
+        gateway_pid = pids[0]
         queue = multiprocessing.get_context("spawn").Queue()
         clients = multiprocessing.get_context("spawn").Process(
             target=client_process, args=(port, model.name, args.streams, args.tokens, queue))
         spy = profile(gateway_pid, args.profile) if args.profile else None
-        cpu_before, started = cpu_seconds(gateway_pid), time.monotonic()
+        cpu_before, started = sum(map(cpu_seconds, pids)), time.monotonic()
         clients.start()
         times = await asyncio.to_thread(queue.get, True, args.tokens * args.step_ms / 1000 * 5 + 60)
-        window_s, cpu_s = time.monotonic() - started, cpu_seconds(gateway_pid) - cpu_before
+        window_s = time.monotonic() - started
+        cpu_s = sum(map(cpu_seconds, pids)) - cpu_before
         await asyncio.to_thread(clients.join, 10)
         if spy is not None:
             spy.send_signal(2)  # SIGINT: py-spy writes its file
@@ -226,6 +236,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=100, help="chunks per stream")
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--gateway-args", type=lambda s: s.split(), default=[])
+    parser.add_argument("--gateway-workers", type=int, default=1,
+                        help="gateway processes on the port (SO_REUSEPORT)")
     parser.add_argument("--profile", default="", help="py-spy flame graph of the gateway "
                         "(SVG; `--format raw` collapsed stacks if the name ends in .txt)")
     args = parser.parse_args()

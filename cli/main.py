@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require this bearer token")
     serve.add_argument("--replicas", type=int, default=1,
                        help="scheduler+worker pairs; the gateway routes between them (--routing)")
+    serve.add_argument("--gateway-workers", type=int, default=1, metavar="N",
+                       help="gateway processes sharing --port (SO_REUSEPORT; each its own NATS "
+                       "client and streams): more streams' chunks written per second "
+                       "(docs/deploy.md). Default 1")
     serve.add_argument("--routing", default=None, choices=list(RoutingPolicy),
                        help="which replica gets a request: kv (default: where its prefix is "
                        "cached, priced against load), least-loaded or round-robin "
@@ -104,7 +108,8 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
     return StackOptions(
         model=args.model, host=args.host, port=args.port, nats_url=args.nats_url,
         namespace=args.namespace, cache_dir=args.cache_dir, log_level=args.log_level,
-        replicas=args.replicas, log_dir=args.log_dir, service_args=service_args, supervise=True,
+        replicas=args.replicas, gateways=args.gateway_workers, log_dir=args.log_dir,
+        service_args=service_args, supervise=True,
         shutdown_timeout_s=args.shutdown_timeout, kvstore=not args.no_kvstore
         and tensor_parallel_size_of(args) == 1,  # a tensor-parallel worker has no kvstore yet
         kv_node_id=args.kv_node_id, worker_gpus=gpus_per_replica(args))
@@ -117,6 +122,8 @@ def flag_error(args: argparse.Namespace) -> str | None:
         parse_speculative_config(args.speculative_config or "")
     except ValueError as exc:
         return str(exc)
+    if args.gateway_workers < 1:
+        return f"--gateway-workers must be at least 1, not {args.gateway_workers}"
     return engine_flag_error(args)
 
 

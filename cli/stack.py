@@ -51,6 +51,7 @@ class StackOptions:
     nats_url: str | None = None  # None: start our own nats-server on a free port
     namespace: str = "flotilla"
     replicas: int = 1  # scheduler + worker pairs
+    gateways: int = 1  # gateway processes sharing the port (SO_REUSEPORT when more than one)
     cache_dir: str = "~/.cache/flotilla"
     log_level: str = "info"
     log_dir: Path | None = None  # None: children's output goes to our stderr
@@ -246,7 +247,8 @@ class Stack:
         names = ["tokenizer"] + (["kvstore"] if self.options.kvstore else [])
         for replica_id in range(self.options.replicas):
             names += [f"{kind}-{replica_id}" if replica_id else kind for kind in REPLICATED]
-        return names + ["gateway"]
+        return names + [f"gateway-{index}" if index else "gateway"
+                        for index in range(self.options.gateways)]
 
     def service_command(self, name: str) -> list[str]:
         o = self.options
@@ -260,6 +262,7 @@ class Stack:
             command += ["--num-threads", str(max(1, (os.cpu_count() or 1) // o.replicas))]
         if kind == "gateway":
             command += ["--host", o.host, "--port", str(o.port)]
+            command += ["--reuse-port"] if o.gateways > 1 else []
         if kind == "kvstore":
             command += ["--node-id", o.kv_node_id]
         if kind in REPLICATED and o.kvstore and "--kv-node-id" in service_flags(kind):
@@ -275,7 +278,7 @@ class Stack:
         o = self.options
         env = {**os.environ, **o.env, "TOKENIZERS_PARALLELISM": "false"}
         kind, _, replica_id = name.partition("-")
-        if name == "gateway" and o.supervise:
+        if kind == "gateway" and o.supervise:
             env["FLOTILLA_RESTARTS_FILE"] = str(self.restarts_file)
         if kind != "worker":
             env["OMP_NUM_THREADS"] = "1"  # the cores belong to the workers

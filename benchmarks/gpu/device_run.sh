@@ -81,8 +81,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
         fi;;
     # issue 27: one gateway process under 1,000 streams on this host's CPU (no GPU used):
     # its CPU per chunk and the gaps between chunks (benchmarks/gateway_streams.py)
-    gateway-streams) python3 -m benchmarks.gateway_streams --model $M/dummy-llama-3.1-8b \
-        --streams ${GW_STREAMS:-1000} --step-ms ${GW_STEP_MS:-90} --tokens 100 2>&1 | tail -16;;
+    gateway-streams) for workers in ${GW_WORKERS:-1}; do
+          python3 -m benchmarks.gateway_streams --model $M/dummy-llama-3.1-8b --tokens 100 \
+              --streams ${GW_STREAMS:-1000} --step-ms ${GW_STEP_MS:-90} \
+              --gateway-workers $workers 2>&1 | tail -16
+        done;;
     # a 16k-token host-tier hit's path through the stack on its services' own clocks
     # (gateway, scheduler, lookup + pin, the step, the token back): benchmarks/long_prompt_path.py
     # on the 8B model with prefix16k's GPU cache; LP_ARGS: more flags (e.g. --spans)

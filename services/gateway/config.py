@@ -20,6 +20,8 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
 
     host: str = "0.0.0.0"
     port: int = 8000
+    # several gateway processes on one port (SO_REUSEPORT): the kernel spreads connections
+    reuse_port: bool = False
     api_key: str = ""  # when set, /v1/* and /tokenize need "Authorization: Bearer <key>"
     max_body_bytes: int = 4 * 1024 * 1024
     request_timeout_s: float = 5.0  # bus calls to the tokenizer and scheduler
@@ -46,6 +48,9 @@ class GatewayConfig(ServiceConfig, frozen=True, kw_only=True):
     __help__ = {
         "host": "address to listen on",
         "port": "HTTP port",
+        "reuse_port": "bind the port with SO_REUSEPORT, so several gateway processes share it "
+                      "and the kernel spreads connections between them (flotilla serve "
+                      "--gateway-workers)",
         "api_key": "require this bearer token on the API",
         "max_body_bytes": "largest request body accepted (413 above)",
         "request_timeout_s": "timeout for calls to the tokenizer and scheduler",
