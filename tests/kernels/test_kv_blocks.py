@@ -15,7 +15,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # (num_layers, block_size, num_kv_heads, head_dim, dtype): int64 words; int16 words (a piece
 # of 3 * 2 * 2 bytes is not a multiple of 8); a piece longer than one program's iteration
 SHAPES = [(2, 4, 2, 8, torch.bfloat16), (3, 1, 3, 2, torch.float16),
-          (1, 16, 8, 128, torch.float32)]
+          (1, 16, 8, 128, torch.float32), (2, 16, 2, 64, torch.float8_e4m3fn)]  # (FP8 KV)
 
 
 def cache_and_staging(shape, num_blocks: int, num_rows: int, seed: int = 0):

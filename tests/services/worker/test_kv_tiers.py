@@ -32,7 +32,7 @@ def make_arena(tmp_path, dtype: torch.dtype, num_slots: int = 8) -> KvArena:
     return KvArena.create(tmp_path / "arena", num_slots, slot_nbytes, "store-1")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_blocks_stored_then_loaded_into_other_blocks_are_bit_identical(tmp_path, dtype):
     cache = make_cache(dtype)
     original = cache.clone()
