@@ -28,6 +28,7 @@ from kernels.paged_attention_ref import FP8_KV_DTYPE, FP8_KV_MAX, allocate_kv_ca
 from services.worker.config import KvCacheDtype
 from services.worker.memory import prefill_metadata
 from services.worker.model import Transformer
+from services.worker.weights import require_fp8_device
 
 log = structlog.get_logger()
 
@@ -41,14 +42,7 @@ def resolve_kv_cache_dtype(requested: str, model_dtype: torch.dtype, device: tor
     """The cache's torch dtype; a clear error naming the flag where FP8 cannot run."""
     if requested == KvCacheDtype.AUTO:
         return model_dtype
-    if device.type != "cuda":
-        raise ValueError(f"--kv-cache-dtype {requested} needs a CUDA GPU with FP8 support "
-                         f"(compute capability 8.9+); this worker runs on {device.type}")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
-        raise ValueError(f"--kv-cache-dtype {requested} needs compute capability 8.9+; "
-                         f"{torch.cuda.get_device_name(device)} has "
-                         f"{capability[0]}.{capability[1]}")
+    require_fp8_device(f"--kv-cache-dtype {requested}", device)
     return FP8_KV_DTYPE
 
 

@@ -163,8 +163,15 @@ def check_quantization(path: Path, requested: str, device: torch.device) -> str:
     from_checkpoint = ModelConfig.from_path(path).quantization
     if "fp8" not in (requested, from_checkpoint):
         return "none"
-    cause = (f"--quantization {requested}" if requested == "fp8"
-             else f"{path.name} (its weights are FP8: quantization_config in config.json)")
+    require_fp8_device(f"--quantization {requested}" if requested == "fp8" else
+                       f"{path.name} (its weights are FP8: quantization_config in config.json)",
+                       device)
+    return "fp8"
+
+
+def require_fp8_device(cause: str, device: torch.device) -> None:
+    """A clear error naming ``cause`` (a flag, a checkpoint) unless ``device`` has FP8
+    support: CUDA, compute capability 8.9+ (Ada, Hopper)."""
     if device.type != "cuda":
         raise ValueError(f"{cause} needs a CUDA GPU with FP8 tensor cores (compute capability "
                          f"8.9+); this worker runs on {device.type}")
@@ -173,4 +180,3 @@ def check_quantization(path: Path, requested: str, device: torch.device) -> str:
         raise ValueError(f"{cause} needs compute capability 8.9+ (FP8 tensor cores); "
                          f"{torch.cuda.get_device_name(device)} has "
                          f"{capability[0]}.{capability[1]}")
-    return "fp8"
