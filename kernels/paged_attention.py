@@ -262,7 +262,7 @@ def _launch(query, key_cache, value_cache, out, scale, v_scale, max_seq_len, wor
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         ONE_TILE_PER_SEQ=one_tile_per_seq, SEQ_CHUNK=SEQ_CHUNK, NUM_SEGMENTS=num_segments,
-        SCALED_V=v_scale != 1.0,
+        SCALED_V=key_cache.dtype == FP8_KV_DTYPE,  # (never by value: one variant a cache dtype)
         FP16_DOTS=(key_cache.dtype, query.dtype) == (FP8_KV_DTYPE, torch.bfloat16),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())

@@ -123,7 +123,8 @@ class ModelRunner:
                 self._mixed_graphs.capture()
         log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
                  num_blocks=self.num_blocks, block_size=self.block_size,
-                 kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len)
+                 kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
+                 kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."))
 
     def _kv_cache_budget(self, config: WorkerConfig) -> int:
         if config.kv_cache_memory != "auto":
