@@ -9,7 +9,11 @@ that followed their latest earlier occurrence are proposed, up to
 token (an n-gram index per request), nothing on the device. ``method: "suffix"``
 (suffix.py) matches the longest suffix, up to ``suffix_decoding_max_tree_depth`` tokens, in
 the request's own tokens and in recent requests' responses, and proposes more tokens the
-longer the match (``suffix_decoding_max_spec_factor`` per matched token).
+longer the match (``suffix_decoding_max_spec_factor`` per matched token). ``method:
+"replay"`` (a benchmark mode) proposes the next tokens of the request's saved output
+(``replay_path``: JSON ``{"prompts": [[ids]], "outputs": [[ids]]}``, e.g. the same server's
+greedy outputs without speculation): every draft then kept, it measures what the verify
+machinery gives at full acceptance, whatever the proposer.
 
 The worker computes the request's last token and its drafts in one query; under greedy
 decoding it keeps each draft while it equals the model's argmax at the position before,
@@ -26,6 +30,7 @@ bias, min_tokens, min_p, grammar, logprobs); the others decode as before in the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import math
 
@@ -35,7 +40,7 @@ from services.scheduler.request import Request
 from services.scheduler.suffix import ResponseCache, SuffixIndex
 from shared.messages import SamplingParams
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "replay")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -51,6 +56,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     suffix_decoding_max_tree_depth: int = 16
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
+    replay_path: str = ""  # replay: the saved outputs (a benchmark mode)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,6 +74,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("suffix_decoding_max_cached_requests must be 0 (none) or more")
         if self.suffix_decoding_max_spec_factor <= 0:
             raise ValueError("suffix_decoding_max_spec_factor must be positive")
+        if (self.method == "replay") != bool(self.replay_path):
+            raise ValueError("replay_path goes with method replay, and it needs one")
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -261,7 +269,42 @@ class SuffixDrafts(NgramDrafts):
         self.responses.add(req.output_token_ids)
 
 
+class ReplayDrafts(NgramDrafts):
+    """A benchmark's drafts: the next tokens of the request's saved output (``replay_path``),
+    found by its prompt; none for a prompt not saved."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        super().__init__(config)
+        saved = msgspec.json.decode(Path(config.replay_path).read_bytes())
+        self.outputs = {tuple(prompt): output for prompt, output
+                        in zip(saved["prompts"], saved["outputs"], strict=True)}
+        # the longest saved prompt a request starts with is its own
+        self.prompt_lens = sorted({len(prompt) for prompt in self.outputs}, reverse=True)
+        self._found: dict[str, tuple[int, list[int]]] = {}  # request -> (prompt len, output)
+
+    def drafts(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
+               limit: int) -> list[int]:
+        if limit <= 0 or not can_speculate(sampling):
+            return []
+        found = self._found.get(request_id)
+        if found is None:
+            found = next(((n, self.outputs[tuple(token_ids[:n])]) for n in self.prompt_lens
+                          if tuple(token_ids[:n]) in self.outputs), (len(token_ids), []))
+            self._found[request_id] = found
+        prompt_len, output = found
+        start = len(token_ids) - prompt_len  # output tokens so far
+        return output[start:start + min(limit, self.config.num_speculative_tokens)]
+
+    def worth_waiting(self, request_id: str, token_ids: Sequence[int],
+                      sampling: SamplingParams) -> bool:
+        return bool(self.drafts(request_id, token_ids, sampling, 1))
+
+    def forget(self, req: Request) -> None:
+        self._found.pop(req.request_id, None)
+
+
 def drafter(config: SpeculativeConfig | None) -> NoDrafts:
     if config is None:
         return NoDrafts()
-    return SuffixDrafts(config) if config.method == "suffix" else NgramDrafts(config)
+    kinds = {"suffix": SuffixDrafts, "replay": ReplayDrafts}
+    return kinds.get(config.method, NgramDrafts)(config)

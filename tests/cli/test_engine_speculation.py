@@ -119,3 +119,22 @@ def test_overlapped_steps_keep_as_many_drafts_as_steps_one_at_a_time(model):
         drafter = engine.scheduler.drafter
         rates.append(drafter.num_accepted_drafts / drafter.num_draft_tokens)
     assert rates[0] > 0.5 and abs(rates[1] - rates[0]) <= 0.05 * rates[0], rates
+
+
+def test_replayed_outputs_are_kept_whole_and_give_the_same_tokens(model, tmp_path):
+    """method replay (a benchmark mode) drafts each request's saved greedy output: every
+    draft is kept, so the text is the plain run's and a step verifies K + 1 tokens. A prompt
+    not saved gets no drafts."""
+    import json
+
+    rng = random.Random(11)
+    batch = [[rng.randrange(100, 40_000) for _ in range(rng.randint(4, 30))] for _ in range(6)]
+    plain, _ = run(model, "", [batch])
+    path = tmp_path / "replay.json"
+    path.write_text(json.dumps({"prompts": batch[:5], "outputs": plain[:5]}))
+    spec = json.dumps({"method": "replay", "replay_path": str(path),
+                       "num_speculative_tokens": 4, "disable_by_batch_size": 0})
+    replayed, engine = run(model, spec, [batch])
+    assert replayed == plain
+    drafter = engine.scheduler.drafter
+    assert drafter.num_accepted_drafts == drafter.num_draft_tokens >= 5 * 8  # 11 of 12 each

@@ -71,6 +71,8 @@ def test_the_config_takes_vllms_names_and_refuses_what_it_cannot_do():
                       ('{"num_speculative_tokens": 0}', "between 1 and 16"),
                       ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
                       ('{"num_speculative_tokens": 4, "bogus": 1}', "bogus"),
+                      ('{"method": "replay"}', "replay_path"),
+                      ('{"replay_path": "/x.json"}', "replay_path"),
                       ("{ngram}", "not JSON")):
         with pytest.raises(ValueError, match=says):
             parse_speculative_config(bad)
