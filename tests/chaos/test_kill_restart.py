@@ -130,3 +130,31 @@ def refused(base_url: str) -> bool:
         return False
     except httpx.TransportError:
         return True
+
+
+def test_gateway_workers_one_killed_the_others_keep_serving(tmp_path_factory, model_name):
+    """--gateway-workers 2 (SO_REUSEPORT): kill -9 one gateway mid-stream. Each stream either
+    ends with its solo text (on the gateway that lives) or loses its connection (on the one
+    killed: its client sees the socket close, nothing hangs); new requests meanwhile all go
+    to the survivor; the killed one started again serves beside it."""
+    stack = start_stack(tmp_path_factory.mktemp("gateways-logs"), gateways=2,
+                        service_args={"worker": ["--kv-cache-memory", "256MiB"]})
+    try:
+        reference = solo_texts(stack, model_name)
+        readers = [StreamReader(stack.base_url, body(model_name, p)) for p in PROMPTS * 3]
+        for reader in readers:
+            reader.start()
+        assert wait_for(lambda: all(len(r.parts) >= 2 for r in readers), 60)
+        stack.stop_service("gateway-1", signal.SIGKILL)
+        assert solo_texts(stack, model_name) == reference  # every one on the survivor
+        for reader, expected in zip(readers, reference * 3):
+            reader.join(150)
+            assert not reader.is_alive(), "a stream hung"
+            lost = isinstance(reader.exception, httpx.TransportError)
+            assert lost or (reader.done and not reader.errors and reader.text == expected)
+        stack.start_service("gateway-1")
+        stack.wait_ready(120)
+        for _ in range(2):  # on whichever gateway each connection lands
+            assert solo_texts(stack, model_name) == reference
+    finally:
+        stack.stop()
