@@ -76,6 +76,25 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("suffix_decoding_max_spec_factor must be positive")
         if (self.method == "replay") != bool(self.replay_path):
             raise ValueError("replay_path goes with method replay, and it needs one")
+        if self.replay_path:
+            load_replay(self.replay_path)  # a bad file fails the start, named
+
+
+class ReplayFile(msgspec.Struct, frozen=True):
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+
+
+def load_replay(path: str) -> dict[tuple[int, ...], list[int]]:
+    """A replay file's saved outputs by prompt; a ValueError naming the file if it cannot."""
+    try:
+        saved = msgspec.json.decode(Path(path).read_bytes(), type=ReplayFile)
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ValueError(f"replay_path {path}: {exc}") from None
+    if len(saved.prompts) != len(saved.outputs):
+        raise ValueError(f"replay_path {path}: {len(saved.prompts)} prompts, "
+                         f"{len(saved.outputs)} outputs")
+    return {tuple(prompt): output for prompt, output in zip(saved.prompts, saved.outputs)}
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -223,7 +242,7 @@ class NgramDrafts(NoDrafts):
         (skip the step planned meanwhile) so that its next step can verify drafts: when
         its known tokens end in a repeat, a copy is likely going on. Otherwise it is
         planned ahead as usual (overlapped steps), and tries drafts when its result is in."""
-        return can_speculate(sampling) and bool(self._index(request_id).drafts(token_ids, 1))
+        return bool(self.drafts(request_id, token_ids, sampling, 1))
 
     def forget(self, req: Request) -> None:
         self._indexes.pop(req.request_id, None)
@@ -259,10 +278,6 @@ class SuffixDrafts(NgramDrafts):
         return tokens[:min(limit, self.config.num_speculative_tokens,
                            max(1, math.ceil(matched * factor)))]
 
-    def worth_waiting(self, request_id: str, token_ids: Sequence[int],
-                      sampling: SamplingParams) -> bool:
-        return bool(self.drafts(request_id, token_ids, sampling, 1))
-
     def forget(self, req: Request) -> None:
         """Its output joins the responses later requests draft from."""
         self._suffixes.pop(req.request_id, None)
@@ -275,9 +290,7 @@ class ReplayDrafts(NgramDrafts):
 
     def __init__(self, config: SpeculativeConfig) -> None:
         super().__init__(config)
-        saved = msgspec.json.decode(Path(config.replay_path).read_bytes())
-        self.outputs = {tuple(prompt): output for prompt, output
-                        in zip(saved["prompts"], saved["outputs"], strict=True)}
+        self.outputs = load_replay(config.replay_path)
         # the longest saved prompt a request starts with is its own
         self.prompt_lens = sorted({len(prompt) for prompt in self.outputs}, reverse=True)
         self._found: dict[str, tuple[int, list[int]]] = {}  # request -> (prompt len, output)
@@ -294,10 +307,6 @@ class ReplayDrafts(NgramDrafts):
         prompt_len, output = found
         start = len(token_ids) - prompt_len  # output tokens so far
         return output[start:start + min(limit, self.config.num_speculative_tokens)]
-
-    def worth_waiting(self, request_id: str, token_ids: Sequence[int],
-                      sampling: SamplingParams) -> bool:
-        return bool(self.drafts(request_id, token_ids, sampling, 1))
 
     def forget(self, req: Request) -> None:
         self._found.pop(req.request_id, None)

@@ -80,6 +80,14 @@ def test_the_config_takes_vllms_names_and_refuses_what_it_cannot_do():
         SchedulerConfig(speculative_config='{"method": "eagle"}')
 
 
+def test_a_replay_file_that_cannot_be_read_fails_the_config_naming_it(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"prompts": [[1, 2]], "outputs": [[3], [4]]}')
+    for path, says in ((tmp_path / "missing.json", "No such file"), (bad, "1 prompts, 2 outputs")):
+        with pytest.raises(ValueError, match=f"replay_path {path}: .*{says}"):
+            parse_speculative_config(f'{{"method": "replay", "replay_path": "{path}"}}')
+
+
 def test_only_requests_whose_logits_nothing_adjusts_are_drafted_for():
     greedy = SamplingParams(temperature=0.0)
     assert can_speculate(greedy) and can_speculate(SamplingParams(top_k=1))
