@@ -32,8 +32,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_KV_DTYPE = torch.float8_e4m3fn  # --kv-cache-dtype fp8
-FP8_KV_MAX = 448.0  # torch.finfo(FP8_KV_DTYPE).max
+from kernels.fp8 import FP8_DTYPE, FP8_MAX
+
+FP8_KV_DTYPE, FP8_KV_MAX = FP8_DTYPE, FP8_MAX  # --kv-cache-dtype fp8: the weights' e4m3
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,

@@ -151,8 +151,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
           python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b \
               --workload fixed --num-prompts 32 --input-len 20000 --output-len 256 \
               --max-model-len 20480 --max-num-seqs 8 --max-num-batched-tokens 16384 \
-              --kv-cache-dtype $kv 2>&1 | grep -E "num_blocks|^fixed|Error|error" | tail -3
-          python3 -c "import json,glob; r=json.load(open(sorted(glob.glob('$OUT/throughput_fixed*'), key=lambda p: __import__('os').path.getmtime(p))[-1])); print('num_blocks', r['num_blocks'], 'decode_step_ms', round(r['decode_step_ms'], 2))"
+              --kv-cache-dtype $kv 2>&1 | grep -E '"num_blocks"|"decode_step_ms"|^fixed|rror' | tail -4
           python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b --context 16000 \
               --kv-cache-dtype $kv 2>&1 | grep -E "^batch-1|Error|error" | tail -2
         done;;

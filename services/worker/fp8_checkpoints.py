@@ -109,8 +109,10 @@ def pop_checkpoint_kv_scales(hf_weights: dict[str, torch.Tensor]) -> dict[int, t
     v_scale)} for the layers that have both."""
     found: dict[int, dict[str, float]] = {}
     for name in [n for n in hf_weights if n.endswith(KV_SCALE_SUFFIXES)]:
-        tensor = hf_weights.pop(name)
+        scale = float(hf_weights.pop(name).float().max())
+        if not 0.0 < scale < float("inf"):  # the cache divides by it
+            raise ValueError(f"{name} is {scale}: a KV scale must be positive and finite")
         layer = int(name.split("layers.")[1].split(".")[0])
-        found.setdefault(layer, {})[name.rpartition(".")[2]] = float(tensor.float().max())
+        found.setdefault(layer, {})[name.rpartition(".")[2]] = scale
     return {layer: (scales["k_scale"], scales["v_scale"]) for layer, scales in found.items()
             if len(scales) == 2}

@@ -78,13 +78,13 @@ class ModelRunner:
         self.block_size: int = config.block_size
         self.max_model_len: int = model_config.usable_context_len(config.max_model_len)
         self.eos_token_ids: list[int] = read_eos_token_ids(model_files.path)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self._dtype,
-                                                     self._device)
-        if self.kv_cache_dtype == FP8_KV_DTYPE:  # before the profile and graphs: they use them
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self._dtype, self._device)
+        if kv_dtype == FP8_KV_DTYPE:  # before the profile and graphs: they use the scales
             set_fp8_kv_scales(self.model, config.block_size, self._device, self._dtype)
-        bytes_per_block = kv_bytes_per_block(self.model, config.block_size, self.kv_cache_dtype)
+        bytes_per_block = kv_bytes_per_block(self.model, config.block_size, kv_dtype)
         # every rank the same block space: the fewest any rank's memory holds
-        self.num_blocks: int = ranks.tp.agree_min(self._kv_cache_budget(config) // bytes_per_block)
+        self.num_blocks: int = ranks.tp.agree_min(self._kv_cache_budget(config, kv_dtype)
+                                                      // bytes_per_block)
         if self.num_blocks < 1:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} holds no block "
                              f"({bytes_per_block} bytes each)")
@@ -92,7 +92,7 @@ class ModelRunner:
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = allocate_kv_cache(model_config.num_layers, self.num_blocks, self.block_size,
                                           model_config.num_kv_heads, model_config.head_dim,
-                                          self.kv_cache_dtype, self._device)
+                                          kv_dtype, self._device)
         self.model.bind_kv_cache(self.kv_cache)
         self._requests: dict[str, RequestState] = {}
         self._in_flight: StepInFlight | None = None
@@ -124,9 +124,9 @@ class ModelRunner:
         log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
                  num_blocks=self.num_blocks, block_size=self.block_size,
                  kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
-                 kv_cache_dtype=str(self.kv_cache_dtype).removeprefix("torch."))
+                 kv_cache_dtype=self.kv_cache_dtype_name)
 
-    def _kv_cache_budget(self, config: WorkerConfig) -> int:
+    def _kv_cache_budget(self, config: WorkerConfig, kv_dtype: torch.dtype) -> int:
         if config.kv_cache_memory != "auto":
             return parse_size(config.kv_cache_memory)
         if self._device.type != "cuda":
@@ -135,7 +135,7 @@ class ModelRunner:
             self.model, num_tokens=config.max_num_batched_tokens, num_sampled=config.max_num_seqs,
             max_model_len=self.max_model_len, block_size=config.block_size,
             gpu_memory_utilization=config.gpu_memory_utilization, device=self._device,
-            dtype=self._dtype, kv_dtype=self.kv_cache_dtype,
+            dtype=self._dtype, kv_dtype=kv_dtype,
             graph_batch_size=None if config.enforce_eager else config.max_num_seqs,
             graph_num_tokens=0 if config.enforce_eager else mixed_graph_tokens(config)
         ).kv_cache_bytes
@@ -149,15 +149,18 @@ class ModelRunner:
         return str(self._dtype).removeprefix("torch.")
 
     @property
+    def kv_cache_dtype_name(self) -> str:
+        return str(self.kv_cache.dtype).removeprefix("torch.")
+
+    @property
     def num_requests(self) -> int:
         return len(self._requests)
 
     def kv_layout(self, weights_version: str) -> KvLayout:
         """What this worker's KV blocks are, for the kvstore."""
         config = self.model.config
-        fp8 = self.kv_cache_dtype == FP8_KV_DTYPE
-        return KvLayout(weights_version=weights_version,
-                        dtype=str(self.kv_cache_dtype).removeprefix("torch."),
+        fp8 = self.kv_cache.dtype == FP8_KV_DTYPE
+        return KvLayout(weights_version=weights_version, dtype=self.kv_cache_dtype_name,
                         num_layers=config.num_layers, block_size=self.block_size,
                         num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
                         kv_scales=kv_scales_tag(self.model) if fp8 else "")

@@ -84,6 +84,10 @@ def test_a_checkpoints_kv_scales_are_taken_not_calibrated(plain, tmp_path):  # n
     set_fp8_kv_scales(model, BLOCK_SIZE, CPU, torch.float32)
     assert [(layer.self_attn.k_scale, layer.self_attn.v_scale) for layer in model.layers] == [
         (pytest.approx(0.05 + i), pytest.approx(0.01)) for i in range(len(model.layers))]
+    with_scales["model.layers.1.self_attn.v_scale"] = torch.tensor(0.0)
+    save_file(with_scales, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="layers.1.self_attn.v_scale is 0.0: a KV scale must"):
+        load_model(tmp_path, CPU, torch.float32)
 
 
 def test_the_namespace_carries_the_scales_and_keeps_unscaled_ones(tiny):
