@@ -65,6 +65,7 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 3
     max_m: int = 0  # the worker uses it up to this many rows (measured faster than cuBLAS)
+    fp16_dot: bool = True  # FP8 weight, bf16 x: ``_fp16_dot`` (MEASURING: False widens to bf16)
 
 
 # (N, K) -> config, swept on the H200, 2026-11-23 (benchmarks/gpu/skinny_gemm.py --sweep; µs at
@@ -152,15 +153,36 @@ def _silu_times(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _dot(x, w, acc, FP32_IEEE: tl.constexpr):
+def _dot(x, w, acc, FP32_IEEE: tl.constexpr, FP16_DOT: tl.constexpr):
     """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T on the tensor cores (fp32 in full
-    precision, as cuBLAS's default; not tf32). An FP8 w is widened to x's dtype first."""
-    w = w.to(x.dtype)
-    if FP32_IEEE:
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    precision, as cuBLAS's default; not tf32). An FP8 w is widened to x's dtype first, or with
+    FP16_DOT (bf16 x) multiplied in fp16 (``_fp16_dot``)."""
+    if FP16_DOT:
+        acc = _fp16_dot(x, w, acc)
     else:
-        acc = tl.dot(x, tl.trans(w), acc)
+        w = w.to(x.dtype)
+        if FP32_IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
     return acc
+
+
+@triton.jit
+def _fp16_dot(x, w, acc):
+    """acc + x @ w^T for bf16 x and an FP8 w, on the fp16 tensor cores: e4m3 widens to fp16 in
+    one conversion per pair of values, to bf16 in three, and at decode sizes those conversions
+    bound the kernel, not memory. Each row of the x tile is divided by the power of two that
+    puts its absolute max in [2^14, 2^15): exact, and inside fp16's range, so the fp16
+    products are bf16's; the tile's partial is multiplied back (also exact)."""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
+    biased_exp = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    scale_exp = tl.minimum(tl.maximum(biased_exp - 14, 1), 253)  # a zero row: any scale
+    row_scale = (scale_exp << 23).to(tl.float32, bitcast=True)  # 2^(scale_exp - 127)
+    inv_row_scale = ((254 - scale_exp) << 23).to(tl.float32, bitcast=True)
+    x16 = (x * inv_row_scale[:, None]).to(tl.float16)
+    return acc + tl.dot(x16, tl.trans(w.to(tl.float16))) * row_scale[:, None]
 
 
 @triton.jit
@@ -178,8 +200,8 @@ def _skinny_gemm_kernel(
     M, N, K, x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
     partial_stride_m, k_per_split,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
-    FP32_IEEE: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    FP32_IEEE: tl.constexpr, FP16_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (column tile, K split). N counts output columns: with GATED, W holds 2N rows
     (gate then up) and a program multiplies the gate rows of its columns and the matching up
@@ -215,9 +237,9 @@ def _skinny_gemm_kernel(
             w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
         pdl.wait_then_launch_dependents(PDL)
         x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        acc = _dot(x, w, acc, FP32_IEEE)
+        acc = _dot(x, w, acc, FP32_IEEE, FP16_DOT)
         if GATED:
-            acc_up = _dot(x, w_up, acc_up, FP32_IEEE)
+            acc_up = _dot(x, w_up, acc_up, FP32_IEEE, FP16_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_loop += BLOCK_K
@@ -230,10 +252,10 @@ def _skinny_gemm_kernel(
             w_mask = n_mask[:, None] & k_mask[None, :]
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = _dot(x, w, acc, FP32_IEEE)
+        acc = _dot(x, w, acc, FP32_IEEE, FP16_DOT)
         if GATED:
             w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            acc_up = _dot(x, w_up, acc_up, FP32_IEEE)
+            acc_up = _dot(x, w_up, acc_up, FP32_IEEE, FP16_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     acc = _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE)
@@ -353,7 +375,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         k_per_split,
         HAS_BIAS=bias is not None and split_k == 1, HAS_SCALE=weight_scale is not None,
         EVEN_K=k % config.block_k == 0,
-        FP32_IEEE=x.dtype == torch.float32, SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M,
+        FP32_IEEE=x.dtype == torch.float32,
+        FP16_DOT=config.fp16_dot and weight.dtype == FP8_DTYPE and x.dtype == torch.bfloat16,
+        SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )

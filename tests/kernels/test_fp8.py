@@ -87,6 +87,25 @@ def test_skinny_gemm_on_fp8_weights_matches_the_dequantized_reference(config, m,
                                        weight_scale=scale), out[:rows])
 
 
+@pytest.mark.parametrize("config", [ONE_PASS, SPLIT3], ids=["one_pass", "split3"])
+def test_fp8_weights_with_bf16_rows_multiply_in_fp16_without_overflow_or_loss(config):
+    """bf16 x on an FP8 weight multiplies in fp16 (``_fp16_dot``), each row of a tile scaled by
+    a power of two: rows far outside fp16's range (1e6) and far below it come out as the fp32
+    product rounded to bf16 (the interpreter's bf16 store truncates: within 2^-7), batch
+    invariant."""
+    weight_fp8, scale = fp8_weight(40, 100, seed=11)
+    magnitudes = torch.tensor([1e6, 3e4, 1.0, 1e-3, 1e-6], device=DEVICE)
+    x = (randn(5, 100, seed=12) * magnitudes[:, None]).to(torch.bfloat16)
+    out = skinny_gemm(x, weight_fp8, config=config, weight_scale=scale)
+    expected = torch.nn.functional.linear(x.float(), fp8.dequantize_per_channel(
+        weight_fp8, scale))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert ((out.float() - expected).abs() <= expected.abs() * 2 ** -7 + 1e-30).all()
+    for rows in (1, 3):
+        assert torch.equal(skinny_gemm(x[:rows], weight_fp8, config=config,
+                                       weight_scale=scale), out[:rows])
+
+
 def test_fp8_down_with_add_rms_norm_matches_its_reference():
     down_fp8, down_scale = fp8_weight(40, 24, seed=5)
     x = randn(4, 24, seed=4, dtype=HALF)
