@@ -65,7 +65,6 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 3
     max_m: int = 0  # the worker uses it up to this many rows (measured faster than cuBLAS)
-    fp16_dot: bool = True  # FP8 weight, bf16 x: ``_fp16_dot`` (MEASURING: False widens to bf16)
 
 
 # (N, K) -> config, swept on the H200, 2026-11-23 (benchmarks/gpu/skinny_gemm.py --sweep; µs at
@@ -87,22 +86,26 @@ GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (28672, 4096): SkinnyConfig(32, 128, max_m=4),
 }
 
-# The same for FP8 weights (a tile is half the bytes: wider K tiles and more splits win), H200,
-# 2026-11-27 (benchmarks/gpu/fp8_gemm.py --sweep; µs at M = 1 / 8 against bf16's worker path
-# in the same run). Up to 16 rows each beat the scaled FP8 GEMM (qkv 19.2, o_proj 15.9,
-# gate_up 47.2, down 42.5 µs at M = 16, its activation quantization included). TUNE
+# The same for FP8 weights (a tile is half the bytes, multiplied in fp16: ``_fp16_dot``), H200,
+# 2026-11-27 (benchmarks/gpu/fp8_gemm.py --sweep; µs at M = 1 / 8, against the same shape widened
+# to bf16 at its best config before _fp16_dot, in the same run). Up to 16 rows each beats the
+# scaled FP8 GEMM (qkv 19.8, o_proj 15.7, gate_up 48.1, down 42.7 µs at M = 16, its activation
+# quantization included). TUNE
 FP8_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (6144, 4096): SkinnyConfig(32, 256, split_k=4, max_m=16),  # qkv: 12.6 / 12.7 vs 15.6
-    # o_proj: 9.9 / 10.2 vs 11.5
-    (4096, 4096): SkinnyConfig(64, 128, split_k=4, num_warps=8, max_m=16),
-    (28672, 4096): SkinnyConfig(32, 256, max_m=16),  # gate_up: 40.1 / 40.5 vs 62.5
-    (4096, 14336): SkinnyConfig(32, 256, split_k=4, max_m=16),  # down: 24.1 / 24.3 vs 31.5
-    # Llama-3.3-70B (the scaled FP8 GEMM at M = 1: 51.8, 45.3, 184.9, 124.6)
-    (10240, 8192): SkinnyConfig(32, 256, split_k=4, max_m=16),  # qkv: 31.4 / 32.1 vs 46.0
-    (8192, 8192): SkinnyConfig(32, 256, split_k=4, max_m=16),  # o_proj: 26.2 / 26.8 vs 33.8
-    (57344, 8192): SkinnyConfig(32, 256, max_m=16),  # gate_up: 147.3 / 147.7 vs 211.5
-    # down: 78.4 / 79.5 vs 110.7
-    (8192, 28672): SkinnyConfig(64, 256, split_k=4, num_warps=8, num_stages=4, max_m=16),
+    # qkv: 11.5 / 12.3 vs 12.2 / 12.5
+    (6144, 4096): SkinnyConfig(64, 128, split_k=4, max_m=16),
+    # o_proj: 9.6 / 9.6 vs 10.2 / 10.3
+    (4096, 4096): SkinnyConfig(128, 128, split_k=4, num_warps=8, num_stages=4, max_m=16),
+    (28672, 4096): SkinnyConfig(128, 256, max_m=16),  # gate_up: 33.7 / 34.2 vs 40.3 / 40.5
+    # down: 21.4 / 21.8 vs 24.1 / 24.4
+    (4096, 14336): SkinnyConfig(128, 256, split_k=4, num_warps=8, max_m=16),
+    # Llama-3.3-70B (the scaled FP8 GEMM at M = 1: 51.6, 45.0, 186.2, 125.2)
+    (10240, 8192): SkinnyConfig(128, 128, split_k=4, max_m=16),  # qkv: 26.6 / 27.1 vs 31.1 / 31.9
+    # o_proj: 21.7 / 22.4 vs 26.3 / 26.6
+    (8192, 8192): SkinnyConfig(128, 128, split_k=4, num_warps=8, num_stages=4, max_m=16),
+    # gate_up: 119.6 / 120.7 vs 147.5 / 147.8
+    (57344, 8192): SkinnyConfig(128, 256, max_m=16),
+    (8192, 28672): SkinnyConfig(128, 256, split_k=4, max_m=16),  # down: 60.8 / 62.8 vs 78.9 / 79.8
 }
 # No fused gate_up + SwiGLU launch for FP8 weights: its best (32, 256) took 49.3 µs at M = 1
 # against 40.4 for the plain launch (H200, same run), so FP8 gate_up runs plain and
@@ -376,7 +379,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         HAS_BIAS=bias is not None and split_k == 1, HAS_SCALE=weight_scale is not None,
         EVEN_K=k % config.block_k == 0,
         FP32_IEEE=x.dtype == torch.float32,
-        FP16_DOT=config.fp16_dot and weight.dtype == FP8_DTYPE and x.dtype == torch.bfloat16,
+        FP16_DOT=weight.dtype == FP8_DTYPE and x.dtype == torch.bfloat16,
         SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),

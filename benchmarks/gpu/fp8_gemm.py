@@ -21,14 +21,13 @@ import argparse
 import json
 import multiprocessing
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from benchmarks.gpu.skinny_gemm import SHAPES as PLAIN_SHAPES, graph_time_us, sweep_grid, weights
 from kernels import fp8
-from kernels.skinny_gemm import MAX_M, SkinnyConfig, config_for, skinny_gemm
+from kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_gemm
 from services.worker import ops
 
 SHAPES = {**PLAIN_SHAPES,
@@ -95,10 +94,7 @@ def _compile(job) -> None:
 def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) -> list[dict]:
     """Each shape's grid (wider K tiles too: an FP8 tile is half the bytes) at ``ms``; the
     five fastest at ms[0] printed per shape."""
-    # each shape's table config widening to bf16 (the kernel before FP16_DOT) as the baseline
-    baselines = {name: replace(config_for(*SHAPES[name], fp8.FP8_DTYPE), fp16_dot=False)
-                 for name in names}
-    grids = {name: [baselines[name]] + fp8_grid(*SHAPES[name]) for name in names}
+    grids = {name: fp8_grid(*SHAPES[name]) for name in names}
     work = [(*SHAPES[name], grids[name][i::3]) for name in names for i in range(3)]
     with multiprocessing.get_context("spawn").Pool(min(jobs, len(work))) as pool:
         pool.map(_compile, work)
@@ -123,7 +119,7 @@ def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) 
             rows.append({"shape": name, "config": vars(config), "us": times})
         timed.sort(key=lambda t: t[0])
         print(f"\n{name} {SHAPES[name]}: fastest skinny FP8 configs", flush=True)
-        for _, config, times in timed[:5] + [t for t in timed if t[1] == baselines[name]]:
+        for _, config, times in timed[:5]:
             print(f"  {config}  " + ", ".join(f"M={m} {t:.1f}" for m, t in times.items()))
         del fp8_ws, scaled
         torch.cuda.empty_cache()
