@@ -28,22 +28,20 @@ tail of one launch. This kernel is a plain weight stream.
   worker takes it wherever ``serves_add_rms_norm`` holds (on one H200, batch-1 decode of
   Llama-3.1-8B 4.62 -> 4.55 ms/token in two alternating pairs).
 - FP8 weights (``--quantization fp8``, kernels/fp8.py): each tile is read as FP8 and widened to
-  x's dtype before the product, and a column's sum is multiplied by its weight scale: half the
-  bytes a decode step streams, x unrounded.
+  fp16 for the product (``_fp16_dot``; with fp16 or fp32 x, to x's dtype), and a column's sum
+  is multiplied by its weight scale: half the bytes a decode step streams, x unrounded.
 - CUDA-graph capturable: the grid and the scratch depend on shapes only.
 - with PDL on (kernels/pdl.py), each launch (the reduce's too) is a programmatic dependent
   launch: a program loads its first weight tile, then waits for the previous kernel, so in a
   decode step the stream starts while the kernel before it drains (the prefetch above was
   measured between back-to-back GEMMs only).
 
-``CONFIGS`` holds the configs swept on the H200 for the Llama-3.1-8B shapes
-(``benchmarks/gpu/skinny_gemm.py --sweep``) and, per shape, the most rows at which it was
-measured faster than cuBLAS; the worker uses it only there (``serves``).
+kernels/skinny_configs.py holds the launch configs swept on the H200 per shape and dtype, and
+per shape the most rows at which each was measured faster than the alternative; the worker
+uses it only there (``serves``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,90 +51,18 @@ import triton.language as tl
 from kernels import pdl
 from kernels.fp8 import FP8_DTYPE, dequantize_per_channel
 from kernels.rms_norm import MAX_SINGLE_PASS, add_rms_norm_row, single_pass_launch
+from kernels.skinny_configs import (CONFIGS, FP8_CONFIGS, FP8_GATED_CONFIGS,  # noqa: F401
+                                    GATED_CONFIGS, SkinnyConfig, config_for, default_config,
+                                    gated_config_for, gated_table, table)
 
 MAX_M = 16  # most rows of x the kernel serves (x is padded to this many)
-
-
-@dataclass(frozen=True)
-class SkinnyConfig:
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-    max_m: int = 0  # the worker uses it up to this many rows (measured faster than cuBLAS)
-
-
-# (N, K) -> config, swept on the H200, 2026-11-23 (benchmarks/gpu/skinny_gemm.py --sweep; µs at
-# M = 1 in a graph of back-to-back calls, against cuBLAS in the same run). TUNE
-CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (6144, 4096): SkinnyConfig(64, 256, num_stages=4, max_m=16),  # qkv: 15.3 vs 16.3
-    (4096, 4096): SkinnyConfig(64, 128, split_k=4, max_m=16),  # o_proj: 12.0 vs 13.3
-    (28672, 4096): SkinnyConfig(32, 128, max_m=4),  # gate_up: 55.6 vs 56.1; 0.99x at 8, 16
-    (4096, 14336): SkinnyConfig(128, 128, split_k=4, num_stages=4, max_m=16),  # down: 30.7 vs 31.4
-    (128256, 4096): SkinnyConfig(64, 128, max_m=16),  # lm_head: 231.5 vs 239.8
-}
-
-
-# The fused gate_up + SwiGLU launch (``skinny_gemm_silu_and_mul``), keyed by the gate_up weight's
-# (2 * d, K); block_n counts output columns (a program streams 2 * block_n weight rows). H200,
-# 2026-11-23, M = 1, µs against gate_up (32, 128) + silu_and_mul's 57.3 in the same run: (32, 128)
-# 56.8, (64, 128) 56.7, (16, 128) 64.8, (32, 256, 4 stages) 63.5, (32, 128, 8 warps) 81.1. TUNE
-GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (28672, 4096): SkinnyConfig(32, 128, max_m=4),
-}
-
-# The same for FP8 weights (a tile is half the bytes, multiplied in fp16: ``_fp16_dot``), H200,
-# 2026-11-27 (benchmarks/gpu/fp8_gemm.py --sweep; µs at M = 1 / 8, against the same shape widened
-# to bf16 at its best config before _fp16_dot, in the same run). Up to 16 rows each beats the
-# scaled FP8 GEMM (qkv 19.8, o_proj 15.7, gate_up 48.1, down 42.7 µs at M = 16, its activation
-# quantization included). TUNE
-FP8_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    # qkv: 11.5 / 12.3 vs 12.2 / 12.5
-    (6144, 4096): SkinnyConfig(64, 128, split_k=4, max_m=16),
-    # o_proj: 9.6 / 9.6 vs 10.2 / 10.3
-    (4096, 4096): SkinnyConfig(128, 128, split_k=4, num_warps=8, num_stages=4, max_m=16),
-    (28672, 4096): SkinnyConfig(128, 256, max_m=16),  # gate_up: 33.7 / 34.2 vs 40.3 / 40.5
-    # down: 21.4 / 21.8 vs 24.1 / 24.4
-    (4096, 14336): SkinnyConfig(128, 256, split_k=4, num_warps=8, max_m=16),
-    # Llama-3.3-70B (the scaled FP8 GEMM at M = 1: 51.6, 45.0, 186.2, 125.2)
-    (10240, 8192): SkinnyConfig(128, 128, split_k=4, max_m=16),  # qkv: 26.6 / 27.1 vs 31.1 / 31.9
-    # o_proj: 21.7 / 22.4 vs 26.3 / 26.6
-    (8192, 8192): SkinnyConfig(128, 128, split_k=4, num_warps=8, num_stages=4, max_m=16),
-    # gate_up: 119.6 / 120.7 vs 147.5 / 147.8
-    (57344, 8192): SkinnyConfig(128, 256, max_m=16),
-    (8192, 28672): SkinnyConfig(128, 256, split_k=4, max_m=16),  # down: 60.8 / 62.8 vs 78.9 / 79.8
-}
-# No fused gate_up + SwiGLU launch for FP8 weights: its best (32, 256) took 49.3 µs at M = 1
-# against 40.4 for the plain launch (H200, same run), so FP8 gate_up runs plain and
-# silu_and_mul after it, and the gated launch takes bf16/fp16 weights only.
-
-
-def default_config(n: int, k: int) -> SkinnyConfig:
-    """Shapes not swept: 16 columns per program, K in 256-wide tiles, no split."""
-    return SkinnyConfig(block_n=16, block_k=min(256, max(16, triton.next_power_of_2(k))))
-
-
-def _table(dtype: torch.dtype) -> dict[tuple[int, int], SkinnyConfig]:
-    """The plain launch's config table for weights of ``dtype``."""
-    return FP8_CONFIGS if dtype == FP8_DTYPE else CONFIGS
-
-
-def config_for(n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
-    """The launch for a [n, k] weight of ``dtype``."""
-    return _table(dtype).get((n, k)) or default_config(n, k)
-
-
-def gated_config_for(n: int, k: int) -> SkinnyConfig:
-    """The gated launch for a [n, k] gate_up weight (n / 2 output columns)."""
-    return GATED_CONFIGS.get((n, k)) or default_config(n // 2, k)
 
 
 def serves(num_rows: int, weight: torch.Tensor) -> bool:
     """Whether the worker should use the skinny GEMM: a CUDA bf16/fp16 or FP8 weight of a
     swept shape, at most its ``max_m`` rows (where it beat cuBLAS, or for FP8 the scaled FP8
     GEMM, on the H200)."""
-    return _serves(num_rows, weight, _table(weight.dtype))
+    return _serves(num_rows, weight, table(weight.dtype))
 
 
 def _serves(num_rows: int, weight: torch.Tensor, configs: dict) -> bool:
@@ -190,7 +116,7 @@ def _fp16_dot(x, w, acc):
 
 @triton.jit
 def _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE: tl.constexpr):
-    """With HAS_SCALE (an FP8 weight; never gated), each column's sum times its weight scale.
+    """With HAS_SCALE (an FP8 weight), each column's sum times its weight scale.
     Per output channel, so scaling each split's partial scales their sum."""
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
@@ -262,6 +188,8 @@ def _skinny_gemm_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     acc = _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE)
+    if GATED:  # the up rows' scales follow the gate rows'
+        acc_up = _times_weight_scale(acc_up, scale_ptr + N, offs_n, n_mask, HAS_SCALE)
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * out_stride_m + offs_n[None, :]
     if SPLIT_K > 1:  # an fp32 partial per split; _reduce_splits_kernel adds them
@@ -420,9 +348,9 @@ def serves_add_rms_norm(num_rows: int, weight: torch.Tensor, residual: torch.Ten
 
 
 def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
-    """``serves`` for the fused gate_up + SwiGLU launch (``GATED_CONFIGS``; bf16/fp16 weights
-    only)."""
-    return weight.dtype != FP8_DTYPE and _serves(num_rows, weight, GATED_CONFIGS)
+    """``serves`` for the fused gate_up + SwiGLU launch (``GATED_CONFIGS``, or
+    ``FP8_GATED_CONFIGS`` for an FP8 weight)."""
+    return _serves(num_rows, weight, gated_table(weight.dtype))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -479,23 +407,24 @@ def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                              bias: torch.Tensor | None = None,
-                             config: SkinnyConfig | None = None) -> torch.Tensor:
+                             config: SkinnyConfig | None = None,
+                             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of a fused gate_up projection in one launch: x [M, K], weight [2 * d, K] (gate
     rows then up rows), bias [2 * d] or None -> [M, d] = silu(gate) * up, rounded as
     ``silu_and_mul(skinny_gemm(x, weight, bias))`` rounds it (bitwise the same).
     ``config``: its block_n counts output columns (default: ``gated_config_for(2 * d, K)``).
-    bf16/fp16/fp32 weights (FP8: ``skinny_gemm`` then silu_and_mul)."""
-    _check_operands(x, weight, bias, None)
+    An FP8 weight comes with ``weight_scale`` [2 * d]."""
+    _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     d = weight.shape[0] // 2
     if weight.shape[0] != 2 * d or k == 0:
         raise ValueError(f"weight {tuple(weight.shape)}: needs an even number of rows and K > 0")
-    config = config or gated_config_for(2 * d, k)
+    config = config or gated_config_for(2 * d, k, weight.dtype)
     if config.split_k != 1:
         raise ValueError("the gated GEMM does not split K")
     out = torch.empty(m, d, dtype=x.dtype, device=x.device)
     if m > 0 and d > 0:
-        _launch(x, weight, bias, None, out, config, gated=True)
+        _launch(x, weight, bias, weight_scale, out, config, gated=True)
     return out
 
 

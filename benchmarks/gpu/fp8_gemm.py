@@ -18,6 +18,7 @@ SwiGLU launch on FP8 weights measured 49.3 µs against 40.4 for the plain one an
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -27,7 +28,7 @@ import torch
 
 from benchmarks.gpu.skinny_gemm import SHAPES as PLAIN_SHAPES, graph_time_us, sweep_grid, weights
 from kernels import fp8
-from kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_gemm
+from kernels.skinny_gemm import MAX_M, SkinnyConfig, skinny_gemm, skinny_gemm_silu_and_mul
 from services.worker import ops
 
 SHAPES = {**PLAIN_SHAPES,
@@ -73,29 +74,52 @@ def fp8_grid(n: int, k: int) -> list[SkinnyConfig]:
     grid += [SkinnyConfig(32, block_k, split, 4, 5) for block_k in (256, 512) for split in splits]
     if n >= 16384:
         grid += [SkinnyConfig(32, 256, 2, 4, stages) for stages in (3, 4)]
+    # wide tiles (fp16 products are cheap: 128 x 256 won gate_up and down, 2026-11-27)
+    grid += [SkinnyConfig(block_n, block_k, split, warps, stages)
+             for block_n, block_k in ((256, 128), (256, 256), (128, 512)) for split in splits
+             for warps in (4, 8) for stages in (2, 3)]
     return list(dict.fromkeys(grid))
+
+
+def gated_grid(n: int, k: int) -> list[SkinnyConfig]:
+    """The gated launch's grid (block_n counts output columns: a program streams twice as many
+    weight rows); K is never split."""
+    return [SkinnyConfig(block_n, block_k, 1, warps, stages)
+            for block_n, block_k, warps, stages in itertools.product(
+                (16, 32, 64, 128), (128, 256), (4, 8), (3, 4))]
+
+
+def launcher(gated: bool):
+    """The swept op (x, w, scale, config): the plain skinny GEMM, or with ``gated`` its
+    gate_up + SwiGLU launch."""
+    if gated:
+        return lambda x, w, s, config=None: skinny_gemm_silu_and_mul(x, w, config=config,
+                                                                     weight_scale=s)
+    return lambda x, w, s, config=None: skinny_gemm(x, w, config=config, weight_scale=s)
 
 
 def _compile(job) -> None:
     """Sweep helper, in a spawned process: compile each config (fills Triton's disk cache)."""
-    n, k, configs = job
+    n, k, configs, gated = job
     torch.cuda.init()
     w = torch.zeros(n, k, device="cuda", dtype=torch.bfloat16).to(fp8.FP8_DTYPE)
     scale = torch.ones(n, device="cuda")
     x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
     for config in configs:
         try:
-            skinny_gemm(x, w, config=config, weight_scale=scale)
+            launcher(gated)(x, w, scale, config)
         except Exception as exc:  # a config that does not compile is skipped by the sweep
             print(f"compile failed {config}: {type(exc).__name__}: {exc}", flush=True)
     torch.cuda.synchronize()
 
 
-def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) -> list[dict]:
+def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int,
+          gated: bool = False) -> list[dict]:
     """Each shape's grid (wider K tiles too: an FP8 tile is half the bytes) at ``ms``; the
-    five fastest at ms[0] printed per shape."""
-    grids = {name: fp8_grid(*SHAPES[name]) for name in names}
-    work = [(*SHAPES[name], grids[name][i::3]) for name in names for i in range(3)]
+    five fastest at ms[0] printed per shape. ``gated``: the gate_up + SwiGLU launch's grid,
+    against the plain launch at its table config plus silu_and_mul."""
+    grids = {name: (gated_grid if gated else fp8_grid)(*SHAPES[name]) for name in names}
+    work = [(*SHAPES[name], grids[name][i::3], gated) for name in names for i in range(3)]
     with multiprocessing.get_context("spawn").Pool(min(jobs, len(work))) as pool:
         pool.map(_compile, work)
     rows = []
@@ -103,10 +127,16 @@ def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) 
         fp8_ws = fp8_weights(*SHAPES[name])
         scale_of = {id(w): s for w, s in fp8_ws}
         scaled = [w for w, _ in fp8_ws]
-        skinny_op = ops_for(name)[1]
+        skinny_op = launcher(gated)
         xs = {m: torch.randn(m, SHAPES[name][1], device="cuda", dtype=torch.bfloat16)
               for m in ms}
         timed = []
+        if gated:
+            plain = {m: graph_time_us(lambda x_, w_: ops.silu_and_mul(
+                skinny_gemm(x_, w_, weight_scale=scale_of[id(w_)])), scaled, xs[m], calls,
+                replays) for m in ms}
+            print(f"\n{name}: plain launch + silu_and_mul " + ", ".join(
+                f"M={m} {t:.1f}" for m, t in plain.items()), flush=True)
         for config in grids[name]:
             try:
                 times = {m: graph_time_us(
@@ -118,7 +148,8 @@ def sweep(names: list[str], ms: list[int], calls: int, replays: int, jobs: int) 
             timed.append((times[ms[0]], config, times))
             rows.append({"shape": name, "config": vars(config), "us": times})
         timed.sort(key=lambda t: t[0])
-        print(f"\n{name} {SHAPES[name]}: fastest skinny FP8 configs", flush=True)
+        print(f"\n{name} {SHAPES[name]}: fastest {'gated ' if gated else ''}skinny FP8 configs",
+              flush=True)
         for _, config, times in timed[:5]:
             print(f"  {config}  " + ", ".join(f"M={m} {t:.1f}" for m, t in times.items()))
         del fp8_ws, scaled
@@ -134,11 +165,12 @@ def main() -> None:
     parser.add_argument("--replays", type=int, default=15)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--jobs", type=int, default=12)
+    parser.add_argument("--gated", action="store_true", help="sweep the gate_up + SwiGLU launch")
     args = parser.parse_args()
     names, ms = args.shapes.split(","), [int(m) for m in args.m.split(",")]
     results = {"device": torch.cuda.get_device_name(), "rows": []}
     if args.sweep:
-        results["sweep"] = sweep(names, ms, args.calls, args.replays, args.jobs)
+        results["sweep"] = sweep(names, ms, args.calls, args.replays, args.jobs, args.gated)
     print(f"\n{results['device']}: µs per call, median of {args.replays} graph replays")
     print("| shape | M | bf16 (worker) | skinny FP8 | scaled FP8 | best FP8 / bf16 |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -48,7 +48,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     GEMM serves it, one launch with SwiGLU in its epilogue (bitwise the two ops)."""
     if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1
             and skinny_gemm.serves_gated(x.shape[0], weight)):
-        return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias)  # (never FP8)
+        return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias, weight_scale=weight_scale)
     return silu_and_mul(linear(x, weight, bias, weight_scale))
 
 

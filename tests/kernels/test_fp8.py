@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels import fp8
+from kernels.activation import silu_and_mul_ref
 from kernels.rms_norm import rms_norm_ref
 from kernels.skinny_gemm import (MAX_M, SkinnyConfig, serves_gated, skinny_gemm,
                                  skinny_gemm_add_rms_norm, skinny_gemm_ref,
@@ -119,13 +120,25 @@ def test_fp8_down_with_add_rms_norm_matches_its_reference():
     assert rel_err(summed, ref_summed) < 4e-3 and rel_err(normed, ref_normed) < 4e-3
 
 
-def test_fp8_gate_up_takes_the_plain_launch():
-    """No fused SwiGLU launch for FP8 weights (measured slower): the gated launch refuses
-    them and serves_gated says no, so the worker runs skinny_gemm then silu_and_mul."""
-    gate_up_fp8, _ = fp8_weight(48, 96, seed=3)
-    with pytest.raises(ValueError, match="weight"):
-        skinny_gemm_silu_and_mul(randn(4, 96, seed=4, dtype=HALF), gate_up_fp8)
-    assert not serves_gated(1, gate_up_fp8)
+@pytest.mark.parametrize("dtype", [HALF, torch.bfloat16], ids=["half", "bf16"])
+def test_fp8_gate_up_with_swiglu_in_one_launch_rounds_as_the_two_kernels(dtype):
+    """The gated launch on an FP8 gate_up weight: the gate rows and the up rows each times
+    their own scales, then SwiGLU rounded as silu_and_mul rounds it (the reference applies it
+    to the dequantized product)."""
+    gate_up_fp8, scale = fp8_weight(48, 96, seed=3)
+    x = randn(4, 96, seed=4, dtype=dtype)
+    config = SkinnyConfig(block_n=16, block_k=32)
+    fused = skinny_gemm_silu_and_mul(x, gate_up_fp8, config=config, weight_scale=scale)
+    gate_up = torch.nn.functional.linear(x.float(), fp8.dequantize_per_channel(gate_up_fp8,
+                                                                            scale))
+    expected = silu_and_mul_ref(gate_up.to(dtype))
+    assert fused.shape == (4, 24) and fused.dtype == dtype
+    # three roundings to dtype; the interpreter truncates bf16 (each rounding biased toward 0)
+    assert rel_err(fused, expected) < (2e-2 if dtype == torch.bfloat16 else 2e-3)
+    alone = skinny_gemm_silu_and_mul(x[-1:].clone(), gate_up_fp8, config=config,
+                                     weight_scale=scale)
+    assert torch.equal(alone[0], fused[-1])  # batch invariant
+    assert not serves_gated(1, gate_up_fp8.cpu())  # the worker takes it on CUDA alone
 
 
 def test_operand_errors_name_what_is_wrong():
