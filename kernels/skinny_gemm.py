@@ -130,13 +130,12 @@ def _skinny_gemm_kernel(
     partial_stride_m, k_per_split,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
     FP32_IEEE: tl.constexpr, FP16_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (column tile, K split). N counts output columns: with GATED, W holds 2N rows
-    (gate then up) and a program multiplies the gate rows of its columns and the matching up
-    rows, then writes silu(gate) * up. With HAS_SCALE, W is FP8 and each column's sum is
-    multiplied by its weight scale (kernels/fp8.py) before the bias. With PDL
-    (kernels/pdl.py) it waits for the previous kernel after loading its first weight tile."""
+    """Program (column tile, K split). GATED: W holds 2N rows (gate, then up), out silu(gate) *
+    up. HAS_SCALE: W is FP8, each row's sum times its scale (kernels/fp8.py). PDL: it waits
+    for the previous kernel after its first weight tile (kernels/pdl.py)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
