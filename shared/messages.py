@@ -340,6 +340,9 @@ class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):
     # this step after it (num_new_tokens = 1 + their number) and kept while the greedy
     # argmax agrees (StepResult.num_accepted_drafts)
     draft_token_ids: list[int] = []
+    # a benchmark's synthetic acceptance: keep this many drafts whatever the model computes
+    # (-1: verify them)
+    num_forced_accept: int = -1
 
 
 class StepPlan(Struct, frozen=True, array_like=True, gc=False):

@@ -406,7 +406,9 @@ class Scheduler:
             new_block_ids = []
         else:
             req.block_table.extend(new_block_ids)
-        scheduled.append(ScheduledRequest(req.request_id, num_new, new_block_ids, drafts or []))
+        scheduled.append(ScheduledRequest(
+            req.request_id, num_new, new_block_ids, drafts or [],
+            self.drafter.num_forced_accept(len(drafts)) if drafts else -1))
         self._in_plan.add(req.request_id)
         req.num_computed_tokens += num_new
         req.draft_token_ids = drafts or []

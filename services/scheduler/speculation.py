@@ -13,7 +13,12 @@ longer the match (``suffix_decoding_max_spec_factor`` per matched token). ``meth
 "replay"`` (a benchmark mode) proposes the next tokens of the request's saved output
 (``replay_path``: JSON ``{"prompts": [[ids]], "outputs": [[ids]]}``, e.g. the same server's
 greedy outputs without speculation): every draft then kept, it measures what the verify
-machinery gives at full acceptance, whatever the proposer.
+machinery gives at full acceptance, whatever the proposer. ``rejection_sample_method:
+"synthetic"`` (a benchmark mode, vLLM's name) keeps a set number of each step's drafts
+whatever the model computes, ``synthetic_acceptance_length`` tokens a verify step on average
+(the model's own token counted): ``floor(L - 1)`` drafts always and one more with the
+fractional rest's probability. Output is then not the model's; engines can be compared at
+one acceptance on random weights, where greedy tokens are near-ties and no draft survives.
 
 The worker computes the request's last token and its drafts in one query; under greedy
 decoding it keeps each draft while it equals the model's argmax at the position before,
@@ -29,10 +34,10 @@ bias, min_tokens, min_p, grammar, logprobs); the others decode as before in the 
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Sequence
 from pathlib import Path
-
-import math
 
 import msgspec
 
@@ -57,6 +62,10 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     replay_path: str = ""  # replay: the saved outputs (a benchmark mode)
+    # "standard": drafts verified against the model; "synthetic": a set share kept (a
+    # benchmark mode), synthetic_acceptance_length tokens a verify step on average
+    rejection_sample_method: str = "standard"
+    synthetic_acceptance_length: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -78,6 +87,20 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("replay_path goes with method replay, and it needs one")
         if self.replay_path:
             load_replay(self.replay_path)  # a bad file fails the start, named
+        self._check_synthetic()
+
+    def _check_synthetic(self) -> None:
+        if self.rejection_sample_method not in ("standard", "synthetic"):
+            raise ValueError(f"rejection_sample_method {self.rejection_sample_method!r} is not "
+                             f"supported (standard or synthetic)")
+        synthetic = self.rejection_sample_method == "synthetic"
+        if synthetic != bool(self.synthetic_acceptance_length):
+            raise ValueError("synthetic_acceptance_length goes with rejection_sample_method "
+                             "synthetic, and it needs one")
+        if synthetic and not 1.0 <= self.synthetic_acceptance_length \
+                <= self.num_speculative_tokens + 1:
+            raise ValueError(f"synthetic_acceptance_length must be between 1 and "
+                             f"num_speculative_tokens + 1 ({self.num_speculative_tokens + 1})")
 
 
 class ReplayFile(msgspec.Struct, frozen=True):
@@ -173,6 +196,11 @@ class NoDrafts:
                     max_model_len - req.num_tokens - 1, budget - 1)
         return self.drafts(req.request_id, req.all_token_ids, req.sampling, limit)
 
+    def num_forced_accept(self, num_drafts: int) -> int:
+        """How many of a step's ``num_drafts`` drafts the worker keeps whatever the model
+        computes (synthetic acceptance), or -1: it verifies them."""
+        return -1
+
     def settle(self, req: Request, num_accepted: int) -> list[int]:
         """The drafts the request's step kept (they come before its sampled token); the
         rejected ones' positions were computed for nothing and count as not computed."""
@@ -215,6 +243,14 @@ class NgramDrafts(NoDrafts):
         super().__init__()
         self.config = config
         self._indexes: dict[str, NgramIndex] = {}
+        self._synthetic_draws = random.Random(0)  # seeded: a benchmark run repeats
+
+    def num_forced_accept(self, num_drafts: int) -> int:
+        if self.config.rejection_sample_method != "synthetic":
+            return -1
+        kept = self.config.synthetic_acceptance_length - 1.0  # drafts kept a step, on average
+        whole = math.floor(kept)
+        return min(num_drafts, whole + (self._synthetic_draws.random() < kept - whole))
 
     def drafts_at(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size

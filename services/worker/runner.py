@@ -449,7 +449,8 @@ class ModelRunner:
         return SequenceChunk(token_ids=token_ids + list(drafts), start=start,
                              block_table=block_table, sample=known_end == state.num_tokens,
                              num_logprob_rows=num_logprob_rows, pending_row=pending_row,
-                             num_drafts=len(drafts))
+                             num_drafts=len(drafts),
+                             num_forced_accept=scheduled.num_forced_accept if drafts else -1)
 
     def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]

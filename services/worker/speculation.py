@@ -55,10 +55,14 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
         return Verified(rows, [], {})
     verify = [(index, row, chunk) for index, (row, chunk) in enumerate(zip(rows, sampled))
               if chunk.num_drafts]
+    accepted, residual_tokens = [0] * len(rows), {}
+    for index, _, chunk in verify:  # synthetic acceptance (a benchmark): kept unverified
+        if chunk.num_forced_accept >= 0:
+            accepted[index] = min(chunk.num_forced_accept, chunk.num_drafts)
+    verify = [entry for entry in verify if entry[2].num_forced_accept < 0]
     greedy = [(row, chunk) for index, row, chunk in verify if params[index].is_greedy]
     argmax = iter(logits[[row + i for row, chunk in greedy for i in range(chunk.num_drafts)]]
                   .argmax(-1).tolist() if greedy else [])  # [num greedy draft rows]
-    accepted, residual_tokens = [0] * len(rows), {}
     for index, row, chunk in verify:
         drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
         if params[index].is_greedy:

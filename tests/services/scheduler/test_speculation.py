@@ -73,6 +73,11 @@ def test_the_config_takes_vllms_names_and_refuses_what_it_cannot_do():
                       ('{"num_speculative_tokens": 4, "bogus": 1}', "bogus"),
                       ('{"method": "replay"}', "replay_path"),
                       ('{"replay_path": "/x.json"}', "replay_path"),
+                      ('{"rejection_sample_method": "block"}', "standard or synthetic"),
+                      ('{"rejection_sample_method": "synthetic"}', "needs one"),
+                      ('{"synthetic_acceptance_length": 2.0}', "goes with"),
+                      ('{"rejection_sample_method": "synthetic", "num_speculative_tokens": 2, '
+                       '"synthetic_acceptance_length": 3.5}', "between 1 and"),
                       ("{ngram}", "not JSON")):
         with pytest.raises(ValueError, match=says):
             parse_speculative_config(bad)
@@ -144,6 +149,29 @@ def test_a_verify_step_outputs_the_kept_drafts_then_its_token():
     assert core.drafter.num_accepted_per_position == [1, 1, 0]
     next_plan = core.schedule()
     assert next_plan.scheduled[0].num_new_tokens == 1 + len(next_plan.scheduled[0].draft_token_ids)
+
+
+def test_synthetic_acceptance_keeps_a_set_share_of_the_drafts_whatever_the_model_says():
+    """floor(L - 1) drafts kept a verify step, one more with the fractional rest's chance
+    (seeded), never more than were sent; the standard method verifies (-1)."""
+    assert NgramDrafts(SpeculativeConfig()).num_forced_accept(4) == -1
+    synthetic = NgramDrafts(SpeculativeConfig(rejection_sample_method="synthetic",
+                                              synthetic_acceptance_length=3.25))
+    draws = [synthetic.num_forced_accept(4) for _ in range(4000)]
+    assert set(draws) == {2, 3} and 0.22 < draws.count(3) / len(draws) < 0.28
+    assert synthetic.num_forced_accept(1) == 1  # only one draft sent
+    again = NgramDrafts(synthetic.config)
+    assert [again.num_forced_accept(4) for _ in range(4000)] == draws  # a run repeats
+    core = scheduler('{"rejection_sample_method": "synthetic", '
+                     '"synthetic_acceptance_length": 4.0}')
+    submit(core, [9, 1, 2, 3, 4, 1, 2])
+    step(core, sampled=3)
+    verify = core.schedule().scheduled[0]
+    assert verify.draft_token_ids == [4, 1, 2, 3] and verify.num_forced_accept == 3
+    core = scheduler()
+    submit(core, [9, 1, 2, 3, 4, 1, 2])
+    step(core, sampled=3)
+    assert core.schedule().scheduled[0].num_forced_accept == -1
 
 
 def test_drafts_stop_at_max_tokens_and_an_end_among_them_ends_the_output():

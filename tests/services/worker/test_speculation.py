@@ -62,6 +62,30 @@ def test_kept_drafts_and_the_token_after_them_are_plain_greedy_decodings(runner,
     assert result.sampled_token_ids == [expected[12]] and result.num_accepted_drafts == []
 
 
+def test_synthetic_acceptance_keeps_the_forced_drafts_and_samples_after_them(runner,
+                                                                            dummy_model):
+    """A benchmark's synthetic acceptance: the worker keeps num_forced_accept drafts whatever
+    the model computes, and the token after them is the model's argmax at that row."""
+    expected = plain_greedy(runner, 4)
+    fresh = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+                                     block_size=16), dummy_model)
+    fresh.execute(StepPlan(0, [NewRequestData("r", PROMPT, GREEDY, BLOCKS)],
+                           [ScheduledRequest("r", len(PROMPT))]))
+    wrong = [(expected[1] + 1) % 100, (expected[2] + 1) % 100, 7]
+    result = fresh.execute(StepPlan(1, [], [ScheduledRequest("r", 4, [], wrong, 2)]))
+    assert result.num_accepted_drafts == [2]  # kept though the model disagrees
+    state = fresh._requests["r"]
+    assert state.token_ids == PROMPT + [expected[0]] + wrong[:2] + result.sampled_token_ids
+    assert state.num_computed_tokens == len(PROMPT) + 3
+    # the token after them: what plain decoding of those tokens gives
+    check = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+                                     block_size=16), dummy_model)
+    prompt = PROMPT + [expected[0]] + wrong[:2]
+    assert check.execute(StepPlan(0, [NewRequestData("r", prompt, GREEDY, BLOCKS)],
+                                  [ScheduledRequest("r", len(prompt))])
+                         ).sampled_token_ids == result.sampled_token_ids
+
+
 def test_drafts_must_follow_the_last_known_token(runner):
     runner.execute(StepPlan(0, [NewRequestData("r", PROMPT, GREEDY, BLOCKS)],
                             [ScheduledRequest("r", len(PROMPT))]))
