@@ -17,7 +17,9 @@ when every draft is kept, the sampler draws the next token from the row after th
 uniform and each residual draw is seeded by (seed, output index) like any seeded draw, so a
 seeded request given the same drafts gives the same tokens.
 
-Rejected drafts' positions count as not computed: their KV slots are written again.
+Rejected drafts' positions count as not computed: their KV slots are written again. A
+chunk with ``num_forced_accept`` >= 0 (the scheduler's synthetic acceptance, a benchmark
+mode) keeps that many drafts unverified; the token after them is sampled as after kept ones.
 """
 
 from __future__ import annotations
