@@ -44,10 +44,12 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (28672, 4096): SkinnyConfig(32, 128, max_m=4),
 }
-# The gated launch on FP8 weights (MEASURING). TUNE
+# The gated launch on FP8 weights, H200, 2026-11-27 (benchmarks/gpu/fp8_gemm.py --sweep --gated;
+# µs at M = 1 / 8 against the plain launch at its FP8_CONFIGS entry + silu_and_mul in the same
+# run). Where it serves, the plain FP8 gate_up entries below are not used. TUNE
 FP8_GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
-    (28672, 4096): SkinnyConfig(64, 256, max_m=16),
-    (57344, 8192): SkinnyConfig(64, 256, max_m=16),
+    (28672, 4096): SkinnyConfig(64, 256, max_m=16),  # 32.9 / 33.6 vs 34.3 / 34.7
+    (57344, 8192): SkinnyConfig(64, 256, max_m=16),  # 115.9 / 116.9 vs 121.0 / 121.9
 }
 
 # The same for FP8 weights (a tile is half the bytes, multiplied in fp16: ``_fp16_dot``), H200,
@@ -71,6 +73,8 @@ FP8_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (57344, 8192): SkinnyConfig(128, 256, max_m=16),
     (8192, 28672): SkinnyConfig(128, 256, split_k=4, max_m=16),  # down: 60.8 / 62.8 vs 78.9 / 79.8
 }
+
+
 def default_config(n: int, k: int) -> SkinnyConfig:
     """Shapes not swept: 16 columns per program, K in 256-wide tiles, no split."""
     return SkinnyConfig(block_n=16, block_k=min(256, max(16, triton.next_power_of_2(k))))
