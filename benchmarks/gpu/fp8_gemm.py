@@ -3,6 +3,7 @@ qkv_70b,...``, Llama-3.3-70B) shapes, per row count.
 
     python -m benchmarks.gpu.fp8_gemm                      # M = 1 .. 4096, the table's configs
     python -m benchmarks.gpu.fp8_gemm --sweep --m 1,8      # skinny FP8 configs, best per shape
+    python -m benchmarks.gpu.fp8_gemm --sweep --gated --shapes gate_up  # gate_up + SwiGLU
 
 Per (shape, M), µs per call (one CUDA graph of back-to-back calls on rotating weight copies
 over 1 GiB, as benchmarks/gpu/skinny_gemm.py times them):
@@ -11,8 +12,9 @@ over 1 GiB, as benchmarks/gpu/skinny_gemm.py times them):
 - ``skinny_fp8``: the skinny GEMM on the FP8 weight (weight-only FP8), M <= 16;
 - ``scaled_fp8``: per-token activation quantization + ``torch._scaled_mm`` (row-wise scales).
 The worker's choice for an FP8 weight is the skinny GEMM where ``skinny_gemm.serves`` holds and
-the scaled GEMM elsewhere; the table shows where that choice is right. (A fused gate_up +
-SwiGLU launch on FP8 weights measured 49.3 µs against 40.4 for the plain one and was removed.)
+the scaled GEMM elsewhere; the table shows where that choice is right. ``--gated`` sweeps the
+gate_up + SwiGLU launch on FP8 weights against the plain one plus silu_and_mul (the fused one
+lost, 49.3 against 40.4 µs, while FP8 tiles were widened to bf16; with fp16 products it won).
 """
 
 from __future__ import annotations
