@@ -266,11 +266,16 @@ class NgramDrafts(NoDrafts):
     def drafts(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
                limit: int) -> list[int]:
         """Drafts after ``token_ids``, at most ``limit`` (what max_tokens, the context and
-        the step's token budget leave)."""
+        the step's token budget leave) and num_speculative_tokens; none for a request
+        ``can_speculate`` refuses."""
         if limit <= 0 or not can_speculate(sampling):
             return []
-        return self._index(request_id).drafts(
-            token_ids, min(limit, self.config.num_speculative_tokens))
+        return self._propose(request_id, token_ids, min(limit, self.config.num_speculative_tokens))
+
+    def _propose(self, request_id: str, token_ids: Sequence[int], num_drafts: int) -> list[int]:
+        """The method's own proposal: at most ``num_drafts`` (>= 1) tokens after
+        ``token_ids``."""
+        return self._index(request_id).drafts(token_ids, num_drafts)
 
     def worth_waiting(self, request_id: str, token_ids: Sequence[int],
                       sampling: SamplingParams) -> bool:
@@ -296,10 +301,7 @@ class SuffixDrafts(NgramDrafts):
                                        config.suffix_decoding_max_tree_depth,
                                        config.suffix_decoding_max_cached_requests)
 
-    def drafts(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
-               limit: int) -> list[int]:
-        if limit <= 0 or not can_speculate(sampling):
-            return []
+    def _propose(self, request_id: str, token_ids: Sequence[int], num_drafts: int) -> list[int]:
         index = self._suffixes.get(request_id)
         if index is None:
             index = self._suffixes[request_id] = SuffixIndex(
@@ -311,8 +313,7 @@ class SuffixDrafts(NgramDrafts):
         if cached_matched > matched:
             tokens, matched = cached, cached_matched
         factor = self.config.suffix_decoding_max_spec_factor
-        return tokens[:min(limit, self.config.num_speculative_tokens,
-                           max(1, math.ceil(matched * factor)))]
+        return tokens[:min(num_drafts, max(1, math.ceil(matched * factor)))]
 
     def forget(self, req: Request) -> None:
         """Its output joins the responses later requests draft from."""
@@ -331,10 +332,7 @@ class ReplayDrafts(NgramDrafts):
         self.prompt_lens = sorted({len(prompt) for prompt in self.outputs}, reverse=True)
         self._found: dict[str, tuple[int, list[int]]] = {}  # request -> (prompt len, output)
 
-    def drafts(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
-               limit: int) -> list[int]:
-        if limit <= 0 or not can_speculate(sampling):
-            return []
+    def _propose(self, request_id: str, token_ids: Sequence[int], num_drafts: int) -> list[int]:
         found = self._found.get(request_id)
         if found is None:
             found = next(((n, self.outputs[tuple(token_ids[:n])]) for n in self.prompt_lens
@@ -342,7 +340,7 @@ class ReplayDrafts(NgramDrafts):
             self._found[request_id] = found
         prompt_len, output = found
         start = len(token_ids) - prompt_len  # output tokens so far
-        return output[start:start + min(limit, self.config.num_speculative_tokens)]
+        return output[start:start + num_drafts]
 
     def forget(self, req: Request) -> None:
         self._found.pop(req.request_id, None)
