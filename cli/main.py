@@ -17,7 +17,7 @@ from cli.engine_flags import (
 from cli.stack import Stack, StackOptions, flags
 from services.gateway.config import RoutingPolicy
 from services.scheduler.config import SchedulingPolicy
-from services.scheduler.speculation import parse_speculative_config
+from services.scheduler.speculation import draft_model_of
 
 STOP_MARGIN_S = 10.0  # beyond --shutdown-timeout: the services' own exit after their drain
 SUPERVISE_EVERY_S = 0.5
@@ -100,7 +100,8 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
                                        max_steps_in_flight=args.max_steps_in_flight,
                                        speculative_config=args.speculative_config)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
-    service_args["worker"] += flags(kv_load_layer_groups=args.kv_load_layer_groups)
+    service_args["worker"] += flags(kv_load_layer_groups=args.kv_load_layer_groups,
+                                    draft_model=draft_model_of(args.speculative_config))
     service_args["tokenizer"] += flags(served_model_name=args.served_model_name)
     service_args["gateway"] = flags(api_key=args.api_key, routing=args.routing)
     service_args["kvstore"] = flags(kv_host_memory=args.kv_host_memory,
@@ -119,9 +120,11 @@ def flag_error(args: argparse.Namespace) -> str | None:
     """A flag the services would refuse at start (the stack would restart them until it gave
     up), said at once: None when every flag can run."""
     try:
-        parse_speculative_config(args.speculative_config or "")
+        draft_model = draft_model_of(args.speculative_config)
     except ValueError as exc:
         return str(exc)
+    if draft_model and tensor_parallel_size_of(args) > 1:
+        return "--speculative-config's draft model cannot run on a tensor-parallel worker yet"
     if args.gateway_workers < 1:
         return f"--gateway-workers must be at least 1, not {args.gateway_workers}"
     return engine_flag_error(args)

@@ -343,6 +343,9 @@ class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):
     # a benchmark's synthetic acceptance: keep this many drafts whatever the model computes
     # (-1: verify them)
     num_forced_accept: int = -1
+    # drafts the worker's draft model proposes in this step (method draft_model), verified
+    # like draft_token_ids, which is then empty; num_new_tokens counts them
+    num_draft_slots: int = 0
 
 
 class StepPlan(Struct, frozen=True, array_like=True, gc=False):
@@ -375,6 +378,9 @@ class StepResult(Struct, frozen=True, array_like=True, gc=False):
     # aligned with request_ids when the step verified drafts: how many of each request's
     # drafts were kept (they precede its sampled token); [] when none were sent
     num_accepted_drafts: list[int] = []
+    # aligned with request_ids when the worker's draft model proposed drafts this step:
+    # each request's drafts ([] for one given none); [] when no request had draft slots
+    draft_token_ids: list[list[int]] = []
 
 
 class WorkerInfo(Struct, frozen=True, kw_only=True):

@@ -38,7 +38,8 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, prefix_caching: bool = False,
                  overlap_steps: str = "auto", quantization: str = "none",
-                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> Engine:
+                 tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
+                 speculative_config: str = "") -> Engine:
     """``tensor_parallel_size`` > 1: ranks 1.. spawned on cuda:1.. (``engine.close()`` stops
     them)."""
     worker = WorkerConfig(device="cuda", dtype="bfloat16", quantization=quantization,
@@ -50,7 +51,8 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
                           enforce_eager=enforce_eager, overlap_steps=overlap_steps)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
-                                prefix_caching=prefix_caching)
+                                prefix_caching=prefix_caching,
+                                speculative_config=speculative_config)
     return Engine(scheduler, worker, resolve_model(model))
 
 

@@ -60,6 +60,9 @@ def main() -> None:
                         help="fp8: keys and values in FP8 (the worker's flag)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="spread the model over this many GPUs (the worker's flag)")
+    parser.add_argument("--speculative-config", default="",
+                        help="JSON as flotilla serve takes it, e.g. a draft_model at a "
+                             "synthetic acceptance (issue 28's comparison with vLLM)")
     parser.add_argument("--hf", action="store_true", help="also time transformers generate()")
     parser.add_argument("--hf-tokens", type=int, default=32)
     parser.add_argument("--norm-in-reduce", choices=["on", "off"],
@@ -81,7 +84,8 @@ def main() -> None:
                           gpu_memory_utilization=0.45 if args.hf else 0.9,
                           enforce_eager=args.enforce_eager, quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          speculative_config=args.speculative_config)
     model = engine.runner.model
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -113,7 +117,11 @@ def main() -> None:
               "graph_replay_ms": gpu_ms, "norm_in_reduce": norm_in_reduce,
               "pdl": pdl.enabled(), "quantization": args.quantization,
               "tensor_parallel_size": args.tensor_parallel_size,
-              "kv_cache_dtype": args.kv_cache_dtype}
+              "kv_cache_dtype": args.kv_cache_dtype,
+              "speculative_config": args.speculative_config or None}
+    drafter = engine.scheduler.drafter
+    if drafter.num_drafted_steps:
+        result["tokens_per_verify_step"] = 1 + drafter.num_accepted_drafts / drafter.num_drafted_steps
     if args.hf:
         engine.close()
         del engine, model
@@ -138,6 +146,7 @@ def main() -> None:
     suffix += f"_{args.quantization}" if args.quantization != "none" else ""
     suffix += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     suffix += "_fp8kv" if args.kv_cache_dtype == "fp8" else ""
+    suffix += "_spec" if args.speculative_config else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
     print(f"\nbatch-1 decode, ctx {args.context}, quantization {args.quantization}, "
           f"KV {args.kv_cache_dtype}, "
@@ -147,7 +156,9 @@ def main() -> None:
           f": {ms_per_token:.2f} ms/token; floor "
           f"{floor_ms:.2f} ms ({floor_ms / ms_per_token:.0%} of floor)"
           + (f"; graph replay {gpu_ms:.3f} ms" if gpu_ms is not None else "")
-          + (f"; HF {result['hf_ms_per_token']:.1f} ms" if args.hf else ""))
+          + (f"; HF {result['hf_ms_per_token']:.1f} ms" if args.hf else "")
+          + (f"; {result['tokens_per_verify_step']:.2f} tokens a verify step"
+             if "tokens_per_verify_step" in result else ""))
     if not args.hf:
         engine.close()
 

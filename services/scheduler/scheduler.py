@@ -252,13 +252,14 @@ class Scheduler:
         emitted: list[Emitted] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)  # [] from an older worker
         accepted = result.num_accepted_drafts or [0] * len(result.request_ids)
-        for request_id, token_id, entry, num_accepted in zip(
-                result.request_ids, result.sampled_token_ids, logprobs, accepted):
+        worker_drafts = result.draft_token_ids or [[]] * len(result.request_ids)
+        for request_id, token_id, entry, num_accepted, drafts in zip(
+                result.request_ids, result.sampled_token_ids, logprobs, accepted, worker_drafts):
             req = self.requests.get(request_id)
             if req is None:  # finished or aborted while the step ran: a wasted token
                 continue
             req.num_pending_tokens -= 1
-            token_ids = self.drafter.settle(req, num_accepted) + [token_id]
+            token_ids = self.drafter.settle(req, num_accepted, drafts) + [token_id]
             token_ids, finish_reason = append_outputs(req, token_ids, self.eos_token_ids,
                                                       self.max_model_len)
             self._register_full_blocks(req)
@@ -406,12 +407,15 @@ class Scheduler:
             new_block_ids = []
         else:
             req.block_table.extend(new_block_ids)
+        drafts = drafts or []
+        in_worker = self.drafter.drafts_in_worker  # drafts are slots its draft model fills
         scheduled.append(ScheduledRequest(
-            req.request_id, num_new, new_block_ids, drafts or [],
-            self.drafter.num_forced_accept(len(drafts)) if drafts else -1))
+            req.request_id, num_new, new_block_ids, [] if in_worker else drafts,
+            self.drafter.num_forced_accept(len(drafts)) if drafts else -1,
+            num_draft_slots=len(drafts) if in_worker else 0))
         self._in_plan.add(req.request_id)
         req.num_computed_tokens += num_new
-        req.draft_token_ids = drafts or []
+        req.draft_token_ids = drafts
         if req.num_computed_tokens >= req.num_tokens_at_worker:
             req.num_pending_tokens += 1  # the worker samples this step
         self._register_full_blocks(req)

@@ -45,7 +45,8 @@ from services.scheduler.request import Request
 from services.scheduler.suffix import ResponseCache, SuffixIndex
 from shared.messages import SamplingParams
 
-METHODS = ("ngram", "suffix", "replay")
+METHODS = ("ngram", "suffix", "replay", "draft_model")
+DRAFT_SLOT = -1  # a draft the worker's draft model proposes (method draft_model)
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -62,6 +63,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     replay_path: str = ""  # replay: the saved outputs (a benchmark mode)
+    # draft_model: the model the worker drafts with (as --model takes it: a directory, a
+    # .gguf, smollm2, dummy:<preset>); the same tokenizer as the served model's
+    model: str = ""
     # "standard": drafts verified against the model; "synthetic": a set share kept (a
     # benchmark mode), synthetic_acceptance_length tokens a verify step on average
     rejection_sample_method: str = "standard"
@@ -87,6 +91,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("replay_path goes with method replay, and it needs one")
         if self.replay_path:
             load_replay(self.replay_path)  # a bad file fails the start, named
+        if (self.method == "draft_model") != bool(self.model):
+            raise ValueError("model goes with method draft_model, and it needs one")
         self._check_synthetic()
 
     def _check_synthetic(self) -> None:
@@ -130,6 +136,12 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
         raise ValueError(f"--speculative-config: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+
+
+def draft_model_of(text: str | None) -> str | None:
+    """The draft model ``--speculative-config`` names (method draft_model), else None."""
+    config = parse_speculative_config(text or "")
+    return config.model if config is not None and config.method == "draft_model" else None
 
 
 def can_speculate(sampling: SamplingParams) -> bool:
@@ -176,6 +188,7 @@ class NoDrafts:
     and kept, and what a step's result does to a request that verified drafts."""
 
     enabled = False
+    drafts_in_worker = False  # drafts are slots the worker's draft model fills
 
     def drafts_at(self, num_running: int) -> bool:
         """Whether requests are drafted for with this many running."""
@@ -201,12 +214,20 @@ class NoDrafts:
         computes (synthetic acceptance), or -1: it verifies them."""
         return -1
 
-    def settle(self, req: Request, num_accepted: int) -> list[int]:
+    def settle(self, req: Request, num_accepted: int,
+               worker_drafts: Sequence[int] = ()) -> list[int]:
         """The drafts the request's step kept (they come before its sampled token); the
-        rejected ones' positions were computed for nothing and count as not computed."""
+        rejected ones' positions were computed for nothing and count as not computed.
+        ``worker_drafts``: what the worker's draft model proposed for its draft slots."""
         drafts, req.draft_token_ids = req.draft_token_ids, []
         if not drafts:
             return []
+        if self.drafts_in_worker:
+            if len(worker_drafts) != len(drafts) or not 0 <= num_accepted <= len(drafts):
+                raise ValueError(f"request {req.request_id}: {len(drafts)} draft slots, the "
+                                 f"worker returned {len(worker_drafts)} drafts, "
+                                 f"{num_accepted} kept")
+            drafts = list(worker_drafts)
         self.num_draft_tokens += len(drafts)
         self.num_accepted_drafts += num_accepted
         self.num_drafted_steps += 1
@@ -346,8 +367,21 @@ class ReplayDrafts(NgramDrafts):
         self._found.pop(req.request_id, None)
 
 
+class ModelDrafts(NgramDrafts):
+    """Draft slots (method draft_model): a drafted request's step carries
+    ``num_speculative_tokens`` slots (fewer near max_tokens, the context or the step's
+    budget), which the worker's draft model fills before the step's forward; the result
+    says what it proposed (StepResult.draft_token_ids). Every request that can take drafts
+    waits for its token before its next step, so steps that verify are not overlapped."""
+
+    drafts_in_worker = True
+
+    def _propose(self, request_id: str, token_ids: Sequence[int], num_drafts: int) -> list[int]:
+        return [DRAFT_SLOT] * num_drafts
+
+
 def drafter(config: SpeculativeConfig | None) -> NoDrafts:
     if config is None:
         return NoDrafts()
-    kinds = {"suffix": SuffixDrafts, "replay": ReplayDrafts}
+    kinds = {"suffix": SuffixDrafts, "replay": ReplayDrafts, "draft_model": ModelDrafts}
     return kinds.get(config.method, NgramDrafts)(config)

@@ -63,6 +63,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
     # s a step may take on the group before a rank is taken for hung and the group exits
     tensor_parallel_step_timeout: float = 30.0
+    # speculative decoding's draft model (method draft_model; flotilla serve sets it from
+    # --speculative-config): as --model takes it; "": none
+    draft_model: str = ""
     block_size: int = 16  # tokens per KV block
     max_model_len: int = limits.MAX_MODEL_LEN  # the tokenizer's too (shared/limits.py)
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
@@ -108,6 +111,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "tensor_parallel_step_timeout": "seconds a step may take on a tensor-parallel group "
                                         "before the group is taken for hung and exits (its "
                                         "supervisor restarts it; requests migrate)",
+        "draft_model": "the model that drafts tokens for speculative decoding's draft_model "
+                       "method (a directory, .gguf, smollm2 or dummy:<preset>; the served "
+                       "model's tokenizer); flotilla serve sets it from --speculative-config",
         "block_size": "tokens per KV cache block",
         **limits.CONTEXT_LIMIT_HELP,
         "num_threads": "torch CPU threads (0: torch default)",
@@ -134,6 +140,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         if self.tensor_parallel_size > 1 and self.kv_node_id:
             raise ValueError("a tensor-parallel worker (tensor_parallel_size > 1) cannot use "
                              "the kvstore yet: leave kv_node_id empty")
+        if self.tensor_parallel_size > 1 and self.draft_model:
+            raise ValueError("a tensor-parallel worker (tensor_parallel_size > 1) cannot run a "
+                             "draft model yet: leave draft_model empty")
         if self.tensor_parallel_step_timeout <= 0:
             raise ValueError(f"tensor_parallel_step_timeout must be positive, not "
                              f"{self.tensor_parallel_step_timeout}")

@@ -19,6 +19,7 @@ import torch
 from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.sampling import sample_tokens
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from services.worker.draft_model import MAX_GRAPH_BATCH
 from services.worker.model import AttentionMetadata, Transformer
 
 log = structlog.get_logger()
@@ -46,10 +47,12 @@ def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: 
                            device: torch.device, dtype: torch.dtype,
                            graph_batch_size: int | None = None,
                            graph_num_tokens: int = 0,
-                           kv_dtype: torch.dtype | None = None) -> MemoryProfile:
+                           kv_dtype: torch.dtype | None = None,
+                           draft: Transformer | None = None) -> MemoryProfile:
     """graph_batch_size: the largest decode batch captured as a CUDA graph (None: no graphs);
     graph_num_tokens: the largest step captured as piecewise graphs (0: none); kv_dtype: the
-    cache's (None: dtype)."""
+    cache's (None: dtype); draft: speculative decoding's draft model (its weights are
+    loaded; its decode graphs are measured here too)."""
     config = model.config
     seq_lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
     num_blocks = sum(-(-n // block_size) for n in seq_lens)
@@ -70,6 +73,13 @@ def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: 
     cuda_graph_bytes = _cuda_graph_bytes(model, graph_batch_size, graph_num_tokens,
                                          max_model_len, block_size,
                                          device) if graph_batch_size else 0
+    if draft is not None and graph_batch_size:
+        draft.bind_kv_cache(allocate_kv_cache(  # graphs capture over block 0 only
+            draft.config.num_layers, 1, block_size, draft.config.num_kv_heads,
+            draft.config.head_dim, dtype, device))
+        cuda_graph_bytes += _cuda_graph_bytes(draft, min(graph_batch_size, MAX_GRAPH_BATCH), 0,
+                                              max_model_len, block_size, device)
+        draft.bind_kv_cache(None)
     model.bind_kv_cache(None)
     del scratch
     torch.cuda.empty_cache()

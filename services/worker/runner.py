@@ -28,6 +28,8 @@ import torch
 from kernels.paged_attention_ref import FP8_KV_DTYPE, allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from services.worker import draft_model
+from services.worker.draft_model import DraftModel, NoDraftModel, Proposal, load_draft_model
 from services.worker.kv_connector import (
     KvConnector, LayerWaits, NoKvConnector, usable_load_groups,
 )
@@ -35,8 +37,8 @@ from services.worker.kv_offload import KvOffload
 from services.worker.kv_quant import kv_scales_tag, resolve_kv_cache_dtype, set_fp8_kv_scales
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata
-from services.worker.weights import check_quantization, load_model
-from services.worker.sampler import Sampler, make_generator, token_logprobs
+from services.worker.weights import check_quantization, load_model, resolve_device, resolve_dtype
+from services.worker.sampler import Sampler, chunk_prompt_logprobs, make_generator
 from services.worker.speculation import keep_accepted, verify_drafts
 from services.worker.staging import HostStaging
 from services.worker.step_inputs import (
@@ -52,9 +54,6 @@ from shared.models import ModelFiles, read_eos_token_ids
 
 log = structlog.get_logger()
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 class ModelRunner:
     def __init__(self, config: WorkerConfig, model_files: ModelFiles,
                  ranks: SingleRank = SingleRank()):
@@ -65,8 +64,8 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         if config.block_size < 1:
             raise ValueError(f"block_size must be positive, got {config.block_size}")
-        self._device = _resolve_device(config.device)
-        self._dtype = _resolve_dtype(config.dtype, self._device)
+        self._device = resolve_device(config.device)
+        self._dtype = resolve_dtype(config.dtype, self._device)
         self.model_name: str = model_files.name
         self.model_path: Path = model_files.path
         self.seed: int = config.seed
@@ -81,7 +80,12 @@ class ModelRunner:
         kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self._dtype, self._device)
         if kv_dtype == FP8_KV_DTYPE:  # before the profile and graphs: they use the scales
             set_fp8_kv_scales(self.model, config.block_size, self._device, self._dtype)
-        bytes_per_block = kv_bytes_per_block(self.model, config.block_size, kv_dtype)
+        # speculative decoding's draft model (draft_model.py): loaded before the profile,
+        # its cache (in --dtype) takes a share of each block's bytes
+        self._draft = load_draft_model(config, self.model.config, self.max_model_len,
+                                       self._device, self._dtype) if config.draft_model else None
+        bytes_per_block = kv_bytes_per_block(self.model, config.block_size, kv_dtype) + (
+            kv_bytes_per_block(self._draft, config.block_size, self._dtype) if self._draft else 0)
         # every rank the same block space: the fewest any rank's memory holds
         self.num_blocks: int = ranks.tp.agree_min(self._kv_cache_budget(config, kv_dtype)
                                                       // bytes_per_block)
@@ -89,11 +93,12 @@ class ModelRunner:
             raise ValueError(f"kv_cache_memory {config.kv_cache_memory} holds no block "
                              f"({bytes_per_block} bytes each)")
         self.kv_cache_bytes: int = self.num_blocks * bytes_per_block
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = allocate_kv_cache(model_config.num_layers, self.num_blocks, self.block_size,
-                                          model_config.num_kv_heads, model_config.head_dim,
-                                          kv_dtype, self._device)
+        self.kv_cache = self._allocate_cache(self.model, kv_dtype)
         self.model.bind_kv_cache(self.kv_cache)
+        self._staging = HostStaging(self._device) if self._device.type == "cuda" else None
+        self.drafts: NoDraftModel = NoDraftModel() if self._draft is None else DraftModel(
+            self._draft, config.draft_model, self._allocate_cache(self._draft, self._dtype),
+            self.block_size, config.max_num_batched_tokens, self._staging)
         self._requests: dict[str, RequestState] = {}
         self._in_flight: StepInFlight | None = None
         # Leave steps in flight (submit): on CUDA, where it hides the host's work behind the
@@ -104,7 +109,6 @@ class ModelRunner:
         # the layer groups loads from the kvstore copy in (kv_load_groups.py)
         self.kv_load_groups = usable_load_groups(config, model_config.num_layers, self._device)
         self.kv: NoKvConnector = NoKvConnector(self.block_size)  # the kvstore's hooks
-        self._staging = HostStaging(self._device) if self._device.type == "cuda" else None
         self.sampler = Sampler(model_config.vocab_size, self.eos_token_ids, self._device,
                                make_grammars=lambda: _grammar_bank(
                                    model_files.path, model_config.vocab_size, self.eos_token_ids))
@@ -112,6 +116,8 @@ class ModelRunner:
         self._mixed_graphs: PiecewiseGraphs | None = None
         if self._device.type == "cuda":
             warm_up_attention(self.model, self.block_size)
+            if self._draft is not None:
+                warm_up_attention(self._draft, self.block_size)
         if self._device.type == "cuda" and not config.enforce_eager:
             self._graphs = DecodeGraphs(self.model, config.max_num_seqs,
                                         -(-self.max_model_len // self.block_size),
@@ -121,10 +127,18 @@ class ModelRunner:
             if max_graph_tokens:
                 self._mixed_graphs = PiecewiseGraphs(self.model, max_graph_tokens, self._device)
                 self._mixed_graphs.capture()
+            if isinstance(self.drafts, DraftModel):
+                self.drafts.capture_graphs(config.max_num_seqs, self.max_model_len)
         log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
                  num_blocks=self.num_blocks, block_size=self.block_size,
                  kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
-                 kv_cache_dtype=self.kv_cache_dtype_name)
+                 kv_cache_dtype=self.kv_cache_dtype_name, draft_model=config.draft_model or None)
+
+    def _allocate_cache(self, model, dtype: torch.dtype) -> torch.Tensor:
+        """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"""
+        config = model.config
+        return allocate_kv_cache(config.num_layers, self.num_blocks, self.block_size,
+                                 config.num_kv_heads, config.head_dim, dtype, self._device)
 
     def _kv_cache_budget(self, config: WorkerConfig, kv_dtype: torch.dtype) -> int:
         if config.kv_cache_memory != "auto":
@@ -137,8 +151,8 @@ class ModelRunner:
             gpu_memory_utilization=config.gpu_memory_utilization, device=self._device,
             dtype=self._dtype, kv_dtype=kv_dtype,
             graph_batch_size=None if config.enforce_eager else config.max_num_seqs,
-            graph_num_tokens=0 if config.enforce_eager else mixed_graph_tokens(config)
-        ).kv_cache_bytes
+            graph_num_tokens=0 if config.enforce_eager else mixed_graph_tokens(config),
+            draft=self._draft).kv_cache_bytes
 
     @property
     def device(self) -> str:
@@ -250,7 +264,7 @@ class ModelRunner:
         if any(needs_host_tokens(new.sampling) for new in plan.new_requests):
             return True
         for scheduled in plan.scheduled:
-            if scheduled.draft_token_ids:
+            if scheduled.draft_token_ids or scheduled.num_draft_slots:
                 return True  # the next plan depends on how many drafts are kept
             state = self._requests.get(scheduled.request_id)
             if state is not None and needs_host_tokens(state.sampling):
@@ -266,17 +280,21 @@ class ModelRunner:
         kv_step = self.kv.before_forward(plan, chunks, self._requests, finished)
         sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
         states = [self._requests[request_id] for request_id in sampled_ids]
+        chunk_states = [self._requests[s.request_id] for s in plan.scheduled]
         with torch.inference_mode():
+            proposal = self.drafts.propose(chunks, chunk_states)  # draft_model.py
             layout = logits_layout(chunks) if chunks else None
             logits = self._run_model(chunks, layout, len(sampled_ids) == len(chunks),
-                                     kv_step.layer_waits) if chunks else None
+                                     kv_step.layer_waits, proposal) if chunks else None
             self.kv.after_forward(kv_step)
+            proposed = draft_model.read_back(proposal, chunks) if proposal else {}
             sampled = self._sample(plan, chunks, layout, logits, sampled_ids, states, defer)
-        for scheduled, chunk in zip(plan.scheduled, chunks):
-            state = self._requests[scheduled.request_id]
+        for state, chunk, scheduled in zip(chunk_states, chunks, plan.scheduled):
             state.block_table = chunk.block_table
             state.num_computed_tokens += scheduled.num_new_tokens
         keep_accepted(states, chunks, sampled.num_accepted)  # speculation.py
+        if proposal:
+            draft_model.settle(proposal, chunk_states)
         if defer:
             for state in states:
                 state.num_pending_tokens += 1
@@ -292,7 +310,10 @@ class ModelRunner:
                           prompt_logprobs=sampled.prompt_logprobs,
                           kv_load_bytes=kv_step.load_bytes,
                           kv_load_bytes_per_s=kv_step.load_bytes_per_s(),
-                          num_accepted_drafts=list(sampled.num_accepted))
+                          num_accepted_drafts=list(sampled.num_accepted),
+                          draft_token_ids=[proposed.get(index, []) for index, chunk
+                                           in enumerate(chunks) if chunk.sample]
+                          if proposed else [])
 
     def _take_arrivals(self, plan: StepPlan) -> dict[str, RequestState]:
         """Forget the plan's finished requests and add its new ones -> the finished ones'
@@ -309,12 +330,15 @@ class ModelRunner:
         return finished
 
     def _run_model(self, chunks: list[SequenceChunk], layout: LogitsLayout, all_sample: bool,
-                   layer_waits: LayerWaits) -> torch.Tensor:
-        """The step's forward -> logits [num_logit_rows, vocab_size]."""
+                   layer_waits: LayerWaits, proposal: Proposal | None) -> torch.Tensor:
+        """The step's forward -> logits [num_logit_rows, vocab_size]; ``proposal``: the
+        draft model's drafts, still on the device."""
         input_ids, positions, metadata = build_step_inputs(
             chunks, self.block_size, self._device, layout, self._staging)
         if any(chunk.pending_row is not None for chunk in chunks):
             fill_pending_inputs(chunks, input_ids, self._in_flight.token_ids, self._staging)
+        if proposal is not None:
+            draft_model.fill_drafts(input_ids, proposal)
         return self._forward(input_ids, positions, metadata, all_sample=all_sample,
                              layer_waits=layer_waits)
 
@@ -325,8 +349,9 @@ class ModelRunner:
         tokens stay on the device."""
         if logits is None:  # nothing scheduled
             return _Sampled(None, [], [], {})
-        prompt_logprobs = self._prompt_logprobs(plan.scheduled, chunks, layout.first_rows,
-                                                logits)
+        prompt_logprobs = chunk_prompt_logprobs(
+            [(s.request_id, self._requests[s.request_id]) for s in plan.scheduled], chunks,
+            layout.first_rows, logits)
         params = [s.sampling for s in states]
         rows, num_accepted, residual_tokens = verify_drafts(  # speculation.py
             logits, layout, chunks, params, [s.num_outputs for s in states])
@@ -382,21 +407,6 @@ class ModelRunner:
             if context is not None:
                 context.forget_blocks(block_ids)
 
-    def _prompt_logprobs(self, scheduled: list[ScheduledRequest], chunks: list[SequenceChunk],
-                         first_rows: list[int], logits: torch.Tensor
-                         ) -> dict[str, list[TokenLogprobs]]:
-        """Logprobs of the prompt tokens whose predicting positions ran this step, per request
-        (the logits at position p give token p + 1)."""
-        result: dict[str, list[TokenLogprobs]] = {}
-        for entry, chunk, row in zip(scheduled, chunks, first_rows):
-            if chunk.num_logprob_rows:
-                state = self._requests[entry.request_id]
-                rows = logits[row:row + chunk.num_logprob_rows].float().log_softmax(-1)
-                next_ids = state.token_ids[chunk.start + 1:chunk.start + 1 + chunk.num_logprob_rows]
-                result[entry.request_id] = token_logprobs(
-                    rows, next_ids, [state.sampling.prompt_logprobs] * len(next_ids))
-        return result
-
     def _add_request(self, new: NewRequestData) -> None:
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):
             raise ValueError(f"request {new.request_id}: num_computed_tokens "
@@ -419,7 +429,12 @@ class ModelRunner:
         state = self._requests.get(request_id)
         if state is None:
             raise ValueError(f"unknown request id {request_id!r}")
-        drafts = scheduled.draft_token_ids
+        drafts = list(scheduled.draft_token_ids) or [0] * scheduled.num_draft_slots
+        if scheduled.num_draft_slots and (scheduled.draft_token_ids or not self.drafts.enabled):
+            raise ValueError(f"request {request_id}: {scheduled.num_draft_slots} draft slots, "
+                             f"but this worker has no draft model (--draft-model)"
+                             if not self.drafts.enabled else
+                             f"request {request_id}: draft slots and drafts in one step")
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_new_tokens
         known_end = end - len(drafts)  # drafts follow the last known token
         if num_new_tokens <= len(drafts) or known_end > state.num_tokens \
@@ -449,7 +464,7 @@ class ModelRunner:
         return SequenceChunk(token_ids=token_ids + list(drafts), start=start,
                              block_table=block_table, sample=known_end == state.num_tokens,
                              num_logprob_rows=num_logprob_rows, pending_row=pending_row,
-                             num_drafts=len(drafts),
+                             num_drafts=len(drafts), draft_slots=bool(scheduled.num_draft_slots),
                              num_forced_accept=scheduled.num_forced_accept if drafts else -1)
 
     def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
@@ -475,17 +490,3 @@ def _grammar_bank(model_dir: Path, vocab_size: int, eos_token_ids: list[int]):
     from services.worker.structured import GrammarBank  # loads the grammar library on first use
 
     return GrammarBank(model_dir, vocab_size, eos_token_ids)
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def _resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
-    return _DTYPES[name]

@@ -236,3 +236,19 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
                                               float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter_(-1, sorted_ids, sorted_logits)
     return torch.softmax(filtered, dim=-1)
+
+
+def chunk_prompt_logprobs(requests: list[tuple[str, object]], chunks: list,
+                          first_rows: list[int], logits: torch.Tensor
+                          ) -> dict[str, list[TokenLogprobs]]:
+    """Logprobs of the prompt tokens whose predicting positions ran this step, per request
+    (the logits at position p give token p + 1). ``requests``: per step chunk, (request id,
+    its RequestState); ``first_rows``: per chunk, its first row of ``logits``."""
+    result: dict[str, list[TokenLogprobs]] = {}
+    for (request_id, state), chunk, row in zip(requests, chunks, first_rows):
+        if chunk.num_logprob_rows:
+            rows = logits[row:row + chunk.num_logprob_rows].float().log_softmax(-1)
+            next_ids = state.token_ids[chunk.start + 1:chunk.start + 1 + chunk.num_logprob_rows]
+            result[request_id] = token_logprobs(
+                rows, next_ids, [state.sampling.prompt_logprobs] * len(next_ids))
+    return result

@@ -25,6 +25,8 @@ class RequestState:
     wants_prompt_logprobs: bool = False
     # tokens sampled by the step in flight, not read back yet (they follow token_ids)
     num_pending_tokens: int = 0
+    # positions whose KV the draft model has written (draft_model.py)
+    num_draft_computed: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -180,3 +180,22 @@ def require_fp8_device(cause: str, device: torch.device) -> None:
         raise ValueError(f"{cause} needs compute capability 8.9+ (FP8 tensor cores); "
                          f"{torch.cuda.get_device_name(device)} has "
                          f"{capability[0]}.{capability[1]}")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device: auto is cuda where there is one, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """--dtype: auto is bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(_DTYPES)})")
+    return _DTYPES[name]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cli.engine_flags import engine_flag_error, engine_service_args, gpus_per_replica
-from cli.main import build_parser, main
+from cli.main import build_parser, main, serve_options
 
 
 def test_serve_and_bench_pass_the_same_engine_flags():
@@ -55,6 +55,20 @@ def test_serve_refuses_flags_its_services_would_refuse_before_starting_anything(
     assert "--kv-cache-dtype fp8 needs a CUDA GPU" in capsys.readouterr().err
     gpu = build_parser().parse_args(["serve", "--device", "cuda", "--kv-cache-dtype", "fp8"])
     assert engine_service_args(gpu)["worker"][-2:] == ["--kv-cache-dtype", "fp8"]
+
+
+def test_a_draft_model_in_the_speculative_config_reaches_the_worker(capsys):
+    spec = '{"method": "draft_model", "model": "dummy:llama-3.2-1b"}'
+    args = build_parser().parse_args(["serve", "--device", "cpu", "--speculative-config", spec])
+    options = serve_options(args)
+    worker = options.service_args["worker"]
+    assert worker[worker.index("--draft-model") + 1] == "dummy:llama-3.2-1b"
+    assert "--draft-model" not in options.service_args["scheduler"]
+    assert "--draft-model" not in serve_options(build_parser().parse_args(
+        ["serve", "--device", "cpu"])).service_args["worker"]
+    assert main(["serve", "--device", "cpu", "--speculative-config", spec,
+                 "--tensor-parallel-size", "2"]) == 2
+    assert "tensor-parallel" in capsys.readouterr().err
 
 
 def test_tensor_parallel_size_reaches_only_the_worker():

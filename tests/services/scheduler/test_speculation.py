@@ -12,7 +12,8 @@ import pytest
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.speculation import (
-    NgramDrafts, NgramIndex, SpeculativeConfig, can_speculate, parse_speculative_config,
+    NgramDrafts, NgramIndex, SpeculativeConfig, can_speculate, draft_model_of,
+    parse_speculative_config,
 )
 from shared.messages import GenerateRequest, SamplingParams, StepResult, StructuredSpec
 
@@ -172,6 +173,32 @@ def test_synthetic_acceptance_keeps_a_set_share_of_the_drafts_whatever_the_model
     submit(core, [9, 1, 2, 3, 4, 1, 2])
     step(core, sampled=3)
     assert core.schedule().scheduled[0].num_forced_accept == -1
+
+
+DRAFT_MODEL = '{"method": "draft_model", "model": "dummy:llama-3.2-1b", "num_speculative_tokens": 3}'
+
+
+def test_a_draft_model_gets_slots_and_the_result_says_what_it_proposed():
+    """method draft_model: the plan carries draft slots, not drafts, for every request that
+    can take drafts (no repeat needed); the result's drafts are what the output keeps."""
+    with pytest.raises(ValueError, match="model goes with method draft_model"):
+        SpeculativeConfig(method="draft_model")
+    assert draft_model_of(DRAFT_MODEL) == "dummy:llama-3.2-1b" and draft_model_of(NGRAM) is None
+    core = scheduler(DRAFT_MODEL)
+    submit(core, [9, 8, 7])
+    step(core, sampled=5)
+    plan = core.schedule()
+    verify = plan.scheduled[0]
+    assert (verify.draft_token_ids, verify.num_draft_slots, verify.num_new_tokens) == ([], 3, 4)
+    emitted = core.update(plan, StepResult(plan.step_id, ["r"], [6], num_accepted_drafts=[2],
+                                           draft_token_ids=[[11, 12, 13]]))
+    assert emitted[0].output.new_token_ids == [11, 12, 6]
+    req = core.requests["r"]
+    assert req.output_token_ids == [5, 11, 12, 6] and req.num_computed_tokens == 6
+    plan = core.schedule()
+    with pytest.raises(ValueError, match="3 draft slots, the worker returned 1 drafts"):
+        core.update(plan, StepResult(plan.step_id, ["r"], [6], num_accepted_drafts=[1],
+                                     draft_token_ids=[[11]]))
 
 
 def test_drafts_stop_at_max_tokens_and_an_end_among_them_ends_the_output():

@@ -1,0 +1,149 @@
+"""Speculative decoding's draft model in the worker (draft_model.py): a step with draft slots
+runs the draft model first, verifies what it proposed, and returns the drafts. The served
+model drafting for itself proposes its own greedy continuation, so every draft is kept; a
+draft model that disagrees changes how many are kept, never the tokens. Its KV follows the
+request: a prompt too long for one forward is caught up in pieces, rejected drafts' positions
+are computed again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.worker.config import WorkerConfig
+from services.worker.runner import ModelRunner
+from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
+from shared.models import DUMMY_MARKER, PRESETS_DIR, ModelFiles
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+# the tiny random model repeats this prompt's last token 19 times, then 6457: the drafts must
+# foresee the change
+PROMPT = [101, 2050, 3077, 999, 41, 8]
+BLOCKS = [0, 1, 2, 3, 4, 5]  # block_size 16: room for 96 tokens
+
+
+def config(draft: ModelFiles | None = None, **overrides) -> WorkerConfig:
+    return WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB", block_size=16,
+                        draft_model=str(draft.path) if draft else "", **overrides)
+
+
+def tiny_variant(tmp_path_factory, name: str, **changes) -> ModelFiles:
+    """The tiny preset with some fields changed: other random weights, or another shape."""
+    path = tmp_path_factory.mktemp(name)
+    preset = json.loads((PRESETS_DIR / "tiny-llama.json").read_text())
+    (path / "config.json").write_text(json.dumps({**preset, "eos_token_id": None, **changes}))
+    (path / DUMMY_MARKER).write_text("random weights\n")
+    return ModelFiles(name=name, path=path)
+
+
+def greedy_tokens(runner: ModelRunner, prompt: list[int], num_tokens: int) -> list[int]:
+    """The request's tokens one plain decode step at a time."""
+    result = runner.execute(StepPlan(0, [NewRequestData("r", prompt, GREEDY, BLOCKS)],
+                                     [ScheduledRequest("r", len(prompt))]))
+    tokens = list(result.sampled_token_ids)
+    for step_id in range(1, num_tokens):
+        tokens += runner.execute(StepPlan(step_id, [], [ScheduledRequest("r", 1)])
+                                 ).sampled_token_ids
+    return tokens
+
+
+def drafted_tokens(runner: ModelRunner, prompt: list[int], slots: list[int]
+                   ) -> tuple[list[int], list[tuple[list[int], int]]]:
+    """Prefill, then one step per entry of ``slots`` with that many draft slots -> (the
+    request's tokens, (drafts, kept) per step)."""
+    result = runner.execute(StepPlan(0, [NewRequestData("r", prompt, GREEDY, BLOCKS)],
+                                     [ScheduledRequest("r", len(prompt))]))
+    tokens, steps = list(result.sampled_token_ids), []
+    for step_id, num_slots in enumerate(slots, start=1):
+        result = runner.execute(StepPlan(step_id, [], [ScheduledRequest(
+            "r", 1 + num_slots, num_draft_slots=num_slots)]))
+        [drafts], [kept] = result.draft_token_ids, result.num_accepted_drafts
+        assert len(drafts) == num_slots
+        tokens += drafts[:kept] + result.sampled_token_ids
+        steps.append((drafts, kept))
+        state = runner._requests["r"]
+        assert state.token_ids == prompt + tokens
+        assert state.num_computed_tokens == len(prompt) + len(tokens) - 1
+        assert state.num_draft_computed <= len(state.token_ids) - 1
+    return tokens, steps
+
+
+def test_the_served_model_drafting_for_itself_proposes_its_greedy_continuation(dummy_model):
+    expected = greedy_tokens(ModelRunner(config(), dummy_model), PROMPT, 40)
+    assert expected[18:20] == [8, 6457]
+    runner = ModelRunner(config(draft=dummy_model), dummy_model)
+    tokens, steps = drafted_tokens(runner, PROMPT, [4, 2, 1, 4, 4, 4, 4])
+    assert tokens == expected[:len(tokens)] and len(tokens) == 1 + 5 + 3 + 2 + 5 * 4
+    assert all(kept == len(drafts) for drafts, kept in steps)
+    # every draft kept: the last one was never an input to the draft model, so the next step
+    # computes it and the bonus token in its first pass
+    assert runner._requests["r"].num_draft_computed == len(PROMPT) + len(tokens) - 2
+
+
+def test_a_draft_model_that_disagrees_changes_what_is_kept_never_the_tokens(
+        dummy_model, tmp_path_factory):
+    # an untied random head: it does not just repeat the last token
+    other = tiny_variant(tmp_path_factory, "other-draft", num_hidden_layers=1,
+                         tie_word_embeddings=False)
+    expected = greedy_tokens(ModelRunner(config(), dummy_model), PROMPT, 45)
+    runner = ModelRunner(config(draft=other), dummy_model)
+    tokens, steps = drafted_tokens(runner, PROMPT, [4] * 8)
+    assert tokens == expected[:len(tokens)]
+    assert sum(kept for _, kept in steps) < sum(len(drafts) for drafts, _ in steps) // 2
+
+
+def test_a_catch_up_beyond_the_token_budget_runs_in_pieces(dummy_model):
+    """A 40-token prompt's first draft with a 16-token budget: three catch-up forwards, the
+    drafts still the greedy continuation."""
+    prompt = [(7 * i) % 500 + 3 for i in range(40)]
+    expected = greedy_tokens(ModelRunner(config(), dummy_model), prompt, 12)
+    runner = ModelRunner(config(draft=dummy_model, max_num_batched_tokens=16, max_num_seqs=16),
+                         dummy_model)
+    tokens, steps = drafted_tokens(runner, prompt, [4, 4])
+    assert tokens == expected[:len(tokens)]
+    assert all(kept == len(drafts) for drafts, kept in steps)
+
+
+def test_a_batch_mixing_draft_slots_plain_decodes_and_a_prompt_equals_plain_decoding(
+        dummy_model):
+    prompts = {"a": PROMPT, "b": [21, 22, 23], "c": [31, 32, 33, 34, 35]}
+    expected = {rid: greedy_tokens(ModelRunner(config(), dummy_model), p, 10)
+                for rid, p in prompts.items()}
+    runner = ModelRunner(config(draft=dummy_model), dummy_model)
+    blocks = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
+    news = [NewRequestData(rid, p, GREEDY, blocks[rid]) for rid, p in prompts.items()]
+    first = runner.execute(StepPlan(0, news[:2], [ScheduledRequest("a", len(PROMPT)),
+                                                  ScheduledRequest("b", 3)]))
+    tokens = dict(zip(first.request_ids, ([t] for t in first.sampled_token_ids)))
+    # a: 3 slots, b: a plain decode, c: its whole prompt, in one step
+    result = runner.execute(StepPlan(1, news[2:], [
+        ScheduledRequest("a", 4, num_draft_slots=3), ScheduledRequest("b", 1),
+        ScheduledRequest("c", 5)]))
+    assert result.draft_token_ids == [result.draft_token_ids[0], [], []]
+    for rid, token, kept, drafts in zip(result.request_ids, result.sampled_token_ids,
+                                        result.num_accepted_drafts, result.draft_token_ids):
+        tokens.setdefault(rid, [])
+        tokens[rid] += drafts[:kept] + [token]
+    assert result.num_accepted_drafts[0] == 3
+    for rid, got in tokens.items():
+        assert got == expected[rid][:len(got)], rid
+
+
+def test_draft_slots_need_a_draft_model(dummy_model):
+    runner = ModelRunner(config(), dummy_model)
+    runner.execute(StepPlan(0, [NewRequestData("r", PROMPT, GREEDY, BLOCKS)],
+                            [ScheduledRequest("r", len(PROMPT))]))
+    with pytest.raises(ValueError, match="no draft model"):
+        runner.execute(StepPlan(1, [], [ScheduledRequest("r", 3, num_draft_slots=2)]))
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(dummy_model, tmp_path_factory):
+    other = tiny_variant(tmp_path_factory, "small-vocab", vocab_size=1000)
+    with pytest.raises(ValueError, match="vocabulary of 1000 tokens"):
+        ModelRunner(config(draft=other), dummy_model)
+
+
+def test_a_tensor_parallel_worker_refuses_a_draft_model():
+    with pytest.raises(ValueError, match="draft model"):
+        WorkerConfig(tensor_parallel_size=2, draft_model="smollm2")
