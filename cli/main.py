@@ -17,7 +17,7 @@ from cli.engine_flags import (
 from cli.stack import Stack, StackOptions, flags
 from services.gateway.config import RoutingPolicy
 from services.scheduler.config import SchedulingPolicy
-from services.scheduler.speculation import draft_model_of
+from services.scheduler.speculation import worker_speculation
 
 STOP_MARGIN_S = 10.0  # beyond --shutdown-timeout: the services' own exit after their drain
 SUPERVISE_EVERY_S = 0.5
@@ -101,7 +101,7 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
                                        speculative_config=args.speculative_config)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
     service_args["worker"] += flags(kv_load_layer_groups=args.kv_load_layer_groups,
-                                    draft_model=draft_model_of(args.speculative_config))
+                                    **worker_speculation(args.speculative_config))
     service_args["tokenizer"] += flags(served_model_name=args.served_model_name)
     service_args["gateway"] = flags(api_key=args.api_key, routing=args.routing)
     service_args["kvstore"] = flags(kv_host_memory=args.kv_host_memory,
@@ -120,7 +120,7 @@ def flag_error(args: argparse.Namespace) -> str | None:
     """A flag the services would refuse at start (the stack would restart them until it gave
     up), said at once: None when every flag can run."""
     try:
-        draft_model = draft_model_of(args.speculative_config)
+        draft_model = worker_speculation(args.speculative_config).get("draft_model")
     except ValueError as exc:
         return str(exc)
     if draft_model and tensor_parallel_size_of(args) > 1:

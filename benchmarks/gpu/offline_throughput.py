@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="spread the model over this many GPUs (the worker's flag)")
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--speculative-config", default="",
+                        help="JSON as flotilla serve takes it (issue 28: never slower than off)")
     parser.add_argument("--dump-workload", default="",
                         help="write the workload's token ids as JSON ({prompts, output_lens}: "
                              "what vllm_offline.py reads) and exit")
@@ -114,7 +116,8 @@ def main() -> None:
                           enforce_eager=args.enforce_eager, overlap_steps=args.overlap_steps,
                           quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          kv_cache_dtype=args.kv_cache_dtype)
+                          kv_cache_dtype=args.kv_cache_dtype,
+                          speculative_config=args.speculative_config)
     # Warm-up over varied shapes, so Triton compiles its kernel variants before the clock runs.
     rng = random.Random(args.seed + 1)
     warm_prompts = [[rng.randrange(100, 40_000) for _ in range(rng.randint(1, 2048))]
@@ -143,7 +146,10 @@ def main() -> None:
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager, "overlap_steps": args.overlap_steps,
         "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
-              "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "speculative_config": args.speculative_config or None,
+        "drafts_kept": f"{engine.scheduler.drafter.num_accepted_drafts}/"
+                       f"{engine.scheduler.drafter.num_draft_tokens}",
         "num_overlapped_steps": engine.runner.num_overlapped_steps,
         "wall_ms_per_step": 1e3 * stats.elapsed_s / max(stats.num_steps, 1),
         # the last request finishes when the run ends: finish times from the run's start
@@ -166,6 +172,7 @@ def main() -> None:
     quantized = f"_{args.quantization}" if args.quantization != "none" else ""
     quantized += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     quantized += "_fp8kv" if args.kv_cache_dtype == "fp8" else ""
+    quantized += "_spec" if args.speculative_config else ""
     save(f"throughput_{args.workload}_{args.model.replace(':', '_')}{quantized}", result)
     print(f"\n{args.workload} {args.model} {args.quantization} KV {args.kv_cache_dtype} "
           f"TP{args.tensor_parallel_size} (seqs {args.max_num_seqs}, tokens "

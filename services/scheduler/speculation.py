@@ -138,10 +138,14 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
         raise ValueError(f"--speculative-config is not JSON: {exc}") from None
 
 
-def draft_model_of(text: str | None) -> str | None:
-    """The draft model ``--speculative-config`` names (method draft_model), else None."""
+def worker_speculation(text: str | None) -> dict[str, object]:
+    """What the worker takes of ``--speculative-config`` (its WorkerConfig fields): K, which
+    sizes its verify steps' graphs, and the draft model (method draft_model); {}: none."""
     config = parse_speculative_config(text or "")
-    return config.model if config is not None and config.method == "draft_model" else None
+    if config is None:
+        return {}
+    draft = {"draft_model": config.model} if config.method == "draft_model" else {}
+    return {"num_speculative_tokens": config.num_speculative_tokens, **draft}
 
 
 def can_speculate(sampling: SamplingParams) -> bool:

@@ -66,6 +66,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     # speculative decoding's draft model (method draft_model; flotilla serve sets it from
     # --speculative-config): as --model takes it; "": none
     draft_model: str = ""
+    # speculative decoding's K (flotilla serve sets it from --speculative-config): verify
+    # steps of K + 1 tokens a request run as CUDA graphs; 0: none are captured
+    num_speculative_tokens: int = 0
     block_size: int = 16  # tokens per KV block
     max_model_len: int = limits.MAX_MODEL_LEN  # the tokenizer's too (shared/limits.py)
     num_threads: int = 0  # torch intra-op threads on CPU; 0: torch's default
@@ -114,6 +117,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "draft_model": "the model that drafts tokens for speculative decoding's draft_model "
                        "method (a directory, .gguf, smollm2 or dummy:<preset>; the served "
                        "model's tokenizer); flotilla serve sets it from --speculative-config",
+        "num_speculative_tokens": "speculative decoding's drafts a request a step: steps that "
+                                  "verify that many for every request run as CUDA graphs "
+                                  "(flotilla serve sets it from --speculative-config; 0: none)",
         "block_size": "tokens per KV cache block",
         **limits.CONTEXT_LIMIT_HELP,
         "num_threads": "torch CPU threads (0: torch default)",
@@ -143,6 +149,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         if self.tensor_parallel_size > 1 and self.draft_model:
             raise ValueError("a tensor-parallel worker (tensor_parallel_size > 1) cannot run a "
                              "draft model yet: leave draft_model empty")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be between 0 and 16, not "
+                             f"{self.num_speculative_tokens}")
         if self.tensor_parallel_step_timeout <= 0:
             raise ValueError(f"tensor_parallel_step_timeout must be positive, not "
                              f"{self.tensor_parallel_step_timeout}")

@@ -6,6 +6,12 @@ replays the bucket that fits, so a step costs one graph launch instead of a few 
 launches. Rows past the real batch are padding: slot -1 (the cache write skips it), context
 length 1 over block 0, and their logits are dropped.
 
+The same class with ``query_len`` K + 1 holds speculative decoding's verify steps whole: every
+sequence its last token and K drafts, every token's logits wanted. The attention then takes the
+chunk kernel's tile for K + 1 queries, its split chosen for max_model_len like a decode graph's
+(segment bounds come from each sequence's real length on the device). Without it a verify step
+ran as piecewise graphs, about 1.5 decode steps of time at batch 1 on an H200.
+
 ``PiecewiseGraphs``: a step with prompt chunks (any mix of query lengths) up to
 ``max_num_tokens`` tokens. Its attention depends on host-side bounds (longest query, number of
 decodes, context length) that pick the kernels' tiles and grids, so attention runs eagerly on
@@ -26,6 +32,7 @@ from collections.abc import Sequence
 import structlog
 import torch
 
+from services.worker.config import WorkerConfig
 from services.worker.model import AttentionMetadata, Transformer, wait_events
 
 log = structlog.get_logger()
@@ -47,46 +54,55 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
+    """``query_len`` > 1: steps whose every sequence has that many queries, each with its
+    logits (speculative decoding's verify steps: a token and its drafts)."""
+
     def __init__(self, model: Transformer, max_batch_size: int, max_blocks_per_seq: int,
-                 max_model_len: int, device: torch.device) -> None:
+                 max_model_len: int, device: torch.device, query_len: int = 1) -> None:
         self.model = model
         self.buckets = batch_buckets(max_batch_size)
         self.max_model_len = max_model_len
+        self.query_len = query_len
         size = self.buckets[-1]
-        self.input_ids = torch.zeros(size, dtype=torch.long, device=device)  # [size]
-        self.positions = torch.zeros(size, dtype=torch.long, device=device)  # [size]
-        self.slot_mapping = torch.full((size,), -1, dtype=torch.long, device=device)  # [size]
+        num_tokens = size * query_len
+        self.input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((num_tokens,), -1, dtype=torch.long, device=device)
         # [size, max_blocks_per_seq]
         self.block_tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(size, dtype=torch.int32, device=device)  # [size]
-        self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(size, dtype=torch.long, device=device)
-        # [size, vocab_size] fp32: every bucket's logits (rows past its batch are padding)
-        self.logits = torch.empty(size, model.config.vocab_size, dtype=torch.float32,
+        # [size]: padding sequences attend to their own query_len slots of block 0
+        self.seq_lens = torch.full((size,), query_len, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(0, num_tokens + 1, query_len, dtype=torch.int32,
+                                            device=device)  # [size + 1]
+        self.logits_indices = torch.arange(num_tokens, dtype=torch.long, device=device)
+        # [num_tokens, vocab_size] fp32: every bucket's logits (rows past its batch: padding)
+        self.logits = torch.empty(num_tokens, model.config.vocab_size, dtype=torch.float32,
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def _metadata(self, batch_size: int) -> AttentionMetadata:
+        num_tokens = batch_size * self.query_len
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:batch_size],
+            slot_mapping=self.slot_mapping[:num_tokens],
             block_tables=self.block_tables[:batch_size],
             seq_lens=self.seq_lens[:batch_size],
             query_start_loc=self.query_start_loc[:batch_size + 1],
-            logits_indices=self.logits_indices[:batch_size],
-            max_query_len=1, max_seq_len=self.max_model_len)
+            logits_indices=self.logits_indices[:num_tokens],
+            max_query_len=self.query_len, max_seq_len=self.max_model_len)
 
     @torch.inference_mode()
     def capture(self, buckets: list[int] | None = None) -> None:
         """Capture every bucket (or just ``buckets``), largest first: the others reuse its pool."""
         pool = torch.cuda.graph_pool_handle()
         for batch_size in sorted(buckets or self.buckets, reverse=True):
-            args = (self.input_ids[:batch_size], self.positions[:batch_size],
+            num_tokens = batch_size * self.query_len
+            args = (self.input_ids[:num_tokens], self.positions[:num_tokens],
                     self._metadata(batch_size))
             self.model(*args)  # warm-up: Triton compiles and autotunes outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[:batch_size].copy_(self.model(*args))
+                self.logits[:num_tokens].copy_(self.model(*args))
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
         log.info("cuda_graphs_captured", buckets=sorted(self.graphs))
@@ -96,22 +112,23 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata) -> torch.Tensor:
-        """One decode step (one token per sequence) -> logits [num_seqs, vocab_size]."""
-        num_seqs = input_ids.shape[0]
+        """One step of query_len tokens per sequence -> logits [num_tokens, vocab_size]."""
+        num_tokens = input_ids.shape[0]
+        num_seqs = num_tokens // self.query_len
         bucket = self.bucket_for(num_seqs)
-        assert bucket is not None and metadata.max_query_len == 1
+        assert bucket is not None and metadata.max_query_len == self.query_len
         width = metadata.block_tables.shape[1]
-        self.input_ids[:num_seqs].copy_(input_ids)
-        self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
+        self.input_ids[:num_tokens].copy_(input_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
         self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
-        if bucket > num_seqs:  # padding rows: write nowhere, attend to one cached slot
-            self.slot_mapping[num_seqs:bucket].fill_(-1)
-            self.seq_lens[num_seqs:bucket].fill_(1)
+        if bucket > num_seqs:  # padding rows: write nowhere, attend to cached slots of block 0
+            self.slot_mapping[num_tokens:bucket * self.query_len].fill_(-1)
+            self.seq_lens[num_seqs:bucket].fill_(self.query_len)
             self.block_tables[num_seqs:bucket, 0].fill_(0)
         self.graphs[bucket].replay()
-        return self.logits[:num_seqs]
+        return self.logits[:num_tokens]
 
 
 def token_buckets(max_num_tokens: int) -> list[int]:
@@ -237,3 +254,40 @@ class PiecewiseGraphs:
         pieces[-1]()
         return self.model.logits(self.hidden[:num_tokens], self.residual[:num_tokens],
                                  metadata.logits_indices)
+
+
+MAX_VERIFY_GRAPH_TOKENS = 256  # larger verify steps (many drafted requests) run piecewise
+
+
+def verify_graphs(model: Transformer, config: WorkerConfig, max_model_len: int,
+                  device: torch.device) -> DecodeGraphs:
+    """Graphs of verify steps: K + 1 queries a sequence (K: config.num_speculative_tokens), at
+    most MAX_VERIFY_GRAPH_TOKENS tokens."""
+    query_len = config.num_speculative_tokens + 1
+    return DecodeGraphs(model, min(config.max_num_seqs, MAX_VERIFY_GRAPH_TOKENS // query_len),
+                        -(-max_model_len // config.block_size), max_model_len, device,
+                        query_len=query_len)
+
+
+def mixed_graph_tokens(config: WorkerConfig) -> int:
+    """The largest step the piecewise graphs take: no larger than a step can be."""
+    return min(config.max_graph_tokens, config.max_num_batched_tokens)
+
+
+def capture_step_graphs(model: Transformer, config: WorkerConfig, max_model_len: int,
+                        device: torch.device
+                        ) -> tuple[DecodeGraphs, DecodeGraphs | None, PiecewiseGraphs | None]:
+    """The worker's graphs, captured: decode steps, verify steps (None without
+    speculative decoding) and steps in pieces (None: max_graph_tokens 0)."""
+    decode = DecodeGraphs(model, config.max_num_seqs, -(-max_model_len // config.block_size),
+                          max_model_len, device)
+    decode.capture()
+    mixed = None
+    if mixed_graph_tokens(config):
+        mixed = PiecewiseGraphs(model, mixed_graph_tokens(config), device)
+        mixed.capture()
+    verify = None
+    if config.num_speculative_tokens:
+        verify = verify_graphs(model, config, max_model_len, device)
+        verify.capture()
+    return decode, verify, mixed

@@ -27,7 +27,7 @@ import torch
 
 from kernels.paged_attention_ref import FP8_KV_DTYPE, allocate_kv_cache
 from services.worker.config import WorkerConfig
-from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from services.worker.cuda_graphs import DecodeGraphs, capture_step_graphs, mixed_graph_tokens
 from services.worker import draft_model
 from services.worker.draft_model import DraftModel, NoDraftModel, Proposal, load_draft_model
 from services.worker.kv_connector import (
@@ -112,23 +112,16 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, self.eos_token_ids, self._device,
                                make_grammars=lambda: _grammar_bank(
                                    model_files.path, model_config.vocab_size, self.eos_token_ids))
-        self._graphs: DecodeGraphs | None = None
-        self._mixed_graphs: PiecewiseGraphs | None = None
         if self._device.type == "cuda":
             warm_up_attention(self.model, self.block_size)
             if self._draft is not None:
                 warm_up_attention(self._draft, self.block_size)
-        if self._device.type == "cuda" and not config.enforce_eager:
-            self._graphs = DecodeGraphs(self.model, config.max_num_seqs,
-                                        -(-self.max_model_len // self.block_size),
-                                        self.max_model_len, self._device)
-            self._graphs.capture()
-            max_graph_tokens = mixed_graph_tokens(config)
-            if max_graph_tokens:
-                self._mixed_graphs = PiecewiseGraphs(self.model, max_graph_tokens, self._device)
-                self._mixed_graphs.capture()
-            if isinstance(self.drafts, DraftModel):
-                self.drafts.capture_graphs(config.max_num_seqs, self.max_model_len)
+        # whole decode steps, verify steps (speculative decoding), steps in pieces
+        self._graphs, self._verify_graphs, self._mixed_graphs = capture_step_graphs(
+            self.model, config, self.max_model_len, self._device) \
+            if self._device.type == "cuda" and not config.enforce_eager else (None, None, None)
+        if isinstance(self.drafts, DraftModel) and self._graphs is not None:
+            self.drafts.capture_graphs(config.max_num_seqs, self.max_model_len)
         log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
                  num_blocks=self.num_blocks, block_size=self.block_size,
                  kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
@@ -152,7 +145,8 @@ class ModelRunner:
             dtype=self._dtype, kv_dtype=kv_dtype,
             graph_batch_size=None if config.enforce_eager else config.max_num_seqs,
             graph_num_tokens=0 if config.enforce_eager else mixed_graph_tokens(config),
-            draft=self._draft).kv_cache_bytes
+            draft=self._draft, num_speculative_tokens=config.num_speculative_tokens
+        ).kv_cache_bytes
 
     @property
     def device(self) -> str:
@@ -284,8 +278,8 @@ class ModelRunner:
         with torch.inference_mode():
             proposal = self.drafts.propose(chunks, chunk_states)  # draft_model.py
             layout = logits_layout(chunks) if chunks else None
-            logits = self._run_model(chunks, layout, len(sampled_ids) == len(chunks),
-                                     kv_step.layer_waits, proposal) if chunks else None
+            logits = self._run_model(chunks, layout, kv_step.layer_waits,
+                                     proposal) if chunks else None
             self.kv.after_forward(kv_step)
             proposed = draft_model.read_back(proposal, chunks) if proposal else {}
             sampled = self._sample(plan, chunks, layout, logits, sampled_ids, states, defer)
@@ -329,7 +323,7 @@ class ModelRunner:
             raise ValueError(f"step {plan.step_id} schedules a request twice")
         return finished
 
-    def _run_model(self, chunks: list[SequenceChunk], layout: LogitsLayout, all_sample: bool,
+    def _run_model(self, chunks: list[SequenceChunk], layout: LogitsLayout,
                    layer_waits: LayerWaits, proposal: Proposal | None) -> torch.Tensor:
         """The step's forward -> logits [num_logit_rows, vocab_size]; ``proposal``: the
         draft model's drafts, still on the device."""
@@ -339,8 +333,7 @@ class ModelRunner:
             fill_pending_inputs(chunks, input_ids, self._in_flight.token_ids, self._staging)
         if proposal is not None:
             draft_model.fill_drafts(input_ids, proposal)
-        return self._forward(input_ids, positions, metadata, all_sample=all_sample,
-                             layer_waits=layer_waits)
+        return self._forward(input_ids, positions, metadata, layer_waits=layer_waits)
 
     def _sample(self, plan: StepPlan, chunks: list[SequenceChunk], layout: LogitsLayout | None,
                 logits: torch.Tensor | None, sampled_ids: list[str], states: list[RequestState],
@@ -373,29 +366,40 @@ class ModelRunner:
         return _Sampled(None, token_ids, logprobs, prompt_logprobs, num_accepted)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 metadata: AttentionMetadata, all_sample: bool,
+                 metadata: AttentionMetadata,
                  layer_waits: list[list[torch.cuda.Event]] | None = None) -> torch.Tensor:
-        """-> logits [num_logit_rows, vocab_size]: a decode graph when every sequence has one
-        query and samples, piecewise graphs for other steps that fit them, else eagerly.
+        """-> logits [num_logit_rows, vocab_size]: a whole-step graph where one fits
+        (``_whole_graph``), piecewise graphs for other steps that fit them, else eagerly.
         ``layer_waits``: per layer, the load events its attention waits for (never with a
-        decode graph, which cannot wait between layers)."""
-        if self._takes_decode_graph(len(input_ids), metadata.max_query_len, all_sample):
-            assert layer_waits is None, "a decode graph cannot wait between its layers"
-            return self._graphs.run(input_ids, positions, metadata)
+        whole-step graph, which cannot wait between layers)."""
+        graphs = self._whole_graph(len(input_ids), len(metadata.seq_lens),
+                                   metadata.max_query_len, len(metadata.logits_indices))
+        if graphs is not None:
+            assert layer_waits is None, "a whole-step graph cannot wait between its layers"
+            return graphs.run(input_ids, positions, metadata)
         if self._mixed_graphs is not None \
                 and self._mixed_graphs.bucket_for(len(input_ids)) is not None:
             return self._mixed_graphs.run(input_ids, positions, metadata, layer_waits)
         return self.model(input_ids, positions, metadata, layer_waits)
 
-    def _takes_decode_graph(self, num_tokens: int, max_query_len: int, all_sample: bool) -> bool:
-        return self._graphs is not None and max_query_len == 1 and all_sample \
-            and self._graphs.bucket_for(num_tokens) is not None
+    def _whole_graph(self, num_tokens: int, num_seqs: int, max_query_len: int,
+                     num_logits: int) -> DecodeGraphs | None:
+        """The graph that runs a whole step of this shape: a decode graph (one query a
+        sequence) or a verify graph (a token and K drafts a sequence), every token sampled
+        or verified; None: none does."""
+        for graphs in (self._graphs, self._verify_graphs):
+            if graphs is not None and max_query_len == graphs.query_len \
+                    and num_tokens == num_seqs * graphs.query_len == num_logits \
+                    and graphs.bucket_for(num_seqs) is not None:
+                return graphs
+        return None
 
     def _waits_between_layers(self, chunks: list[SequenceChunk]) -> bool:
-        """The forward of these chunks can wait between its layers (a decode graph cannot)."""
-        return not self._takes_decode_graph(sum(len(chunk.token_ids) for chunk in chunks),
-                                            max(len(chunk.token_ids) for chunk in chunks),
-                                            all(chunk.sample for chunk in chunks))
+        """The forward of these chunks can wait between its layers (a whole-step graph
+        cannot)."""
+        return self._whole_graph(sum(len(chunk.token_ids) for chunk in chunks), len(chunks),
+                                 max(len(chunk.token_ids) for chunk in chunks),
+                                 len(logits_layout(chunks).token_indices)) is None
 
     def _forget_loaded_blocks(self, block_ids: list[int]) -> None:
         """CPU: blocks written from outside the model must be gathered again by the decode
@@ -431,10 +435,8 @@ class ModelRunner:
             raise ValueError(f"unknown request id {request_id!r}")
         drafts = list(scheduled.draft_token_ids) or [0] * scheduled.num_draft_slots
         if scheduled.num_draft_slots and (scheduled.draft_token_ids or not self.drafts.enabled):
-            raise ValueError(f"request {request_id}: {scheduled.num_draft_slots} draft slots, "
-                             f"but this worker has no draft model (--draft-model)"
-                             if not self.drafts.enabled else
-                             f"request {request_id}: draft slots and drafts in one step")
+            raise ValueError(f"request {request_id}: draft slots need a worker with a draft "
+                             f"model (this one has no draft model, or drafts came too)")
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_new_tokens
         known_end = end - len(drafts)  # drafts follow the last known token
         if num_new_tokens <= len(drafts) or known_end > state.num_tokens \
@@ -479,11 +481,6 @@ class _Sampled(NamedTuple):
     logprobs: list[TokenLogprobs | None]
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     num_accepted: list[int] | tuple = ()  # per sampled row: drafts kept ((): none sent)
-
-
-def mixed_graph_tokens(config: WorkerConfig) -> int:
-    """The largest step the piecewise graphs take: no larger than a step can be."""
-    return min(config.max_graph_tokens, config.max_num_batched_tokens)
 
 
 def _grammar_bank(model_dir: Path, vocab_size: int, eos_token_ids: list[int]):

@@ -63,6 +63,7 @@ def test_a_draft_model_in_the_speculative_config_reaches_the_worker(capsys):
     options = serve_options(args)
     worker = options.service_args["worker"]
     assert worker[worker.index("--draft-model") + 1] == "dummy:llama-3.2-1b"
+    assert worker[worker.index("--num-speculative-tokens") + 1] == "4"
     assert "--draft-model" not in options.service_args["scheduler"]
     assert "--draft-model" not in serve_options(build_parser().parse_args(
         ["serve", "--device", "cpu"])).service_args["worker"]

@@ -12,8 +12,8 @@ import pytest
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.speculation import (
-    NgramDrafts, NgramIndex, SpeculativeConfig, can_speculate, draft_model_of,
-    parse_speculative_config,
+    NgramDrafts, NgramIndex, SpeculativeConfig, can_speculate, parse_speculative_config,
+    worker_speculation,
 )
 from shared.messages import GenerateRequest, SamplingParams, StepResult, StructuredSpec
 
@@ -183,7 +183,10 @@ def test_a_draft_model_gets_slots_and_the_result_says_what_it_proposed():
     can take drafts (no repeat needed); the result's drafts are what the output keeps."""
     with pytest.raises(ValueError, match="model goes with method draft_model"):
         SpeculativeConfig(method="draft_model")
-    assert draft_model_of(DRAFT_MODEL) == "dummy:llama-3.2-1b" and draft_model_of(NGRAM) is None
+    assert worker_speculation(DRAFT_MODEL) == {"draft_model": "dummy:llama-3.2-1b",
+                                               "num_speculative_tokens": 3}
+    assert worker_speculation(NGRAM) == {"num_speculative_tokens": 3}
+    assert worker_speculation("") == {}
     core = scheduler(DRAFT_MODEL)
     submit(core, [9, 8, 7])
     step(core, sampled=5)

@@ -1,6 +1,8 @@
-"""The draft model on a real GPU (pytest -m gpu): its decode passes replay CUDA graphs, the
-memory profile sizes its cache and graphs, and the served model drafting for itself gives
-the tokens of plain decoding with every draft kept, at batch sizes 1 to 12."""
+"""Speculative decoding on a real GPU (pytest -m gpu): the draft model's decode passes replay
+CUDA graphs, the memory profile sizes its cache and graphs, and the served model drafting for
+itself gives the tokens of plain decoding with every draft kept, at batch sizes 1 to 12;
+verify steps (a token and K drafts a request) replay a graph that computes what the eager
+forward computes."""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ import torch
 from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
-from shared.messages import SamplingParams
+from services.worker.runner import ModelRunner
+from services.worker.step_inputs import SequenceChunk, build_step_inputs, logits_layout
+from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import ModelFiles
 
 pytestmark = [pytest.mark.gpu,
@@ -47,3 +51,28 @@ def test_the_served_model_drafting_for_itself_on_the_gpu(dummy_model):
     assert outputs["drafted"] == outputs["plain"]
     drafter = run.scheduler.drafter
     assert drafter.num_accepted_drafts == drafter.num_draft_tokens > 12 * 4
+
+
+@torch.inference_mode()
+def test_a_verify_graph_computes_what_the_eager_forward_computes(dummy_model):
+    """Three requests, each its last token and 3 drafts (a bucket of 4 sequences: one of
+    padding): the verify graph's logits are the eager forward's."""
+    runner = ModelRunner(WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="64MiB",
+                                      max_model_len=512, max_num_seqs=8,
+                                      num_speculative_tokens=3), dummy_model)
+    greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompts = {f"r{i}": list(range(5 + i, 40 + 9 * i)) for i in range(3)}
+    blocks = {rid: list(range(4 * i, 4 * i + 4)) for i, rid in enumerate(prompts)}
+    runner.execute(StepPlan(0, [NewRequestData(rid, p, greedy, blocks[rid])
+                                for rid, p in prompts.items()],
+                            [ScheduledRequest(rid, len(p)) for rid, p in prompts.items()]))
+    chunks = [SequenceChunk(token_ids=runner._requests[rid].token_ids[-1:] + [7, 8, 9],
+                            start=len(p), block_table=blocks[rid], sample=True, num_drafts=3)
+              for rid, p in prompts.items()]
+    layout = logits_layout(chunks)
+    input_ids, positions, metadata = build_step_inputs(chunks, 16, torch.device("cuda"), layout)
+    graphs = runner._whole_graph(len(input_ids), 3, 4, len(layout.token_indices))
+    assert graphs is runner._verify_graphs and graphs.bucket_for(3) == 4
+    from_graph = graphs.run(input_ids, positions, metadata).clone()  # [12, vocab_size]
+    eager = runner.model(input_ids, positions, metadata)
+    torch.testing.assert_close(from_graph, eager, rtol=1e-4, atol=1e-4)
