@@ -34,6 +34,9 @@ from kernels.skinny_gemm import (MAX_M, SkinnyConfig, config_for,
 SHAPES = {  # name: (N, K) of the Llama-3.1-8B projections
     "qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
     "down": (4096, 14336), "lm_head": (128256, 4096),
+    # Llama-3.2-1B's (speculative decoding's draft model for the 8B; --shapes 1b_qkv,...)
+    "1b_qkv": (3072, 2048), "1b_o_proj": (2048, 2048), "1b_gate_up": (16384, 2048),
+    "1b_down": (2048, 8192), "1b_lm_head": (128256, 2048),
 }
 
 
@@ -103,7 +106,7 @@ def _compile(job) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default="qkv,o_proj,gate_up,down,lm_head")
     parser.add_argument("--m", default="1,2,4,8,16")
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--replays", type=int, default=15)

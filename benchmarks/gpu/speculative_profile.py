@@ -59,6 +59,9 @@ def profile_run(run, prompts: list[list[int]], name: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=".devmodels/dummy-llama-3.1-8b")
+    parser.add_argument("--draft-model", default="",
+                        help="also profile this draft model at the same synthetic acceptance")
+    parser.add_argument("--skip-off", action="store_true", help="no run without drafts")
     cli = parser.parse_args()
     args = argparse.Namespace(model=cli.model, device="cuda", dtype="bfloat16",
                               kv_cache_memory="4GiB", batch=1)
@@ -66,7 +69,8 @@ def main() -> None:
     prompts = [[rng.randrange(100, 40_000) for _ in range(rng.randint(16, 64))]
                for _ in range(2)]
     plain = engine(args, "")
-    profile_run(plain, prompts, "off")
+    if not cli.skip_off:
+        profile_run(plain, prompts, "off")
     saved = {tuple(p): timed(plain, [p], 80, True)[0][0] for p in prompts}
     del plain
     path = Path(tempfile.mkdtemp()) / "replay.json"
@@ -76,6 +80,10 @@ def main() -> None:
                        "disable_by_batch_size": 0, "rejection_sample_method": "synthetic",
                        "synthetic_acceptance_length": 3.0})
     profile_run(engine(args, spec), prompts, "synthetic")
+    if cli.draft_model:
+        spec = json.dumps({**json.loads(spec), "method": "draft_model", "model": cli.draft_model,
+                           "replay_path": ""})
+        profile_run(engine(args, spec), prompts, "draft model")
 
 
 if __name__ == "__main__":

@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-steps-in-flight", type=int, default=2)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="one worker over this many GPUs (no kvstore then, as flotilla serve)")
     parser.add_argument("--profile-seconds", type=float, default=0.0,
                         help="py-spy the services for this long from the start of the timed run")
     parser.add_argument("--profile-dir", default=os.environ.get("OUT", "/tmp/out"))
@@ -140,11 +142,15 @@ def main() -> None:
     engine_flags = flags(max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens)
     log_dir = Path(tempfile.mkdtemp(prefix="flotilla-stack-"))
-    stack = Stack(StackOptions(model=args.model, port=free_port(), log_dir=log_dir, service_args={
+    tp = args.tensor_parallel_size
+    service_args = {
         "worker": engine_flags + flags(device="cuda", dtype="bfloat16",
-                                       max_model_len=args.max_model_len),
+                                       max_model_len=args.max_model_len,
+                                       tensor_parallel_size=tp),
         "scheduler": engine_flags + flags(max_steps_in_flight=args.max_steps_in_flight)
-        + ["--no-prefix-caching"]}))
+        + ["--no-prefix-caching"]}
+    stack = Stack(StackOptions(model=args.model, port=free_port(), log_dir=log_dir,
+                               kvstore=tp == 1, worker_gpus=tp, service_args=service_args))
     stack.start(timeout_s=600)
     profiler = None
     if args.profile_seconds > 0 and shutil.which("py-spy"):
@@ -159,6 +165,7 @@ def main() -> None:
         stack.stop()
     result = {"benchmark": "stack_throughput", "model": args.model, "device": device_name(),
               "num_prompts": args.num_prompts, "max_steps_in_flight": args.max_steps_in_flight,
+              "tensor_parallel_size": tp,
               **result, "logs": str(log_dir)}
     save(f"stack_throughput_{args.max_steps_in_flight}_{args.model}", result)
     print(f"\nstack {args.model}: {result['total_tok_s']:,.0f} total tok/s, "
