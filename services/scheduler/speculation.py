@@ -19,6 +19,9 @@ whatever the model computes, ``synthetic_acceptance_length`` tokens a verify ste
 (the model's own token counted): ``floor(L - 1)`` drafts always and one more with the
 fractional rest's probability. Output is then not the model's; engines can be compared at
 one acceptance on random weights, where greedy tokens are near-ties and no draft survives.
+``method: "draft_model"`` (``model``: the draft) plans draft slots instead (``ModelDrafts``):
+the worker's draft model fills them before the step's forward and the result says what it
+proposed (services/worker/draft_model.py).
 
 The worker computes the request's last token and its drafts in one query; under greedy
 decoding it keeps each draft while it equals the model's argmax at the position before,
