@@ -34,6 +34,15 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (28672, 4096): SkinnyConfig(32, 128, max_m=4),  # gate_up: 55.6 vs 56.1; 0.99x at 8, 16
     (4096, 14336): SkinnyConfig(128, 128, split_k=4, num_stages=4, max_m=16),  # down: 30.7 vs 31.4
     (128256, 4096): SkinnyConfig(64, 128, max_m=16),  # lm_head: 231.5 vs 239.8
+    # Llama-3.2-1B (speculative decoding's draft for the 8B), H200, 2026-11-27, µs at M = 1 / 8
+    # against cuBLAS in the same run (`--sweep --shapes 1b_qkv,...`; measured up to 8 rows)
+    (3072, 2048): SkinnyConfig(32, 256, num_stages=4, max_m=8),  # qkv: 5.8 / 5.8 vs 6.3 / 6.6
+    (2048, 2048): SkinnyConfig(32, 256, num_stages=4, max_m=8),  # o_proj: 5.2 / 5.2 vs 6.2 / 6.2
+    (16384, 2048): SkinnyConfig(64, 256, max_m=8),  # gate_up: 17.1 / 17.6 vs 18.4 / 18.4
+    # down: 11.7 / 11.8 vs 13.7 / 13.8
+    (2048, 8192): SkinnyConfig(32, 128, split_k=4, num_stages=4, max_m=8),
+    # lm_head (tied embeddings): 117.7 / 120.9 vs 121.8 / 124.8
+    (128256, 2048): SkinnyConfig(128, 128, num_stages=4, max_m=8),
 }
 
 
