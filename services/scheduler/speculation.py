@@ -30,8 +30,8 @@ the tokens plain greedy decoding gives, one to ``num_speculative_tokens + 1`` a 
 
 A request that samples keeps each draft with the model's probability of it and draws a
 replacement at the first rejection (rejection sampling): the same distribution as plain
-sampling. Only requests whose logits nothing adjusts are drafted for (no penalties, logit
-bias, min_tokens, min_p, grammar, logprobs); the others decode as before in the same steps.
+sampling. Requests with penalties, a grammar or logprobs are not drafted for
+(``can_speculate``); they decode as before in the same steps.
 ``NoDrafts`` is the seam's null side: no speculation.
 """
 
@@ -152,15 +152,15 @@ def worker_speculation(text: str | None) -> dict[str, object]:
 
 
 def can_speculate(sampling: SamplingParams) -> bool:
-    """Logits nothing adjusts and nothing reported per token: verifying drafts by the argmax
-    (greedy) then gives exactly the tokens plain decoding gives, and by rejection sampling
-    (temperature, top-k, top-p) exactly its distribution; and not opted out (the request's
-    ``speculative: false``)."""
+    """Nothing reported per token, and logits adjusted, if at all, by what depends only on the
+    position (logit_bias, min_tokens, min_p: the worker adjusts each verify row as it would the
+    row it samples from): verifying drafts by the argmax (greedy) then gives exactly the tokens
+    plain decoding gives, and by rejection sampling exactly its distribution. Penalties (they
+    depend on the drafts before) and grammars (a draft must advance the matcher) are left
+    out. And not opted out (the request's ``speculative: false``)."""
     return sampling.speculative and not (
-        sampling.logit_bias or sampling.min_tokens or sampling.structured is not None
-        or sampling.has_penalties or sampling.logprobs is not None
-        or sampling.prompt_logprobs is not None
-        or (sampling.min_p > 0.0 and not sampling.is_greedy))
+        sampling.structured is not None or sampling.has_penalties
+        or sampling.logprobs is not None or sampling.prompt_logprobs is not None)
 
 
 class NgramIndex:

@@ -347,7 +347,9 @@ class ModelRunner:
             layout.first_rows, logits)
         params = [s.sampling for s in states]
         rows, num_accepted, residual_tokens = verify_drafts(  # speculation.py
-            logits, layout, chunks, params, [s.num_outputs for s in states])
+            logits, layout, chunks, params, [s.num_outputs for s in states],
+            lambda rows_, owners, indices: self.sampler.adjusted(
+                rows_, [sampled_ids[i] for i in owners], [params[i] for i in owners], indices))
         if len(rows) != logits.shape[0]:
             logits = logits[rows]  # [num_sampled, vocab_size]
         # a request's next draw is its output number num_outputs + the drafts it keeps

@@ -76,8 +76,8 @@ class Sampler:
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         # [num_logprob_rows, vocab_size]: the model's own distribution, before any adjustment
         logprobs = logits[logprob_rows].float().log_softmax(-1) if logprob_rows else None
-        if any(_adjusts(p) for p in params):  # in place: the caller is done with these logits
-            logits = self._adjusted(logits, request_ids, params, output_indices)
+        # in place: the caller is done with these logits
+        logits = self.adjusted(logits, request_ids, params, output_indices)
         token_ids = sample(logits, params, generators, output_indices)
         self.penalties.count(request_ids, token_ids)
         if self.grammars is not None:
@@ -97,16 +97,21 @@ class Sampler:
                          generators: list[torch.Generator | None]) -> torch.Tensor:
         """``sample`` for rows whose requests need no host tokens (no logprobs, grammar or
         penalties): the token ids [num_rows] stay on the device, nothing waits for them."""
-        if any(_adjusts(p) for p in params):
-            logits = self._adjusted(logits, request_ids, params, output_indices)
+        logits = self.adjusted(logits, request_ids, params, output_indices)
         if all(p.is_greedy for p in params):
             return logits.argmax(dim=-1)
         if logits.is_cuda:
             return sample_with_kernel(logits, params, output_indices)
         return torch.tensor(sample(logits, params, generators, output_indices))
 
-    def _adjusted(self, logits: torch.Tensor, request_ids: list[str],
-                  params: list[SamplingParams], output_indices: list[int]) -> torch.Tensor:
+    def adjusted(self, logits: torch.Tensor, request_ids: list[str],
+                 params: list[SamplingParams], output_indices: list[int]) -> torch.Tensor:
+        """The rows [num_rows, vocab_size] as tokens are drawn from them: logit_bias, the ends
+        min_tokens forbids, the grammar's mask, penalties, min_p; in place (pass a copy to
+        keep the model's). ``output_indices``: per row, the tokens its request generated
+        before the one drawn there."""
+        if not any(_adjusts(p) for p in params):
+            return logits
         device = logits.device
         # (row, token, value) triples: added biases, and -inf for tokens min_tokens forbids
         biased = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()]

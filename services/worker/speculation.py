@@ -17,6 +17,9 @@ when every draft is kept, the sampler draws the next token from the row after th
 uniform and each residual draw is seeded by (seed, output index) like any seeded draw, so a
 seeded request given the same drafts gives the same tokens.
 
+Each verify row is first adjusted as the sampler adjusts a row it draws from (logit_bias,
+min_tokens, min_p), at its own output index, so what is kept is what plain decoding gives.
+
 Rejected drafts' positions count as not computed: their KV slots are written again. A
 chunk with ``num_forced_accept`` >= 0 (the scheduler's synthetic acceptance, a benchmark
 mode) keeps that many drafts unverified; the token after them is sampled as after kept ones.
@@ -25,6 +28,7 @@ mode) keeps that many drafts unverified; the token after them is sampled as afte
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -35,6 +39,9 @@ from services.worker.step_inputs import LogitsLayout, SequenceChunk
 from shared.messages import SamplingParams
 
 _RESIDUAL_SALT = 0x5EED  # the residual draw's seed differs from the same position's uniform
+# (rows [n, vocab_size], per row its sampled-chunk index, per row its output index) -> the rows
+# as the sampler would draw from them
+Adjust = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 
 
 class Verified(NamedTuple):
@@ -45,12 +52,16 @@ class Verified(NamedTuple):
 
 
 def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[SequenceChunk],
-                  params: list[SamplingParams], output_indices: list[int]) -> Verified:
+                  params: list[SamplingParams], output_indices: list[int],
+                  adjust: Adjust | None = None) -> Verified:
     """logits: [num_logit_rows, vocab_size]; params, output_indices: per sampled chunk (its
-    request's sampling and tokens generated so far). Greedy chunks: one argmax over their
-    verify rows, one read back; sampling ones: ``reject_drafts``, with the request's seed or
-    a fresh one (a tensor-parallel group's leader seeds every random request, so its ranks
-    agree)."""
+    request's sampling and tokens generated so far). ``adjust``: what the sampler does to a
+    row before drawing from it (logit_bias, min_tokens, min_p; ``Sampler.adjusted``), given
+    (rows, per row its sampled-chunk index, per row its output index); the verify rows go
+    through it on a copy, so a draft is kept only where the adjusted row would give it.
+    Greedy chunks: one argmax over their verify rows, one read back; sampling ones:
+    ``reject_drafts``, with the request's seed or a fresh one (a tensor-parallel group's leader
+    seeds every random request, so its ranks agree)."""
     sampled = [chunk for chunk in chunks if chunk.sample]
     rows = list(layout.sample_rows)
     if not any(chunk.num_drafts for chunk in sampled):
@@ -62,16 +73,26 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
         if chunk.num_forced_accept >= 0:
             accepted[index] = min(chunk.num_forced_accept, chunk.num_drafts)
     verify = [entry for entry in verify if entry[2].num_forced_accept < 0]
-    greedy = [(row, chunk) for index, row, chunk in verify if params[index].is_greedy]
-    argmax = iter(logits[[row + i for row, chunk in greedy for i in range(chunk.num_drafts)]]
-                  .argmax(-1).tolist() if greedy else [])  # [num greedy draft rows]
-    for index, row, chunk in verify:
+    if not verify:
+        return Verified([row + num for row, num in zip(rows, accepted)], accepted, {})
+    # [num verify rows, vocab_size]: draft i of a chunk is verified at its row + i
+    owners = [index for index, _, chunk in verify for _ in range(chunk.num_drafts)]
+    verify_logits = logits[[row + i for _, row, chunk in verify for i in range(chunk.num_drafts)]]
+    if adjust is not None:
+        offsets = [i for _, _, chunk in verify for i in range(chunk.num_drafts)]
+        verify_logits = adjust(verify_logits, owners, [output_indices[index] + offset
+                                                        for index, offset in zip(owners, offsets)])
+    greedy_rows = [n for n, index in enumerate(owners) if params[index].is_greedy]
+    argmax = iter(verify_logits[greedy_rows].argmax(-1).tolist() if greedy_rows else [])
+    first = 0
+    for index, _, chunk in verify:
         drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
+        own_rows, first = verify_logits[first:first + len(drafts)], first + len(drafts)
         if params[index].is_greedy:
             matches = [next(argmax) == draft for draft in drafts]
             accepted[index] = matches.index(False) if False in matches else len(drafts)
             continue
-        probs = filtered_probs(logits[row:row + len(drafts)].float(),
+        probs = filtered_probs(own_rows.float(),
                                [params[index]] * len(drafts))  # [num_drafts, vocab_size]
         seed = params[index].seed
         accepted[index], token = reject_drafts(

@@ -163,3 +163,27 @@ def test_a_draft_model_gives_the_same_tokens_and_itself_drafts_what_it_decodes(m
     runs = [[c.output_token_ids for c in engine.generate(all_prompts[:8], sampling)[0]]
             for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_requests_with_logit_bias_min_tokens_or_min_p_are_drafted_and_keep_their_tokens(model):
+    """logit_bias, min_tokens and min_p adjust each verify row as the sampled row: greedy
+    requests with them get drafts, and exactly the tokens they get without."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model.path))
+    batch = [p for p in prompts(tokenizer, 40) if len(p) > 12][:9]
+    comma = tokenizer.encode(",")[0]
+    kinds = [SamplingParams(temperature=0.0, max_tokens=24, logit_bias={comma: 2.5}),
+             SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20),
+             SamplingParams(temperature=0.0, max_tokens=24, min_p=0.2, logit_bias={comma: -5})]
+    sampling = [kinds[i % len(kinds)] for i in range(len(batch))]
+    outputs = []
+    for spec in ("", NGRAM):
+        engine = Engine(SchedulerConfig(speculative_config=spec, max_num_seqs=64),
+                        WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB"),
+                        model)
+        outputs.append([c.output_token_ids for c in engine.generate(batch, sampling)[0]])
+    assert outputs[1] == outputs[0]
+    assert all(len(tokens) >= 20 for tokens in outputs[0][1::3])  # min_tokens held
+    drafter = engine.scheduler.drafter
+    assert drafter.num_accepted_drafts > drafter.num_draft_tokens // 4 > 0

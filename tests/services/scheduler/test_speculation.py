@@ -94,16 +94,18 @@ def test_a_replay_file_that_cannot_be_read_fails_the_config_naming_it(tmp_path):
             parse_speculative_config(f'{{"method": "replay", "replay_path": "{path}"}}')
 
 
-def test_only_requests_whose_logits_nothing_adjusts_are_drafted_for():
+def test_requests_whose_adjustments_depend_only_on_the_position_are_drafted_for():
     greedy = SamplingParams(temperature=0.0)
     assert can_speculate(greedy) and can_speculate(SamplingParams(top_k=1))
     # sampling with temperature, top-k and top-p: rejection sampling keeps the distribution
     assert can_speculate(SamplingParams(temperature=0.7, top_k=20, top_p=0.9))
-    for other in (SamplingParams(temperature=0.7, min_p=0.1),
-                  SamplingParams(temperature=0.0, logprobs=2),
+    # the worker adjusts each verify row as it adjusts the row it samples from
+    for adjusted in (SamplingParams(temperature=0.7, min_p=0.1),
+                     SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
+                     SamplingParams(temperature=0.0, min_tokens=4)):
+        assert can_speculate(adjusted)
+    for other in (SamplingParams(temperature=0.0, logprobs=2),
                   SamplingParams(temperature=0.0, repetition_penalty=1.1),
-                  SamplingParams(temperature=0.0, logit_bias={3: 1.0}),
-                  SamplingParams(temperature=0.0, min_tokens=4),
                   SamplingParams(temperature=0.0, speculative=False),  # opted out
                   SamplingParams(temperature=0.0, structured=StructuredSpec(kind="json_object"))):
         assert not can_speculate(other)

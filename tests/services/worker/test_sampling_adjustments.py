@@ -53,7 +53,7 @@ def test_penalties_match_the_reference_per_row():
     for i, (p, (prompt, outputs)) in enumerate(zip(params, histories)):
         sampler.add(f"r{i}", p, prompt + outputs, len(prompt))
     logits = random_logits(4)
-    adjusted = sampler._adjusted(logits.clone(), ["r0", "r1", "r2", "r3"], params, [3, 4, 1, 2])
+    adjusted = sampler.adjusted(logits.clone(), ["r0", "r1", "r2", "r3"], params, [3, 4, 1, 2])
     for i, (p, (prompt, outputs)) in enumerate(zip(params, histories)):
         expected = penalized_ref(logits[i], prompt, outputs, p) if p.has_penalties else logits[i]
         torch.testing.assert_close(adjusted[i], expected)

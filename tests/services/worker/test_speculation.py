@@ -156,3 +156,30 @@ def test_seeded_sampling_with_drafts_is_reproducible_and_keeps_drafts(dummy_mode
     alone, with_other = run(False), run(True)
     assert alone == with_other
     assert len(alone[0]) == 1 + sum(alone[1]) + 5
+
+
+def test_verify_rows_are_adjusted_as_the_row_sampled_from_is(runner, dummy_model):
+    """logit_bias and min_tokens adjust each verify row as the sampler adjusts the row it draws
+    from, at that row's own output index: a bias makes token 42 the argmax, and min_tokens
+    forbids it (a stop token) for the first 3 outputs. Drafts that cross that boundary are
+    kept where plain decoding would give them; a 42 drafted too early is not."""
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True,
+                            logit_bias={42: 100.0}, min_tokens=3, stop_token_ids=[42])
+    plan = StepPlan(0, [NewRequestData("r", PROMPT, params, BLOCKS)],
+                    [ScheduledRequest("r", len(PROMPT))])
+    expected = list(runner.execute(plan).sampled_token_ids)
+    for step_id in range(1, 6):
+        expected += runner.execute(StepPlan(step_id, [], [ScheduledRequest("r", 1)])
+                                   ).sampled_token_ids
+    assert 42 not in expected[:3] and expected[3:] == [42, 42, 42]
+    fresh = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+                                     block_size=16), dummy_model)
+    tokens = list(fresh.execute(plan).sampled_token_ids)
+    early = fresh.execute(StepPlan(1, [], [ScheduledRequest("r", 3, [], [42, 42])]))
+    assert early.num_accepted_drafts == [0]  # output 1: 42 still forbidden
+    tokens += early.sampled_token_ids
+    # outputs 2, 3, 4 drafted: the first as plain decoding gives it, then 42 twice
+    crossing = fresh.execute(StepPlan(2, [], [ScheduledRequest("r", 4, [], expected[2:5])]))
+    assert crossing.num_accepted_drafts == [3]
+    tokens += expected[2:5] + crossing.sampled_token_ids
+    assert tokens == expected
