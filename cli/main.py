@@ -120,11 +120,9 @@ def flag_error(args: argparse.Namespace) -> str | None:
     """A flag the services would refuse at start (the stack would restart them until it gave
     up), said at once: None when every flag can run."""
     try:
-        draft_model = worker_speculation(args.speculative_config).get("draft_model")
+        worker_speculation(args.speculative_config)
     except ValueError as exc:
         return str(exc)
-    if draft_model and tensor_parallel_size_of(args) > 1:
-        return "--speculative-config's draft model cannot run on a tensor-parallel worker yet"
     if args.gateway_workers < 1:
         return f"--gateway-workers must be at least 1, not {args.gateway_workers}"
     return engine_flag_error(args)

@@ -146,9 +146,6 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         if self.tensor_parallel_size > 1 and self.kv_node_id:
             raise ValueError("a tensor-parallel worker (tensor_parallel_size > 1) cannot use "
                              "the kvstore yet: leave kv_node_id empty")
-        if self.tensor_parallel_size > 1 and self.draft_model:
-            raise ValueError("a tensor-parallel worker (tensor_parallel_size > 1) cannot run a "
-                             "draft model yet: leave draft_model empty")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be between 0 and 16, not "
                              f"{self.num_speculative_tokens}")

@@ -50,7 +50,8 @@ MAX_GRAPH_BATCH = 64  # draft passes of more rows run eagerly (drafts are for sm
 def load_draft_model(config: WorkerConfig, target: ModelConfig, max_model_len: int,
                      device: torch.device, dtype: torch.dtype) -> Transformer:
     """``config.draft_model``, with the served model's (``target``) vocabulary and at least
-    ``max_model_len`` of context; in --quantization where the checkpoint allows."""
+    ``max_model_len`` of context; in --quantization where the checkpoint allows. Whole on every
+    tensor-parallel rank: each rank drafts the same tokens itself, with no collective."""
     files = resolve_model(config.draft_model, config.cache_dir)
     draft = load_model(files.path, device, dtype, seed=config.seed,
                        quantization=check_quantization(files.path, config.quantization, device))

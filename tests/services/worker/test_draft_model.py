@@ -142,8 +142,3 @@ def test_a_draft_model_of_another_vocabulary_is_refused(dummy_model, tmp_path_fa
     other = tiny_variant(tmp_path_factory, "small-vocab", vocab_size=1000)
     with pytest.raises(ValueError, match="vocabulary of 1000 tokens"):
         ModelRunner(config(draft=other), dummy_model)
-
-
-def test_a_tensor_parallel_worker_refuses_a_draft_model():
-    with pytest.raises(ValueError, match="draft model"):
-        WorkerConfig(tensor_parallel_size=2, draft_model="smollm2")
