@@ -268,6 +268,8 @@ class FakeOffload:
 class FakeDecodeGraphs:
     """Takes every decode-shaped step (as the real ones would), run eagerly."""
 
+    query_len = 1  # one query a sequence
+
     def __init__(self, model) -> None:
         self.model, self.num_runs = model, 0
 
