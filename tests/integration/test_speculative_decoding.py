@@ -50,3 +50,29 @@ def test_greedy_chats_equal_the_reference_and_drafts_are_counted(
                     == metric(url, "flotilla_spec_decode_accepted_tokens_total"))
     assert 0 < metric(url, "flotilla_spec_decode_accepted_tokens_per_pos_total",
                       'position="0"') <= metric(url, "flotilla_spec_decode_drafts_total")
+
+
+def test_a_draft_model_through_the_stack_gives_the_reference_text(
+        tmp_path, model_name, hf_model, hf_tokenizer):
+    """``method: "draft_model"``: the worker loads the draft (here the served model itself)
+    from the flags flotilla serve gives it, fills each verify step's draft slots, and the text
+    is Hugging Face's greedy text with nearly every draft kept."""
+    spec = json.dumps({"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4})
+    stack = start_stack(tmp_path, kvstore=False, service_args={
+        "scheduler": ["--speculative-config", spec],
+        "worker": ["--kv-cache-memory", "256MiB", "--draft-model", "smollm2",
+                   "--num-speculative-tokens", "4"]})
+    try:
+        client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": CHATS[0]}]
+        response = client.chat.completions.create(model=model_name, messages=messages,
+                                                  temperature=0, max_tokens=32)
+        _, ref_ids = hf_greedy(hf_model, hf_tokenizer, messages, 32)
+        assert response.choices[0].message.content == hf_tokenizer.decode(
+            ref_ids, skip_special_tokens=True)
+        url = stack.base_url + "/metrics"
+        assert wait_for(lambda: metric(url, "flotilla_spec_decode_accepted_tokens_total") > 0)
+        assert metric(url, "flotilla_spec_decode_accepted_tokens_total") >= \
+            0.9 * metric(url, "flotilla_spec_decode_draft_tokens_total")
+    finally:
+        stack.stop()
