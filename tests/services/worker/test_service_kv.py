@@ -188,9 +188,11 @@ async def test_a_kvstore_absent_at_start_then_restarted(runner, nats_url, tmp_pa
 
         kvstore = StandInKvStore(client, namespace, tmp_path, "store-1")
         await kvstore.start()
-        assert await eventually(lambda: runner.kv.offload is not None)
+        # attached first, then its slots reserved (kv_upkeep._attach): wait for both
+        assert await eventually(lambda: runner.kv.offload is not None
+                                and runner.kv.offload.slot_pool.num_free > 0)
         first = runner.kv.offload
-        assert first.store_id == "store-1" and first.slot_pool.num_free > 0
+        assert first.store_id == "store-1"
 
         service.kv_upkeep.stop()  # the restart happens between two upkeep rounds
         kvstore.store_id = "store-2"  # restarted: a new arena file at the same path
