@@ -37,7 +37,7 @@ serve: $(SERVE_STAMP)
 	$(BIN)/flotilla serve $(ARGS)
 
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra --durations=30 $(PYTEST_ARGS)
 
 test-unit: $(TEST_STAMP)
 	$(BIN)/python -m pytest -ra -m 'not integration and not gpu' $(PYTEST_ARGS)
