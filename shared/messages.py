@@ -397,6 +397,8 @@ class WorkerInfo(Struct, frozen=True, kw_only=True):
     # the kvstore this worker is attached to ("": none); the scheduler looks prefixes up there
     kv_namespace: str = ""
     kv_node_id: str = ""
+    # the draft model that fills draft slots (speculative decoding's draft_model; "": none)
+    draft_model: str = ""
 
 
 # ----------------------------------------------------------------- step plans' KV parts

@@ -34,7 +34,7 @@ from services.scheduler.chunk_pacer import ChunkPacer
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.kv_tier import IsWanted, KvTierHooks
 from services.scheduler.outputs import append_outputs, request_output
-from services.scheduler.speculation import drafter, parse_speculative_config
+from services.scheduler.speculation import NoDrafts, drafter, parse_speculative_config
 from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
 from services.scheduler.request import Request, TierHit
 from services.scheduler.siblings import num_blocks_needed, shares_prompt, sibling_requests
@@ -65,7 +65,9 @@ class Emitted:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int,
                  max_model_len: int, eos_token_ids: list[int], model_name: str = "",
-                 kv: KvTierHooks | None = None) -> None:
+                 kv: KvTierHooks | None = None, worker_drafts: bool = True) -> None:
+        """``worker_drafts``: the worker has a draft model to fill draft slots (without one,
+        method draft_model drafts nothing rather than send plans the worker refuses)."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -75,6 +77,8 @@ class Scheduler:
         self.chunk_pacer = ChunkPacer(config.chunk_step_ratio, config.max_num_batched_tokens,
                                       min_tokens=block_size)
         self.drafter = drafter(parse_speculative_config(config.speculative_config))
+        if self.drafter.drafts_in_worker and not worker_drafts:
+            self.drafter = NoDrafts()
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []

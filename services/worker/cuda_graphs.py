@@ -259,13 +259,13 @@ class PiecewiseGraphs:
 MAX_VERIFY_GRAPH_TOKENS = 256  # larger verify steps (many drafted requests) run piecewise
 
 
-def verify_graphs(model: Transformer, config: WorkerConfig, max_model_len: int,
-                  device: torch.device) -> DecodeGraphs:
-    """Graphs of verify steps: K + 1 queries a sequence (K: config.num_speculative_tokens), at
-    most MAX_VERIFY_GRAPH_TOKENS tokens."""
-    query_len = config.num_speculative_tokens + 1
-    return DecodeGraphs(model, min(config.max_num_seqs, MAX_VERIFY_GRAPH_TOKENS // query_len),
-                        -(-max_model_len // config.block_size), max_model_len, device,
+def verify_graphs(model: Transformer, max_num_seqs: int, num_speculative_tokens: int,
+                  block_size: int, max_model_len: int, device: torch.device) -> DecodeGraphs:
+    """Graphs of verify steps: K + 1 queries a sequence (K: num_speculative_tokens), at most
+    MAX_VERIFY_GRAPH_TOKENS tokens (the worker's and the memory profile's, alike)."""
+    query_len = num_speculative_tokens + 1
+    return DecodeGraphs(model, min(max_num_seqs, MAX_VERIFY_GRAPH_TOKENS // query_len),
+                        -(-max_model_len // block_size), max_model_len, device,
                         query_len=query_len)
 
 
@@ -288,6 +288,7 @@ def capture_step_graphs(model: Transformer, config: WorkerConfig, max_model_len:
         mixed.capture()
     verify = None
     if config.num_speculative_tokens:
-        verify = verify_graphs(model, config, max_model_len, device)
+        verify = verify_graphs(model, config.max_num_seqs, config.num_speculative_tokens,
+                               config.block_size, max_model_len, device)
         verify.capture()
     return decode, verify, mixed

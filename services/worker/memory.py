@@ -18,7 +18,7 @@ import torch
 
 from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.sampling import sample_tokens
-from services.worker.cuda_graphs import MAX_VERIFY_GRAPH_TOKENS, DecodeGraphs, PiecewiseGraphs
+from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, verify_graphs
 from services.worker.draft_model import MAX_GRAPH_BATCH
 from services.worker.model import AttentionMetadata, Transformer
 
@@ -150,9 +150,8 @@ def _cuda_graph_bytes(model: Transformer, batch_size: int, num_tokens: int, max_
         mixed.capture([mixed.buckets[-1]])
     verify = None
     if num_speculative_tokens:
-        query_len = num_speculative_tokens + 1
-        verify = DecodeGraphs(model, min(batch_size, MAX_VERIFY_GRAPH_TOKENS // query_len),
-                              -(-max_model_len // block_size), max_model_len, device, query_len)
+        verify = verify_graphs(model, batch_size, num_speculative_tokens, block_size,
+                               max_model_len, device)
         verify.capture([verify.buckets[-1]])
     torch.cuda.empty_cache()
     graph_bytes = free_before - torch.cuda.mem_get_info(device)[0]

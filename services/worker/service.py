@@ -177,7 +177,8 @@ class WorkerService:
             block_size=runner.block_size, max_model_len=runner.max_model_len,
             eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=runner.kv_cache_bytes,
             device=str(runner.device), dtype=str(runner.dtype),
-            kv_namespace=self.kv_upkeep.namespace, kv_node_id=self.kv_upkeep.node_id)
+            kv_namespace=self.kv_upkeep.namespace, kv_node_id=self.kv_upkeep.node_id,
+            draft_model=self.config.draft_model)
 
     async def _on_health(self, _: Empty) -> HealthReply:
         detail = {

@@ -206,6 +206,22 @@ def test_a_draft_model_gets_slots_and_the_result_says_what_it_proposed():
                                      draft_token_ids=[[11]]))
 
 
+def test_a_worker_without_a_draft_model_gets_plain_decode_steps():
+    """A deployment whose worker lacks --draft-model (WorkerInfo.draft_model ""): draft slots
+    would fail every step the worker takes, so the scheduler drafts nothing; n-gram drafts
+    need no worker model and stay."""
+    core = Scheduler(SchedulerConfig(speculative_config=DRAFT_MODEL), num_blocks=64,
+                     block_size=4, max_model_len=128, eos_token_ids=[EOS], worker_drafts=False)
+    assert not core.drafter.enabled
+    submit(core, [9, 8, 7])
+    step(core, sampled=5)
+    plan = core.schedule()
+    assert (plan.scheduled[0].num_draft_slots, plan.scheduled[0].num_new_tokens) == (0, 1)
+    ngram = Scheduler(SchedulerConfig(speculative_config=NGRAM), num_blocks=64, block_size=4,
+                      max_model_len=128, eos_token_ids=[EOS], worker_drafts=False)
+    assert ngram.drafter.enabled
+
+
 def test_drafts_stop_at_max_tokens_and_an_end_among_them_ends_the_output():
     core = scheduler()
     submit(core, [1, 2, EOS, 5, 1, 2], max_tokens=3)
