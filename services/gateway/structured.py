@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
 from shared.errors import InvalidRequest
 from shared.grammar import JSON_OBJECT, JSON_OPTIONS, JSON_SCHEMA, grammar_for  # noqa: F401
