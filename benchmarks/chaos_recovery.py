@@ -2,7 +2,9 @@
 
     python -m benchmarks.chaos_recovery [--streams 8] [--max-tokens 48] [--restart-after 2]
 
-For each victim in turn (tokenizer, worker, scheduler, gateway, nats-server): the services
+For each victim in turn (tokenizer, worker, scheduler, gateway, nats-server; ``worker-rank``:
+rank 1 of a tensor-parallel worker, with ``--worker-args "--tensor-parallel-size 2 ..."``,
+after which rank 0 must exit by itself): the services
 run one by one on their own nats-server (the operator's setup the issue describes, no
 supervisor), N greedy streams are in flight, the victim gets SIGKILL, and it is started
 again (same flags; nats-server on the same port) ``--restart-after`` seconds later.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import subprocess
 import tempfile
@@ -32,6 +35,7 @@ PROMPT = "Tell me a story about {topic}."
 TOPICS = ["a dragon", "the sea", "a robot", "a city", "winter", "a cat", "the moon", "a train",
           "a garden", "music", "a river", "bread", "a lighthouse", "a forest", "snow", "bees"]
 VICTIMS = ("tokenizer", "worker", "scheduler", "gateway", "nats")
+RANK_EXIT_DEADLINE_S = 30.0
 
 
 class Stream(threading.Thread):
@@ -102,12 +106,35 @@ def first_good_request(base_url: str, model: str, timeout_s: float) -> float | N
     return None
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes ``pid`` started (a tensor-parallel worker's ranks 1.., and spawn's
+    resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in children
+            if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def kill_rank(stack: Stack) -> float:
+    """SIGKILL rank 1 of the worker -> seconds until rank 0 exited by itself."""
+    worker = stack.processes["worker"]
+    rank_1 = child_pids(worker.pid)[0]
+    killed_at = time.monotonic()
+    os.kill(rank_1, signal.SIGKILL)
+    try:
+        worker.wait(RANK_EXIT_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        stack.stop_service("worker", signal.SIGKILL)
+        return float("inf")
+    return time.monotonic() - killed_at
+
+
 def run_victim(victim: str, args, model: str, log_dir: Path) -> dict:
     nats = NatsServer(free_port())
     nats.start()
     stack = Stack(StackOptions(model=args.model, host="127.0.0.1", port=free_port(),
                                nats_url=f"nats://127.0.0.1:{nats.port}", log_dir=log_dir / victim,
-                               service_args={"worker": ["--kv-cache-memory", "256MiB"]}))
+                               service_args={"worker": args.worker_args.split()},
+                               kvstore="--tensor-parallel-size" not in args.worker_args))
     try:
         stack.start(timeout_s=300)
         bodies = [{"model": model, "prompt": PROMPT.format(topic=TOPICS[i % len(TOPICS)]),
@@ -121,8 +148,11 @@ def run_victim(victim: str, args, model: str, log_dir: Path) -> dict:
             stream.start()
         while not all(s.num_chunks >= 3 or not s.is_alive() for s in streams):
             time.sleep(0.05)
+        rank_0_exit_s = None
         if victim == "nats":
             nats.kill()
+        elif victim == "worker-rank":
+            rank_0_exit_s = kill_rank(stack)
         else:
             stack.stop_service(victim, signal.SIGKILL)
         time.sleep(args.restart_after)
@@ -130,7 +160,7 @@ def run_victim(victim: str, args, model: str, log_dir: Path) -> dict:
         if victim == "nats":
             nats.start()
         else:
-            stack.start_service(victim)
+            stack.start_service("worker" if victim == "worker-rank" else victim)
         recovery_s = first_good_request(stack.base_url, model, args.deadline)
         for stream in streams:
             stream.join(max(0.0, args.deadline - (time.monotonic() - restarted_at)))
@@ -140,7 +170,8 @@ def run_victim(victim: str, args, model: str, log_dir: Path) -> dict:
             if outcome == "done":
                 outcome = "done, same text" if stream.text == expected else "done, DIFFERENT text"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
-        return {"victim": victim, "outcomes": outcomes,
+        return {"victim": victim, "outcomes": outcomes, "rank_0_exit_s": rank_0_exit_s,
+                "streams_ended_s": round(time.monotonic() - restarted_at, 1),
                 "first_good_request_s": None if recovery_s is None else round(recovery_s, 1),
                 "migrations": migrations(stack.base_url) - before}
     finally:
@@ -157,7 +188,10 @@ def main() -> None:
     parser.add_argument("--restart-after", type=float, default=2.0)
     parser.add_argument("--deadline", type=float, default=120.0,
                         help="a stream or the recovery still waiting after this is a hang")
-    parser.add_argument("--victims", default=",".join(VICTIMS))
+    parser.add_argument("--victims", default=",".join(VICTIMS),
+                        help=f"comma-separated, of {', '.join(VICTIMS)}, worker-rank")
+    parser.add_argument("--worker-args", default="--kv-cache-memory 256MiB",
+                        help="the worker's flags, e.g. \"--tensor-parallel-size 2\" on GPUs")
     parser.add_argument("--result-json", default=None)
     args = parser.parse_args()
     model = resolve_model(args.model).name
@@ -168,6 +202,9 @@ def main() -> None:
         outcomes = ", ".join(f"{n} {what}" for what, n in r["outcomes"].items())
         recovery = "never" if r["first_good_request_s"] is None else f"{r['first_good_request_s']} s"
         print(f"{r['victim']:<10} {outcomes:<45} {recovery:>20} {r['migrations']:>11g}")
+        if r["rank_0_exit_s"] is not None:
+            print(f"{'':<10} rank 0 exited {r['rank_0_exit_s']:.1f} s after rank 1 was killed; "
+                  f"streams ended {r['streams_ended_s']} s after the restart")
     print(f"logs: {log_dir}")
     if args.result_json:
         Path(args.result_json).write_text(json.dumps(results, indent=2))

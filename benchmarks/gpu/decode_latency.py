@@ -60,6 +60,8 @@ def main() -> None:
                         help="fp8: keys and values in FP8 (the worker's flag)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="spread the model over this many GPUs (the worker's flag)")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="tensor parallel: every all-reduce by NCCL (the worker's flag)")
     parser.add_argument("--speculative-config", default="",
                         help="JSON as flotilla serve takes it, e.g. a draft_model at a "
                              "synthetic acceptance (issue 28's comparison with vLLM)")
@@ -85,7 +87,8 @@ def main() -> None:
                           enforce_eager=args.enforce_eager, quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
                           kv_cache_dtype=args.kv_cache_dtype,
-                          speculative_config=args.speculative_config)
+                          speculative_config=args.speculative_config,
+                          disable_custom_all_reduce=args.disable_custom_all_reduce)
     model = engine.runner.model
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -92,6 +92,8 @@ def main() -> None:
                         help="fp8: keys and values in FP8 (the worker's flag)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="spread the model over this many GPUs (the worker's flag)")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="tensor parallel: every all-reduce by NCCL (the worker's flag)")
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--speculative-config", default="",
                         help="JSON as flotilla serve takes it (issue 28: never slower than off)")
@@ -117,7 +119,8 @@ def main() -> None:
                           quantization=args.quantization,
                           tensor_parallel_size=args.tensor_parallel_size,
                           kv_cache_dtype=args.kv_cache_dtype,
-                          speculative_config=args.speculative_config)
+                          speculative_config=args.speculative_config,
+                          disable_custom_all_reduce=args.disable_custom_all_reduce)
     # Warm-up over varied shapes, so Triton compiles its kernel variants before the clock runs.
     rng = random.Random(args.seed + 1)
     warm_prompts = [[rng.randrange(100, 40_000) for _ in range(rng.randint(1, 2048))]

@@ -63,6 +63,8 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     tensor_parallel_size: int = 1
     # s a step may take on the group before a rank is taken for hung and the group exits
     tensor_parallel_step_timeout: float = 30.0
+    # tensor parallelism's small sums all by NCCL (one_shot_reduce.py: peer memory otherwise)
+    disable_custom_all_reduce: bool = False
     # speculative decoding's draft model (method draft_model; flotilla serve sets it from
     # --speculative-config): as --model takes it; "": none
     draft_model: str = ""
@@ -114,6 +116,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "tensor_parallel_step_timeout": "seconds a step may take on a tensor-parallel group "
                                         "before the group is taken for hung and exits (its "
                                         "supervisor restarts it; requests migrate)",
+        "disable_custom_all_reduce": "sum every tensor-parallel all-reduce with NCCL; by "
+                                     "default decode-sized ones are one kernel over GPU peer "
+                                     "memory (docs/tensor-parallel.md)",
         "draft_model": "the model that drafts tokens for speculative decoding's draft_model "
                        "method (a directory, .gguf, smollm2 or dummy:<preset>; the served "
                        "model's tokenizer); flotilla serve sets it from --speculative-config",

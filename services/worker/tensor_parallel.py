@@ -41,6 +41,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None  # the ranks' torch.distributed group (NCCL or gloo); None: size 1
+    # small sums over GPU peer memory (one_shot_reduce.OneShotReduce); None: all by NCCL/gloo
+    one_shot: Any = None
 
     def check(self, config) -> None:
         """A clear error when ``config`` (ModelConfig) cannot be split over ``size`` ranks."""
@@ -82,8 +84,11 @@ class TensorParallel:
 
     # ---- collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place (every rank gets the same bits)."""
+        """Sum ``x`` over the ranks, in place (every rank gets the same bits). Every rank
+        picks the same path: it depends on x's shape and dtype only."""
         if self.size > 1:
+            if self.one_shot is not None and self.one_shot.takes(x):
+                return self.one_shot.all_reduce(x)
             torch.distributed.all_reduce(x, group=self.group)
         return x
 

@@ -20,6 +20,7 @@ restart. Nobody waits out NCCL's own timeout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ctypes
 import multiprocessing
 import multiprocessing.connection
@@ -37,6 +38,7 @@ import structlog
 import torch
 
 from services.worker.config import WorkerConfig
+from services.worker.one_shot_reduce import one_shot_reduce
 from services.worker.tensor_parallel import TensorParallel
 from shared.messages import StepPlan
 from shared.models import ModelFiles
@@ -214,7 +216,12 @@ def join_group(config: WorkerConfig, rank: int, size: int, port: int) -> TensorP
         "nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
         world_size=size, timeout=JOIN_TIMEOUT,
         device_id=torch.device(config.device) if on_cuda else None)
-    return TensorParallel(rank=rank, size=size, group=torch.distributed.group.WORLD)
+    tp = TensorParallel(rank=rank, size=size, group=torch.distributed.group.WORLD)
+    if on_cuda and not config.disable_custom_all_reduce:
+        one_shot = one_shot_reduce(tp.group, torch.device(config.device))
+        if tp.agree_min(int(one_shot is not None)):  # all ranks, or none, take that path
+            tp = dataclasses.replace(tp, one_shot=one_shot)
+    return tp
 
 
 def exit_group(reason: str) -> None:

@@ -1,0 +1,85 @@
+"""The one-shot all-reduce over peer memory (one_shot_reduce.py) on two GPUs: the same bits as
+NCCL's sum at decode sizes, eagerly and replayed from a CUDA graph; sums too large for its
+buffer go to NCCL; and a group formed by the worker takes it unless told not to."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from services.worker.config import WorkerConfig
+from services.worker.tp_group import free_port, join_group
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")]
+
+SHAPES = [(1, 4096), (7, 4096), (64, 8192), (256, 4096)]
+
+
+def _sums(x: torch.Tensor, tp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x summed by NCCL, by the one-shot kernel, and by the one-shot kernel in a graph."""
+    by_nccl = x.clone()
+    torch.distributed.all_reduce(by_nccl, group=tp.group)
+    by_one_shot = tp.all_reduce(x.clone())
+    graph_input = torch.zeros_like(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tp.all_reduce(graph_input.clone())  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_output = tp.all_reduce(graph_input)
+    graph_input.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    return by_nccl, by_one_shot, graph_output.clone()
+
+
+def _rank(rank: int, port: int, results) -> None:
+    tp = join_group(WorkerConfig(device=f"cuda:{rank}", tensor_parallel_size=2), rank, 2, port)
+    outcome = {"one_shot": tp.one_shot is not None}
+    generator = torch.Generator(device=f"cuda:{rank}").manual_seed(rank)
+    for shape in SHAPES:
+        x = torch.randn(shape, device=f"cuda:{rank}", dtype=torch.bfloat16, generator=generator)
+        assert tp.one_shot.takes(x)
+        by_nccl, by_one_shot, by_graph = _sums(x, tp)
+        outcome[shape] = (torch.equal(by_nccl, by_one_shot), torch.equal(by_nccl, by_graph))
+    large = torch.ones(4096, 4096, device=f"cuda:{rank}", dtype=torch.bfloat16)  # 32 MiB
+    outcome["large_to_nccl"] = not tp.one_shot.takes(large) and bool(
+        (tp.all_reduce(large) == 2).all())
+    results.put((rank, outcome))
+    torch.distributed.destroy_process_group()
+
+
+def _disabled_rank(rank: int, port: int, results) -> None:
+    config = WorkerConfig(device=f"cuda:{rank}", tensor_parallel_size=2,
+                          disable_custom_all_reduce=True)
+    results.put((rank, join_group(config, rank, 2, port).one_shot is None))
+    torch.distributed.destroy_process_group()
+
+
+def _run_pair(target) -> dict:
+    context = multiprocessing.get_context("spawn")
+    results, port = context.Queue(), free_port()
+    processes = [context.Process(target=target, args=(rank, port, results)) for rank in (0, 1)]
+    for process in processes:
+        process.start()
+    outcomes = dict(results.get(timeout=300) for _ in processes)
+    for process in processes:
+        process.join(60)
+        assert process.exitcode == 0
+    return outcomes
+
+
+def test_one_shot_sums_are_nccls_bits_in_and_out_of_graphs():
+    for rank, outcome in _run_pair(_rank).items():
+        assert outcome.pop("one_shot"), f"rank {rank} formed no one-shot all-reduce"
+        assert outcome.pop("large_to_nccl")
+        assert all(eager and graphed for eager, graphed in outcome.values()), (rank, outcome)
+
+
+def test_disable_custom_all_reduce_keeps_every_sum_with_nccl():
+    assert all(_run_pair(_disabled_rank).values())
