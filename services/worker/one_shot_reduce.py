@@ -13,6 +13,8 @@ safe inside CUDA graphs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 import torch
 
@@ -22,6 +24,7 @@ log = structlog.get_logger()
 # hidden size 4096 in bf16 (2 MiB), where it beat NCCL on 2 x H200 (docs/tensor-parallel.md)
 ONE_SHOT_MAX_BYTES = 2 << 20
 _ALIGNMENT = 16  # bytes: the kernel's vector loads
+_formed_in_this_process = False  # symmetric memory's rendezvous counts per process
 
 
 class OneShotReduce:
@@ -34,8 +37,6 @@ class OneShotReduce:
 
         self.group_name = group.group_name
         self.max_bytes = max_bytes
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # (needed before torch 2.9)
-            symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)  # [max_bytes]
         symm_mem.rendezvous(self.buffer, self.group_name)
 
@@ -53,12 +54,23 @@ class OneShotReduce:
                                                                self.group_name, x)
 
 
-def one_shot_reduce(group: torch.distributed.ProcessGroup, device: torch.device
-                    ) -> OneShotReduce | None:
+def one_shot_reduce(group: torch.distributed.ProcessGroup, device: torch.device,
+                    agree_min: Callable[[int], int]) -> OneShotReduce | None:
     """The group's one-shot all-reduce, or None where this PyTorch or machine has none (NCCL
-    then sums everything). Every rank must call this together (the buffer's rendezvous)."""
+    then sums everything). Every rank calls this together; ``agree_min`` is the group's
+    minimum of an int, so all ranks take the path or none does.
+
+    Once per process: a process that formed a group before (tests do) numbers its symmetric
+    allocations on from there while a new rank starts at zero, and their rendezvous would
+    wait for each other forever; then the whole group stays with NCCL."""
+    global _formed_in_this_process
+    if not agree_min(int(not _formed_in_this_process)):
+        log.info("one_shot_all_reduce_skipped", reason="a rank formed one in its process before")
+        return None
+    _formed_in_this_process = True
     try:
-        return OneShotReduce(group, device)
+        one_shot = OneShotReduce(group, device)
     except (RuntimeError, AttributeError, NotImplementedError) as error:
         log.warning("one_shot_all_reduce_unavailable", error=str(error))
-        return None
+        one_shot = None
+    return one_shot if agree_min(int(one_shot is not None)) else None

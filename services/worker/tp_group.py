@@ -218,9 +218,8 @@ def join_group(config: WorkerConfig, rank: int, size: int, port: int) -> TensorP
         device_id=torch.device(config.device) if on_cuda else None)
     tp = TensorParallel(rank=rank, size=size, group=torch.distributed.group.WORLD)
     if on_cuda and not config.disable_custom_all_reduce:
-        one_shot = one_shot_reduce(tp.group, torch.device(config.device))
-        if tp.agree_min(int(one_shot is not None)):  # all ranks, or none, take that path
-            tp = dataclasses.replace(tp, one_shot=one_shot)
+        tp = dataclasses.replace(tp, one_shot=one_shot_reduce(
+            tp.group, torch.device(config.device), tp.agree_min))
     return tp
 
 
