@@ -66,8 +66,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int,
                  max_model_len: int, eos_token_ids: list[int], model_name: str = "",
                  kv: KvTierHooks | None = None, worker_drafts: bool = True) -> None:
-        """``worker_drafts``: the worker has a draft model to fill draft slots (without one,
-        method draft_model drafts nothing rather than send plans the worker refuses)."""
+        """``worker_drafts``: the worker can fill draft slots (else draft_model drafts none)."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
