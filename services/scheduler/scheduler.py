@@ -17,9 +17,8 @@ compute of the other requests in that step, if any: the request then computes fr
 next step planned, which the worker orders after the copy), and every block computed
 here is stored to the kvstore once (write-through).
 
-Steps may overlap: a step can be planned while earlier ones are still running on the
-worker, which feeds each sampled token into the next step itself. The scheduler counts
-those tokens as pending until a step's result brings them.
+Steps may overlap: one is planned while earlier ones still run on the worker, which feeds
+each sampled token into the next itself; those count as pending until a result brings them.
 """
 
 from __future__ import annotations
@@ -241,8 +240,8 @@ class Scheduler:
         kv_loads, kv_stores = self.kv.take_plan(self._store_target(self._forget_ids))
         plan = StepPlan(self._next_step_id, new_requests, scheduled, self._forget_ids,
                         kv_loads=kv_loads, kv_stores=kv_stores)
-        self._next_step_id += 1
-        self._forget_ids = []
+        self._next_step_id, self._forget_ids = self._next_step_id + 1, []
+        self.drafter.planned(plan)  # (after drafts_at: the adaptive draft cap's books)
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
@@ -251,6 +250,7 @@ class Scheduler:
         self.kv.on_step_result(plan.step_id)
         if plan.scheduled:  # (a step of loads alone says nothing of compute times)
             self.chunk_pacer.observe(plan, result.step_time_s)
+        self.drafter.step_done(plan, result)
         self._add_prompt_logprobs(plan, result)
         emitted: list[Emitted] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)  # [] from an older worker

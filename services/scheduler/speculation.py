@@ -44,9 +44,10 @@ from pathlib import Path
 
 import msgspec
 
+from services.scheduler.draft_budget import DraftBudget
 from services.scheduler.request import Request
 from services.scheduler.suffix import ResponseCache, SuffixIndex
-from shared.messages import SamplingParams
+from shared.messages import SamplingParams, StepPlan, StepResult
 
 METHODS = ("ngram", "suffix", "replay", "draft_model")
 DRAFT_SLOT = -1  # a draft the worker's draft model proposes (method draft_model)
@@ -60,6 +61,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     # no drafts while more requests than this run: a large batch keeps the device busy, and
     # a rejected draft then costs as much as a real token (0: no limit)
     disable_by_batch_size: int = 16
+    # the draft cap of each step learnt from measured throughput (draft_budget.py); false:
+    # every drafted request gets up to num_speculative_tokens (a fixed K, as vLLM's)
+    adaptive: bool = True
     # suffix: the longest suffix matched, the responses kept to match in, and the drafts per
     # matched token (vLLM's names; vLLM's defaults 24, 10,000, 1.0)
     suffix_decoding_max_tree_depth: int = 16
@@ -198,8 +202,15 @@ class NoDrafts:
     drafts_in_worker = False  # drafts are slots the worker's draft model fills
 
     def drafts_at(self, num_running: int) -> bool:
-        """Whether requests are drafted for with this many running."""
+        """Whether requests are drafted for in the step being planned, with this many
+        running (the draft cap of that step is chosen here)."""
         return False
+
+    def planned(self, plan: StepPlan) -> None:
+        """The step just planned (after ``drafts_at``)."""
+
+    def step_done(self, plan: StepPlan, result: StepResult) -> None:
+        """A step's result is in."""
 
     def __init__(self) -> None:
         self.num_draft_tokens = 0  # cumulative: drafts verified
@@ -272,6 +283,8 @@ class NgramDrafts(NoDrafts):
         self.config = config
         self._indexes: dict[str, NgramIndex] = {}
         self._synthetic_draws = random.Random(0)  # seeded: a benchmark run repeats
+        self.budget = DraftBudget(config.num_speculative_tokens)  # draft_budget.py
+        self.step_cap = config.num_speculative_tokens  # drafts a request, this step
 
     def num_forced_accept(self, num_drafts: int) -> int:
         if self.config.rejection_sample_method != "synthetic":
@@ -282,7 +295,21 @@ class NgramDrafts(NoDrafts):
 
     def drafts_at(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
-        return not limit or num_running <= limit
+        over = limit and num_running > limit
+        adaptive = self.config.adaptive and not over
+        self.step_cap = 0 if over else (
+            self.budget.cap(num_running) if adaptive else self.config.num_speculative_tokens)
+        return self.step_cap > 0
+
+    def planned(self, plan: StepPlan) -> None:
+        decodes_only = not plan.new_requests and all(
+            s.num_new_tokens == 1 + len(s.draft_token_ids) + s.num_draft_slots
+            for s in plan.scheduled)
+        self.budget.planned(plan.step_id, decodes_only)
+
+    def step_done(self, plan: StepPlan, result: StepResult) -> None:
+        self.budget.step_done(plan.step_id, len(result.request_ids)
+                              + sum(result.num_accepted_drafts or ()))
 
     def _index(self, request_id: str) -> NgramIndex:
         index = self._indexes.get(request_id)
@@ -294,11 +321,11 @@ class NgramDrafts(NoDrafts):
     def drafts(self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams,
                limit: int) -> list[int]:
         """Drafts after ``token_ids``, at most ``limit`` (what max_tokens, the context and
-        the step's token budget leave) and num_speculative_tokens; none for a request
-        ``can_speculate`` refuses."""
+        the step's token budget leave) and the step's draft cap (draft_budget.py: at most
+        num_speculative_tokens); none for a request ``can_speculate`` refuses."""
         if limit <= 0 or not can_speculate(sampling):
             return []
-        return self._propose(request_id, token_ids, min(limit, self.config.num_speculative_tokens))
+        return self._propose(request_id, token_ids, min(limit, self.step_cap))
 
     def _propose(self, request_id: str, token_ids: Sequence[int], num_drafts: int) -> list[int]:
         """The method's own proposal: at most ``num_drafts`` (>= 1) tokens after

@@ -18,8 +18,8 @@ from shared.messages import SamplingParams
 from shared.models import resolve_model
 
 pytestmark = pytest.mark.integration
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0}'
-SUFFIX = '{"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": 0}'
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0, "adaptive": false}'
+SUFFIX = '{"method": "suffix", "num_speculative_tokens": 8, "disable_by_batch_size": 0, "adaptive": false}'
 COPY = ["Repeat this list exactly: {w}. Again: {w}. Again:",
         "Copy the line: {w}\nCopy the line: {w}\nCopy the line:",
         "def {a}(x):\n    return x + {n}\n\ndef {a}_twice(x):\n    return {a}({a}(x))\n\n"
@@ -132,7 +132,8 @@ def test_replayed_outputs_are_kept_whole_and_give_the_same_tokens(model, tmp_pat
     path = tmp_path / "replay.json"
     path.write_text(json.dumps({"prompts": batch[:5], "outputs": plain[:5]}))
     spec = json.dumps({"method": "replay", "replay_path": str(path),
-                       "num_speculative_tokens": 4, "disable_by_batch_size": 0})
+                       "num_speculative_tokens": 4, "disable_by_batch_size": 0,
+                       "adaptive": False})
     replayed, engine = run(model, spec, [batch])
     assert replayed == plain
     drafter = engine.scheduler.drafter
@@ -152,7 +153,7 @@ def test_a_draft_model_gives_the_same_tokens_and_itself_drafts_what_it_decodes(m
     plain, _ = run(model, "", batches)
     for draft in ("smollm2", "dummy:tiny-llama"):
         spec = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 4,
-                           "disable_by_batch_size": 0})
+                           "disable_by_batch_size": 0, "adaptive": False})
         drafted, engine = run(model, spec, batches)
         assert drafted == plain, draft
         drafter = engine.scheduler.drafter

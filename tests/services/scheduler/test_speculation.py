@@ -18,7 +18,7 @@ from services.scheduler.speculation import (
 from shared.messages import GenerateRequest, SamplingParams, StepResult, StructuredSpec
 
 EOS = 0
-NGRAM = '{"method": "ngram", "num_speculative_tokens": 3}'
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'
 
 
 def ngram_drafts(token_ids: Sequence[int], num_drafts: int, min_n: int, max_n: int) -> list[int]:
@@ -177,7 +177,8 @@ def test_synthetic_acceptance_keeps_a_set_share_of_the_drafts_whatever_the_model
     assert core.schedule().scheduled[0].num_forced_accept == -1
 
 
-DRAFT_MODEL = '{"method": "draft_model", "model": "dummy:llama-3.2-1b", "num_speculative_tokens": 3}'
+DRAFT_MODEL = ('{"method": "draft_model", "model": "dummy:llama-3.2-1b", "num_speculative_tokens": 3, '
+               '"adaptive": false}')
 
 
 def test_a_draft_model_gets_slots_and_the_result_says_what_it_proposed():
