@@ -3,18 +3,26 @@
 
 Drafts pay while a step's time hardly grows with its rows (a memory-bound GPU at small
 batches) and enough of them are kept; they cost throughput when the device is already busy
-(a large batch, a CPU) or few are kept. Rather than model either, the policy measures it: for
-each batch size (in powers of two) and each draft cap 0..K it keeps a moving average of the
-output tokens a second that decode steps planned with that cap delivered, and plans the next
-step with the cap that delivered most. It tries an untried cap first (K, then none, so a
-fresh server drafts as before) and, every EXPLORE_EVERY steps of a batch size, a cap next to
-the best one, so a change of workload (acceptance, prompt mix) moves the choice.
+(a large batch, a CPU) or few are kept. The policy measures both and plans each step with
+the cap k (0..K) that gives the most output tokens a second:
+
+    tokens(k) = n * (1 + sum_{i<k} offered_i * kept_i)
+    rows(k)   = n * (1 + sum_{i<k} offered_i)
+    choose k maximising tokens(k) / step_time(rows(k))
+
+for n running requests, where offered_i is the share of drafted-for decodes that got an
+(i+1)-th draft (a proposer often has fewer than k) and kept_i the share of those kept, both
+decayed averages over recent steps that fade towards a prior (all offered, half kept) while
+nothing is drafted, so drafts are tried again now and then; step_time is a decayed average
+of the measured periods of steps by their rows (powers of two), fed by every step, prompt
+chunks included. A size not measured yet is taken to cost what the nearest smaller one did,
+or the nearest larger one scaled down with the rows: hopeful guesses, so it is tried once and
+then known.
 
 A step's time is its period as the scheduler sees it: from the later of its plan and the
 result before it to its own result. With overlapped steps that is the time the device spent
 on it; otherwise it also holds the round trip and the host work a step that verifies waits
-for, which is what such a step costs. Steps with prompt chunks say nothing about drafts and
-are not counted.
+for, which is what such a step costs.
 """
 
 from __future__ import annotations
@@ -22,74 +30,108 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-EMA_WEIGHT = 0.2  # of the newest step in a cap's average
-EXPLORE_EVERY = 16  # steps of a batch size between tries of a cap beside the best one
+COST_EMA_WEIGHT = 0.3  # of the newest period in a size's average
+DRAFT_DECAY = 0.95  # per drafted step, of the draft counts (about the last 20 steps)
+# per step without drafts: the counts fade towards the prior, so drafts are tried again
+# now and then (every few hundred steps where they did not pay) and a new workload is seen
+IDLE_DECAY = 0.995
+PRIOR_KEPT = 0.5  # the kept share assumed for a position never drafted
+PRIOR_WEIGHT = 2.0  # in drafts: one unlucky step does not settle a position
 
 
-def batch_bucket(num_running: int) -> int:
-    """The power of two at or above ``num_running`` (1, 2, 4, ...)."""
-    return 1 << max(0, num_running - 1).bit_length()
+def size_bucket(num_rows: int) -> int:
+    """The power of two at or above ``num_rows`` (1, 2, 4, ...)."""
+    return 1 << max(0, num_rows - 1).bit_length()
 
 
 class DraftBudget:
-    """The draft cap for each step (0..``max_drafts``), learnt from the steps' throughput."""
+    """The draft cap for each step (0..``max_drafts``), from measured step times and drafts."""
 
     def __init__(self, max_drafts: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_drafts = max_drafts
         self.clock = clock
-        self._rates: dict[tuple[int, int], float] = {}  # (bucket, cap) -> tokens/s average
-        self._num_decisions: dict[int, int] = {}  # bucket -> caps chosen
-        self._planned: dict[int, tuple[int, int, float]] = {}  # step -> (bucket, cap, time)
-        self._choice = (1, max_drafts)  # (bucket, cap) of the step being planned
+        self._step_s: dict[int, float] = {}  # rows bucket -> period average
+        self._eligible = [0.0] * max_drafts  # [i]: decodes planned with a cap above i
+        self._offered = [0.0] * max_drafts  # [i]: of those, given an (i+1)-th draft
+        self._kept = [0.0] * max_drafts  # [i]: of those, kept it
+        self.chosen = max_drafts  # the cap of the step being planned
+        self._planned: dict[int, tuple[int, float]] = {}  # step -> (cap, plan time)
         self._last_result_time = float("-inf")
 
+    # ------------------------------------------------------------ the choice
     def cap(self, num_running: int) -> int:
         """The most drafts a request may get in the step being planned."""
-        bucket = batch_bucket(num_running)
-        cap = self._choose(bucket)
-        self._choice = (bucket, cap)
-        return cap
-
-    def _choose(self, bucket: int) -> int:
-        count = self._num_decisions[bucket] = self._num_decisions.get(bucket, 0) + 1
-        for untried in (self.max_drafts, 0):
-            if (bucket, untried) not in self._rates:
-                return untried
-        best = max(range(self.max_drafts + 1),
-                   key=lambda cap: self._rates.get((bucket, cap), float("-inf")))
-        if count % EXPLORE_EVERY == 0:  # alternately the cap below and above the best
-            beside = best - 1 if (count // EXPLORE_EVERY) % 2 else best + 1
-            if 0 <= beside <= self.max_drafts:
-                return beside
+        n = max(1, num_running)
+        best, best_rate = 0, 0.0
+        gain, rows = 1.0, 1.0  # per request: tokens out, rows computed
+        for k in range(self.max_drafts + 1):
+            if k:
+                offered, kept = self.offered_and_kept(k - 1)
+                gain, rows = gain + offered * kept, rows + offered
+            step_s = self.step_time(round(n * rows))
+            if step_s is None:  # nothing measured yet: draft as many as may be
+                best = self.max_drafts
+                break
+            rate = n * gain / step_s
+            if rate > best_rate * 1.0001:  # (ties: fewer drafts)
+                best, best_rate = k, rate
+        self.chosen = best
         return best
 
-    def planned(self, step_id: int, decodes_only: bool) -> None:
-        """The step just planned (with the last ``cap``) is counted once its result is in,
-        if it had no prompt chunks."""
-        if decodes_only:
-            bucket, cap = self._choice
-            self._planned[step_id] = (bucket, cap, self.clock())
+    def offered_and_kept(self, position: int) -> tuple[float, float]:
+        """The share of decodes drafted for that got a draft at ``position`` (0-based), and
+        the share of those kept (prior: all offered, half kept)."""
+        eligible, offered = self._eligible[position], self._offered[position]
+        share_offered = (offered + PRIOR_WEIGHT) / (eligible + PRIOR_WEIGHT)
+        share_kept = (self._kept[position] + PRIOR_KEPT * PRIOR_WEIGHT) / (offered + PRIOR_WEIGHT)
+        return share_offered, share_kept
 
-    def step_done(self, step_id: int, num_tokens: int) -> None:
-        """A step's result is in: it delivered ``num_tokens`` output tokens."""
+    def step_time(self, num_rows: int) -> float | None:
+        """The average period of a step of ``num_rows`` rows: its size's; else, hopefully
+        (so the size gets tried), the nearest smaller size's, or the nearest larger one's
+        scaled down with the rows; None before any step."""
+        bucket = size_bucket(num_rows)
+        if bucket in self._step_s:
+            return self._step_s[bucket]
+        smaller = [b for b in self._step_s if b < bucket]
+        if smaller:
+            return self._step_s[max(smaller)]
+        if not self._step_s:
+            return None
+        larger = min(self._step_s)
+        return self._step_s[larger] * bucket / larger
+
+    # ------------------------------------------------------------ the books
+    def planned(self, step_id: int) -> None:
+        """The step just planned (with the cap ``chosen``)."""
+        self._planned[step_id] = (self.chosen, self.clock())
+
+    def step_done(self, step_id: int, num_rows: int,
+                  drafts: list[tuple[int, int]]) -> None:
+        """A step's result is in: it computed ``num_rows`` rows; ``drafts`` holds (offered,
+        kept) for each decode it planned."""
         now = self.clock()
         planned = self._planned.pop(step_id, None)
         for dropped in [s for s in self._planned if s < step_id]:  # (steps of a failed worker)
             del self._planned[dropped]
-        started = self._last_result_time
-        self._last_result_time = now
-        if planned is None or num_tokens <= 0:
+        started, self._last_result_time = self._last_result_time, now
+        if planned is None:
             return
-        bucket, cap, plan_time = planned
+        cap, plan_time = planned
         period = now - max(started, plan_time)
-        if period <= 0:
-            return
-        rate = num_tokens / period
-        old = self._rates.get((bucket, cap))
-        self._rates[(bucket, cap)] = rate if old is None else (
-            (1 - EMA_WEIGHT) * old + EMA_WEIGHT * rate)
+        if period > 0 and num_rows > 0:
+            bucket = size_bucket(num_rows)
+            old = self._step_s.get(bucket)
+            self._step_s[bucket] = period if old is None else (
+                (1 - COST_EMA_WEIGHT) * old + COST_EMA_WEIGHT * period)
+        self._count_drafts(cap, drafts)
 
-    def rates(self, num_running: int) -> dict[int, float]:
-        """The measured tokens/s by cap at this batch size (for logs and tests)."""
-        bucket = batch_bucket(num_running)
-        return {cap: rate for (b, cap), rate in self._rates.items() if b == bucket}
+    def _count_drafts(self, cap: int, drafts: list[tuple[int, int]]) -> None:
+        decay = DRAFT_DECAY if cap and drafts else IDLE_DECAY
+        for counts in (self._eligible, self._offered, self._kept):
+            counts[:] = [count * decay for count in counts]
+        for num_offered, num_kept in drafts:
+            for position in range(cap):
+                self._eligible[position] += 1
+                self._offered[position] += num_offered > position
+                self._kept[position] += num_kept > position

@@ -296,20 +296,27 @@ class NgramDrafts(NoDrafts):
     def drafts_at(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
         over = limit and num_running > limit
-        adaptive = self.config.adaptive and not over
-        self.step_cap = 0 if over else (
-            self.budget.cap(num_running) if adaptive else self.config.num_speculative_tokens)
+        if over:
+            self.step_cap = 0
+        elif self.config.adaptive:
+            self.step_cap = self.budget.cap(num_running)
+        else:
+            self.step_cap = self.config.num_speculative_tokens
+        self.budget.chosen = self.step_cap  # the books count the plan's drafts at this cap
         return self.step_cap > 0
 
     def planned(self, plan: StepPlan) -> None:
-        decodes_only = not plan.new_requests and all(
-            s.num_new_tokens == 1 + len(s.draft_token_ids) + s.num_draft_slots
-            for s in plan.scheduled)
-        self.budget.planned(plan.step_id, decodes_only)
+        self.budget.planned(plan.step_id)
 
     def step_done(self, plan: StepPlan, result: StepResult) -> None:
-        self.budget.step_done(plan.step_id, len(result.request_ids)
-                              + sum(result.num_accepted_drafts or ()))
+        kept = dict(zip(result.request_ids, result.num_accepted_drafts or ()))
+        drafts = []  # (offered, kept) of each decode
+        for scheduled in plan.scheduled:
+            offered = len(scheduled.draft_token_ids) + scheduled.num_draft_slots
+            if scheduled.num_new_tokens == 1 + offered:
+                drafts.append((offered, kept.get(scheduled.request_id, 0)))
+        self.budget.step_done(plan.step_id, sum(s.num_new_tokens for s in plan.scheduled),
+                              drafts)
 
     def _index(self, request_id: str) -> NgramIndex:
         index = self._indexes.get(request_id)

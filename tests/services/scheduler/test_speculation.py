@@ -165,7 +165,7 @@ def test_synthetic_acceptance_keeps_a_set_share_of_the_drafts_whatever_the_model
     assert synthetic.num_forced_accept(1) == 1  # only one draft sent
     again = NgramDrafts(synthetic.config)
     assert [again.num_forced_accept(4) for _ in range(4000)] == draws  # a run repeats
-    core = scheduler('{"rejection_sample_method": "synthetic", '
+    core = scheduler('{"rejection_sample_method": "synthetic", "adaptive": false, '
                      '"synthetic_acceptance_length": 4.0}')
     submit(core, [9, 1, 2, 3, 4, 1, 2])
     step(core, sampled=3)
