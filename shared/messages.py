@@ -276,6 +276,7 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     num_accepted_drafts: int = 0
     num_drafted_steps: int = 0  # a request's verify passes
     num_accepted_per_position: list[int] = []  # [i]: drafts kept at position i
+    draft_cap: int = -1  # the drafts a request could get in the last step planned; -1: none
 
 
 class SchedulerBlockEvent(Struct, frozen=True, kw_only=True):

@@ -100,6 +100,10 @@ class GatewayMetrics:
             "flotilla_spec_decode_accepted_tokens_per_pos",
             "Drafts kept at each position (acceptance at a position: over the drafts)",
             (*labels, "position"), registry=r)
+        self.draft_cap = Gauge("flotilla_spec_decode_draft_cap",
+                               "Drafts a request could get in the last step planned (the "
+                               "load-adaptive cap, 0 to num_speculative_tokens)", labels,
+                               registry=r)
         self.worker_busy = Counter("flotilla_worker_busy_seconds",
                                    "Time the worker spent computing steps", labels, registry=r)
         self.worker_idle_ratio = Gauge(
@@ -130,6 +134,8 @@ class GatewayMetrics:
         self.kv_blocks_total.labels(*labels).set(stats.num_blocks_total)
         if stats.worker_idle_ratio >= 0:
             self.worker_idle_ratio.labels(*labels).set(stats.worker_idle_ratio)
+        if stats.draft_cap >= 0:
+            self.draft_cap.labels(*labels).set(stats.draft_cap)
         last = self._last.get(stats.scheduler_id)
         for counter, field in ((self.preemptions, "num_preemptions"),
                                (self.prefix_queries, "num_prefix_queries"),

@@ -200,6 +200,7 @@ class NoDrafts:
 
     enabled = False
     drafts_in_worker = False  # drafts are slots the worker's draft model fills
+    step_cap = 0  # the most drafts a request may get in the step being planned
 
     def drafts_at(self, num_running: int) -> bool:
         """Whether requests are drafted for in the step being planned, with this many

@@ -69,6 +69,7 @@ class StepStats:
             num_drafted_steps=core.drafter.num_drafted_steps if core else 0,
             num_accepted_per_position=list(core.drafter.num_accepted_per_position)
             if core else [],
+            draft_cap=core.drafter.step_cap if core and core.drafter.enabled else -1,
             worker_busy_s=self.worker_busy_s, worker_idle_ratio=idle_ratio,
             recent_step_tokens=[tokens for tokens, _ in samples],
             recent_step_times_s=[seconds for _, seconds in samples], **fields)

@@ -7,12 +7,13 @@ from services.gateway.metrics import GatewayMetrics
 from shared.messages import SchedulerStats
 
 
-def stats(replica: str, drafts: int, kept: int, steps: int, per_position: list[int]
-          ) -> SchedulerStats:
+def stats(replica: str, drafts: int, kept: int, steps: int, per_position: list[int],
+          draft_cap: int = -1) -> SchedulerStats:
     return SchedulerStats(scheduler_id=f"sched-{replica}", replica_id=replica, timestamp=0.0,
                           num_running=0, num_waiting=0, num_blocks_used=0, num_blocks_total=10,
                           num_draft_tokens=drafts, num_accepted_drafts=kept,
-                          num_drafted_steps=steps, num_accepted_per_position=per_position)
+                          num_drafted_steps=steps, num_accepted_per_position=per_position,
+                          draft_cap=draft_cap)
 
 
 def value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
@@ -34,3 +35,15 @@ def test_per_position_acceptance_and_mean_accepted_length_are_exported():
     metrics.observe_scheduler(stats("0", drafts=4, kept=1, steps=1, per_position=[1, 0]))
     assert value(metrics, "flotilla_spec_decode_accepted_tokens_per_pos_total",
                  position="0") == 4
+
+
+def test_the_adaptive_draft_cap_is_a_gauge():
+    metrics = GatewayMetrics()
+    metrics.observe_scheduler(stats("0", drafts=0, kept=0, steps=0, per_position=[]))
+    assert value(metrics, "flotilla_spec_decode_draft_cap") is None  # no speculation
+    metrics.observe_scheduler(stats("0", drafts=8, kept=5, steps=2, per_position=[2],
+                                    draft_cap=3))
+    assert value(metrics, "flotilla_spec_decode_draft_cap") == 3
+    metrics.observe_scheduler(stats("0", drafts=9, kept=5, steps=3, per_position=[2],
+                                    draft_cap=0))
+    assert value(metrics, "flotilla_spec_decode_draft_cap") == 0
