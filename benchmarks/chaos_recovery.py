@@ -117,7 +117,11 @@ def child_pids(pid: int) -> list[int]:
 def kill_rank(stack: Stack) -> float:
     """SIGKILL rank 1 of the worker -> seconds until rank 0 exited by itself."""
     worker = stack.processes["worker"]
-    rank_1 = child_pids(worker.pid)[0]
+    ranks = child_pids(worker.pid)
+    if not ranks:
+        raise SystemExit("--victims worker-rank needs a tensor-parallel worker: pass "
+                         "--worker-args \"--tensor-parallel-size 2 ...\"")
+    rank_1 = ranks[0]
     killed_at = time.monotonic()
     os.kill(rank_1, signal.SIGKILL)
     try:

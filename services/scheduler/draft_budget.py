@@ -28,6 +28,7 @@ for, which is what such a step costs.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 
 COST_EMA_WEIGHT = 0.3  # of the newest period in a size's average
@@ -106,6 +107,11 @@ class DraftBudget:
         """The step just planned (with the cap ``chosen``)."""
         self._planned[step_id] = (self.chosen, self.clock())
 
+    def planned_cap(self, step_id: int) -> int:
+        """The cap a step in flight was planned with (0: none, or not planned here)."""
+        planned = self._planned.get(step_id)
+        return planned[0] if planned is not None else 0
+
     def step_done(self, step_id: int, num_rows: int,
                   drafts: list[tuple[int, int]]) -> None:
         """A step's result is in: it computed ``num_rows`` rows; ``drafts`` holds (offered,
@@ -130,8 +136,8 @@ class DraftBudget:
         decay = DRAFT_DECAY if cap and drafts else IDLE_DECAY
         for counts in (self._eligible, self._offered, self._kept):
             counts[:] = [count * decay for count in counts]
-        for num_offered, num_kept in drafts:
-            for position in range(cap):
-                self._eligible[position] += 1
-                self._offered[position] += num_offered > position
-                self._kept[position] += num_kept > position
+        offered, kept = Counter(o for o, _ in drafts), Counter(k for _, k in drafts)
+        for position in range(cap):  # a decode counts at every position below its drafts
+            self._eligible[position] += len(drafts)
+            self._offered[position] += sum(n for num, n in offered.items() if num > position)
+            self._kept[position] += sum(n for num, n in kept.items() if num > position)

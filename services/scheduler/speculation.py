@@ -310,9 +310,10 @@ class NgramDrafts(NoDrafts):
         self.budget.planned(plan.step_id)
 
     def step_done(self, plan: StepPlan, result: StepResult) -> None:
-        kept = dict(zip(result.request_ids, result.num_accepted_drafts or ()))
-        drafts = []  # (offered, kept) of each decode
-        for scheduled in plan.scheduled:
+        drafts = []  # (offered, kept) of each decode; none to count in a step without drafts
+        counted = plan.scheduled if self.budget.planned_cap(plan.step_id) else ()
+        kept = dict(zip(result.request_ids, result.num_accepted_drafts or ())) if counted else {}
+        for scheduled in counted:
             offered = len(scheduled.draft_token_ids) + scheduled.num_draft_slots
             if scheduled.num_new_tokens == 1 + offered:
                 drafts.append((offered, kept.get(scheduled.request_id, 0)))
