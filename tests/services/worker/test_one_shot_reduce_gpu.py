@@ -4,7 +4,10 @@ buffer go to NCCL; and a group formed by the worker takes it unless told not to.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import queue
+import time
 
 import pytest
 import torch
@@ -67,10 +70,21 @@ def _run_pair(target) -> dict:
     processes = [context.Process(target=target, args=(rank, port, results)) for rank in (0, 1)]
     for process in processes:
         process.start()
-    outcomes = dict(results.get(timeout=300) for _ in processes)
-    for process in processes:
-        process.join(60)
-        assert process.exitcode == 0
+    outcomes, deadline = {}, time.monotonic() + 300
+    try:
+        while len(outcomes) < len(processes):  # a rank that died fails the test at once
+            assert time.monotonic() < deadline, "the ranks took over 300 s"
+            assert all(p.exitcode in (None, 0) for p in processes), [p.exitcode for p in processes]
+            with contextlib.suppress(queue.Empty):
+                rank, outcome = results.get(timeout=1)
+                outcomes[rank] = outcome
+        for process in processes:
+            process.join(60)
+            assert process.exitcode == 0
+    finally:
+        for process in processes:  # (one left waiting on a dead peer)
+            if process.is_alive():
+                process.kill()
     return outcomes
 
 
