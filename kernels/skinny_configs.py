@@ -43,6 +43,14 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (2048, 8192): SkinnyConfig(32, 128, split_k=4, num_stages=4, max_m=8),
     # lm_head (tied embeddings): 117.7 / 120.9 vs 121.8 / 124.8
     (128256, 2048): SkinnyConfig(128, 128, num_stages=4, max_m=8),
+    # one rank's Llama-3.1-8B at --tensor-parallel-size 2, swept on an H100 (no H200 was lent),
+    # 2026-11-28, µs at M = 1 / 8 against cuBLAS in the same run (`--sweep --shapes tp2_qkv,...`;
+    # measured up to 8 rows); unsplit, each also spares cuBLAS's split-K reduce (~2 µs)
+    (3072, 4096): SkinnyConfig(32, 256, num_stages=4, max_m=8),  # qkv: 11.3 / 11.3 vs 13.7 / 14.5
+    (4096, 2048): SkinnyConfig(32, 256, num_stages=4, max_m=8),  # o_proj: 8.1 / 8.1 vs 9.0 / 8.9
+    (4096, 7168): SkinnyConfig(32, 256, num_stages=4, max_m=8),  # down: 22.8 / 23.1 vs 25.5 / 25.8
+    # lm_head (vocab-parallel half): 172.7 / 175.2 vs 191.2 / 193.2
+    (64128, 4096): SkinnyConfig(64, 256, num_stages=4, max_m=8),
 }
 
 
@@ -52,6 +60,9 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
 # 56.8, (64, 128) 56.7, (16, 128) 64.8, (32, 256, 4 stages) 63.5, (32, 128, 8 warps) 81.1. TUNE
 GATED_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (28672, 4096): SkinnyConfig(32, 128, max_m=4),
+    # TP2's half (H100, 2026-11-28, `--sweep --gated --shapes tp2_gate_up`): M = 1 / 8 41.8 / 42.2
+    # vs cuBLAS + silu_and_mul 43.5 / 45.0
+    (14336, 4096): SkinnyConfig(32, 128, max_m=8),
 }
 # The gated launch on FP8 weights, H200, 2026-11-27 (benchmarks/gpu/fp8_gemm.py --sweep --gated;
 # µs at M = 1 / 8 against the plain launch at its FP8_CONFIGS entry + silu_and_mul in the same

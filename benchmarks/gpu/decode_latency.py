@@ -18,6 +18,7 @@ same architecture is timed the same way (time for 1 + n tokens minus time for 1,
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -48,6 +49,32 @@ def graph_replay_ms(engine) -> float:
     return start.elapsed_time(end) / 50
 
 
+def trace_steps(engine, prompt: list[int], num_tokens: int) -> dict:
+    """One request of ``num_tokens`` under the profiler (this process: rank 0 under tensor
+    parallelism, whose all-reduce kernels then include any wait for the other ranks): the
+    kernels by total time, and the GPU's busy time (prompt included) against the decode steps'
+    wall time (busy well under wall: the GPU waits for the host). The chrome trace (kernel
+    by kernel, with the host's calls) goes to $OUT."""
+    params = [SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)]
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        (completion,), _stats = engine.generate([prompt], params)
+    print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                       max_name_column_width=70))
+    kernels = sorted((event.time_range.start, event.time_range.end)
+                     for event in profile.events()
+                     if event.device_type == torch.autograd.DeviceType.CUDA)
+    wall_ms = (completion.finish_time - completion.first_token_time) * 1e3
+    busy_us = sum(end - start for start, end in kernels)
+    out = os.environ.get("OUT")
+    if out:
+        profile.export_chrome_trace(os.path.join(out, "decode_trace.json"))
+    summary = {"num_tokens": num_tokens, "decode_wall_ms_per_token": wall_ms / (num_tokens - 1),
+               "gpu_busy_ms_all_steps": busy_us / 1e3, "num_kernels": len(kernels)}
+    print("trace:", summary)
+    return summary
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
@@ -70,6 +97,10 @@ def main() -> None:
     parser.add_argument("--norm-in-reduce", choices=["on", "off"],
                         help="off: the two kernels instead of the norm in the split-K reduce "
                         "(default: on, the path)")
+    parser.add_argument("--trace", type=int, default=0, metavar="TOKENS",
+                        help="also profile one request of this many tokens on rank 0: the "
+                             "busiest kernels, GPU busy time a step, and a chrome trace "
+                             "under $OUT")
     parser.add_argument("--pdl", choices=["on", "off"],
                         help="kernels.pdl.PDL, programmatic dependent launch (default: on "
                         "where the GPU has it)")
@@ -162,6 +193,8 @@ def main() -> None:
           + (f"; HF {result['hf_ms_per_token']:.1f} ms" if args.hf else "")
           + (f"; {result['tokens_per_verify_step']:.2f} tokens a verify step"
              if "tokens_per_verify_step" in result else ""))
+    if args.trace and not args.hf:
+        trace_steps(engine, prompt, args.trace)
     if not args.hf:
         engine.close()
 

@@ -4,6 +4,7 @@ at decode batch sizes, on the Llama-3.1-8B projections.
     python -m benchmarks.gpu.skinny_gemm                  # the table's configs, M = 1, 2, 4, 8, 16
     python -m benchmarks.gpu.skinny_gemm --sweep          # try the grids below; best per shape
     python -m benchmarks.gpu.skinny_gemm --shapes o_proj,down --m 1,8
+    python -m benchmarks.gpu.skinny_gemm --sweep --gated --shapes tp2_gate_up  # + SwiGLU
 
 Each timing is one CUDA graph of ``--calls`` back-to-back calls, each on the next of several
 copies of the weight (together over 1 GiB, so nothing is served from the 50 MB L2), replayed
@@ -12,6 +13,8 @@ Bytes are the weight read once plus x read and y written; TB/s is those over the
 Every config is first checked against F.linear in fp32 (relative error) and for batch
 invariance (row 0 alone equals row 0 of the M-row batch, bitwise). ``--sweep`` compiles the
 grid in parallel processes first (Triton's disk cache), then times each at ``--sweep-m``.
+``--gated`` times the gate_up launch with SwiGLU in its epilogue (``skinny_gemm_silu_and_mul``,
+block_n counting output columns) against F.linear + silu_and_mul.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 
-from kernels.skinny_gemm import (MAX_M, SkinnyConfig, config_for,
-                                 skinny_gemm)
+from kernels.activation import silu_and_mul
+from kernels.skinny_gemm import (MAX_M, SkinnyConfig, config_for, gated_config_for,
+                                 skinny_gemm, skinny_gemm_silu_and_mul)
 
 SHAPES = {  # name: (N, K) of the Llama-3.1-8B projections
     "qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
@@ -37,13 +41,29 @@ SHAPES = {  # name: (N, K) of the Llama-3.1-8B projections
     # Llama-3.2-1B's (speculative decoding's draft model for the 8B; --shapes 1b_qkv,...)
     "1b_qkv": (3072, 2048), "1b_o_proj": (2048, 2048), "1b_gate_up": (16384, 2048),
     "1b_down": (2048, 8192), "1b_lm_head": (128256, 2048),
+    # one rank's of the 8B at --tensor-parallel-size 2 (--shapes tp2_qkv,...)
+    "tp2_qkv": (3072, 4096), "tp2_o_proj": (4096, 2048), "tp2_gate_up": (14336, 4096),
+    "tp2_down": (4096, 7168), "tp2_lm_head": (64128, 4096),
 }
 
 
-def sweep_grid(n: int, k: int) -> list[SkinnyConfig]:
+def launcher(gated: bool):
+    """The timed op (x, w, config): the plain launch, or the gated one (gate_up + SwiGLU)."""
+    if gated:
+        return lambda x, w, config=None: skinny_gemm_silu_and_mul(x, w, config=config)
+    return lambda x, w, config=None: skinny_gemm(x, w, config=config)
+
+
+def baseline(gated: bool):
+    """What the launch replaces: F.linear (cuBLAS), and with ``gated`` silu_and_mul after it."""
+    return (lambda x, w: silu_and_mul(F.linear(x, w))) if gated else F.linear
+
+
+def sweep_grid(n: int, k: int, gated: bool = False) -> list[SkinnyConfig]:
     """The grid of the second sweep (2026-11-23), less its programmatic-dependent-launch half,
-    which won nowhere; the first also tried BLOCK_K 512, five stages and an FMA-unit path."""
-    splits = (1,) if n >= 16384 else (1, 2, 4)
+    which won nowhere; the first also tried BLOCK_K 512, five stages and an FMA-unit path.
+    The gated launch does not split K."""
+    splits = (1,) if n >= 16384 or gated else (1, 2, 4)
     return [SkinnyConfig(block_n, block_k, split, warps, stages)
             for block_n, block_k, warps, stages, split in itertools.product(
                 (32, 64, 128), (128, 256), (4, 8), (3, 4), splits)]
@@ -80,25 +100,30 @@ def graph_time_us(fn, ws: list[torch.Tensor], x: torch.Tensor, calls: int, repla
     return statistics.median(times)
 
 
-def check(config: SkinnyConfig | None, w: torch.Tensor, m: int) -> tuple[float, bool]:
+def check(config: SkinnyConfig | None, w: torch.Tensor, m: int, gated: bool = False
+          ) -> tuple[float, bool]:
     """(relative error against fp32, row 0 alone == row 0 in the batch)."""
     x = torch.randn(m, w.shape[1], device="cuda", dtype=w.dtype)
-    y = skinny_gemm(x, w, config=config)
+    op = launcher(gated)
+    y = op(x, w, config)
     ref = F.linear(x.float(), w.float())
+    if gated:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
     err = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
-    alone = skinny_gemm(x[:1].clone(), w, config=config)
+    alone = op(x[:1].clone(), w, config)
     return err, bool(torch.equal(alone[0], y[0])) and not bool(y.isnan().any())
 
 
 def _compile(job) -> None:
     """Sweep helper, in a spawned process: compile each config (fills Triton's disk cache)."""
-    n, k, configs = job
+    n, k, configs, gated = job
     torch.cuda.init()
     w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
     x = torch.zeros(1, k, device="cuda", dtype=torch.bfloat16)
     for config in configs:
         try:
-            skinny_gemm(x, w, config=config)
+            launcher(gated)(x, w, config)
         except Exception as exc:  # a config that does not compile is skipped by the sweep
             print(f"compile failed {config}: {type(exc).__name__}: {exc}", flush=True)
     torch.cuda.synchronize()
@@ -113,6 +138,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-m", default="1,8")
     parser.add_argument("--jobs", type=int, default=12)
+    parser.add_argument("--gated", action="store_true",
+                        help="the gate_up launch with SwiGLU (shapes are gate_up weights)")
     args = parser.parse_args()
     dtype = torch.bfloat16
     names = args.shapes.split(",")
@@ -122,8 +149,8 @@ def main() -> None:
         jobs = []
         for name in names:
             n, k = SHAPES[name]
-            grid = sweep_grid(n, k)
-            jobs += [(n, k, grid[i::3]) for i in range(3)]
+            grid = sweep_grid(n, k, args.gated)
+            jobs += [(n, k, grid[i::3], args.gated) for i in range(3)]
         with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(jobs))) as pool:
             pool.map(_compile, jobs)
         print("compiled", flush=True)
@@ -132,13 +159,15 @@ def main() -> None:
             ws = weights(n, k, dtype)
             sweep_ms = [int(m) for m in args.sweep_m.split(",")]
             xs = {m: torch.randn(m, k, device="cuda", dtype=dtype) for m in sweep_ms}
-            cublas = {m: graph_time_us(F.linear, ws, xs[m], args.calls, args.replays)
+            cublas = {m: graph_time_us(baseline(args.gated), ws, xs[m], args.calls,
+                                       args.replays)
                       for m in sweep_ms}
             rows = []
-            for config in sweep_grid(n, k):
+            for config in sweep_grid(n, k, args.gated):
                 try:
-                    err, invariant = check(config, ws[0], max(sweep_ms))
-                    times = {m: graph_time_us(lambda x, w, c=config: skinny_gemm(x, w, config=c),
+                    err, invariant = check(config, ws[0], max(sweep_ms), args.gated)
+                    op = launcher(args.gated)
+                    times = {m: graph_time_us(lambda x, w, c=config: op(x, w, c),
                                               ws, xs[m], args.calls, args.replays)
                              for m in sweep_ms}
                 except Exception as exc:
@@ -163,14 +192,15 @@ def main() -> None:
     for name in names:
         n, k = SHAPES[name]
         ws = weights(n, k, dtype)
-        config = config_for(n, k)
+        config = gated_config_for(n, k) if args.gated else config_for(n, k)
+        op = launcher(args.gated)
         for m in [int(v) for v in args.m.split(",")]:
             if m > MAX_M:
                 continue
             x = torch.randn(m, k, device="cuda", dtype=dtype)
-            err, invariant = check(None, ws[0], m)
-            t_cublas = graph_time_us(F.linear, ws, x, args.calls, args.replays)
-            t_skinny = graph_time_us(lambda x_, w_: skinny_gemm(x_, w_), ws, x, args.calls,
+            err, invariant = check(None, ws[0], m, args.gated)
+            t_cublas = graph_time_us(baseline(args.gated), ws, x, args.calls, args.replays)
+            t_skinny = graph_time_us(lambda x_, w_: op(x_, w_), ws, x, args.calls,
                                      args.replays)
             num_bytes = (n * k + m * k + m * n) * dtype.itemsize
             row = {"shape": name, "n": n, "k": k, "m": m, "config": vars(config),
