@@ -42,6 +42,10 @@ def add_engine_flags(parser) -> None:
     parser.add_argument("--max-model-len", default=None,
                         help="context length limit (default: the model's own)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="compute each request as if it ran alone, so greedy output never "
+                        "changes with batching or speculative decoding (CUDA, one GPU a "
+                        "worker; slower: docs/speculative-decoding.md)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="spread each worker's model over N GPUs (one process each; a "
                         "stack of R replicas uses N*R GPUs). Default 1; docs/tensor-parallel.md")
@@ -61,7 +65,9 @@ def engine_service_args(args: argparse.Namespace) -> dict[str, list[str]]:
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
-    return {"worker": worker + (["--enforce-eager"] if args.enforce_eager else []),
+    worker += ["--enforce-eager"] if args.enforce_eager else []
+    worker += ["--batch-invariant"] if getattr(args, "batch_invariant", False) else []
+    return {"worker": worker,
             "scheduler": batch_limits + flags(max_queued_requests=args.max_queued_requests),
             "tokenizer": flags(max_model_len=args.max_model_len)}
 
@@ -76,6 +82,10 @@ def engine_flag_error(args: argparse.Namespace) -> str | None:
         return ("--kv-cache-dtype fp8 needs a CUDA GPU with FP8 support (compute capability "
                 "8.9+); the worker would run on the CPU")
     tensor_parallel_size = tensor_parallel_size_of(args)
+    if getattr(args, "batch_invariant", False) and (
+            not worker_uses_gpu(args.device) or tensor_parallel_size > 1):
+        return ("--batch-invariant needs a worker on one CUDA GPU (not the CPU, no "
+                "--tensor-parallel-size)")
     if tensor_parallel_size < 1:
         return f"--tensor-parallel-size must be at least 1, not {args.tensor_parallel_size}"
     if worker_uses_gpu(args.device):

@@ -82,7 +82,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     workspace: torch.Tensor | None = None, num_segments: int | None = None,
                     decode_config: AttentionConfig | None = None,
                     chunk_config: AttentionConfig | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, batch_invariant: bool = False) -> torch.Tensor:
     """``paged_attention_ref`` in Triton, without a host-device sync (CUDA-graph capturable).
 
     query, out: [num_tokens, num_heads, head_dim]; the rest as in ``paged_attention_ref``.
@@ -97,6 +97,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_segments: force the split-KV segment count (a power of 2; tests and benchmarks).
     decode_config, chunk_config: override the tile configs (benchmark sweeps).
     k_scale, v_scale: an FP8 cache's scales (it holds x / scale); other caches ignore them.
+    batch_invariant: every launch with the decode tile config and no split-KV, so a query row's
+        output is the same bits whatever else the step holds, decode or chunk
+        (``--batch-invariant``; slower on long contexts and long prompts).
     returns: out, [num_tokens, num_heads, head_dim] in the query's dtype
     """
     num_tokens, num_heads, head_dim = query.shape
@@ -114,6 +117,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     # the key scale folds into the softmax's, the value scale into the output (1: exact)
     args = (query, key_cache, value_cache, out, scale * (k_scale if fp8 else 1.0),
             v_scale if fp8 else 1.0, max_seq_len, workspace)
+    if batch_invariant:
+        num_segments = 1
+        decode_config = chunk_config = default_config(1, num_heads // key_cache.shape[2],
+                                                      query.dtype, fp8)
     if num_decodes > 0:
         segments = num_segments or choose_num_segments(
             num_decodes, key_cache.shape[2], max_seq_len, _sm_count(query.device),

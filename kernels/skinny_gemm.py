@@ -14,7 +14,10 @@ tail of one launch. This kernel is a plain weight stream.
 - **batch invariant and deterministic**: a row's result depends only on that row. The launch
   config is chosen per (N, K) alone, never per M, and M is no constexpr nor specialized on:
   every M runs the same compiled kernel, and a tensor-core product computes each output from its
-  own row and column. With ``split_k`` > 1 each split writes an fp32 partial and
+  own row and column. More than 16 rows run as tiles of 16 (one program per row tile and
+  column tile, the row tiles of a column tile side by side: its weight tile is read from
+  memory once and from L2 after), each row summed as it is alone: what ``--batch-invariant``
+  (services/worker/ops.py) runs every projection of every step with. With ``split_k`` > 1 each split writes an fp32 partial and
   ``_reduce_splits_kernel`` adds them in split order; no atomics anywhere. (Reducing in the
   same launch, by the last program of each column tile to arrive at a counter, was tried: on
   the H200 it cost o_proj 0.3 us more than the second launch saved and a decode step 0.05 ms.)
@@ -55,7 +58,14 @@ from kernels.skinny_configs import (CONFIGS, FP8_CONFIGS, FP8_GATED_CONFIGS,  # 
                                     GATED_CONFIGS, SkinnyConfig, config_for, default_config,
                                     gated_config_for, gated_table, table)
 
-MAX_M = 16  # most rows of x the kernel serves (x is padded to this many)
+MAX_M = 16  # rows of x a program multiplies (x padded to a multiple of this many)
+
+
+def takes(weight: torch.Tensor) -> bool:
+    """Whether the kernel can run a weight at all (any number of rows): a contiguous CUDA
+    bf16/fp16 or FP8 one. What ``--batch-invariant`` runs every projection with."""
+    return (weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16, FP8_DTYPE)
+            and weight.is_contiguous())
 
 
 def serves(num_rows: int, weight: torch.Tensor) -> bool:
@@ -66,10 +76,10 @@ def serves(num_rows: int, weight: torch.Tensor) -> bool:
 
 
 def _serves(num_rows: int, weight: torch.Tensor, configs: dict) -> bool:
-    if not weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float16, FP8_DTYPE):
+    if not takes(weight):
         return False
     config = configs.get(tuple(weight.shape))
-    return config is not None and 0 < num_rows <= config.max_m and weight.is_contiguous()
+    return config is not None and 0 < num_rows <= config.max_m
 
 
 @triton.jit
@@ -136,9 +146,13 @@ def _skinny_gemm_kernel(
     """Program (column tile, K split). GATED: W holds 2N rows (gate, then up), out silu(gate) *
     up. HAS_SCALE: W is FP8, each row's sum times its scale (kernels/fp8.py). PDL: it waits
     for the previous kernel after its first weight tile (kernels/pdl.py)."""
-    pid_n = tl.program_id(0)
+    # programs of one column tile for every BLOCK_M-row tile of x run side by side (row tiles
+    # vary fastest), so a weight tile read once from memory serves them all from L2
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    pid_m = tl.program_id(0) % num_m_tiles
+    pid_n = tl.program_id(0) // num_m_tiles
     pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
@@ -258,8 +272,6 @@ def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     weight_scale: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
-    if x.shape[0] > MAX_M:
-        raise ValueError(f"{x.shape[0]} rows: the skinny GEMM serves at most {MAX_M}")
     if x.stride(1) != 1 or not weight.is_contiguous():
         raise ValueError("x needs a contiguous last dim and weight must be contiguous")
     if weight_scale is not None:
@@ -296,7 +308,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     partial = out  # unused without a split
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    _skinny_gemm_kernel[(num_tiles, split_k)](
+    _skinny_gemm_kernel[(num_tiles * triton.cdiv(m, MAX_M), split_k)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, partial,
         m, n, k, x.stride(0), weight.stride(0), n * weight.stride(0) if gated else 0,
@@ -356,8 +368,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
                 weight_scale: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x: [M, K] (M <= MAX_M, last dim contiguous), weight: [N, K] contiguous, bias: [N] or
-    None -> [M, N] in x's dtype, or fp32 with ``out_dtype`` (the sum unrounded: tensor
+    """x: [M, K] (last dim contiguous; any M, in tiles of MAX_M rows), weight: [N, K]
+    contiguous, bias: [N] or None -> [M, N] in x's dtype, or fp32 with ``out_dtype`` (the sum unrounded: tensor
     parallelism's partials). ``config``: the launch (default: ``config_for(N, K)``). An FP8
     weight comes with ``weight_scale`` [N] fp32 (per output channel, kernels/fp8.py)."""
     _check_operands(x, weight, bias, weight_scale)

@@ -39,8 +39,8 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
                  enforce_eager: bool = False, prefix_caching: bool = False,
                  overlap_steps: str = "auto", quantization: str = "none",
                  tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
-                 speculative_config: str = "", disable_custom_all_reduce: bool = False
-                 ) -> Engine:
+                 speculative_config: str = "", disable_custom_all_reduce: bool = False,
+                 batch_invariant: bool = False) -> Engine:
     """``tensor_parallel_size`` > 1: ranks 1.. spawned on cuda:1.. (``engine.close()`` stops
     them)."""
     worker = WorkerConfig(device="cuda", dtype="bfloat16", quantization=quantization,
@@ -50,7 +50,8 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           gpu_memory_utilization=gpu_memory_utilization,
                           enforce_eager=enforce_eager, overlap_steps=overlap_steps,
-                          disable_custom_all_reduce=disable_custom_all_reduce)
+                          disable_custom_all_reduce=disable_custom_all_reduce,
+                          batch_invariant=batch_invariant)
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 prefix_caching=prefix_caching,

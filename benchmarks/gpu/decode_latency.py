@@ -97,6 +97,8 @@ def main() -> None:
     parser.add_argument("--norm-in-reduce", choices=["on", "off"],
                         help="off: the two kernels instead of the norm in the split-K reduce "
                         "(default: on, the path)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the worker's --batch-invariant (what the exact mode costs)")
     parser.add_argument("--trace", type=int, default=0, metavar="TOKENS",
                         help="also profile one request of this many tokens on rank 0: the "
                              "busiest kernels, GPU busy time a step, and a chrome trace "
@@ -119,7 +121,8 @@ def main() -> None:
                           tensor_parallel_size=args.tensor_parallel_size,
                           kv_cache_dtype=args.kv_cache_dtype,
                           speculative_config=args.speculative_config,
-                          disable_custom_all_reduce=args.disable_custom_all_reduce)
+                          disable_custom_all_reduce=args.disable_custom_all_reduce,
+                          batch_invariant=args.batch_invariant)
     model = engine.runner.model
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -152,7 +155,8 @@ def main() -> None:
               "pdl": pdl.enabled(), "quantization": args.quantization,
               "tensor_parallel_size": args.tensor_parallel_size,
               "kv_cache_dtype": args.kv_cache_dtype,
-              "speculative_config": args.speculative_config or None}
+              "speculative_config": args.speculative_config or None,
+              "batch_invariant": args.batch_invariant}
     drafter = engine.scheduler.drafter
     if drafter.num_drafted_steps:
         result["tokens_per_verify_step"] = 1 + drafter.num_accepted_drafts / drafter.num_drafted_steps
@@ -181,6 +185,7 @@ def main() -> None:
     suffix += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     suffix += "_fp8kv" if args.kv_cache_dtype == "fp8" else ""
     suffix += "_spec" if args.speculative_config else ""
+    suffix += "_batch_invariant" if args.batch_invariant else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
     print(f"\nbatch-1 decode, ctx {args.context}, quantization {args.quantization}, "
           f"KV {args.kv_cache_dtype}, "

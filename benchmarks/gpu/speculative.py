@@ -3,6 +3,7 @@ scheduler and ModelRunner, CUDA graphs and overlapped steps on), dummy Llama-3.1
 with drafts against the same engine without them.
 
     python -m benchmarks.gpu.speculative --model DIR --run off   # then --run on, then neither
+    (--batch-invariant on all three: both engines with the worker's --batch-invariant)
 
 - ``identity``: 200 prompts (vLLM #41758's ``"serving" * 48`` among them: token ids repeated,
   random-token prompts, prompts that repeat a random phrase), all 200 in batches of 64 and the
@@ -37,12 +38,12 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size
 IDENTITY_BATCHES = ((1, 16), (4, 32), (16, 64), (64, 200))
 
 
-def build(model: str, spec: str, max_num_seqs: int) -> Engine:
+def build(model: str, spec: str, max_num_seqs: int, batch_invariant: bool = False) -> Engine:
     return Engine(SchedulerConfig(speculative_config=spec, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=8192),
                   WorkerConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
-                               gpu_memory_utilization=0.9),
+                               gpu_memory_utilization=0.9, batch_invariant=batch_invariant),
                   resolve_model(model))
 
 
@@ -98,9 +99,12 @@ def main() -> None:
     parser.add_argument("--run", choices=("off", "on"), default=None,
                         help="measure one engine and keep its outputs in $OUT (each in its own "
                         "process, so each has the whole GPU); without it, compare the two files")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="both engines with --batch-invariant (the worker's flag)")
     args = parser.parse_args()
     if args.run:
-        engine = build(args.model, args.spec if args.run == "on" else "", 64)
+        engine = build(args.model, args.spec if args.run == "on" else "", 64,
+                       args.batch_invariant)
         OUT.mkdir(parents=True, exist_ok=True)
         (OUT / f"speculative_gpu_{args.run}.json").write_text(json.dumps(measure(engine)))
         return
@@ -108,7 +112,7 @@ def main() -> None:
                for run in ("off", "on"))
     same = sum(a == b for a, b in zip(off["identity_outputs"], on["identity_outputs"], strict=True))
     result = {"benchmark": "speculative_gpu", "device": device_name(), "model": args.model,
-              "spec": args.spec, "identity": f"{same}/{len(off['identity_outputs'])}",
+              "spec": args.spec, "batch_invariant": args.batch_invariant, "identity": f"{same}/{len(off['identity_outputs'])}",
               "batch1_ms_per_token": {"off": off["batch1_ms_per_token"],
                                       "on": on["batch1_ms_per_token"]},
               "batch1_speedup": off["batch1_ms_per_token"] / on["batch1_ms_per_token"],
@@ -116,7 +120,7 @@ def main() -> None:
               "batch32_output_tok_s": {"off": off["batch32_output_tok_s"],
                                        "on": on["batch32_output_tok_s"]},
               "batch32_speedup": on["batch32_output_tok_s"] / off["batch32_output_tok_s"]}
-    save("speculative_gpu", result)
+    save("speculative_gpu" + ("_batch_invariant" if args.batch_invariant else ""), result)
 
 
 if __name__ == "__main__":

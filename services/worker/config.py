@@ -68,6 +68,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     # speculative decoding's draft model (method draft_model; flotilla serve sets it from
     # --speculative-config): as --model takes it; "": none
     draft_model: str = ""
+    # every step computed so that a row's numbers do not depend on the rest of its step
+    # (ops.batch_invariant): greedy output the same at any batch size and with speculation
+    batch_invariant: bool = False
     # speculative decoding's K (flotilla serve sets it from --speculative-config): verify
     # steps of K + 1 tokens a request run as CUDA graphs; 0: none are captured
     num_speculative_tokens: int = 0
@@ -119,6 +122,10 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         "disable_custom_all_reduce": "sum every tensor-parallel all-reduce with NCCL; by "
                                      "default decode-sized ones are one kernel over GPU peer "
                                      "memory (docs/tensor-parallel.md)",
+        "batch_invariant": "CUDA: compute each request's numbers as if it ran alone (every "
+                           "projection on the batch-invariant skinny GEMM, attention without "
+                           "split-KV), so greedy output never changes with batching or "
+                           "speculative decoding; slower (docs/speculative-decoding.md)",
         "draft_model": "the model that drafts tokens for speculative decoding's draft_model "
                        "method (a directory, .gguf, smollm2 or dummy:<preset>; the served "
                        "model's tokenizer); flotilla serve sets it from --speculative-config",
@@ -154,6 +161,9 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be between 0 and 16, not "
                              f"{self.num_speculative_tokens}")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant runs on one GPU: a tensor-parallel worker's sums "
+                             "take other paths at other sizes")
         if self.tensor_parallel_step_timeout <= 0:
             raise ValueError(f"tensor_parallel_step_timeout must be positive, not "
                              f"{self.tensor_parallel_step_timeout}")

@@ -13,6 +13,12 @@ from kernels import (activation, fp8, kv_cache, paged_attention, paged_attention
                      rms_norm as rms_norm_kernels, rotary, skinny_gemm)
 from services.worker import cpu_attention
 
+# --batch-invariant (WorkerConfig.batch_invariant, set once by the runner): every CUDA
+# projection on the skinny GEMM (each row summed as alone, at any number of rows) and every
+# attention launch on one tile config without split-KV, so a row's numbers do not depend on
+# what else its step holds: greedy output then never changes with batching or speculation
+batch_invariant = False
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            weight_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
@@ -24,7 +30,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     unrounded (a tensor-parallel rank's partial, ``TensorParallel.partial_dtype``)."""
     if out_dtype == x.dtype:
         out_dtype = None
-    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and skinny_gemm.serves(x.shape[0], weight):
+    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and (
+            skinny_gemm.serves(x.shape[0], weight)
+            or (batch_invariant and skinny_gemm.takes(weight))):
         return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale,
                                        out_dtype=out_dtype)
     if weight_scale is not None:
@@ -58,7 +66,9 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     """SwiGLU of the fused gate_up projection: x [num_tokens, in_features], weight
     [2 * intermediate_size, in_features] -> [num_tokens, intermediate_size]. Where the skinny
     GEMM serves it, one launch with SwiGLU in its epilogue (bitwise the two ops)."""
-    if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1
+    # (not under --batch-invariant: the gated launch's config may tile K otherwise than the
+    # plain launch's at rows it does not serve)
+    if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and not batch_invariant
             and skinny_gemm.serves_gated(x.shape[0], weight)):
         return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias, weight_scale=weight_scale)
     return silu_and_mul(linear(x, weight, bias, weight_scale))
@@ -155,4 +165,4 @@ def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
         query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, scale, max_query_len=metadata.max_query_len,
         max_seq_len=metadata.max_seq_len, num_decodes=metadata.num_decodes, out=out,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale, batch_invariant=batch_invariant)

@@ -28,7 +28,7 @@ import torch
 from kernels.paged_attention_ref import FP8_KV_DTYPE, allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, capture_step_graphs, mixed_graph_tokens
-from services.worker import draft_model
+from services.worker import draft_model, ops
 from services.worker.draft_model import DraftModel, NoDraftModel, Proposal, load_draft_model
 from services.worker.kv_connector import (
     KvConnector, LayerWaits, NoKvConnector, usable_load_groups,
@@ -66,6 +66,9 @@ class ModelRunner:
             raise ValueError(f"block_size must be positive, got {config.block_size}")
         self._device = resolve_device(config.device)
         self._dtype = resolve_dtype(config.dtype, self._device)
+        if config.batch_invariant and self._device.type != "cuda":
+            raise ValueError("batch_invariant needs a CUDA device (the CPU's GEMMs are torch's)")
+        ops.batch_invariant = config.batch_invariant  # the process's kernels (ops.py)
         self.model_name: str = model_files.name
         self.model_path: Path = model_files.path
         self.seed: int = config.seed

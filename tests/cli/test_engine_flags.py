@@ -55,6 +55,13 @@ def test_serve_refuses_flags_its_services_would_refuse_before_starting_anything(
     assert "--kv-cache-dtype fp8 needs a CUDA GPU" in capsys.readouterr().err
     gpu = build_parser().parse_args(["serve", "--device", "cuda", "--kv-cache-dtype", "fp8"])
     assert engine_service_args(gpu)["worker"][-2:] == ["--kv-cache-dtype", "fp8"]
+    assert main(["serve", "--device", "cpu", "--batch-invariant"]) == 2
+    assert "--batch-invariant needs a worker on one CUDA GPU" in capsys.readouterr().err
+    gpu = build_parser().parse_args(["serve", "--device", "cuda:0", "--batch-invariant"])
+    assert engine_service_args(gpu)["worker"][-1] == "--batch-invariant"
+    split = build_parser().parse_args(["serve", "--device", "cuda:0", "--batch-invariant",
+                                       "--tensor-parallel-size", "2"])
+    assert "--batch-invariant needs a worker on one CUDA GPU" in engine_flag_error(split)
 
 
 def test_a_draft_model_in_the_speculative_config_reaches_the_worker():

@@ -325,3 +325,39 @@ def test_gpu_cuda_graph_replay(batch):
         ref = paged_attention_ref(query.float(), key_cache.float(), value_cache.float(),
                                   block_tables, seq_lens, query_start_loc, head_dim ** -0.5)
         assert rel_error(out.float(), ref) < GPU_TOLERANCE[dtype]
+
+
+def test_batch_invariant_rows_are_the_same_bits_in_any_step():
+    """batch_invariant: one sequence's last 5 queries give the same bits as one chunk, as five
+    decodes alone, and beside other decodes and chunks (which otherwise change the split-KV
+    segments and the tile configs)."""
+    gen = torch.Generator().manual_seed(9)
+    num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
+    key_cache, value_cache = (torch.randn(24, block_size, num_kv_heads, head_dim, generator=gen)
+                              .to(torch.float16) for _ in range(2))
+    table_a, table_b = list(range(19)), list(range(19, 23))  # A: 300 tokens, B: 60
+    queries_a = torch.randn(5, num_heads, head_dim, generator=gen).to(torch.float16)
+    query_b = torch.randn(1, num_heads, head_dim, generator=gen).to(torch.float16)
+
+    def attend(parts):  # parts: (queries, seq_len, block table) in step order
+        query = torch.cat([q for q, _, _ in parts])
+        q_lens = [q.shape[0] for q, _, _ in parts]
+        width = max(len(t) for _, _, t in parts)
+        tables = torch.tensor([t + [0] * (width - len(t)) for _, _, t in parts],
+                              dtype=torch.int32)
+        starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        seq_lens = torch.tensor([s for _, s, _ in parts], dtype=torch.int32)
+        return paged_attention(query, key_cache, value_cache, tables, seq_lens, starts,
+                               head_dim ** -0.5, max_query_len=max(q_lens),
+                               max_seq_len=int(seq_lens.max()),
+                               num_decodes=sum(n == 1 for n in q_lens), batch_invariant=True)
+
+    chunk = attend([(queries_a, 300, table_a)])
+    for i in range(5):
+        alone = attend([(queries_a[i:i + 1], 296 + i, table_a)])
+        assert torch.equal(alone[0], chunk[i]), i
+    beside = attend([(query_b, 60, table_b)] * 5 + [(queries_a[4:], 300, table_a)]
+                    + [(query_b, 60, table_b)] * 2)
+    assert torch.equal(beside[5], chunk[4])
+    mixed = attend([(query_b, 60, table_b), (queries_a, 300, table_a)])
+    assert torch.equal(mixed[1:], chunk)
