@@ -98,26 +98,23 @@ def scaled_mm_serves(weight: torch.Tensor) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16, CUDA), weight [N, K] FP8, weight_scale [N] fp32 -> [M, N] in x's
-    dtype (or ``out_dtype``): x quantized per token, one row-wise scaled FP8 GEMM (fp32
-    accumulation)."""
+    dtype: x quantized per token, one row-wise scaled FP8 GEMM (fp32 accumulation)."""
     x_fp8, x_scale = quantize_per_token(x)
     out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
-                           out_dtype=out_dtype or x.dtype)
+                           out_dtype=x.dtype)
     return out if bias is None else out.add_(bias)
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None, quantize_x: bool = True,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, quantize_x: bool = True) -> torch.Tensor:
     """``fp8_linear`` in fp32 (``quantize_x`` False: the weight-only FP8 of the skinny GEMM),
-    rounded to x's dtype (or ``out_dtype``)."""
+    rounded to x's dtype."""
     x_float = x.float()
     if quantize_x:
         x_fp8, x_scale = quantize_per_token_ref(x)
         x_float = x_fp8.float() * x_scale
     out = F.linear(x_float, dequantize_per_channel(weight, weight_scale),
                    None if bias is None else bias.float())
-    return out.to(out_dtype or x.dtype)
+    return out.to(x.dtype)

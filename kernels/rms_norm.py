@@ -44,14 +44,6 @@ def add_rms_norm_row(x, residual_row, weight_ptr, out_row, cols, mask, hidden_si
 
 
 @triton.jit
-def _stream_value(x, stream_dtype: tl.constexpr):
-    """A loaded x as fp32, first rounded to the residual stream's dtype: an fp32 x (the ranks'
-    sum of fp32 partials, tensor_parallel.py) then rounds once, as a one-rank projection's
-    output does; x of the stream's dtype is unchanged."""
-    return x.to(stream_dtype).to(tl.float32)
-
-
-@triton.jit
 def _rms_norm_kernel(
     x_ptr, weight_ptr, residual_ptr, out_ptr,
     x_stride_0, x_stride_1, residual_stride_0, residual_stride_1, out_stride_0, out_stride_1,
@@ -66,22 +58,18 @@ def _rms_norm_kernel(
     residual_row = residual_ptr + outer * residual_stride_0 + inner * residual_stride_1
     out_row = out_ptr + outer * out_stride_0 + inner * out_stride_1
     cols = tl.arange(0, BLOCK_SIZE)
-    # the stream's dtype: the residual's (x may be a tensor-parallel fp32 sum); without a
-    # residual, residual_ptr is x_ptr
-    stream_dtype = residual_ptr.dtype.element_ty
     pdl.wait_then_launch_dependents(PDL)
     if SINGLE_PASS:
         mask = cols < hidden_size
-        x = _stream_value(tl.load(x_row + cols, mask=mask, other=0.0), stream_dtype)
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
         add_rms_norm_row(x, residual_row, weight_ptr, out_row, cols, mask, hidden_size, eps,
-                         HAS_RESIDUAL, stream_dtype)
+                         HAS_RESIDUAL, x_ptr.dtype.element_ty)
     else:
         # pass 1: the residual sum (written back) and the sum of squares
         sum_squares = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
         for start in range(0, hidden_size, BLOCK_SIZE):
             mask = start + cols < hidden_size
-            x = _stream_value(tl.load(x_row + start + cols, mask=mask, other=0.0),
-                              stream_dtype)
+            x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 r = tl.load(residual_row + start + cols, mask=mask, other=0.0).to(tl.float32)
                 summed = (x + r).to(residual_ptr.dtype.element_ty)
@@ -96,7 +84,7 @@ def _rms_norm_kernel(
                 x = tl.load(residual_row + start + cols, mask=mask, other=0.0).to(tl.float32)
             else:
                 x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-            normed = (x * rstd).to(stream_dtype)
+            normed = (x * rstd).to(x_ptr.dtype.element_ty)
             weight = tl.load(weight_ptr + start + cols, mask=mask, other=0.0)
             out = weight.to(tl.float32) * normed.to(tl.float32)
             tl.store(out_row + start + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -125,17 +113,6 @@ def _rows(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.view(-1, *t.shape[-2:])  # raises when the leading dims cannot be merged in a view
 
 
-def check_residual(x: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """A residual is like x, or x is an fp32 sum beside a bf16/fp16 residual."""
-    if residual is None:
-        return
-    dtypes_fit = residual.dtype == x.dtype or (
-        x.dtype == torch.float32 and residual.dtype in (torch.bfloat16, torch.float16))
-    if residual.shape != x.shape or not dtypes_fit:
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
-                         f"{tuple(x.shape)} {x.dtype}")
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None, out: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -145,9 +122,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     [num_tokens, num_heads, head_dim] for a per-head q/k norm)
     weight: [hidden_size]
     residual: None, or like x: then ``residual = x + residual`` is written in place and the
-    result is ``(rms_norm(residual), residual)``. x may be fp32 with a bf16/fp16 residual
-    (tensor parallelism's sum of fp32 partials): x is rounded to the residual's dtype first.
-    out: optional output like x (may be x itself: in place); dtype of weight * the stream
+    result is ``(rms_norm(residual), residual)``
+    out: optional output like x (may be x itself: in place); dtype of weight * x
     returns: [..., hidden_size], or (normed, residual)
     """
     hidden_size = x.shape[-1]
@@ -155,13 +131,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         raise ValueError(f"weight {tuple(weight.shape)} does not match hidden size {hidden_size}")
     if not weight.is_contiguous():
         raise ValueError("weight must be contiguous")
-    check_residual(x, residual)
-    stream_dtype = x.dtype if residual is None else residual.dtype
     if out is None:
-        out = torch.empty(x.shape, dtype=torch.promote_types(stream_dtype, weight.dtype),
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype),
                           device=x.device)
     elif out.shape != x.shape:
         raise ValueError(f"out {tuple(out.shape)} does not match x {tuple(x.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
+                         f"{tuple(x.shape)} {x.dtype}")
     x_rows, out_rows = _rows(x, "x"), _rows(out, "out")
     residual_rows = x_rows if residual is None else _rows(residual, "residual")
     num_outer, num_inner = x_rows.shape[:2]
@@ -186,9 +163,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None, out: torch.Tensor | None = None
                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Plain torch, same semantics as rms_norm (HF Llama RMSNorm numerics)."""
-    check_residual(x, residual)
     if residual is not None:
-        residual.copy_(x.to(residual.dtype) + residual)
+        residual.copy_(x + residual)
         x = residual
     x_fp32 = x.float()
     normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)

@@ -366,22 +366,18 @@ def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
-                weight_scale: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] (last dim contiguous; any M, in tiles of MAX_M rows), weight: [N, K]
-    contiguous, bias: [N] or None -> [M, N] in x's dtype, or fp32 with ``out_dtype`` (the sum unrounded: tensor
-    parallelism's partials). ``config``: the launch (default: ``config_for(N, K)``). An FP8
-    weight comes with ``weight_scale`` [N] fp32 (per output channel, kernels/fp8.py)."""
+    contiguous, bias: [N] or None -> [M, N] in x's dtype. ``config``: the launch (default:
+    ``config_for(N, K)``). An FP8 weight comes with ``weight_scale`` [N] fp32 (per output
+    channel, kernels/fp8.py)."""
     _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
-    out_dtype = out_dtype or (x.dtype if out is None else out.dtype)
-    if out_dtype not in (x.dtype, torch.float32):
-        raise ValueError(f"out_dtype {out_dtype}: x's dtype ({x.dtype}) or float32")
     if out is None:
-        out = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != out_dtype:
-        raise ValueError(f"out must be [{m}, {n}] {out_dtype} with a contiguous last dim")
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a contiguous last dim")
     if m == 0 or n == 0:
         return out
     if k == 0:

@@ -217,14 +217,8 @@ class Linear(nn.Linear):
         self.reduce = reduce if reduce is not None and reduce.size > 1 else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.reduce is None:
-            return ops.linear(x, self.weight, self.bias, self.weight_scale)
-        # a partial sum: fp32 where the ranks' sum is small (rounded once, by the norm after
-        # it: ``partial_dtype``)
-        out_dtype = self.reduce.partial_dtype(x.numel() // x.shape[-1], self.out_features,
-                                              x.dtype)
-        return self.reduce.all_reduce(ops.linear(x, self.weight, self.bias, self.weight_scale,
-                                                 out_dtype))
+        out = ops.linear(x, self.weight, self.bias, self.weight_scale)
+        return out if self.reduce is None else self.reduce.all_reduce(out)
 
 
 def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RMSNorm

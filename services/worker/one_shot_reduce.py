@@ -41,12 +41,10 @@ class OneShotReduce:
         symm_mem.rendezvous(self.buffer, self.group_name)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return (x.is_cuda and x.is_contiguous() and self.takes_size(x.numel() * x.element_size())
-                and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
-
-    def takes_size(self, nbytes: int) -> bool:
-        """Whether a sum of ``nbytes`` fits the buffer and the kernel's alignment."""
-        return nbytes <= self.max_bytes and nbytes % _ALIGNMENT == 0
+        nbytes = x.numel() * x.element_size()
+        return (x.is_cuda and x.is_contiguous() and nbytes <= self.max_bytes
+                and nbytes % _ALIGNMENT == 0 and x.dtype in (torch.bfloat16, torch.float16,
+                                                            torch.float32))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (``takes(x)`` must hold)."""

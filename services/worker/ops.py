@@ -21,42 +21,31 @@ batch_invariant = False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
-           ) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [num_tokens, in_features] -> [num_tokens, out_features], as nn.Linear. Decode-sized
     batches of the shapes the skinny GEMM was measured faster on take it (batch invariant up
     to its row bound); everything else, and the CPU, F.linear. An FP8 weight comes with its
-    ``weight_scale`` [out_features] (``fp8_linear``). ``out_dtype`` float32: the fp32 sums
-    unrounded (a tensor-parallel rank's partial, ``TensorParallel.partial_dtype``)."""
-    if out_dtype == x.dtype:
-        out_dtype = None
+    ``weight_scale`` [out_features] (``fp8_linear``). Under ``batch_invariant`` every CUDA
+    projection takes the skinny GEMM."""
     if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and (
             skinny_gemm.serves(x.shape[0], weight)
             or (batch_invariant and skinny_gemm.takes(weight))):
-        return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale,
-                                       out_dtype=out_dtype)
+        return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale)
     if weight_scale is not None:
-        return fp8_linear(x, weight, weight_scale, bias, out_dtype)
-    if out_dtype is not None:  # cuBLAS writes its fp32 sums; the CPU computes in fp32
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.mm(rows, weight.t(), out_dtype=out_dtype) if rows.is_cuda else \
-            F.linear(rows.to(out_dtype), weight.to(out_dtype))
-        out = out if bias is None else out.add_(bias)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return fp8_linear(x, weight, weight_scale, bias)
     return F.linear(x, weight, bias)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
-               ) -> torch.Tensor:
+               bias: torch.Tensor | None) -> torch.Tensor:
     """An FP8 projection the skinny GEMM does not take: on CUDA, x quantized per token and the
     FP8 tensor cores (kernels/fp8.py); elsewhere, and for fp32 x (tests: the scaled GEMM
     writes bf16), the same math in fp32. x [..., in_features]."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.is_cuda and rows.dtype != torch.float32 and fp8.scaled_mm_serves(weight):
-        out = fp8.fp8_linear(rows.contiguous(), weight, weight_scale, bias, out_dtype)
+        out = fp8.fp8_linear(rows.contiguous(), weight, weight_scale, bias)
     else:
-        out = fp8.fp8_linear_ref(rows, weight, weight_scale, bias, out_dtype=out_dtype)
+        out = fp8.fp8_linear_ref(rows, weight, weight_scale, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -92,19 +92,6 @@ class TensorParallel:
             torch.distributed.all_reduce(x, group=self.group)
         return x
 
-    def partial_dtype(self, num_rows: int, num_features: int, dtype: torch.dtype
-                      ) -> torch.dtype:
-        """The dtype a row-parallel projection (o_proj, down) writes this rank's partial sum
-        in: fp32 where the one-shot path sums [num_rows, num_features] of it (a decode step's
-        few KB, where the bytes cost nothing): the ranks' sum is then rounded once, as one
-        rank's projection rounds its output, not once per rank. Elsewhere (NCCL's larger
-        sums: half the bytes) and in fp32 models, ``dtype``. The same on every rank."""
-        if (self.size > 1 and self.one_shot is not None
-                and dtype in (torch.bfloat16, torch.float16)
-                and self.one_shot.takes_size(num_rows * num_features * 4)):
-            return torch.float32
-        return dtype
-
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """This rank's logits [num_rows, vocab_rows] -> all of them [num_rows, vocab_size]."""
         if self.size == 1:

@@ -244,19 +244,3 @@ def test_gpu_cuda_graph_capture():
             x.copy_(randn(4, 14336, gen=gen, device="cuda", dtype=torch.bfloat16))
             graph.replay()
             assert torch.equal(out, skinny_gemm(x * 3.0, weight, bias, config=config)), config
-
-
-@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-def test_fp32_out_is_the_unrounded_sum(config):
-    """out_dtype float32 (a tensor-parallel rank's partial): the fp32 sums themselves, which
-    x's dtype would round. fp16 here (the interpreter's tl.dot is wrong for bf16)."""
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-    x, weight = randn(3, 100, gen=gen, dtype=torch.float16), randn(40, 100, gen=gen,
-                                                                    dtype=torch.float16)
-    bias = randn(40, gen=gen, dtype=torch.float16)
-    wide = skinny_gemm(x, weight, bias, config=config, out_dtype=torch.float32)
-    assert wide.dtype == torch.float32
-    assert rel_err(wide, exact(x, weight, bias)) < 1e-6
-    assert torch.equal(wide.to(torch.float16), skinny_gemm(x, weight, bias, config=config))
-    with pytest.raises(ValueError, match="out_dtype"):
-        skinny_gemm(x, weight, config=config, out_dtype=torch.bfloat16)

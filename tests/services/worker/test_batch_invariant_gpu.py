@@ -25,7 +25,7 @@ def _generate(model_files, spec: str, batches: list[list[list[int]]]) -> list[li
                                     speculative_config=spec),
                     WorkerConfig(device="cuda", dtype="bfloat16", max_model_len=1024,
                                  max_num_seqs=32, max_num_batched_tokens=1024,
-                                 gpu_memory_utilization=0.3, batch_invariant=True),
+                                 kv_cache_memory="2GiB", batch_invariant=True),
                     model_files)
     try:
         outputs = []

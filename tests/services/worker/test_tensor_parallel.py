@@ -41,46 +41,6 @@ def test_split_range_covers_everything_once_in_near_equal_parts():
         assert max(lengths) - min(lengths) <= 1
 
 
-class _OneShotOf:
-    """Stands in for OneShotReduce's size rule (the real one needs GPU peer memory)."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-
-    def takes_size(self, nbytes: int) -> bool:
-        return nbytes <= self.max_bytes and nbytes % 16 == 0
-
-
-def test_partials_are_fp32_only_where_the_one_shot_path_sums_them():
-    """A row-parallel projection's partial in fp32 rounds the ranks' sum once (as one rank
-    rounds its output); only small sums pay the doubled bytes, and fp32 models and
-    groups without the one-shot path are unchanged."""
-    tp = TensorParallel(rank=1, size=2, one_shot=_OneShotOf(2 << 20))
-    assert tp.partial_dtype(1, 4096, torch.bfloat16) == torch.float32
-    assert tp.partial_dtype(128, 4096, torch.float16) == torch.float32  # 2 MiB in fp32
-    assert tp.partial_dtype(129, 4096, torch.bfloat16) == torch.bfloat16  # NCCL's
-    assert tp.partial_dtype(1, 4096, torch.float32) == torch.float32
-    assert TensorParallel(rank=1, size=2).partial_dtype(1, 4096, torch.bfloat16) \
-        == torch.bfloat16  # gloo, or no peer memory
-    assert TensorParallel().partial_dtype(1, 4096, torch.bfloat16) == torch.bfloat16
-
-
-def test_projections_write_fp32_partials_when_asked():
-    """ops.linear's out_dtype: bf16 weights, and FP8 ones, give their fp32 sums."""
-    from kernels.fp8 import quantize_per_channel
-    from services.worker import ops
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
-    weight = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(32, generator=gen).to(torch.bfloat16)
-    wide = ops.linear(x, weight, bias, out_dtype=torch.float32)
-    exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-    assert wide.dtype == torch.float32 and torch.allclose(wide.double(), exact, atol=1e-4)
-    assert ops.linear(x, weight, bias, out_dtype=torch.bfloat16).dtype == torch.bfloat16
-    fp8_weight, scale = quantize_per_channel(weight)
-    assert ops.linear(x, fp8_weight, None, scale, torch.float32).dtype == torch.float32
-
-
 def test_rank_parts_rebuild_every_weight(model_files):
     """SmolLM2 (9 query heads over 3 KV heads) split over two ranks: 2 + 1 KV heads with their
     query heads, and the parts put back give the whole weights."""
