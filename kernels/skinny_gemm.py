@@ -133,6 +133,15 @@ def _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE: tl.constexpr)
     return acc
 
 
+@triton.jit
+def _row_and_column_tile(M, BLOCK_M: tl.constexpr):
+    """(row tile, column tile) of this program: the programs of one column tile, one a
+    BLOCK_M-row tile of x, run side by side (row tiles vary fastest), so a weight tile read
+    once from memory serves them all from L2. At most BLOCK_M rows: (0, program id)."""
+    num_m_tiles = tl.cdiv(M, BLOCK_M)
+    return tl.program_id(0) % num_m_tiles, tl.program_id(0) // num_m_tiles
+
+
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr,
@@ -146,11 +155,7 @@ def _skinny_gemm_kernel(
     """Program (column tile, K split). GATED: W holds 2N rows (gate, then up), out silu(gate) *
     up. HAS_SCALE: W is FP8, each row's sum times its scale (kernels/fp8.py). PDL: it waits
     for the previous kernel after its first weight tile (kernels/pdl.py)."""
-    # programs of one column tile for every BLOCK_M-row tile of x run side by side (row tiles
-    # vary fastest), so a weight tile read once from memory serves them all from L2
-    num_m_tiles = tl.cdiv(M, BLOCK_M)
-    pid_m = tl.program_id(0) % num_m_tiles
-    pid_n = tl.program_id(0) // num_m_tiles
+    pid_m, pid_n = _row_and_column_tile(M, BLOCK_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

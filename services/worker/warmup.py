@@ -15,7 +15,7 @@ import time
 import structlog
 import torch
 
-from kernels import paged_attention
+from kernels import attention_configs, paged_attention
 from services.worker.model import Transformer
 
 log = structlog.get_logger()
@@ -26,7 +26,7 @@ QUERY_LENS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257]
 CONTEXT = 40  # tokens before a warm-up chunk: some earlier context, as after a prefix hit
 # A chunk after a context this many times its length splits that context like a decode's
 # (``choose_chunk_segments``: a prefix hit's chunk): each tile shape meets every segment count
-SPLIT_CONTEXT_RATIO = paged_attention.SPLIT_CHUNK_MIN_CONTEXT_RATIO
+SPLIT_CONTEXT_RATIO = attention_configs.SPLIT_CHUNK_MIN_CONTEXT_RATIO
 
 
 @torch.inference_mode()
@@ -61,7 +61,7 @@ def warm_up_attention(model: Transformer, block_size: int) -> None:
         launch([q_len], [CONTEXT + q_len])  # chunks alone
         launch([1, 1, q_len], [CONTEXT, CONTEXT, CONTEXT + q_len])  # after decodes
     num_segments = 1
-    while num_segments <= paged_attention.MAX_SEGMENTS:  # decodes split along the context
+    while num_segments <= attention_configs.MAX_SEGMENTS:  # decodes split along the context
         launch([1, 1], [CONTEXT, CONTEXT + 7], num_segments)
         for q_len in split_query_lens if num_segments > 1 else ():  # chunks after a hit
             launch([q_len], [(SPLIT_CONTEXT_RATIO + 1) * q_len], num_segments)
@@ -76,7 +76,7 @@ def _one_per_tile_shape(group: int, dtype: torch.dtype, fp8_cache: bool) -> list
     sequence fits one tile) a chunk launch can take."""
     seen, query_lens = set(), []
     for q_len in QUERY_LENS[1:]:
-        config = paged_attention.default_config(q_len, group, dtype, fp8_cache)
+        config = attention_configs.default_config(q_len, group, dtype, fp8_cache)
         shape = (config, q_len <= max(1, config.block_m // group))
         if shape not in seen:
             seen.add(shape)

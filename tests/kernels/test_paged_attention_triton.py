@@ -103,7 +103,7 @@ def test_split_kv_mixed_and_more_segments_than_blocks():
 
 def test_a_short_chunk_after_a_long_context_splits_it():
     """A prefix-cache hit's last chunk (few queries, long context) runs split-KV unforced."""
-    from kernels.paged_attention import CHUNK_CONFIG, PREFILL_CONFIG, choose_chunk_segments
+    from kernels.attention_configs import CHUNK_CONFIG, PREFILL_CONFIG, choose_chunk_segments
 
     assert choose_chunk_segments(1, 16, 16, 16384, 4, 8, CHUNK_CONFIG, 132) == 64
     assert choose_chunk_segments(1, 8192, 8192, 8192, 4, 8, PREFILL_CONFIG, 132) == 1
