@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -65,6 +66,35 @@ def step_time_by_tokens(steps: list[tuple[int, int, float]]) -> dict[str, list[f
         ranges[low] = (count + 1, total + seconds)
     return {f"prompt_tokens>={low}": [count, round(total, 2), round(1e3 * total / count, 1)]
             for low, (count, total) in sorted(ranges.items())}
+
+
+TAIL_SEQS = 16  # the run's tail: its steps after the last one of more sequences than this
+
+
+def time_steps(engine) -> list[tuple[float, int, int]]:
+    """(when, sequences, tokens) of each step as its result reaches the scheduler, filled in
+    while the engine runs."""
+    records, update = [], engine.scheduler.update
+
+    def timed_update(plan, result):
+        records.append((time.perf_counter(), len(plan.scheduled),
+                        sum(s.num_new_tokens for s in plan.scheduled)))
+        return update(plan, result)
+
+    engine.scheduler.update = timed_update
+    return records
+
+
+def tail_summary(records: list[tuple[float, int, int]], tail_seqs: int) -> dict:
+    """Wall time and steps before and in the tail (at most ``tail_seqs`` sequences a step to
+    the end), and the tail's steps that computed more tokens than sequences (verify steps):
+    where a speculative run gains or loses against a plain one on the same workload."""
+    last_wide = max((i for i, (_, seqs, _) in enumerate(records) if seqs > tail_seqs), default=0)
+    start, split, end = records[0][0], records[last_wide][0], records[-1][0]
+    tail = records[last_wide + 1:]
+    return {"before_s": split - start, "before_steps": last_wide + 1, "tail_s": end - split,
+            "tail_steps": len(tail), "tail_verify_steps": sum(t > n for _, n, t in tail),
+            "tail_tokens": sum(t for _, _, t in tail)}
 
 
 def main() -> None:
@@ -128,6 +158,7 @@ def main() -> None:
     engine.generate(warm_prompts, [SamplingParams(max_tokens=rng.randint(1, 16), temperature=0.0,
                                                   ignore_eos=True) for _ in warm_prompts])
     sampling = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
+    step_times = time_steps(engine)
     completions, stats = engine.generate(prompts, sampling)
     assert [len(c.output_token_ids) for c in completions] == output_lens
     num_in, num_out = sum(map(len, prompts)), sum(output_lens)
@@ -146,6 +177,7 @@ def main() -> None:
         "slowest_steps": sorted(stats.steps, key=lambda step: -step[2])[:12],
         "mixed_steps_time_by_tokens": step_time_by_tokens(stats.steps),
         "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,
+        "tail": tail_summary(step_times, TAIL_SEQS),
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager, "overlap_steps": args.overlap_steps,
         "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
@@ -182,7 +214,10 @@ def main() -> None:
           f"{args.max_num_batched_tokens}, overlap {args.overlap_steps}): "
           f"{result['total_tok_s']:,.0f} total tok/s, "
           f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s, "
-          f"{result['wall_ms_per_step']:.2f} ms/step over {stats.num_steps} steps"
+          f"{result['wall_ms_per_step']:.2f} ms/step over {stats.num_steps} steps; tail "
+          f"(<= {TAIL_SEQS} sequences) {result['tail']['tail_s']:.2f} s, "
+          f"{result['tail']['tail_steps']} steps ({result['tail']['tail_verify_steps']} verify), "
+          f"before it {result['tail']['before_s']:.2f} s"
           + (f"; HF best {result['hf_best_output_tok_s']:,.0f} output tok/s "
              f"(x{result['output_ratio_vs_hf']:.2f})" if args.hf_batch_sizes else ""))
 
