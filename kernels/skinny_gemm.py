@@ -17,8 +17,9 @@ tail of one launch. This kernel is a plain weight stream.
   own row and column. More than 16 rows run as tiles of 16 (one program per row tile and
   column tile, the row tiles of a column tile side by side: its weight tile is read from
   memory once and from L2 after), each row summed as it is alone: what ``--batch-invariant``
-  (services/worker/ops.py) runs every projection of every step with. With ``split_k`` > 1 each split writes an fp32 partial and
-  ``_reduce_splits_kernel`` adds them in split order; no atomics anywhere. (Reducing in the
+  (services/worker/ops.py) runs every projection of every step with. With ``split_k`` > 1
+  each split writes an fp32 partial and ``_reduce_splits_kernel`` adds them in split order;
+  no atomics anywhere. (Reducing in the
   same launch, by the last program of each column tile to arrive at a counter, was tried: on
   the H200 it cost o_proj 0.3 us more than the second launch saved and a decode step 0.05 ms.)
 - ``skinny_gemm_silu_and_mul``: the gate_up projection with SwiGLU in its epilogue (a program

@@ -17,9 +17,9 @@ report TFLOP/s over the visible (causal) query-key pairs, 4 * heads * head_dim f
 
 Shapes: Llama-3.1-8B attention (32 heads, 8 kv heads, head_dim 128; ``--model qwen3-0.6b`` for
 16 heads), bf16, block_size 16, block tables a random permutation of the pool (not contiguous).
-The tunables are the ``TUNE`` constants in kernels/attention_configs.py (DECODE_CONFIG, CHUNK_CONFIG,
-PREFILL_CONFIG, TARGET_PROGRAMS_PER_SM, MIN_SEGMENT_LEN, MAX_SEGMENTS); ``--sweep`` tries the
-grids below and prints the best per case, to copy back there.
+The tunables are the ``TUNE`` constants in kernels/attention_configs.py (DECODE_CONFIG,
+CHUNK_CONFIG, PREFILL_CONFIG, TARGET_PROGRAMS_PER_SM, MIN_SEGMENT_LEN, MAX_SEGMENTS);
+``--sweep`` tries the grids below and prints the best per case, to copy back there.
 """
 
 from __future__ import annotations
