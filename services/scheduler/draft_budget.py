@@ -55,7 +55,6 @@ class DraftBudget:
         self._eligible = [0.0] * max_drafts  # [i]: decodes planned with a cap above i
         self._offered = [0.0] * max_drafts  # [i]: of those, given an (i+1)-th draft
         self._kept = [0.0] * max_drafts  # [i]: of those, kept it
-        self.chosen = max_drafts  # the cap of the step being planned
         self._planned: dict[int, tuple[int, float]] = {}  # step -> (cap, plan time)
         self._last_result_time = float("-inf")
 
@@ -76,7 +75,6 @@ class DraftBudget:
             rate = n * gain / step_s
             if rate > best_rate * 1.0001:  # (ties: fewer drafts)
                 best, best_rate = k, rate
-        self.chosen = best
         return best
 
     def offered_and_kept(self, position: int) -> tuple[float, float]:
@@ -103,9 +101,9 @@ class DraftBudget:
         return self._step_s[larger] * bucket / larger
 
     # ------------------------------------------------------------ the books
-    def planned(self, step_id: int) -> None:
-        """The step just planned (with the cap ``chosen``)."""
-        self._planned[step_id] = (self.chosen, self.clock())
+    def planned(self, step_id: int, cap: int) -> None:
+        """The step just planned, with draft cap ``cap``."""
+        self._planned[step_id] = (cap, self.clock())
 
     def planned_cap(self, step_id: int) -> int:
         """The cap a step in flight was planned with (0: none, or not planned here)."""

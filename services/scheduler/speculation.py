@@ -303,11 +303,10 @@ class NgramDrafts(NoDrafts):
             self.step_cap = self.budget.cap(num_running)
         else:
             self.step_cap = self.config.num_speculative_tokens
-        self.budget.chosen = self.step_cap  # the books count the plan's drafts at this cap
         return self.step_cap > 0
 
     def planned(self, plan: StepPlan) -> None:
-        self.budget.planned(plan.step_id)
+        self.budget.planned(plan.step_id, self.step_cap)  # its drafts count at this cap
 
     def step_done(self, plan: StepPlan, result: StepResult) -> None:
         drafts = []  # (offered, kept) of each decode; none to count in a step without drafts

@@ -35,7 +35,7 @@ def run(budget: DraftBudget, clock: Clock, steps: int, num_running: int, step_s,
     for step_id in range(start, start + steps):
         cap = budget.cap(num_running)
         chosen[cap] += 1
-        budget.planned(step_id)
+        budget.planned(step_id, cap)
         drafts = []
         for _ in range(num_running):
             offered = min(cap, proposed)
@@ -93,9 +93,9 @@ def test_the_period_of_an_overlapped_step_starts_at_the_result_before_it():
     clock = Clock()
     budget = DraftBudget(K, clock)
     assert budget.step_time(1) is None and budget.cap(1) == K  # nothing measured: K
-    budget.planned(1)
+    budget.planned(1, K)
     clock.now = 0.001
-    budget.planned(2)
+    budget.planned(2, K)
     clock.now = 0.010
     budget.step_done(1, 1, [(0, 0)])  # 10 ms
     clock.now = 0.015
