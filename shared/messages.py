@@ -224,6 +224,10 @@ class RequestOutput(Struct, frozen=True, array_like=True, gc=False, kw_only=True
 
 class OutputBatch(Struct, frozen=True, array_like=True, gc=False):
     outputs: list[RequestOutput]
+    # wall clock (time.time()) when the scheduler sent it; 0: not stamped. The gateway's
+    # delivery-lag metric (publish -> chunk written) reads it: across hosts it includes
+    # their clock offset.
+    published_at: float = 0.0
 
 
 class SchedulerStats(Struct, frozen=True, kw_only=True):

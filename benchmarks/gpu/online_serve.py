@@ -14,7 +14,15 @@
    --max-model-len 4096`` in its own process with vLLM's PYTHONPATH only, then the identical
    bench command (same seed, prompts and tokenizer: ``--tokenizer`` is the model directory,
    so both engines get the same token ids), then it is stopped.
-3. A side-by-side table; ``online_summary.json``, the bench JSONs and every log in --out.
+3. A side-by-side table; ``online_summary.json``, the bench JSONs and every log in --out,
+   with a digest of each server's /metrics after its load (online_clients.py: tokens per
+   chunk, delivery lag, step times, preemptions).
+
+``--client vllm`` loads both servers with vLLM's own client (``vllm bench serve`` from the
+kit) instead, as issue 27 measures streams (``--bench-args`` carries its dataset flags):
+
+    python3 -m benchmarks.gpu.online_serve --model .devmodels/dummy-llama-3.1-8b --client vllm \
+        --dataset-name random --bench-args "--random-input-len 1024 --random-output-len 256"
 
 Every phase has a hard limit inside ``--budget`` (540 s: the device tool stops a command at
 600 s): a server start ``--start-timeout`` (180 s; vLLM ``--vllm-start-timeout``, 300 s),
@@ -46,6 +54,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 from cli.bench.deadline import EXIT_DEADLINE, RUN_STARTED
+from benchmarks.gpu.online_clients import (digest_lines, metrics_digest,
+                                           summary_from_vllm_client, vllm_client_command,
+                                           vllm_client_result)
 from cli.stack import _die_with_parent, free_port
 from shared.models import resolve_model
 
@@ -330,9 +341,13 @@ def phase(server: Server, args: argparse.Namespace, budget: Budget, out: Path, n
             return {**result, "status": f"start failed: {exc}"}
         log(f"{engine}: healthy after {result['start_s']:.0f} s")
         max_duration_s = min(args.max_duration, budget.left() - STOP_S - BENCH_SETUP_S)
-        result_json = out / f"bench_{engine}.json"
-        command = bench_command(args, server.base_url, name, tokenizer, max_duration_s,
-                                result_json)
+        if args.client == "vllm":
+            result_json = out / vllm_client_result(engine)
+            command = vllm_client_command(args, server.base_url, name, tokenizer, out, engine)
+        else:
+            result_json = out / f"bench_{engine}.json"
+            command = bench_command(args, server.base_url, name, tokenizer, max_duration_s,
+                                    result_json)
         result["bench_command"] = command
         profiler = None
         if server.profile and args.profile_seconds > 0:
@@ -348,9 +363,11 @@ def phase(server: Server, args: argparse.Namespace, budget: Budget, out: Path, n
                                          profiler.start if profiler else lambda: None)
         if profiler is not None:
             result["profile"] = profiler.finish()
-        save_metrics(server.base_url, out / f"metrics_{engine}.txt")
+        result["server_metrics"] = save_metrics(server.base_url, out / f"metrics_{engine}.txt")
         if result_json.exists():
-            result["summary"] = json.loads(result_json.read_text())["runs"][0]["summary"]
+            data = json.loads(result_json.read_text())
+            result["summary"] = summary_from_vllm_client(data, args.num_prompts) \
+                if args.client == "vllm" else data["runs"][0]["summary"]
         exit_code = result["bench_exit"]
         result["status"] = {0: "ok", EXIT_DEADLINE: "cut short"}.get(exit_code,
                                                                      f"bench exit {exit_code}")
@@ -360,18 +377,25 @@ def phase(server: Server, args: argparse.Namespace, budget: Budget, out: Path, n
         log(f"{engine}: stopped")
 
 
-def save_metrics(base_url: str, path: Path) -> None:
-    """The server's Prometheus /metrics after the load (step times, idle ratio, queues)."""
+def save_metrics(base_url: str, path: Path) -> dict:
+    """The server's Prometheus /metrics after the load (step times, idle ratio, queues),
+    saved whole, and its digest (online_clients.DIGESTED) printed and returned."""
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
-            path.write_bytes(response.read())
+            text = response.read()
     except (OSError, urllib.error.URLError) as exc:
         log(f"no /metrics from {base_url}: {exc}")
+        return {}
+    path.write_bytes(text)
+    digest = metrics_digest(text.decode())
+    print("\n".join([f"server metrics ({path.name}):", *digest_lines(digest)]), flush=True)
+    return digest
 
 
 def table(results: list[dict]) -> str:
     head = (f"{'engine':<10}{'status':>12}{'done/fail/out':>15}{'req/s':>8}{'out tok/s':>11}"
-            f"{'total tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}")
+            f"{'total tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT mean':>10}"
+            f"{'ITL mean':>9}{'ITL p50':>9}{'ITL p99':>9}")
     lines = [" Online serving (ms for latencies) ".center(len(head), "="), head]
     for r in results:
         s = r.get("summary")
@@ -382,7 +406,8 @@ def table(results: list[dict]) -> str:
         lines.append(f"{r['engine']:<10}{r['status'][:12]:>12}{counts:>15}"
                      f"{s['request_throughput']:>8.2f}{s['output_throughput']:>11.1f}"
                      f"{s['total_token_throughput']:>12.1f}{_ms(s['ttft_ms']['median']):>10}"
-                     f"{_ms(s['ttft_ms']['p99']):>10}{_ms(s['itl_ms']['median']):>9}"
+                     f"{_ms(s['ttft_ms']['p99']):>10}{_ms(s['tpot_ms']['mean']):>10}"
+                     f"{_ms(s['itl_ms']['mean']):>9}{_ms(s['itl_ms']['median']):>9}"
                      f"{_ms(s['itl_ms']['p99']):>9}")
     measured = [r for r in results if r.get("summary")]
     if len(measured) == 2 and measured[1]["summary"]["total_token_throughput"]:
@@ -408,7 +433,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--request-rate", default="inf")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--bench-args", default="", help="more flotilla bench serve flags")
+    parser.add_argument("--client", choices=("flotilla", "vllm"), default="flotilla",
+                        help="the load: flotilla bench serve, or vLLM's own `vllm bench serve` "
+                             "from the kit (needs --vllm-env; no --max-duration)")
+    parser.add_argument("--bench-args", default="", help="more flags for the client")
     parser.add_argument("--max-duration", type=float, default=150.0, help="each bench's deadline")
     parser.add_argument("--start-timeout", type=float, default=180.0)
     parser.add_argument("--vllm-start-timeout", type=float, default=300.0)

@@ -3,6 +3,8 @@ timings, and each scheduler's figures from its stats events."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services.gateway.block_index import BlockIndex
@@ -64,6 +66,13 @@ class GatewayMetrics:
                                                  "Time from request to first token")
         self.inter_token_latency = self._latency("flotilla_inter_token_latency_seconds",
                                                  "Time between streamed tokens")
+        self.tokens_per_chunk = Histogram(
+            "flotilla_stream_tokens_per_chunk", "Tokens in each streamed chunk (more than one: "
+            "steps' outputs merged while the client's writer was busy)", buckets=_TOKEN_BUCKETS,
+            registry=r)
+        self.output_delivery = self._latency(
+            "flotilla_output_delivery_seconds", "From the scheduler publishing a step's output "
+            "to the gateway writing it to the stream (its newest token in a merged chunk)")
         self.e2e_latency = self._latency("flotilla_e2e_request_latency_seconds",
                                          "Time from request to last token")
         self.queue_time = self._latency("flotilla_queue_time_seconds",
@@ -113,6 +122,12 @@ class GatewayMetrics:
         self.step_tokens = Histogram("flotilla_scheduled_tokens_per_step", "Tokens computed per step",
                                      buckets=_TOKEN_BUCKETS, registry=r)
         self.step_time = self._latency("flotilla_step_time_seconds", "Worker time per step")
+
+    def observe_chunk(self, num_tokens: int, published_at: float) -> None:
+        """A streamed chunk is being written: its size, and its lag behind the scheduler."""
+        self.tokens_per_chunk.observe(num_tokens)
+        if published_at:
+            self.output_delivery.observe(max(0.0, time.time() - published_at))
 
     def observe_routing(self, decision: Decision) -> None:
         self.routing_decisions.labels(decision.policy, decision.reason).inc()

@@ -160,8 +160,8 @@ async def _submit_all(service: GatewayService, req,
 
 async def _timed(deltas: AsyncIterator[Delta], stream: RequestStream, metrics: GatewayMetrics,
                  started: float) -> AsyncIterator[Delta]:
-    """Pass deltas through, recording TTFT, inter-token latency (streams read delta by
-    delta only) and token counts."""
+    """Pass deltas through, recording TTFT, inter-token latency, tokens per chunk and
+    delivery lag (the last three for streams, read delta by delta) and token counts."""
     last = None
     async for delta in deltas:
         now = time.perf_counter()
@@ -170,6 +170,8 @@ async def _timed(deltas: AsyncIterator[Delta], stream: RequestStream, metrics: G
                 metrics.time_to_first_token.observe((stream.first_token_at or now) - started)
             elif not stream.wake_at_end:
                 metrics.inter_token_latency.observe(now - last)
+            if not stream.wake_at_end:
+                metrics.observe_chunk(delta.num_new_tokens, delta.published_at)
             last = now
             metrics.generation_tokens.inc(delta.num_new_tokens)
         if delta.finish_reason is not None:

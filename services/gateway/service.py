@@ -390,7 +390,7 @@ class GatewayService:
                 self.metrics.queue_time.observe(output.queue_time_s)
             if output.error is not None:
                 self._lost(stream, output.error)
-            elif apply_output(stream, output, self.token_bytes):
+            elif apply_output(stream, output, self.token_bytes, batch.published_at):
                 self._spawn(self._abort(stream.scheduler_id, [output.request_id]))
             if stream.finished and output.error is None:
                 self.router.observe_output(len(stream.output_token_ids))

@@ -41,11 +41,14 @@ class Delta:
     finish_reason: str | None = None
     error: ErrorInfo | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per new token, when the request asked
+    # when the scheduler published the newest output in it (time.time(); 0: not stamped)
+    published_at: float = 0.0
 
     def then(self, later: Delta) -> Delta:
         """This delta followed by ``later``, as one."""
         return Delta(self.text + later.text, self.num_new_tokens + later.num_new_tokens,
-                     later.finish_reason, later.error, self.logprobs + later.logprobs)
+                     later.finish_reason, later.error, self.logprobs + later.logprobs,
+                     later.published_at or self.published_at)
 
 
 @dataclass(eq=False)
@@ -95,10 +98,11 @@ class RequestStream:
         return delta
 
 
-def apply_output(stream: RequestStream, output: RequestOutput,
-                 token_bytes: TokenBytes) -> bool:
-    """Turn one step's output for ``stream`` into a pushed delta. True when a stop
-    string ended the sequence here (the scheduler still runs it: abort it)."""
+def apply_output(stream: RequestStream, output: RequestOutput, token_bytes: TokenBytes,
+                 published_at: float = 0.0) -> bool:
+    """Turn one step's output for ``stream`` (sent by the scheduler at ``published_at``)
+    into a pushed delta. True when a stop string ended the sequence here (the scheduler
+    still runs it: abort it)."""
     if output.error is not None:
         stream.fail(output.error)
         return False
@@ -110,10 +114,10 @@ def apply_output(stream: RequestStream, output: RequestOutput,
         stream.prompt_logprobs = prompt_logprobs
     if step.stopped:
         stream.push(Delta(step.text, step.num_tokens_used, "stop", None,
-                          logprobs[:step.num_tokens_used]))
+                          logprobs[:step.num_tokens_used], published_at))
         return True
     stream.push(Delta(step.text, len(output.new_token_ids), output.finish_reason, None,
-                      logprobs))
+                      logprobs, published_at))
     return False
 
 

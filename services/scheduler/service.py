@@ -377,10 +377,10 @@ class SchedulerService:
         outputs are held as errors (earlier outputs of those requests may be lost too:
         the gateway resumes them from what it has) and the running requests fail at the
         step loop's next turn."""
-        now = time.monotonic()
+        now, published_at = time.monotonic(), time.time()
         for subject, outputs in by_subject(emitted).items():
             try:
-                await self.bus.publish(subject, OutputBatch(outputs))
+                await self.bus.publish(subject, OutputBatch(outputs, published_at))
             except ServiceUnavailable:
                 self.outbox.hold([Emitted(subject, o) for o in outputs
                                   if o.finish_reason is not None], bus_lost_error(), now)

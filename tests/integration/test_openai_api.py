@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.integration
 
@@ -108,3 +109,21 @@ def test_metrics_are_exposed(stack, client, model_name):
                  "flotilla_inter_token_latency_seconds_bucket", "flotilla_num_requests_running",
                  "flotilla_kv_cache_blocks_used", "flotilla_num_requests_waiting"):
         assert name in text, name
+
+
+def test_streamed_chunks_are_measured(stack, client, model_name):
+    """Each streamed chunk's size and its lag behind the scheduler's publish are in
+    /metrics (issue 27: where a stream's gaps come from)."""
+    def counts() -> dict[str, float]:
+        text = httpx.get(stack.base_url + "/metrics").text
+        return {family.name: next(s.value for s in family.samples if s.name.endswith("_count"))
+                for family in text_string_to_metric_families(text)
+                if family.name in ("flotilla_stream_tokens_per_chunk",
+                                   "flotilla_output_delivery_seconds")}
+    before = counts()
+    chunks = list(client.completions.create(model=model_name, prompt="Count to ten:",
+                                            max_tokens=8, temperature=0, stream=True))
+    after = counts()
+    num_with_text = sum(1 for c in chunks if c.choices and c.choices[0].text)
+    for name in ("flotilla_stream_tokens_per_chunk", "flotilla_output_delivery_seconds"):
+        assert after[name] - before[name] >= num_with_text > 0, name
