@@ -62,8 +62,10 @@ class ChatChoice(_Choice):
 
     def on_delta(self, delta: Delta) -> list[dict]:
         self.record(delta)
+        # a step's tokens make a chunk even when their text is empty (held back, or ids
+        # that decode to nothing): clients time chunks as tokens (docs/openai-api.md)
         fragments = self.parser.feed(delta.text) if self.parser else \
-            ([{"content": delta.text}] if delta.text else [])
+            ([{"content": delta.text}] if delta.text or delta.num_new_tokens else [])
         if delta.finish_reason is not None and self.parser:
             fragments += self.parser.finish()
         logprobs = chat_logprobs(delta.logprobs) \
@@ -122,8 +124,9 @@ class CompletionChoice(_Choice):
 
     def on_delta(self, delta: Delta) -> list[dict]:
         self.record(delta)
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
-            return []
+        if not delta.text and not delta.num_new_tokens and delta.finish_reason is None \
+                and not delta.logprobs:
+            return []  # (a step's tokens make a chunk even when their text is empty)
         return [self._entry(delta.text, list(delta.logprobs), delta.finish_reason)]
 
     @property

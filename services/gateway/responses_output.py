@@ -61,7 +61,8 @@ class ResponseOutput:
             fragment = entry["delta"]
             if "content" in fragment:
                 logprobs = entry["logprobs"]["content"] if entry["logprobs"] else []
-                events += self._text(fragment["content"], logprobs)
+                if fragment["content"] or logprobs:  # (chat's empty chunks: no event here)
+                    events += self._text(fragment["content"], logprobs)
             for call in fragment.get("tool_calls", ()):
                 events += self._call(call)
         return events

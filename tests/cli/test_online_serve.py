@@ -17,11 +17,11 @@ def online():
 
 
 def summary(completed: int, outstanding: int, total_tok_s: float) -> dict:
-    latency = {"median": 12.0, "p99": 40.0}
+    latency = {"mean": 15.0, "median": 12.0, "p99": 40.0}
     return {"completed": completed, "failed": 0, "outstanding": outstanding,
             "request_throughput": 2.0, "output_throughput": 100.0,
-            "total_token_throughput": total_tok_s, "ttft_ms": latency,
-            "itl_ms": {"median": None, "p99": None}}
+            "total_token_throughput": total_tok_s, "ttft_ms": latency, "tpot_ms": latency,
+            "itl_ms": {"mean": None, "median": None, "p99": None}}
 
 
 def test_flotilla_is_ready_when_every_worker_is(online):
@@ -55,3 +55,39 @@ def test_the_table_has_each_engine_and_the_ratio(online):
     assert "flotilla/vllm total tok/s: 0.50" in text
     skipped = online.table([{"engine": "vllm", "status": "skipped: out of time"}])
     assert "skipped: out of time" in skipped
+
+
+def test_vllm_clients_result_maps_onto_the_summary(online):
+    """`vllm bench serve`'s result JSON shows in the same table as flotilla bench's."""
+    from benchmarks.gpu.online_clients import summary_from_vllm_client
+    data = {"completed": 998, "duration": 45.0, "request_throughput": 22.1,
+            "output_throughput": 5656.0, "total_token_throughput": 28280.1,
+            "mean_ttft_ms": 16583.8, "median_ttft_ms": 14615.0, "p99_ttft_ms": 40132.2,
+            "mean_tpot_ms": 95.6, "mean_itl_ms": 95.9, "median_itl_ms": 60.3,
+            "p99_itl_ms": 427.8}
+    summary = summary_from_vllm_client(data, num_prompts=1000)
+    assert summary["failed"] == 2 and summary["itl_ms"]["p99"] == 427.8
+    text = online.table([{"engine": "vllm", "status": "ok", "summary": summary}])
+    assert "998/2/0" in text and "28280.1" in text and "95.6" in text and "427.8" in text
+
+
+def test_the_metrics_digest_reads_counters_and_histogram_buckets():
+    from benchmarks.gpu.online_clients import metrics_digest
+    text = """# TYPE flotilla_preemptions_total counter
+flotilla_preemptions_total{replica_id="0",scheduler_id="a"} 3.0
+flotilla_preemptions_total{replica_id="1",scheduler_id="b"} 4.0
+# TYPE flotilla_stream_tokens_per_chunk histogram
+flotilla_stream_tokens_per_chunk_bucket{le="1.0"} 90.0
+flotilla_stream_tokens_per_chunk_bucket{le="2.0"} 99.0
+flotilla_stream_tokens_per_chunk_bucket{le="4.0"} 100.0
+flotilla_stream_tokens_per_chunk_bucket{le="+Inf"} 100.0
+flotilla_stream_tokens_per_chunk_count 100.0
+flotilla_stream_tokens_per_chunk_sum 112.0
+# TYPE flotilla_requests_total counter
+flotilla_requests_total{endpoint="completions",status="200"} 9.0
+"""
+    digest = metrics_digest(text)
+    assert digest["flotilla_preemptions"] == {"total": 7.0}
+    assert digest["flotilla_stream_tokens_per_chunk"] == {
+        "count": 100.0, "mean": 1.12, "p50": 1.0, "p90": 1.0, "p99": 2.0}
+    assert "flotilla_requests" not in digest  # only the figures that explain gaps

@@ -68,7 +68,9 @@ def test_chat_stream_entries_carry_their_tokens_logprobs():
                              "top_logprobs": [{"token": "Hel", "logprob": -0.2,
                                                "bytes": [72, 101, 108]}]}]}}]
     last = choice.on_delta(Delta("", 1, "stop", None, (logprob("\ufffd", -3.0),)))
-    assert last[0]["delta"] == {} and last[0]["logprobs"]["content"][0]["logprob"] == -3.0
+    # a token whose text is held back still makes a chunk (empty content)
+    assert last[0]["delta"] == {"content": ""}
+    assert last[0]["logprobs"]["content"][0]["logprob"] == -3.0
     assert last[-1] == {"index": 1, "delta": {}, "logprobs": None, "finish_reason": "stop"}
     final = choice.final()
     assert final["message"] == {"role": "assistant", "content": "Hel"}
@@ -122,3 +124,17 @@ def test_best_of_picks_within_each_prompt_of_a_batch():
     response = asyncio.run(gather(generation, deltas))
     assert [(c["index"], c["text"]) for c in response["choices"]] == [(0, "t1"), (1, "t2")]
     assert response["usage"]["prompt_tokens_details"]["cached_tokens"] == 48
+
+
+def test_tokens_without_text_still_make_a_chunk():
+    """A step's tokens whose text is empty (held back, or decoding to nothing) are one
+    chunk, as vLLM streams them: clients time chunks as tokens. A delta with no tokens and
+    no text makes none."""
+    chat = ChatChoice(0, None, None, lambda: "call_x")
+    assert chat.on_delta(Delta("", 1)) == [
+        {"index": 0, "delta": {"content": ""}, "logprobs": None, "finish_reason": None}]
+    assert chat.on_delta(Delta("", 0)) == []
+    completion = CompletionChoice(0, None)
+    assert completion.on_delta(Delta("", 2)) == [
+        {"index": 0, "text": "", "logprobs": None, "finish_reason": None}]
+    assert completion.on_delta(Delta("", 0)) == []
