@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(serve)
     serve.add_argument("--no-prefix-caching", action="store_true",
                        help="turn off automatic prefix caching")
+    serve.add_argument("--no-admission-reserve", action="store_true",
+                       help="admit requests into the last free KV blocks, without room for the "
+                       "running ones to grow (more preemptions: docs/bench.md)")
     serve.add_argument("--scheduling-policy", default=None, choices=list(SchedulingPolicy))
     serve.add_argument("--chunk-step-ratio", default=None,
                        help="cap prompt chunks so a step that also decodes takes at most this "
@@ -100,6 +103,7 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
                                        max_steps_in_flight=args.max_steps_in_flight,
                                        speculative_config=args.speculative_config)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []
+    service_args["scheduler"] += ["--no-admission-reserve"] if args.no_admission_reserve else []
     service_args["worker"] += flags(kv_load_layer_groups=args.kv_load_layer_groups,
                                     **worker_speculation(args.speculative_config))
     service_args["tokenizer"] += flags(served_model_name=args.served_model_name)

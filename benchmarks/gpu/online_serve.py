@@ -366,8 +366,13 @@ def phase(server: Server, args: argparse.Namespace, budget: Budget, out: Path, n
         result["server_metrics"] = save_metrics(server.base_url, out / f"metrics_{engine}.txt")
         if result_json.exists():
             data = json.loads(result_json.read_text())
-            result["summary"] = summary_from_vllm_client(data, args.num_prompts) \
-                if args.client == "vllm" else data["runs"][0]["summary"]
+            if args.client == "vllm":
+                result["summary"] = summary_from_vllm_client(data, args.num_prompts)
+            else:  # a --request-rate sweep has a run per rate
+                result["summary"] = data["runs"][0]["summary"]
+                if len(data["runs"]) > 1:
+                    result["sweep"] = [{"request_rate": run.get("request_rate"),
+                                        "summary": run["summary"]} for run in data["runs"]]
         exit_code = result["bench_exit"]
         result["status"] = {0: "ok", EXIT_DEADLINE: "cut short"}.get(exit_code,
                                                                      f"bench exit {exit_code}")
@@ -395,20 +400,24 @@ def save_metrics(base_url: str, path: Path) -> dict:
 def table(results: list[dict]) -> str:
     head = (f"{'engine':<10}{'status':>12}{'done/fail/out':>15}{'req/s':>8}{'out tok/s':>11}"
             f"{'total tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT mean':>10}"
-            f"{'ITL mean':>9}{'ITL p50':>9}{'ITL p99':>9}")
+            f"{'ITL mean':>9}{'ITL p50':>9}{'ITL p99':>9}{'goodput':>9}")
     lines = [" Online serving (ms for latencies) ".center(len(head), "="), head]
-    for r in results:
-        s = r.get("summary")
+    rows = []
+    for r in results:  # a sweep: a row per rate
+        rows += [(f"{r['engine']}@{run['request_rate']:g}", r["status"], run["summary"])
+                 for run in r["sweep"]] if r.get("sweep") else \
+            [(r["engine"], r["status"], r.get("summary"))]
+    for engine, status, s in rows:
         if s is None:
-            lines.append(f"{r['engine']:<10}{r['status'][:60]:>12}")
+            lines.append(f"{engine:<10}{status[:60]:>12}")
             continue
         counts = f"{s['completed']}/{s['failed']}/{s['outstanding']}"
-        lines.append(f"{r['engine']:<10}{r['status'][:12]:>12}{counts:>15}"
+        lines.append(f"{engine:<10}{status[:12]:>12}{counts:>15}"
                      f"{s['request_throughput']:>8.2f}{s['output_throughput']:>11.1f}"
                      f"{s['total_token_throughput']:>12.1f}{_ms(s['ttft_ms']['median']):>10}"
                      f"{_ms(s['ttft_ms']['p99']):>10}{_ms(s['tpot_ms']['mean']):>10}"
                      f"{_ms(s['itl_ms']['mean']):>9}{_ms(s['itl_ms']['median']):>9}"
-                     f"{_ms(s['itl_ms']['p99']):>9}")
+                     f"{_ms(s['itl_ms']['p99']):>9}{_ms(s.get('goodput')):>9}")
     measured = [r for r in results if r.get("summary")]
     if len(measured) == 2 and measured[1]["summary"]["total_token_throughput"]:
         ratio = (measured[0]["summary"]["total_token_throughput"]

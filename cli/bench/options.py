@@ -156,10 +156,12 @@ def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int,
     names = ("random", "shared-prefix", "sharegpt") + (("multi-turn",) if multi_turn else ())
     group.add_argument("--dataset-name", choices=names, default="random")
     group.add_argument("--num-prompts", type=int, default=num_prompts_default)
-    group.add_argument("--input-len", type=int, default=256, help="random: prompt tokens")
-    group.add_argument("--output-len", type=int, default=None,
+    # (the --random-* spellings are vLLM's bench flags)
+    group.add_argument("--input-len", "--random-input-len", type=int, default=256,
+                       help="random: prompt tokens")
+    group.add_argument("--output-len", "--random-output-len", type=int, default=None,
                        help="output tokens (default 128; sharegpt: the reply's length)")
-    group.add_argument("--range-ratio", type=float, default=0.0,
+    group.add_argument("--range-ratio", "--random-range-ratio", type=float, default=0.0,
                        help="random: lengths drawn from [len*(1-r), len*(1+r)]")
     group.add_argument("--shared-prefix-groups", type=int, default=4)
     group.add_argument("--shared-prefix-len", type=int, default=512)

@@ -28,6 +28,8 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_steps_in_flight: int = 2  # 2 overlaps planning step N+1 with computing step N
     chunk_step_ratio: float = 0.0  # >0: steps with decodes and a prompt chunk take at most this
     # many decode-only steps' time (prompt chunks shrink to fit); 0: off
+    # keep KV blocks free for the running requests' next tokens (admission.py)
+    admission_reserve: bool = True
     step_timeout_s: float = 120.0  # a step taking longer means the worker is gone
     stats_interval_s: float = 0.5  # stats events at most this often (and as a heartbeat)
     kv_node_id: str = ""  # the node's kvstore (docs/kvstore.md); "": none
@@ -54,6 +56,9 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
         "max_steps_in_flight": "steps sent ahead to the worker (1: no overlap)",
         "chunk_step_ratio": "cap prompt chunks so a step that also decodes takes at most this "
                             "many decode-only steps' time (0: off)",
+        "admission_reserve": "admit a request only while the running ones keep room to grow "
+                             "(by the share of max_tokens finished requests used), so few are "
+                             "preempted and computed twice",
         "step_timeout_s": "seconds to wait for a step before failing its requests",
         "stats_interval_s": "seconds between stats events",
         "shutdown_timeout": "on SIGTERM, take no new requests and finish the running and "

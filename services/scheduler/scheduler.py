@@ -28,6 +28,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from services.scheduler.admission import AdmissionReserve
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
@@ -36,11 +37,11 @@ from services.scheduler.outputs import append_outputs, request_output
 from services.scheduler.speculation import NoDrafts, drafter, parse_speculative_config
 from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
 from services.scheduler.request import Request, TierHit
-from services.scheduler.siblings import num_blocks_needed, shares_prompt, sibling_requests
-from shared.errors import InvalidRequest
+from services.scheduler.siblings import shares_prompt, sibling_requests
+from services.scheduler.validation import validate_request
 from shared.messages import (
     ErrorInfo, GenerateRequest, NewRequestData, RequestOutput, ScheduledRequest, StepPlan,
-    StepResult, choice_request_ids,
+    StepResult,
 )
 
 
@@ -74,6 +75,8 @@ class Scheduler:
         self.kv = kv or KvTierHooks()  # the KV connector's hooks (kv_connector.py)
         self.chunk_pacer = ChunkPacer(config.chunk_step_ratio, config.max_num_batched_tokens,
                                       min_tokens=block_size)
+        self.reserve = AdmissionReserve(block_size, config.admission_reserve)
+        self._kept_tokens = 0.0  # what admission keeps room for, as this plan admits
         self.drafter = drafter(parse_speculative_config(config.speculative_config))
         if self.drafter.drafts_in_worker and not worker_drafts:
             self.drafter = NoDrafts()
@@ -142,32 +145,8 @@ class Scheduler:
                 req.tier_hit = None
 
     def _validate(self, request: GenerateRequest) -> None:
-        if request.n < 1:
-            raise InvalidRequest(f"n must be at least 1, not {request.n}", param="n")
-        for request_id in choice_request_ids(request.request_id, request.n):
-            if request_id in self.requests:
-                raise InvalidRequest(f"duplicate request id {request_id}", param="request_id")
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt == 0:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        if request.output_token_ids and (request.n != 1 or len(request.output_token_ids)
-                                         >= request.sampling.max_tokens):
-            raise InvalidRequest("a resumed request needs n = 1 and fewer output tokens than "
-                                 "max_tokens", param="output_token_ids")
-        num_total = num_prompt + request.sampling.max_tokens
-        if num_total > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({num_prompt} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
-                f"{num_total} tokens, over the model's context length of {self.max_model_len}",
-                param="max_tokens", code="context_length_exceeded")
-        manager = self.block_manager
-        num_blocks = num_blocks_needed(request, manager.block_size, self.config.prefix_caching)
-        if num_blocks > manager.num_blocks:
-            what = "the request needs" if request.n == 1 else f"the request's {request.n} sequences need"
-            raise InvalidRequest(
-                f"{what} {num_blocks * manager.block_size} tokens of KV cache; this replica's cache "
-                f"holds {manager.num_blocks * manager.block_size}",
-                param="max_tokens" if request.n == 1 else "n", code="kv_cache_too_small")
+        validate_request(request, self.requests, self.max_model_len, self.block_manager,
+                         self.config.prefix_caching)
 
     def abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -224,6 +203,8 @@ class Scheduler:
             budget -= num_new
             num_chunk_tokens += num_new if prefilling else 0
             num_decodes += 0 if prefilling else 1
+        self._kept_tokens = self.reserve.kept_tokens(self.running, self.max_model_len) \
+            if self.waiting else 0.0
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = self._waiting_head()
             if head is None:
@@ -270,6 +251,7 @@ class Scheduler:
                                     [entry] if entry is not None else [])
             emitted.append(Emitted(req.output_subject, output))
             if finish_reason is not None:
+                self.reserve.on_finished(req)
                 self._finish(req)
         return emitted
 
@@ -319,8 +301,13 @@ class Scheduler:
         num_cached = (len(hit_ids) + len(loaded)) * block_size
         num_new = min(req.num_tokens - num_cached, budget)
         num_missing = num_blocks_for(num_cached + num_new, block_size) - len(hit_ids)
-        if not self.block_manager.can_allocate(num_missing, self.block_manager.num_evictable(hit_ids)):
+        kept_tokens = self._kept_tokens + self.reserve.tokens_to_keep(
+            req, req.num_tokens - num_cached - num_new, self.max_model_len)
+        num_kept = self.reserve.blocks_for(kept_tokens) if self.running else 0
+        if not self.block_manager.can_allocate(num_missing + num_kept,
+                                               self.block_manager.num_evictable(hit_ids)):
             return None
+        self._kept_tokens = kept_tokens
         self.waiting.remove(req)
         self.running.append(req)
         self.block_manager.reuse(hit_ids)
@@ -477,6 +464,7 @@ class Scheduler:
             req.known_to_worker = False
         self._enqueue(req)
         self.num_preemptions += 1
+        self.reserve.on_preempted()
 
     def _enqueue(self, req: Request) -> None:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)

@@ -39,7 +39,8 @@ def test_engine_greedy_equals_transformers_under_chunking_and_preemption(tiny_mo
     # 8 blocks of 16 tokens: room for about two of these requests at a time.
     worker_config = WorkerConfig(device="cpu", dtype="float32", kv_cache_memory=str(
         8 * 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 4))
-    scheduler_config = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8)
+    scheduler_config = SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8,
+                                       admission_reserve=False)  # (so some are preempted)
     engine = Engine(scheduler_config, worker_config, model_files)
     assert engine.runner.num_blocks == 8
     generator = torch.Generator().manual_seed(1)
@@ -77,8 +78,8 @@ def test_overlapped_steps_equal_one_step_at_a_time(tiny_model):
     for overlap in (False, True):
         worker_config = WorkerConfig(device="cpu", dtype="float32", kv_cache_memory=str(
             10 * 2 * TINY["num_hidden_layers"] * 16 * TINY["num_key_value_heads"] * 16 * 4))
-        engine = Engine(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8),
-                        worker_config, model_files)
+        engine = Engine(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=8,
+                                        admission_reserve=False), worker_config, model_files)
         engine.runner.overlap_steps = overlap
         completions, stats = engine.generate(prompts, sampling)
         outputs[overlap] = [(c.output_token_ids, c.finish_reason) for c in completions]

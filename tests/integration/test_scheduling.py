@@ -49,11 +49,12 @@ def test_prefix_cache_hits_give_the_reference_text_first_time_and_every_time(
 
 @pytest.fixture(scope="module")
 def tiny_kv_stack(tmp_path_factory):
-    """Room for about a quarter of the test's tokens, and no prefix cache, so
-    preempted requests are recomputed from scratch."""
+    """Room for about a quarter of the test's tokens, no prefix cache and no room kept for
+    growth at admission, so requests are preempted and recomputed from scratch."""
     stack = start_stack(tmp_path_factory.mktemp("tiny-kv-logs"), service_args={
         "worker": ["--kv-cache-memory", "13MiB"],
-        "scheduler": ["--no-prefix-caching", "--max-num-seqs", "16"]})
+        "scheduler": ["--no-prefix-caching", "--max-num-seqs", "16",
+                      "--no-admission-reserve"]})
     yield stack
     stack.stop()
 

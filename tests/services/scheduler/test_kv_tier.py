@@ -308,7 +308,8 @@ def test_worker_failure_releases_pins_of_steps_in_flight_and_waiting_requests():
 
 def test_preemption_leaves_no_pin_and_recomputes_correctly():
     # 10 blocks: two requests that outgrow the cache, one preempted mid-decode
-    scheduler, worker = make_scheduler(num_blocks=10, kvstore=True), TierWorker(10)
+    scheduler, worker = make_scheduler(num_blocks=10, kvstore=True,
+                                       admission_reserve=False), TierWorker(10)
     first, second = prompt_tokens(14), prompt_tokens(14, base=9000)
     scheduler.add_request(request("a", 0, 14, prompt=first, ignore_eos=True),
                           tier_hit=worker.pin(first, 0, 3, pin_id="pa"))

@@ -72,7 +72,8 @@ def test_prompt_logprobs_take_no_prefix_hits_but_leave_blocks_for_others():
 def test_prompt_logprobs_of_a_request_preempted_mid_prompt_are_not_repeated():
     # "a" decodes and grows; "p" chunks its 36-token prompt and is preempted (each time
     # "a" needs a block), and recomputes from 0 when admitted again.
-    scheduler, worker = make_scheduler(num_blocks=10, max_num_batched_tokens=8), FakeWorker(10)
+    scheduler, worker = make_scheduler(num_blocks=10, max_num_batched_tokens=8,
+                                       admission_reserve=False), FakeWorker(10)
     scheduler.add_request(request("a", 4, 30, ignore_eos=True))
     req = request("p", 36, 2, prompt_logprobs=0, ignore_eos=True)
     scheduler.add_request(req)

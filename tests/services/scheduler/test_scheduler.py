@@ -198,7 +198,9 @@ def test_eos_and_stop_token_ids_end_a_request_and_free_its_blocks():
 
 def test_preemption_recomputes_and_every_request_gets_its_exact_tokens():
     # 12 blocks of 4 tokens; 6 requests each growing to 24 tokens (6 blocks): only two fit.
-    scheduler, worker = make_scheduler(num_blocks=12, max_num_batched_tokens=32), FakeWorker(12)
+    # (admission keeps no room for growth here, so they are preempted)
+    scheduler, worker = make_scheduler(num_blocks=12, max_num_batched_tokens=32,
+                                       admission_reserve=False), FakeWorker(12)
     for i in range(6):
         scheduler.add_request(request(f"r{i}", 4, 20, ignore_eos=True))
     outputs, finish, plans = run_to_completion(scheduler, worker)
@@ -331,7 +333,8 @@ def test_fcfs_ignores_priority():
 
 
 def test_preemption_takes_the_latest_request_first():
-    scheduler, worker = make_scheduler(num_blocks=6, max_num_batched_tokens=64), FakeWorker(6)
+    scheduler, worker = make_scheduler(num_blocks=6, max_num_batched_tokens=64,
+                                       admission_reserve=False), FakeWorker(6)
     for name in ("r0", "r1", "r2"):
         scheduler.add_request(request(name, 4, 8, ignore_eos=True))  # each grows to 3 blocks
     plan = scheduler.schedule()
@@ -370,7 +373,8 @@ def test_overlap_wastes_at_most_one_token_after_a_stop():
 
 
 def test_overlap_with_preemption_and_prefix_hits_stays_exact():
-    scheduler, worker = make_scheduler(num_blocks=12, max_num_batched_tokens=12), FakeWorker(12)
+    scheduler, worker = make_scheduler(num_blocks=12, max_num_batched_tokens=12,
+                                       admission_reserve=False), FakeWorker(12)
     shared = list(range(500, 508))
     for i in range(6):
         scheduler.add_request(request(f"r{i}", 0, 12, prompt=shared + [i], ignore_eos=True))

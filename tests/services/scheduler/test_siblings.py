@@ -126,7 +126,8 @@ def test_aborting_the_leader_mid_prompt_releases_the_waiting_siblings():
 
 def test_a_preempted_sibling_recomputes_and_keeps_its_tokens():
     # "x" arrives first, so the latest sibling is the one preempted when blocks run out.
-    scheduler, worker = make_scheduler(num_blocks=12, max_num_batched_tokens=32), FakeWorker(12)
+    scheduler, worker = make_scheduler(num_blocks=12, max_num_batched_tokens=32,
+                                       admission_reserve=False), FakeWorker(12)
     scheduler.add_request(request("x", 4, 12, ignore_eos=True))  # grows to 4 blocks
     scheduler.add_request(request("r", 9, 11, n=3, ignore_eos=True))  # 2 shared + 3 x 3 blocks
     outputs, _, plans = run_to_completion(scheduler, worker, depth=2)

@@ -1,0 +1,70 @@
+"""Admission keeps KV room for the running requests' next tokens (admission.py), learned from
+how much of max_tokens finished requests used."""
+
+from __future__ import annotations
+
+from services.scheduler.admission import MAX_COUNTED_TOKENS, AdmissionReserve
+from services.scheduler.request import Request
+from shared.messages import SamplingParams
+from tests.services.scheduler.test_scheduler import (
+    FakeWorker, expected_tokens, make_scheduler, request, run_to_completion,
+)
+
+
+def test_requests_that_run_to_max_tokens_are_not_preempted():
+    """6 requests of 4 + 20 tokens (6 blocks each) on 12 blocks: without the reserve all
+    start and most are preempted (the scheduler tests' case); with it two run at a time,
+    none is computed twice, and every one gets its exact tokens."""
+    scheduler, worker = make_scheduler(num_blocks=12, max_num_batched_tokens=32), FakeWorker(12)
+    for i in range(6):
+        scheduler.add_request(request(f"r{i}", 4, 20, ignore_eos=True))
+    outputs, _, plans = run_to_completion(scheduler, worker, depth=2)
+    assert scheduler.num_preemptions == 0
+    assert max(len(p.new_requests) for p in plans) <= 2
+    for i in range(6):
+        assert outputs[f"r{i}"] == expected_tokens(f"r{i}", 4, 20)
+    unreserved, worker = make_scheduler(num_blocks=12, max_num_batched_tokens=32,
+                                        admission_reserve=False), FakeWorker(12)
+    for i in range(6):
+        unreserved.add_request(request(f"r{i}", 4, 20, ignore_eos=True))
+    run_to_completion(unreserved, worker, depth=2)
+    assert unreserved.num_preemptions > 0
+
+
+def test_a_request_whose_growth_exceeds_the_cache_still_runs_alone():
+    """The reserve only holds back requests behind running ones: one that fits its prompt
+    but could not keep room for all of its max_tokens starts when nothing runs."""
+    scheduler, worker = make_scheduler(num_blocks=6, max_num_batched_tokens=32), FakeWorker(6)
+    scheduler.add_request(request("big", 4, 20, ignore_eos=True))
+    outputs, _, _ = run_to_completion(scheduler, worker)
+    assert outputs["big"] == expected_tokens("big", 4, 20)
+
+
+def sized(num_outputs: int, max_tokens: int) -> Request:
+    return Request("r", [1, 2, 3], SamplingParams(max_tokens=max_tokens), "out", (0, 0),
+                   output_token_ids=[7] * num_outputs)
+
+
+def test_the_share_follows_finished_requests_and_rises_on_preemption():
+    reserve = AdmissionReserve(block_size=16)
+    assert reserve.ratio == 1.0  # nothing known: room for every token asked
+    for _ in range(20):
+        reserve.on_finished(sized(10, 100))  # answers end at a tenth of max_tokens
+    assert 0.1 <= reserve.ratio < 0.12
+    reserve.on_preempted()
+    assert 0.2 <= reserve.ratio < 0.22
+    for _ in range(30):
+        reserve.on_finished(sized(100, 100))
+    assert reserve.ratio > 0.99
+
+
+def test_room_counts_the_prompt_left_and_a_clipped_share_of_the_output():
+    reserve = AdmissionReserve(block_size=16)
+    reserve.ratio = 0.5
+    # 100 tokens may still come (max_tokens 110, 10 written): half kept, plus 20 of prompt
+    assert reserve.tokens_to_keep(sized(10, 110), 20, max_model_len=10_000) == 20 + 50
+    # max_tokens up to the context counts at most MAX_COUNTED_TOKENS
+    huge = sized(0, 100_000)
+    assert reserve.tokens_to_keep(huge, 0, max_model_len=200_000) == 0.5 * MAX_COUNTED_TOKENS
+    assert reserve.blocks_for(70) == 5
+    assert AdmissionReserve(16, enabled=False).tokens_to_keep(huge, 9, 200_000) == 0.0
