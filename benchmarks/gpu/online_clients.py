@@ -1,4 +1,6 @@
-"""online_serve's other client and its server-side digest (issue 27).
+"""online_serve's loads, its other client, its server-side digest and its table (issue 27).
+
+- Loads: each server takes one or several (``--loads``) in turn, each a client run.
 
 - vLLM's own client (``vllm bench serve`` from the vLLM kit), the way a vLLM user measures a
   server: one SSE chunk is one ITL sample, however many tokens it carries, so streams that
@@ -11,6 +13,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import shlex
 from pathlib import Path
@@ -69,18 +73,23 @@ def summary_from_vllm_client(data: dict, num_prompts: int) -> dict:
             "e2e_ms": figures("e2el")}
 
 
-def metrics_digest(text: str) -> dict[str, dict]:
-    """For each DIGESTED family in a /metrics text: a counter's total, or a histogram's
-    count, mean and p50/p90/p99 (the upper bound of the bucket holding that share)."""
+def metrics_digest(text: str, before: str = "") -> dict[str, dict]:
+    """For each DIGESTED family in a /metrics text, less what ``before`` (an earlier
+    scrape of the same server) counted: a counter's total, or a histogram's count, mean
+    and p50/p90/p99 (the upper bound of the bucket holding that share)."""
+    earlier = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(before) for s in family.samples}
     digest: dict[str, dict] = {}
     for family in text_string_to_metric_families(text):
         if family.name not in DIGESTED:
             continue
+        samples = [s._replace(value=s.value - earlier.get((s.name, tuple(sorted(
+            s.labels.items()))), 0.0)) for s in family.samples]
         if family.type == "counter":
-            total = sum(s.value for s in family.samples if s.name.endswith("_total"))
+            total = sum(s.value for s in samples if s.name.endswith("_total"))
             digest[family.name] = {"total": total}
         elif family.type == "histogram":
-            digest[family.name] = _histogram_digest(family.samples)
+            digest[family.name] = _histogram_digest(samples)
     return digest
 
 
@@ -115,3 +124,75 @@ def digest_lines(digest: dict[str, dict]) -> list[str]:
         shown = ", ".join(f"{key} {value:.4g}" for key, value in figures.items())
         lines.append(f"  {name}: {shown}")
     return lines
+
+
+def loads_of(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The loads each server takes in turn: ``--loads`` (a JSON list of objects, each the
+    flags that differ from the command line's, by their names here: name, client,
+    dataset_name, dataset_path, num_prompts, request_rate, bench_args, max_duration), or
+    the command line's one load."""
+    if not args.loads:
+        return [argparse.Namespace(**vars(args), load_name="")]
+    loads = []
+    for index, overrides in enumerate(json.loads(args.loads)):
+        unknown = set(overrides) - set(LOAD_FIELDS)
+        if unknown:
+            raise SystemExit(f"--loads: unknown fields {sorted(unknown)}; use {LOAD_FIELDS}")
+        fields = {**vars(args), **overrides, "load_name": overrides.get("name", str(index))}
+        fields.pop("name", None)
+        loads.append(argparse.Namespace(**fields))
+    return loads
+
+
+LOAD_FIELDS = ("name", "client", "dataset_name", "dataset_path", "num_prompts", "request_rate",
+               "bench_args", "max_duration")
+
+
+def summaries_of(data: dict, args: argparse.Namespace) -> dict:
+    """A client's result JSON as the table reads it: the summary, and each rate's of a
+    --request-rate sweep."""
+    if args.client == "vllm":
+        return {"summary": summary_from_vllm_client(data, args.num_prompts)}
+    summaries = {"summary": data["runs"][0]["summary"]}
+    if len(data["runs"]) > 1:
+        summaries["sweep"] = [{"request_rate": run.get("request_rate"),
+                               "summary": run["summary"]} for run in data["runs"]]
+    return summaries
+
+
+def table(results: list[dict]) -> str:
+    head = (f"{'engine':<20}{'status':>12}{'done/fail/out':>15}{'req/s':>8}{'out tok/s':>11}"
+            f"{'total tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT mean':>10}"
+            f"{'ITL mean':>9}{'ITL p50':>9}{'ITL p99':>9}{'goodput':>9}")
+    lines = [" Online serving (ms for latencies) ".center(len(head), "="), head]
+    rows = []
+    for r in results:  # a sweep: a row per rate
+        rows += [(f"{r['engine']}@{run['request_rate']:g}", r["status"], run["summary"])
+                 for run in r["sweep"]] if r.get("sweep") else \
+            [(r["engine"], r["status"], r.get("summary"))]
+    for engine, status, s in rows:
+        if s is None:
+            lines.append(f"{engine:<20}{status[:60]:>12}")
+            continue
+        counts = f"{s['completed']}/{s['failed']}/{s['outstanding']}"
+        lines.append(f"{engine:<20}{status[:12]:>12}{counts:>15}"
+                     f"{s['request_throughput']:>8.2f}{s['output_throughput']:>11.1f}"
+                     f"{s['total_token_throughput']:>12.1f}{_ms(s['ttft_ms']['median']):>10}"
+                     f"{_ms(s['ttft_ms']['p99']):>10}{_ms(s['tpot_ms']['mean']):>10}"
+                     f"{_ms(s['itl_ms']['mean']):>9}{_ms(s['itl_ms']['median']):>9}"
+                     f"{_ms(s['itl_ms']['p99']):>9}{_ms(s.get('goodput')):>9}")
+    by_load: dict[str, list[dict]] = {}
+    for r in results:
+        if r.get("summary"):
+            by_load.setdefault(r.get("load", ""), []).append(r)
+    for load, measured in by_load.items():
+        if len(measured) == 2 and measured[1]["summary"]["total_token_throughput"]:
+            ratio = (measured[0]["summary"]["total_token_throughput"]
+                     / measured[1]["summary"]["total_token_throughput"])
+            lines.append(f"{measured[0]['engine']} over {measured[1]['engine']} total tok/s: "
+                         f"{ratio:.2f}")
+    return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None or value != value else f"{value:.1f}"

@@ -54,8 +54,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 from cli.bench.deadline import EXIT_DEADLINE, RUN_STARTED
-from benchmarks.gpu.online_clients import (digest_lines, metrics_digest,
-                                           summary_from_vllm_client, vllm_client_command,
+from benchmarks.gpu.online_clients import (digest_lines, loads_of, metrics_digest,
+                                           summaries_of, table, vllm_client_command,
                                            vllm_client_result)
 from cli.stack import _die_with_parent, free_port
 from shared.models import resolve_model
@@ -320,15 +320,16 @@ def vllm_server(args: argparse.Namespace, model_dir: str, name: str, port: int) 
 
 
 def phase(server: Server, args: argparse.Namespace, budget: Budget, out: Path, name: str,
-          tokenizer: str) -> dict:
-    """Start a server, wait for it, run the bench against it, stop it."""
+          tokenizer: str) -> list[dict]:
+    """Start a server, wait for it, run each load against it in turn, stop it: a result
+    per load."""
     engine = server.engine
     result: dict = {"engine": engine, "server_command": server.command,
                     "server_log": str(out / f"server_{engine}.log")}
     time_for_start_s = budget.left() - STOP_S - BENCH_SETUP_S - MIN_BENCH_S
     if time_for_start_s < MIN_START_S:
         log(f"{engine}: skipped, {budget.left():.0f} s of the --budget left")
-        return {**result, "status": "skipped: out of time"}
+        return [{**result, "status": "skipped: out of time"}]
     log(f"{engine}: starting: {shlex.join(server.command)}")
     process = start_server(server.command, server.env, out / f"server_{engine}.log")
     try:
@@ -338,96 +339,79 @@ def phase(server: Server, args: argparse.Namespace, budget: Budget, out: Path, n
                                              server.ready)
         except (RuntimeError, TimeoutError) as exc:
             log(f"{engine}: did not start: {exc} (log: {result['server_log']})")
-            return {**result, "status": f"start failed: {exc}"}
+            return [{**result, "status": f"start failed: {exc}"}]
         log(f"{engine}: healthy after {result['start_s']:.0f} s")
-        max_duration_s = min(args.max_duration, budget.left() - STOP_S - BENCH_SETUP_S)
-        if args.client == "vllm":
-            result_json = out / vllm_client_result(engine)
-            command = vllm_client_command(args, server.base_url, name, tokenizer, out, engine)
-        else:
-            result_json = out / f"bench_{engine}.json"
-            command = bench_command(args, server.base_url, name, tokenizer, max_duration_s,
-                                    result_json)
-        result["bench_command"] = command
-        profiler = None
-        if server.profile and args.profile_seconds > 0:
-            py_spy = (shutil.which("py-spy")
-                      or shutil.which("py-spy", path=Path(sys.executable).parent))
-            if py_spy is None:
-                log("py-spy is not on PATH: no profile")
-            else:
-                profiler = Profiler(py_spy, process.pid, out,
-                                    min(args.profile_seconds, max_duration_s), args.profile_rate,
-                                    tuple(args.profile_services.split(",")))
-        result["bench_exit"] = run_bench(engine, command, max_duration_s + BENCH_SETUP_S, out,
-                                         profiler.start if profiler else lambda: None)
-        if profiler is not None:
-            result["profile"] = profiler.finish()
-        result["server_metrics"] = save_metrics(server.base_url, out / f"metrics_{engine}.txt")
-        if result_json.exists():
-            data = json.loads(result_json.read_text())
-            if args.client == "vllm":
-                result["summary"] = summary_from_vllm_client(data, args.num_prompts)
-            else:  # a --request-rate sweep has a run per rate
-                result["summary"] = data["runs"][0]["summary"]
-                if len(data["runs"]) > 1:
-                    result["sweep"] = [{"request_rate": run.get("request_rate"),
-                                        "summary": run["summary"]} for run in data["runs"]]
-        exit_code = result["bench_exit"]
-        result["status"] = {0: "ok", EXIT_DEADLINE: "cut short"}.get(exit_code,
-                                                                     f"bench exit {exit_code}")
-        return result
+        results, metrics_before = [], ""
+        for index, load in enumerate(loads_of(args)):
+            if budget.left() - STOP_S - BENCH_SETUP_S < MIN_BENCH_S:
+                results.append({**result, "load": load.load_name, "status": "skipped: out of time"})
+                continue
+            load_result, metrics_before = run_load(server, process.pid, load, budget, out, name,
+                                                   tokenizer, metrics_before,
+                                                   profile=index == 0)
+            results.append({**result, **load_result})
+        return results
     finally:
         stop_server(process)
         log(f"{engine}: stopped")
 
 
-def save_metrics(base_url: str, path: Path) -> dict:
-    """The server's Prometheus /metrics after the load (step times, idle ratio, queues),
-    saved whole, and its digest (online_clients.DIGESTED) printed and returned."""
+def run_load(server: Server, server_pid: int, args: argparse.Namespace, budget: Budget,
+             out: Path, name: str, tokenizer: str, metrics_before: str,
+             profile: bool) -> tuple[dict, str]:
+    """One load against a running server: its result, and the server's /metrics after it
+    (the next load's digest counts from there)."""
+    engine = server.engine
+    label = f"{engine}/{args.load_name}" if args.load_name else engine
+    suffix = f"_{args.load_name}" if args.load_name else ""
+    max_duration_s = min(args.max_duration, budget.left() - STOP_S - BENCH_SETUP_S)
+    if args.client == "vllm":
+        result_json = out / vllm_client_result(engine + suffix)
+        command = vllm_client_command(args, server.base_url, name, tokenizer, out,
+                                      engine + suffix)
+    else:
+        result_json = out / f"bench_{engine}{suffix}.json"
+        command = bench_command(args, server.base_url, name, tokenizer, max_duration_s,
+                                result_json)
+    result: dict = {"engine": label, "load": args.load_name, "bench_command": command}
+    profiler = None
+    if profile and server.profile and args.profile_seconds > 0:
+        py_spy = (shutil.which("py-spy")
+                  or shutil.which("py-spy", path=Path(sys.executable).parent))
+        if py_spy is None:
+            log("py-spy is not on PATH: no profile")
+        else:
+            profiler = Profiler(py_spy, server_pid, out,
+                                min(args.profile_seconds, max_duration_s), args.profile_rate,
+                                tuple(args.profile_services.split(",")))
+    result["bench_exit"] = run_bench(engine + suffix, command, max_duration_s + BENCH_SETUP_S,
+                                     out, profiler.start if profiler else lambda: None)
+    if profiler is not None:
+        result["profile"] = profiler.finish()
+    result["server_metrics"], metrics_text = save_metrics(
+        server.base_url, out / f"metrics_{engine}{suffix}.txt", metrics_before)
+    if result_json.exists():
+        result.update(summaries_of(json.loads(result_json.read_text()), args))
+    exit_code = result["bench_exit"]
+    result["status"] = {0: "ok", EXIT_DEADLINE: "cut short"}.get(exit_code,
+                                                                 f"bench exit {exit_code}")
+    return result, metrics_text or metrics_before
+
+
+def save_metrics(base_url: str, path: Path, before: str = "") -> tuple[dict, str]:
+    """The server's Prometheus /metrics after a load (step times, idle ratio, queues),
+    saved whole; its digest (online_clients.DIGESTED, less the ``before`` scrape's counts)
+    printed; both returned."""
     try:
         with urllib.request.urlopen(base_url + "/metrics", timeout=10) as response:
-            text = response.read()
+            text = response.read().decode()
     except (OSError, urllib.error.URLError) as exc:
         log(f"no /metrics from {base_url}: {exc}")
-        return {}
-    path.write_bytes(text)
-    digest = metrics_digest(text.decode())
+        return {}, ""
+    path.write_text(text)
+    digest = metrics_digest(text, before)
     print("\n".join([f"server metrics ({path.name}):", *digest_lines(digest)]), flush=True)
-    return digest
-
-
-def table(results: list[dict]) -> str:
-    head = (f"{'engine':<10}{'status':>12}{'done/fail/out':>15}{'req/s':>8}{'out tok/s':>11}"
-            f"{'total tok/s':>12}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT mean':>10}"
-            f"{'ITL mean':>9}{'ITL p50':>9}{'ITL p99':>9}{'goodput':>9}")
-    lines = [" Online serving (ms for latencies) ".center(len(head), "="), head]
-    rows = []
-    for r in results:  # a sweep: a row per rate
-        rows += [(f"{r['engine']}@{run['request_rate']:g}", r["status"], run["summary"])
-                 for run in r["sweep"]] if r.get("sweep") else \
-            [(r["engine"], r["status"], r.get("summary"))]
-    for engine, status, s in rows:
-        if s is None:
-            lines.append(f"{engine:<10}{status[:60]:>12}")
-            continue
-        counts = f"{s['completed']}/{s['failed']}/{s['outstanding']}"
-        lines.append(f"{engine:<10}{status[:12]:>12}{counts:>15}"
-                     f"{s['request_throughput']:>8.2f}{s['output_throughput']:>11.1f}"
-                     f"{s['total_token_throughput']:>12.1f}{_ms(s['ttft_ms']['median']):>10}"
-                     f"{_ms(s['ttft_ms']['p99']):>10}{_ms(s['tpot_ms']['mean']):>10}"
-                     f"{_ms(s['itl_ms']['mean']):>9}{_ms(s['itl_ms']['median']):>9}"
-                     f"{_ms(s['itl_ms']['p99']):>9}{_ms(s.get('goodput')):>9}")
-    measured = [r for r in results if r.get("summary")]
-    if len(measured) == 2 and measured[1]["summary"]["total_token_throughput"]:
-        ratio = (measured[0]["summary"]["total_token_throughput"]
-                 / measured[1]["summary"]["total_token_throughput"])
-        lines.append(f"{measured[0]['engine']}/{measured[1]['engine']} total tok/s: {ratio:.2f}")
-    return "\n".join(lines)
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None or value != value else f"{value:.1f}"
+    return digest, text
 
 
 def parse_args() -> argparse.Namespace:
@@ -446,6 +430,10 @@ def parse_args() -> argparse.Namespace:
                         help="the load: flotilla bench serve, or vLLM's own `vllm bench serve` "
                              "from the kit (needs --vllm-env; no --max-duration)")
     parser.add_argument("--bench-args", default="", help="more flags for the client")
+    parser.add_argument("--loads", default="", metavar="JSON",
+                        help="several loads, in turn, on each started server: a JSON list of "
+                             "objects, each the flags (by their names here, with underscores, "
+                             "and a name) that differ from these")
     parser.add_argument("--max-duration", type=float, default=150.0, help="each bench's deadline")
     parser.add_argument("--start-timeout", type=float, default=180.0)
     parser.add_argument("--vllm-start-timeout", type=float, default=300.0)
@@ -478,16 +466,16 @@ def main() -> int:
     serve_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     results = []
     try:
-        results.append(phase(flotilla_server(args, serve_model, free_port()), args, budget, out,
-                             name, model_dir))
+        results += phase(flotilla_server(args, serve_model, free_port()), args, budget, out,
+                         name, model_dir)
         if args.skip_vllm:
             log("vllm: skipped (--skip-vllm)")
         elif not Path(args.vllm_env).is_file():
             log(f"vllm: skipped, no kit at {args.vllm_env} (shared/peers/vllm/README.md)")
             results.append({"engine": "vllm", "status": f"skipped: no {args.vllm_env}"})
         else:
-            results.append(phase(vllm_server(args, model_dir, name, free_port()), args, budget,
-                                 out, name, model_dir))
+            results += phase(vllm_server(args, model_dir, name, free_port()), args, budget,
+                             out, name, model_dir)
     finally:
         signal.alarm(0)
         print(table(results), flush=True)

@@ -1,16 +1,22 @@
-"""Pacing prompt chunks against running decodes: an opt-in latency policy.
+"""Pacing prompt chunks against running decodes: a latency policy.
 
 A step that carries a prompt chunk as well as decodes makes every decoding stream wait for
-the chunk. With ``--chunk-step-ratio R`` the scheduler caps the prompt tokens of such steps
-so that the step takes at most R times a decode-only step, as measured by the worker. The
-cost of a chunk grows with its context (attention reads everything before it), so the cap
-is learned step by step: after each mixed step, ``time ≈ decode + per_token × chunk`` gives
-the per-token cost at the current context, and the next chunk is the one that would take
-exactly the target (a dearer step counts at once, a cheaper one only partly). Steps without decodes are never capped (no stream is waiting). Off (ratio 0) by
-default: it trades a long prompt's time to first token, and throughput, for smooth streams.
+the chunk. Two targets cap the prompt tokens of such steps (the smaller cap wins):
+``--max-decode-stall-ms T``, so such a step takes at most T, and ``--chunk-step-ratio R``,
+so it takes at most R times a decode-only step. The cost of a chunk grows with its context
+(attention reads everything before it), so the cap is learned step by step: after each
+mixed step, ``time ≈ decode + per_token × chunk`` gives the per-token cost at the current
+context, and the next chunk is the one that would take exactly the target (a dearer step
+counts at once, a cheaper one only partly). Steps without decodes are never capped (no
+stream is waiting). A step's time is its period as the scheduler sees results come
+(``StepClock``): with overlapped steps, the device's time on it, which is the gap a stream
+sees; the worker's own step time also holds the step before it, still on the device.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
 
 from shared.messages import StepPlan
 
@@ -18,9 +24,33 @@ DECODE_EMA_WEIGHT = 0.2  # of the newest decode-only step in the running mean
 PER_TOKEN_EASE = 0.3  # how far one cheaper chunk moves the per-token cost toward itself
 
 
+class StepClock:
+    """Each step's period: from the later of its plan and the result before it to its own
+    result (``clock``: time.monotonic; tests pass their own)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._plan_times: dict[int, float] = {}
+        self._last_result_time = 0.0
+
+    def planned(self, step_id: int) -> None:
+        self._plan_times[step_id] = self.clock()
+
+    def period(self, step_id: int) -> float:
+        """The period of the step whose result just came (0 if it was not planned here)."""
+        now = self.clock()
+        plan_time = self._plan_times.pop(step_id, now)
+        for dropped in [s for s in self._plan_times if s < step_id]:  # (a failed worker's)
+            del self._plan_times[dropped]
+        started, self._last_result_time = self._last_result_time, now
+        return now - max(started, plan_time)
+
+
 class ChunkPacer:
-    def __init__(self, ratio: float, max_tokens: int, min_tokens: int) -> None:
+    def __init__(self, ratio: float, max_tokens: int, min_tokens: int,
+                 target_s: float = 0.0) -> None:
         self.ratio = ratio
+        self.target_s = target_s  # a mixed step's longest time (0: none)
         self.max_tokens = max_tokens
         self.min_tokens = min(min_tokens, max_tokens)
         self.decode_step_s: float | None = None  # running mean of decode-only steps
@@ -29,19 +59,29 @@ class ChunkPacer:
         self.per_token_s: float | None = None
 
     @property
+    def enabled(self) -> bool:
+        return self.ratio > 0 or self.target_s > 0
+
+    @property
     def limit(self) -> int:
         """Prompt tokens allowed in a step that also decodes."""
-        if self.ratio <= 0 or self.decode_step_s is None or not self.per_token_s:
+        if not self.per_token_s:
             return self.max_tokens
-        wanted = round((self.ratio - 1) * self.decode_step_s / self.per_token_s)
-        return max(self.min_tokens, min(self.max_tokens, wanted))
+        wanted = [self.max_tokens]
+        if self.ratio > 0 and self.decode_step_s is not None:
+            wanted.append(round((self.ratio - 1) * self.decode_step_s / self.per_token_s))
+        if self.target_s > 0:  # (no decode-only step yet: the chunk's cost holds it all)
+            room_s = self.target_s - (self.decode_step_s or 0.0)
+            # decodes alone near the target must not starve prompts: an eighth at least
+            wanted.append(max(self.max_tokens // 8, round(room_s / self.per_token_s)))
+        return max(self.min_tokens, min(wanted))
 
     def chunk_budget(self, num_decodes: int) -> int:
         """Prompt tokens a step with ``num_decodes`` decodes may carry."""
         return self.limit if num_decodes else self.max_tokens
 
     def observe(self, plan: StepPlan, step_time_s: float) -> None:
-        if self.ratio <= 0:
+        if not self.enabled or step_time_s <= 0:
             return
         num_decodes = sum(1 for s in plan.scheduled if s.num_new_tokens == 1)
         num_chunk_tokens = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)

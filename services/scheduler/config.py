@@ -28,6 +28,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_steps_in_flight: int = 2  # 2 overlaps planning step N+1 with computing step N
     chunk_step_ratio: float = 0.0  # >0: steps with decodes and a prompt chunk take at most this
     # many decode-only steps' time (prompt chunks shrink to fit); 0: off
+    max_decode_stall_ms: float = 0.0  # >0: such steps take at most this long (chunk_pacer.py)
     # keep KV blocks free for the running requests' next tokens (admission.py)
     admission_reserve: bool = True
     step_timeout_s: float = 120.0  # a step taking longer means the worker is gone
@@ -59,6 +60,9 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
         "admission_reserve": "admit a request only while the running ones keep room to grow "
                              "(by the share of max_tokens finished requests used), so few are "
                              "preempted and computed twice",
+        "max_decode_stall_ms": "cap prompt chunks so a step that also decodes takes at most "
+                               "this long: the longest gap between a stream's tokens while "
+                               "prompts are admitted (0: off)",
         "step_timeout_s": "seconds to wait for a step before failing its requests",
         "stats_interval_s": "seconds between stats events",
         "shutdown_timeout": "on SIGTERM, take no new requests and finish the running and "
@@ -68,8 +72,9 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         limits.check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
         check_choice(self.scheduling_policy, SchedulingPolicy, "scheduling_policy")
-        if self.chunk_step_ratio < 0:
-            raise ValueError("chunk_step_ratio must be 0 (off) or positive")
+        if self.chunk_step_ratio < 0 or self.max_decode_stall_ms < 0:
+            raise ValueError("chunk_step_ratio and max_decode_stall_ms must be 0 (off) or "
+                             "positive")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be 0 or more")
         if self.max_kv_load_mib_per_step < 0:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from services.scheduler.admission import AdmissionReserve
 from services.scheduler.block_manager import BlockManager, num_blocks_for
-from services.scheduler.chunk_pacer import ChunkPacer
+from services.scheduler.chunk_pacer import ChunkPacer, StepClock
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.kv_tier import IsWanted, KvTierHooks
 from services.scheduler.outputs import append_outputs, request_output
@@ -74,7 +74,9 @@ class Scheduler:
         self.block_manager = BlockManager(num_blocks, block_size)
         self.kv = kv or KvTierHooks()  # the KV connector's hooks (kv_connector.py)
         self.chunk_pacer = ChunkPacer(config.chunk_step_ratio, config.max_num_batched_tokens,
-                                      min_tokens=block_size)
+                                      min_tokens=block_size,
+                                      target_s=config.max_decode_stall_ms / 1000)
+        self.step_clock = StepClock()  # the pacer's step times
         self.reserve = AdmissionReserve(block_size, config.admission_reserve)
         self._kept_tokens = 0.0  # what admission keeps room for, as this plan admits
         self.drafter = drafter(parse_speculative_config(config.speculative_config))
@@ -223,14 +225,16 @@ class Scheduler:
                         kv_loads=kv_loads, kv_stores=kv_stores)
         self._next_step_id, self._forget_ids = self._next_step_id + 1, []
         self.drafter.planned(plan)  # (after drafts_at: the adaptive draft cap's books)
+        self.step_clock.planned(plan.step_id)
         return plan
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Emitted]:
         """Apply the tokens a step sampled; return the outputs to publish."""
         self.num_steps += 1
         self.kv.on_step_result(plan.step_id)
+        period_s = self.step_clock.period(plan.step_id)
         if plan.scheduled:  # (a step of loads alone says nothing of compute times)
-            self.chunk_pacer.observe(plan, result.step_time_s)
+            self.chunk_pacer.observe(plan, period_s)
         self.drafter.step_done(plan, result)
         self._add_prompt_logprobs(plan, result)
         emitted: list[Emitted] = []

@@ -52,7 +52,7 @@ def test_the_table_has_each_engine_and_the_ratio(online):
         {"engine": "flotilla", "status": "cut short", "summary": summary(900, 100, 5000.0)},
         {"engine": "vllm", "status": "ok", "summary": summary(1000, 0, 10000.0)}])
     assert "900/0/100" in text and "cut short" in text and "1000/0/0" in text
-    assert "flotilla/vllm total tok/s: 0.50" in text
+    assert "flotilla over vllm total tok/s: 0.50" in text
     skipped = online.table([{"engine": "vllm", "status": "skipped: out of time"}])
     assert "skipped: out of time" in skipped
 
@@ -91,3 +91,19 @@ flotilla_requests_total{endpoint="completions",status="200"} 9.0
     assert digest["flotilla_stream_tokens_per_chunk"] == {
         "count": 100.0, "mean": 1.12, "p50": 1.0, "p90": 1.0, "p99": 2.0}
     assert "flotilla_requests" not in digest  # only the figures that explain gaps
+
+
+def test_loads_run_in_turn_with_their_own_flags(online):
+    from benchmarks.gpu.online_clients import loads_of
+    args = online.argparse.Namespace(client="flotilla", dataset_name="sharegpt", num_prompts=1000,
+                                     bench_args="", loads="")
+    assert [load.load_name for load in loads_of(args)] == [""]
+    args.loads = ('[{"name": "random", "client": "vllm", "dataset_name": "random", '
+                  '"bench_args": "--random-input-len 1024"}, {"name": "sharegpt"}]')
+    random, sharegpt = loads_of(args)
+    assert (random.load_name, random.client, random.dataset_name) == ("random", "vllm", "random")
+    assert (sharegpt.load_name, sharegpt.client, sharegpt.num_prompts) == ("sharegpt",
+                                                                           "flotilla", 1000)
+    args.loads = '[{"num_promts": 5}]'
+    with pytest.raises(SystemExit, match="num_promts"):
+        loads_of(args)

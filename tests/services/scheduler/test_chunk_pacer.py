@@ -1,11 +1,12 @@
-"""Chunk pacing (--chunk-step-ratio): prompt chunks shrink so that a step which also decodes
-takes at most the ratio times a decode-only step, learned from the worker's step times."""
+"""Chunk pacing (--chunk-step-ratio, --max-decode-stall-ms): prompt chunks shrink so that a
+step which also decodes takes at most the ratio times a decode-only step, or at most the
+stall target, learned from the steps' periods."""
 
 from __future__ import annotations
 
 import msgspec
 
-from services.scheduler.chunk_pacer import ChunkPacer
+from services.scheduler.chunk_pacer import ChunkPacer, StepClock
 from shared.messages import ScheduledRequest, StepPlan
 from tests.services.scheduler.test_scheduler import (
     FakeWorker, expected_tokens, make_scheduler, request,
@@ -57,11 +58,14 @@ def test_scheduler_paces_a_long_prompt_while_another_request_decodes():
     worker = FakeWorker(128)
     outputs: dict[str, list[int]] = {}
     step_times: list[tuple[bool, float]] = []  # (has a decode, seconds)
+    now = [0.0]
+    scheduler.step_clock.clock = lambda: now[0]
 
     def step() -> None:
         step_plan = scheduler.schedule()
         seconds = simulated_time(step_plan)
-        result = msgspec.structs.replace(worker.execute(step_plan), step_time_s=seconds)
+        now[0] += seconds  # one step at a time: its period is its time
+        result = msgspec.structs.replace(worker.execute(step_plan), step_time_s=2 * seconds)
         step_times.append((any(s.num_new_tokens == 1 for s in step_plan.scheduled), seconds))
         for emitted in scheduler.update(step_plan, result):
             outputs.setdefault(emitted.output.request_id, []).extend(emitted.output.new_token_ids)
@@ -88,3 +92,38 @@ def test_without_decodes_a_prompt_takes_the_whole_budget():
     scheduler.add_request(request("long", 150, 1, ignore_eos=True))
     first = scheduler.schedule()
     assert [s.num_new_tokens for s in first.scheduled] == [64]
+
+
+def test_a_stall_target_caps_mixed_steps_but_never_starves_prompts():
+    pacer = ChunkPacer(ratio=0.0, max_tokens=64, min_tokens=4, target_s=0.3)
+    assert pacer.limit == 64  # nothing measured yet
+    pacer.observe(plan(1, 1, 48), 0.6)  # no decode-only step yet: the chunk bears it all
+    assert pacer.limit == 24  # 0.3 s at 12.5 ms a token
+    pacer.observe(plan(1, 1), 0.1)
+    pacer.observe(plan(1, 24), 0.4)  # 12.5 ms a token beside 0.1 s of decodes
+    assert pacer.limit == 16
+    for _ in range(20):
+        pacer.observe(plan(1, 1), 0.35)  # decodes alone past the target: still an eighth
+    assert pacer.limit == 64 // 8
+    both = ChunkPacer(ratio=2.0, max_tokens=64, min_tokens=4, target_s=10.0)
+    both.observe(plan(1, 1), 0.1)
+    both.observe(plan(1, 1, 48), 0.4)
+    assert both.limit == 16  # the ratio's cap is the smaller here
+
+
+def test_step_periods_are_the_gaps_between_results():
+    """Overlapped steps: a step planned while the one before ran is timed from that one's
+    result, not from its own plan (which included waiting behind it)."""
+    now = [0.0]
+    clock = StepClock(lambda: now[0])
+    clock.planned(0)
+    now[0] = 0.01
+    clock.planned(1)  # queued behind step 0
+    now[0] = 0.2
+    assert clock.period(0) == 0.2
+    now[0] = 0.5
+    assert clock.period(1) == 0.3
+    now[0] = 2.0
+    clock.planned(2)  # planned after an idle second: timed from its plan
+    now[0] = 2.1
+    assert abs(clock.period(2) - 0.1) < 1e-12
