@@ -14,9 +14,6 @@ from shared import limits
 # graphs and these steps' activations, so they fit); on CPU, the services' own (shared/limits.py).
 GPU_MAX_NUM_SEQS = 1024
 GPU_MAX_NUM_BATCHED_TOKENS = 16384
-# ...and a step that admits prompts beside decodes takes at most this long (a 16,384-token
-# step of the 8B takes ~0.45 s on an H200: the streams' longest gaps; docs/bench.md)
-GPU_MAX_DECODE_STALL_MS = 300
 
 
 def add_engine_flags(parser) -> None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from cli import bench
 from cli.engine_flags import (
-    GPU_MAX_DECODE_STALL_MS, add_engine_flags, engine_flag_error, engine_service_args,
-    gpus_per_replica, tensor_parallel_size_of, worker_uses_gpu,
+    add_engine_flags, engine_flag_error, engine_service_args, gpus_per_replica,
+    tensor_parallel_size_of,
 )
 from cli.stack import Stack, StackOptions, flags
 from services.gateway.config import RoutingPolicy
@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-decode-stall-ms", default=None,
                        help="cap prompt chunks so a step that also decodes takes at most this "
                        "long: the longest gap between a stream's tokens while prompts are "
-                       f"admitted (default {GPU_MAX_DECODE_STALL_MS} on a GPU, 0: off on CPU)")
+                       "admitted; it costs time to first token (default 0: off; "
+                       "docs/bench.md)")
     serve.add_argument("--max-steps-in-flight", default=None,
                        help="steps each scheduler sends ahead to its worker (default 2)")
     serve.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -104,9 +105,7 @@ def serve_options(args: argparse.Namespace) -> StackOptions:
     service_args = engine_service_args(args)
     service_args["scheduler"] += flags(scheduling_policy=args.scheduling_policy,
                                        chunk_step_ratio=args.chunk_step_ratio,
-                                       max_decode_stall_ms=args.max_decode_stall_ms
-                                       or (GPU_MAX_DECODE_STALL_MS
-                                           if worker_uses_gpu(args.device) else None),
+                                       max_decode_stall_ms=args.max_decode_stall_ms,
                                        max_steps_in_flight=args.max_steps_in_flight,
                                        speculative_config=args.speculative_config)
     service_args["scheduler"] += ["--no-prefix-caching"] if args.no_prefix_caching else []

@@ -7,7 +7,7 @@ so it takes at most R times a decode-only step. The cost of a chunk grows with i
 (attention reads everything before it), so the cap is learned step by step: after each
 mixed step, ``time ≈ decode + per_token × chunk`` gives the per-token cost at the current
 context, and the next chunk is the one that would take exactly the target (a dearer step
-counts at once, a cheaper one only partly). Steps without decodes are never capped (no
+counts more than a cheaper one, and no one step more than twice the cost believed). Steps without decodes are never capped (no
 stream is waiting). A step's time is its period as the scheduler sees results come
 (``StepClock``): with overlapped steps, the device's time on it, which is the gap a stream
 sees; the worker's own step time also holds the step before it, still on the device.
@@ -21,7 +21,13 @@ from collections.abc import Callable
 from shared.messages import StepPlan
 
 DECODE_EMA_WEIGHT = 0.2  # of the newest decode-only step in the running mean
-PER_TOKEN_EASE = 0.3  # how far one cheaper chunk moves the per-token cost toward itself
+# How far one chunk moves the per-token cost toward its own: a dearer one more (the target
+# is a latency bound), a cheaper one less; and one step counts as at most twice the cost
+# believed. On an H200, with a cost believed at once from any dearer step, the chunks of a
+# 1,000-request burst stayed at 2-4k tokens where 300 ms allows ~10k (TTFT p50 14.3 ->
+# 17.8 s); the likeliest cause, one slow step (a pause of the host) setting the cost for
+# many steps after it, is what these bounds remove (not yet measured on the GPU).
+DEARER_WEIGHT, CHEAPER_WEIGHT, MAX_STEP_OVER_BELIEF = 0.5, 0.3, 2.0
 
 
 class StepClock:
@@ -91,7 +97,9 @@ class ChunkPacer:
             return
         base = self.decode_step_s if num_decodes and self.decode_step_s is not None else 0.0
         observed = max(step_time_s - base, 1e-9) / num_chunk_tokens
-        if self.per_token_s is None or observed >= self.per_token_s:
-            self.per_token_s = observed  # dearer: shrink the next chunk at once
-        else:  # cheaper: grow slowly, since one quick step on a busy machine proves little
-            self.per_token_s += PER_TOKEN_EASE * (observed - self.per_token_s)
+        if self.per_token_s is None:
+            self.per_token_s = observed
+            return
+        observed = min(observed, MAX_STEP_OVER_BELIEF * self.per_token_s)
+        weight = DEARER_WEIGHT if observed > self.per_token_s else CHEAPER_WEIGHT
+        self.per_token_s += weight * (observed - self.per_token_s)

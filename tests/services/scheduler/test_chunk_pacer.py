@@ -28,9 +28,15 @@ def test_pacer_solves_for_the_chunk_that_meets_the_target():
     pacer.observe(plan(1, 16), 0.150)  # half the cost per token: the cap grows, but slowly
     assert pacer.per_token_s == 0.00625 + 0.3 * (0.003125 - 0.00625)
     assert pacer.limit == 19
-    pacer.observe(plan(1, 19), 0.5)  # dearer: believed at once
-    assert pacer.limit == 5
-    pacer.observe(plan(1, 5), 5.0)
+    believed = pacer.per_token_s
+    pacer.observe(plan(1, 19), 0.5)  # dearer, 21 ms a token: counted as twice the belief
+    assert pacer.per_token_s == believed + 0.5 * (2 * believed - believed)  # half way there
+    assert pacer.limit == 13
+    pacer.observe(plan(1, 8), 5.0)  # a stall (0.6 s a token) moves it no further
+    assert pacer.per_token_s == 1.5 * 1.5 * believed
+    assert pacer.limit == 8
+    for _ in range(5):
+        pacer.observe(plan(1, 4), 5.0)
     assert pacer.limit == 4  # never below min_tokens
 
 
