@@ -11,8 +11,9 @@ The share is learned, since clients often set max_tokens far above what they get
 running mean of the share of their (counted) budget that finished requests used, and a
 preemption (the reserve was too small) raises it. It starts at 1 (nothing known: reserve
 all), so a burst of requests that run to max_tokens never preempts, and it falls within a
-few finished requests where answers end early. Nothing runs: the head is admitted whatever
-its own growth (it could otherwise wait forever).
+few finished requests where answers end early. At most MAX_COUNTED_TOKENS of a request's
+budget count (longer outputs may still preempt, as without the reserve). Nothing runs: the
+head is admitted whatever its own growth (it could otherwise wait forever).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from collections.abc import Iterable
 
 from services.scheduler.request import Request
 
-MAX_COUNTED_TOKENS = 4096  # of one request's remaining budget (max_tokens may be the context)
+# of one request's remaining budget: a request without max_tokens gets the context's room
+# (8,192 on SmolLM2), and a cold server, reserving all of it, would run few at once until
+# the first ones finish and teach the share
+MAX_COUNTED_TOKENS = 1024
 MIN_RATIO = 0.1
 FINISHED_WEIGHT = 0.2  # of the newest finished request in the running mean
 PREEMPTED_RAISE = 0.1
