@@ -5,8 +5,9 @@ token count, and every step catches requests up under one token budget: running
 requests first (decodes, then the rest of chunked prompts), then waiting requests in
 (priority, arrival) order. Full blocks are offered to the prefix cache under a chained
 hash (shared/prefix_hash.py), so a new request starts after its longest cached prefix.
-Blocks are allocated as tokens need them; when they run out, the lowest-priority,
-latest running request is preempted (blocks freed, recomputed later, mostly from the
+Blocks are allocated as tokens need them, and admission keeps room for the running
+requests' growth (admission.py); when they run out anyway, the lowest-priority, latest
+running request is preempted (blocks freed, recomputed later, mostly from the
 prefix cache), so nothing is lost and nothing is sent twice. A request for n sequences
 runs as n sibling requests that compute the prompt once (siblings.py).
 

@@ -32,11 +32,10 @@ def validate_request(request: GenerateRequest, requests: Container[str], max_mod
             f"prompt ({num_prompt} tokens) plus max_tokens ({request.sampling.max_tokens}) is "
             f"{num_total} tokens, over the model's context length of {max_model_len}",
             param="max_tokens", code="context_length_exceeded")
-    manager = block_manager
-    num_blocks = num_blocks_needed(request, manager.block_size, prefix_caching)
-    if num_blocks > manager.num_blocks:
+    num_blocks = num_blocks_needed(request, block_manager.block_size, prefix_caching)
+    if num_blocks > block_manager.num_blocks:
         what = "the request needs" if request.n == 1 else f"the request's {request.n} sequences need"
         raise InvalidRequest(
-            f"{what} {num_blocks * manager.block_size} tokens of KV cache; this replica's cache "
-            f"holds {manager.num_blocks * manager.block_size}",
+            f"{what} {num_blocks * block_manager.block_size} tokens of KV cache; this replica's "
+            f"cache holds {block_manager.num_blocks * block_manager.block_size}",
             param="max_tokens" if request.n == 1 else "n", code="kv_cache_too_small")
