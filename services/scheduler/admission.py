@@ -11,7 +11,8 @@ The share is learned, since clients often set max_tokens far above what they get
 running mean of the share of their (counted) budget that finished requests used, and a
 preemption (the reserve was too small) raises it. It starts at 1 (nothing known: reserve
 all), so a burst of requests that run to max_tokens never preempts, and it falls within a
-few finished requests where answers end early. At most MAX_COUNTED_TOKENS of a request's
+few finished requests where answers end early. Under the priority policy a request keeps
+room only for running requests as important as it or more. At most MAX_COUNTED_TOKENS of a request's
 budget count (longer outputs may still preempt, as without the reserve). Nothing runs: the
 head is admitted whatever its own growth (it could otherwise wait forever).
 """
@@ -19,6 +20,7 @@ head is admitted whatever its own growth (it could otherwise wait forever).
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Iterable
 
 from services.scheduler.request import Request
@@ -51,12 +53,21 @@ class AdmissionReserve:
             return 0.0
         return num_prompt_left + self.ratio * self.remaining_tokens(req, max_model_len)
 
-    def kept_tokens(self, running: Iterable[Request], max_model_len: int) -> float:
-        """Room to keep for every running request (a prompt's blocks come chunk by chunk)."""
-        if not self.enabled:
-            return 0.0
-        return sum(self.tokens_to_keep(req, max(0, req.num_tokens - req.num_computed_tokens),
-                                       max_model_len) for req in running)
+    def kept_tokens(self, running: Iterable[Request], max_model_len: int) -> dict[int, float]:
+        """Room to keep for the running requests (a prompt's blocks come chunk by chunk),
+        by their priority."""
+        kept: dict[int, float] = defaultdict(float)
+        if self.enabled:
+            for req in running:
+                kept[req.sort_key[0]] += self.tokens_to_keep(
+                    req, max(0, req.num_tokens - req.num_computed_tokens), max_model_len)
+        return kept
+
+    @staticmethod
+    def kept_for(kept: dict[int, float], priority: int) -> float:
+        """What a request of ``priority`` must leave free: room for the running requests
+        as important as it or more (the others would be preempted for it)."""
+        return sum(tokens for other, tokens in kept.items() if other <= priority)
 
     def blocks_for(self, num_tokens: float) -> int:
         return math.ceil(num_tokens / self.block_size)

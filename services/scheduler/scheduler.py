@@ -79,7 +79,7 @@ class Scheduler:
                                       target_s=config.max_decode_stall_ms / 1000)
         self.step_clock = StepClock()  # the pacer's step times
         self.reserve = AdmissionReserve(block_size, config.admission_reserve)
-        self._kept_tokens = 0.0  # what admission keeps room for, as this plan admits
+        self._kept: dict[int, float] = {}  # room admission keeps, by priority (admission.py)
         self.drafter = drafter(parse_speculative_config(config.speculative_config))
         if self.drafter.drafts_in_worker and not worker_drafts:
             self.drafter = NoDrafts()
@@ -206,8 +206,8 @@ class Scheduler:
             budget -= num_new
             num_chunk_tokens += num_new if prefilling else 0
             num_decodes += 0 if prefilling else 1
-        self._kept_tokens = self.reserve.kept_tokens(self.running, self.max_model_len) \
-            if self.waiting else 0.0
+        self._kept = self.reserve.kept_tokens(self.running, self.max_model_len) \
+            if self.waiting else {}
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = self._waiting_head()
             if head is None:
@@ -306,13 +306,13 @@ class Scheduler:
         num_cached = (len(hit_ids) + len(loaded)) * block_size
         num_new = min(req.num_tokens - num_cached, budget)
         num_missing = num_blocks_for(num_cached + num_new, block_size) - len(hit_ids)
-        kept_tokens = self._kept_tokens + self.reserve.tokens_to_keep(
-            req, req.num_tokens - num_cached - num_new, self.max_model_len)
-        num_kept = self.reserve.blocks_for(kept_tokens) if self.running else 0
-        if not self.block_manager.can_allocate(num_missing + num_kept,
+        own = self.reserve.tokens_to_keep(req, req.num_tokens - num_cached - num_new,
+                                          self.max_model_len)
+        kept = self.reserve.kept_for(self._kept, req.sort_key[0]) + own if self.running else 0
+        if not self.block_manager.can_allocate(num_missing + self.reserve.blocks_for(kept),
                                                self.block_manager.num_evictable(hit_ids)):
             return None
-        self._kept_tokens = kept_tokens
+        self._kept[req.sort_key[0]] = self._kept.get(req.sort_key[0], 0.0) + own
         self.waiting.remove(req)
         self.running.append(req)
         self.block_manager.reuse(hit_ids)

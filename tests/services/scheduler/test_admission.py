@@ -68,3 +68,17 @@ def test_room_counts_the_prompt_left_and_a_clipped_share_of_the_output():
     assert reserve.tokens_to_keep(huge, 0, max_model_len=200_000) == 0.5 * MAX_COUNTED_TOKENS
     assert reserve.blocks_for(70) == 5
     assert AdmissionReserve(16, enabled=False).tokens_to_keep(huge, 9, 200_000) == 0.0
+
+
+def test_under_the_priority_policy_room_is_kept_only_for_the_more_important():
+    """A running low-priority request's growth holds back a request of its own priority,
+    not a more important one (the low one would be preempted for it anyway)."""
+    scheduler, worker = make_scheduler(num_blocks=12, max_num_batched_tokens=32,
+                                       scheduling_policy="priority"), FakeWorker(12)
+    scheduler.add_request(request("low", 4, 20, priority=5, ignore_eos=True))
+    plan = scheduler.schedule()
+    scheduler.update(plan, worker.execute(plan))
+    scheduler.add_request(request("peer", 4, 20, priority=5, ignore_eos=True))
+    scheduler.add_request(request("urgent", 4, 20, priority=-1, ignore_eos=True))
+    plan = scheduler.schedule()
+    assert [new.request_id for new in plan.new_requests] == ["urgent"]
