@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import time
 
+import bisect
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from services.gateway.block_index import BlockIndex
 from services.gateway.routing import Decision
@@ -14,6 +19,34 @@ from shared.messages import SchedulerStats
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class ChunkHistogram:
+    """A histogram for what is observed once per streamed chunk. prometheus_client's
+    Histogram takes ~1.3 µs an observation (a lock and two locked adds), and three of them
+    were a fifth of the gateway's Python work per chunk (in-process profile); this one
+    counts in plain lists (~0.2 µs) and hands prometheus_client the family when scraped.
+    Only the gateway's event loop touches it, so it needs no lock."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.bounds = name, documentation, buckets
+        self.counts = [0] * (len(buckets) + 1)  # the last: above every bound
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # (le: bound >= value)
+        self.sum += value
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self.bounds, math.inf), self.counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family.add_metric([], buckets, self.sum)
+        yield family
 
 
 class GatewayMetrics:
@@ -64,15 +97,17 @@ class GatewayMetrics:
         self.generation_tokens = Counter("flotilla_generation_tokens", "Tokens generated", registry=r)
         self.time_to_first_token = self._latency("flotilla_time_to_first_token_seconds",
                                                  "Time from request to first token")
-        self.inter_token_latency = self._latency("flotilla_inter_token_latency_seconds",
-                                                 "Time between streamed tokens")
-        self.tokens_per_chunk = Histogram(
+        # once per streamed chunk: the cheaper histograms
+        self.inter_token_latency = ChunkHistogram(
+            "flotilla_inter_token_latency_seconds", "Time between streamed tokens",
+            _LATENCY_BUCKETS, r)
+        self.tokens_per_chunk = ChunkHistogram(
             "flotilla_stream_tokens_per_chunk", "Tokens in each streamed chunk (more than one: "
-            "steps' outputs merged while the client's writer was busy)", buckets=_TOKEN_BUCKETS,
-            registry=r)
-        self.output_delivery = self._latency(
+            "steps' outputs merged while the client's writer was busy)", _TOKEN_BUCKETS, r)
+        self.output_delivery = ChunkHistogram(
             "flotilla_output_delivery_seconds", "From the scheduler publishing a step's output "
-            "to the gateway writing it to the stream (its newest token in a merged chunk)")
+            "to the gateway writing it to the stream (its newest token in a merged chunk)",
+            _LATENCY_BUCKETS, r)
         self.e2e_latency = self._latency("flotilla_e2e_request_latency_seconds",
                                          "Time from request to last token")
         self.queue_time = self._latency("flotilla_queue_time_seconds",
