@@ -6,8 +6,8 @@ the chunk. Two targets cap the prompt tokens of such steps (the smaller cap wins
 so it takes at most R times a decode-only step. The cost of a chunk grows with its context
 (attention reads everything before it), so the cap is learned step by step: after each
 mixed step, ``time ≈ decode + per_token × chunk`` gives the per-token cost at the current
-context, and the next chunk is the one that would take exactly the target (a dearer step
-counts more than a cheaper one, and no one step more than twice the cost believed). Steps without decodes are never capped (no
+context (running sums over recent chunks), and the next chunk is the one that would take
+exactly the target. Steps without decodes are never capped (no
 stream is waiting). A step's time is its period as the scheduler sees results come
 (``StepClock``): with overlapped steps, the device's time on it, which is the gap a stream
 sees; the worker's own step time also holds the step before it, still on the device.
@@ -21,13 +21,14 @@ from collections.abc import Callable
 from shared.messages import StepPlan
 
 DECODE_EMA_WEIGHT = 0.2  # of the newest decode-only step in the running mean
-# How far one chunk moves the per-token cost toward its own: a dearer one more (the target
-# is a latency bound), a cheaper one less; and one step counts as at most twice the cost
-# believed. On an H200, with a cost believed at once from any dearer step, the chunks of a
-# 1,000-request burst stayed at 2-4k tokens where 300 ms allows ~10k (TTFT p50 14.3 ->
-# 17.8 s); the likeliest cause, one slow step (a pause of the host) setting the cost for
-# many steps after it, is what these bounds remove (not yet measured on the GPU).
-DEARER_WEIGHT, CHEAPER_WEIGHT, MAX_STEP_OVER_BELIEF = 0.5, 0.3, 2.0
+# The per-token cost is the ratio of running sums, chunk seconds over chunk tokens, each
+# moved this far toward the newest mixed step: symmetric, so periods that come in pairs
+# (a result the host reads late holds two steps, the one right after it almost none)
+# average out. Before, a dearer step was believed at once and a cheaper one moved the cost
+# 30%: on an H200 at a 300 ms target the chunks of a 1,000-request burst stayed at 2-4k
+# tokens where ~10k fit (TTFT p50 14.3 -> 17.8 s). Paired periods are the likeliest cause;
+# this estimator is not yet measured on the GPU.
+CHUNK_EMA_WEIGHT = 0.2  # (paired periods then swing the cost ±11% about its mean)
 
 
 class StepClock:
@@ -60,9 +61,11 @@ class ChunkPacer:
         self.max_tokens = max_tokens
         self.min_tokens = min(min_tokens, max_tokens)
         self.decode_step_s: float | None = None  # running mean of decode-only steps
-        # the latest chunk's cost per prompt token (it grows with the context); a step with
-        # no decodes counts whole, which overestimates it: the first paced chunk is small
+        # the recent chunks' cost per prompt token (it grows with the context), from running
+        # sums of their seconds beyond the decodes' and of their tokens; a step with no
+        # decodes counts whole, which overestimates it: the first paced chunk is small
         self.per_token_s: float | None = None
+        self._chunk_s = self._chunk_tokens = 0.0
 
     @property
     def enabled(self) -> bool:
@@ -96,10 +99,7 @@ class ChunkPacer:
                 (1 - DECODE_EMA_WEIGHT) * self.decode_step_s + DECODE_EMA_WEIGHT * step_time_s)
             return
         base = self.decode_step_s if num_decodes and self.decode_step_s is not None else 0.0
-        observed = max(step_time_s - base, 1e-9) / num_chunk_tokens
-        if self.per_token_s is None:
-            self.per_token_s = observed
-            return
-        observed = min(observed, MAX_STEP_OVER_BELIEF * self.per_token_s)
-        weight = DEARER_WEIGHT if observed > self.per_token_s else CHEAPER_WEIGHT
-        self.per_token_s += weight * (observed - self.per_token_s)
+        weight = 1.0 if self.per_token_s is None else CHUNK_EMA_WEIGHT
+        self._chunk_s += weight * (max(step_time_s - base, 0.0) - self._chunk_s)
+        self._chunk_tokens += weight * (num_chunk_tokens - self._chunk_tokens)
+        self.per_token_s = max(self._chunk_s, 1e-9) / self._chunk_tokens
