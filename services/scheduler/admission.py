@@ -12,9 +12,9 @@ running mean of the share of their (counted) budget that finished requests used,
 preemption (the reserve was too small) raises it. It starts at 1 (nothing known: reserve
 all), so a burst of requests that run to max_tokens never preempts, and it falls within a
 few finished requests where answers end early. Under the priority policy a request keeps
-room only for running requests as important as it or more. At most MAX_COUNTED_TOKENS of a request's
-budget count (longer outputs may still preempt, as without the reserve). Nothing runs: the
-head is admitted whatever its own growth (it could otherwise wait forever).
+room only for running requests as important as it or more. At most MAX_COUNTED_TOKENS of a
+request's budget count (longer outputs may still preempt, as without the reserve). Nothing
+runs: the head is admitted whatever its own growth (it could otherwise wait forever).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ so it takes at most R times a decode-only step. The cost of a chunk grows with i
 (attention reads everything before it), so the cap is learned step by step: after each
 mixed step, ``time ≈ decode + per_token × chunk`` gives the per-token cost at the current
 context (running sums over recent chunks), and the next chunk is the one that would take
-exactly the target. Steps without decodes are never capped (no
-stream is waiting). A step's time is its period as the scheduler sees results come
-(``StepClock``): with overlapped steps, the device's time on it, which is the gap a stream
-sees; the worker's own step time also holds the step before it, still on the device.
+exactly the target. Steps without decodes are never capped (no stream is waiting). A
+step's time is its period as the scheduler sees results come (``StepClock``): with
+overlapped steps, the device's time on it, which is the gap a stream sees; the worker's own
+step time also holds the step before it, still on the device.
 """
 
 from __future__ import annotations

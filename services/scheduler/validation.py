@@ -34,7 +34,8 @@ def validate_request(request: GenerateRequest, requests: Container[str], max_mod
             param="max_tokens", code="context_length_exceeded")
     num_blocks = num_blocks_needed(request, block_manager.block_size, prefix_caching)
     if num_blocks > block_manager.num_blocks:
-        what = "the request needs" if request.n == 1 else f"the request's {request.n} sequences need"
+        what = "the request needs" if request.n == 1 else \
+            f"the request's {request.n} sequences need"
         raise InvalidRequest(
             f"{what} {num_blocks * block_manager.block_size} tokens of KV cache; this replica's "
             f"cache holds {block_manager.num_blocks * block_manager.block_size}",
