@@ -94,7 +94,8 @@ def test_unseeded_random_draws_get_a_seed_every_rank_shares():
 
 def _generate(model_files, prompts, tensor_parallel_size: int, speculative_config: str = ""):
     engine = Engine(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4,
-                                    speculative_config=speculative_config),
+                                    speculative_config=speculative_config,
+                                    admission_reserve=False),  # (so requests are preempted)
                     WorkerConfig(device="cpu", kv_cache_memory="3MiB", block_size=8,
                                  tensor_parallel_size=tensor_parallel_size), model_files)
     try:
