@@ -135,7 +135,22 @@ def flag_error(args: argparse.Namespace) -> str | None:
         return str(exc)
     if args.gateway_workers < 1:
         return f"--gateway-workers must be at least 1, not {args.gateway_workers}"
-    return engine_flag_error(args)
+    return pacing_flag_error(args) or engine_flag_error(args)
+
+
+def pacing_flag_error(args: argparse.Namespace) -> str | None:
+    """The chunk pacer's targets are numbers, 0 (off) or more."""
+    for flag, value in (("--chunk-step-ratio", args.chunk_step_ratio),
+                        ("--max-decode-stall-ms", args.max_decode_stall_ms)):
+        if value is None:
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            number = -1.0
+        if not number >= 0:  # (nan too)
+            return f"{flag} must be a number, 0 (off) or more, not {value!r}"
+    return None
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -133,8 +133,14 @@ def loads_of(args: argparse.Namespace) -> list[argparse.Namespace]:
     the command line's one load."""
     if not args.loads:
         return [argparse.Namespace(**vars(args), load_name="")]
+    try:
+        given = json.loads(args.loads)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"--loads is not JSON: {exc}") from None
+    if not isinstance(given, list) or not all(isinstance(load, dict) for load in given):
+        raise SystemExit("--loads must be a JSON list of objects")
     loads = []
-    for index, overrides in enumerate(json.loads(args.loads)):
+    for index, overrides in enumerate(given):
         unknown = set(overrides) - set(LOAD_FIELDS)
         if unknown:
             raise SystemExit(f"--loads: unknown fields {sorted(unknown)}; use {LOAD_FIELDS}")

@@ -107,3 +107,7 @@ def test_loads_run_in_turn_with_their_own_flags(online):
     args.loads = '[{"num_promts": 5}]'
     with pytest.raises(SystemExit, match="num_promts"):
         loads_of(args)
+    for bad, message in (("[{", "not JSON"), ('{"name": "x"}', "a JSON list of objects")):
+        args.loads = bad
+        with pytest.raises(SystemExit, match=message):
+            loads_of(args)

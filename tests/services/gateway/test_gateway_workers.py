@@ -84,3 +84,8 @@ def test_serve_starts_that_many_gateways_on_one_port():
     assert "--reuse-port" not in one.service_command("gateway")
     assert flag_error(build_parser().parse_args(["serve", "--gateway-workers", "0"])) == \
         "--gateway-workers must be at least 1, not 0"
+    for flag, value in (("--max-decode-stall-ms", "-5"), ("--chunk-step-ratio", "fast")):
+        assert flag_error(build_parser().parse_args(["serve", flag, value])) == \
+            f"{flag} must be a number, 0 (off) or more, not {value!r}"
+    assert flag_error(build_parser().parse_args(["serve", "--max-decode-stall-ms", "300"])) \
+        is None
