@@ -223,7 +223,9 @@ def _skinny_gemm_kernel(
                                   other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc = _silu_times(acc, acc_up, x_ptr.dtype.element_ty)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        # rounded to x's dtype (as F.linear), then to out's (fp32 logits: exactly those values)
+        tl.store(out_ptrs, acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
 @triton.jit
@@ -241,16 +243,20 @@ def _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split, pa
 
 @triton.jit
 def _reduce_splits_kernel(
-    partial_ptr, bias_ptr, out_ptr, N, partial_stride_split, partial_stride_m, out_stride_m,
+    partial_ptr, bias_ptr, x_ptr, out_ptr, N, partial_stride_split, partial_stride_m,
+    out_stride_m,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Program (row, column block): the splits added in split order, rounded to x's dtype
+    (``x_ptr`` is only read for its dtype), stored in out's."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
     pdl.wait_then_launch_dependents(PDL)
     acc = _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
                       partial_stride_m, HAS_BIAS, SPLIT_K)
-    tl.store(out_ptr + row * out_stride_m + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * out_stride_m + cols,
+             acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -341,7 +347,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     elif split_k > 1:
         block = min(1024, triton.next_power_of_2(n))
         _reduce_splits_kernel[(m, triton.cdiv(n, block))](
-            partial, bias if bias is not None else weight, out, n, partial.stride(0),
+            partial, bias if bias is not None else weight, x, out, n, partial.stride(0),
             partial.stride(1), out.stride(0),
             HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
             **pdl.launch_options(),
@@ -376,14 +382,16 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x: [M, K] (last dim contiguous; any M, in tiles of MAX_M rows), weight: [N, K]
     contiguous, bias: [N] or None -> [M, N] in x's dtype. ``config``: the launch (default:
     ``config_for(N, K)``). An FP8 weight comes with ``weight_scale`` [N] fp32 (per output
-    channel, kernels/fp8.py)."""
+    channel, kernels/fp8.py). ``out`` may be fp32 for bf16/fp16 x: the values rounded to x's
+    dtype, stored widened (logits straight into an fp32 buffer, no conversion launch)."""
     _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype:
-        raise ValueError(f"out must be [{m}, {n}] {x.dtype} with a contiguous last dim")
+    elif out.shape != (m, n) or out.stride(1) != 1 or out.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out must be [{m}, {n}] {x.dtype} or float32 with a contiguous "
+                         "last dim")
     if m == 0 or n == 0:
         return out
     if k == 0:

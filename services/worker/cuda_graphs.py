@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import structlog
 import torch
 
+from kernels.step_inputs import fill_graph_inputs
 from services.worker.config import WorkerConfig
 from services.worker.model import AttentionMetadata, Transformer, wait_events
 
@@ -88,7 +89,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:batch_size],
             query_start_loc=self.query_start_loc[:batch_size + 1],
             logits_indices=self.logits_indices[:num_tokens],
-            max_query_len=self.query_len, max_seq_len=self.max_model_len)
+            max_query_len=self.query_len, max_seq_len=self.max_model_len, all_logits=True)
 
     @torch.inference_mode()
     def capture(self, buckets: list[int] | None = None) -> None:
@@ -98,11 +99,12 @@ class DecodeGraphs:
             num_tokens = batch_size * self.query_len
             args = (self.input_ids[:num_tokens], self.positions[:num_tokens],
                     self._metadata(batch_size))
-            self.model(*args)  # warm-up: Triton compiles and autotunes outside the capture
+            # warm-up: Triton compiles and autotunes outside the capture
+            self.model(*args, logits_out=self.logits[:num_tokens])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[:num_tokens].copy_(self.model(*args))
+            with torch.cuda.graph(graph, pool=pool):  # the head writes the static logits
+                self.model(*args, logits_out=self.logits[:num_tokens])
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
         log.info("cuda_graphs_captured", buckets=sorted(self.graphs))
@@ -111,22 +113,20 @@ class DecodeGraphs:
         return smallest_bucket(self.buckets, batch_size)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            metadata: AttentionMetadata) -> torch.Tensor:
-        """One step of query_len tokens per sequence -> logits [num_tokens, vocab_size]."""
+            metadata: AttentionMetadata,
+            pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One step of query_len tokens per sequence -> logits [num_tokens, vocab_size].
+        Its inputs reach the static buffers in one launch (kernels/step_inputs.py), padding
+        rows writing nowhere and attending to cached slots of block 0; ``pending``: (source
+        rows, the step in flight's tokens), put in place by the same launch."""
         num_tokens = input_ids.shape[0]
         num_seqs = num_tokens // self.query_len
         bucket = self.bucket_for(num_seqs)
         assert bucket is not None and metadata.max_query_len == self.query_len
-        width = metadata.block_tables.shape[1]
-        self.input_ids[:num_tokens].copy_(input_ids)
-        self.positions[:num_tokens].copy_(positions)
-        self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
-        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
-        self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
-        if bucket > num_seqs:  # padding rows: write nowhere, attend to cached slots of block 0
-            self.slot_mapping[num_tokens:bucket * self.query_len].fill_(-1)
-            self.seq_lens[num_seqs:bucket].fill_(self.query_len)
-            self.block_tables[num_seqs:bucket, 0].fill_(0)
+        fill_graph_inputs(input_ids, positions, metadata.slot_mapping, metadata.seq_lens,
+                          metadata.block_tables.contiguous(),
+                          (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                           self.block_tables), bucket, self.query_len, pending)
         self.graphs[bucket].replay()
         return self.logits[:num_tokens]
 

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from services.worker import ops
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.model import AttentionMetadata, ModelConfig, Transformer
@@ -123,7 +124,8 @@ class DraftModel(NoDraftModel):
                 self._decode_passes(known, num_slots)):
             count = len(input_ids)
             input_ids.copy_(drafts[:count, index])
-            drafts[:count, index + 1] = self._forward(input_ids, positions, metadata).argmax(-1)
+            drafts[:count, index + 1] = ops.greedy_token_ids(
+                self._forward(input_ids, positions, metadata))
         for (_, state, num_known), slots in zip(known, num_slots):
             state.num_draft_computed = num_known + slots - 1
         gather, target_positions = self._scatter_indices(chunks, rows, num_slots)
@@ -141,7 +143,7 @@ class DraftModel(NoDraftModel):
                        for start, end, chunk, state in spans]
         input_ids, positions, metadata = build_step_inputs(
             pass_chunks, self.block_size, self.device, staging=self.staging)
-        return self._forward(input_ids, positions, metadata).argmax(-1)
+        return ops.greedy_token_ids(self._forward(input_ids, positions, metadata))
 
     def _catch_up(self, spans: list[tuple[int, int, SequenceChunk, RequestState]]) -> None:
         """Compute the draft KV of [start, end) of every span, in forwards of at most

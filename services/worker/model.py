@@ -190,6 +190,11 @@ class AttentionMetadata:
     max_query_len: int = 0
     max_seq_len: int = 0
     num_decodes: int = 0  # the first num_decodes sequences have one query each
+    # every token's logits, in order (logits_indices is all of them): no gather before the head
+    all_logits: bool = False
+    # [num_tokens] int64: the row of the step in flight whose sampled token is this token's
+    # input, -1 for the rest (None: no such token; step_inputs.fill_pending_inputs)
+    pending_source_rows: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -385,10 +390,12 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata,
-                layer_waits: Sequence[Sequence[torch.cuda.Event]] | None = None) -> torch.Tensor:
+                layer_waits: Sequence[Sequence[torch.cuda.Event]] | None = None,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> logits [num_sampled, vocab_size] (fp32).
         ``layer_waits``: per layer, events its attention waits for (KV blocks loading in
-        layer groups, kv_tiers.py)."""
+        layer groups, kv_tiers.py). ``logits_out``: written and returned (a CUDA graph's
+        static buffer)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         # Each layer ends with the next one's input norm; the last one with the final norm
         # only where down's reduce carries it (elsewhere ``logits`` normalizes just the
@@ -402,23 +409,29 @@ class Transformer(nn.Module):
             x, residual = layer(x, residual, positions, self.cos_sin_cache, metadata, normed,
                                 next_norm, layer_waits[index] if layer_waits is not None else ())
             normed = next_norm is not None
+        indices = None if metadata.all_logits else metadata.logits_indices
         if normed:
-            return self.head(x[metadata.logits_indices])
-        return self.logits(x, residual, metadata.logits_indices)
+            return self.head(x if indices is None else x[indices], logits_out)
+        return self.logits(x, residual, indices, logits_out)
 
-    def logits(self, x: torch.Tensor, residual: torch.Tensor, indices: torch.Tensor
-               ) -> torch.Tensor:
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, indices: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's (x, residual) [num_tokens, hidden_size] -> logits of the rows
-        ``indices`` [num_sampled, vocab_size] (fp32)."""
-        x, _ = self.norm(x[indices], residual[indices])  # [num_sampled, hidden_size]
-        return self.head(x)
+        ``indices`` (None: all) [num_sampled, vocab_size] (fp32; into ``out`` when given)."""
+        if indices is not None:
+            x, residual = x[indices], residual[indices]
+        x, _ = self.norm(x, residual)  # [num_sampled, hidden_size]
+        return self.head(x, out)
 
-    def head(self, x: torch.Tensor) -> torch.Tensor:
+    def head(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed rows [num_sampled, hidden_size] -> logits [num_sampled, vocab_size]
-        (fp32)."""
+        (fp32; into ``out`` when given)."""
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp.size == 1 and out is not None:
+            return ops.linear(x, head_weight, out=out)
         logits = ops.linear(x, head_weight)  # [num_sampled, this rank's vocabulary rows]
-        return self.tp.gather_vocab(logits, self.config.vocab_size).float()
+        logits = self.tp.gather_vocab(logits, self.config.vocab_size)
+        return logits.float() if out is None else out.copy_(logits)
 
 
 def wait_events(events: Sequence[torch.cuda.Event]) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import (activation, fp8, kv_cache, paged_attention, paged_attention_ref,
-                     rms_norm as rms_norm_kernels, rotary, skinny_gemm)
+                     rms_norm as rms_norm_kernels, rotary, sampling, skinny_gemm)
 from services.worker import cpu_attention
 
 # --batch-invariant (WorkerConfig.batch_invariant, set once by the runner): every CUDA
@@ -21,19 +21,23 @@ batch_invariant = False
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, out: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """x [num_tokens, in_features] -> [num_tokens, out_features], as nn.Linear. Decode-sized
     batches of the shapes the skinny GEMM was measured faster on take it (batch invariant up
     to its row bound); everything else, and the CPU, F.linear. An FP8 weight comes with its
     ``weight_scale`` [out_features] (``fp8_linear``). Under ``batch_invariant`` every CUDA
-    projection takes the skinny GEMM."""
+    projection takes the skinny GEMM. ``out``: written and returned, in x's dtype or fp32
+    (the result's values either way; the skinny GEMM stores fp32 without another launch)."""
     if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and (
             skinny_gemm.serves(x.shape[0], weight)
             or (batch_invariant and skinny_gemm.takes(weight))):
-        return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale)
+        return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale, out=out)
     if weight_scale is not None:
-        return fp8_linear(x, weight, weight_scale, bias)
-    return F.linear(x, weight, bias)
+        result = fp8_linear(x, weight, weight_scale, bias)
+    else:
+        result = F.linear(x, weight, bias)
+    return result if out is None else out.copy_(result)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -61,6 +65,14 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
             and skinny_gemm.serves_gated(x.shape[0], weight)):
         return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias, weight_scale=weight_scale)
     return silu_and_mul(linear(x, weight, bias, weight_scale))
+
+
+def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
+    """logits [num_rows, vocab_size] -> each row's argmax [num_rows] int64, the lowest id
+    among equals (on CUDA two launches, kernels/sampling.py, not torch's one block a row)."""
+    if logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1:
+        return sampling.greedy_token_ids(logits)
+    return logits.argmax(dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -332,11 +332,18 @@ class ModelRunner:
         draft model's drafts, still on the device."""
         input_ids, positions, metadata = build_step_inputs(
             chunks, self.block_size, self._device, layout, self._staging)
-        if any(chunk.pending_row is not None for chunk in chunks):
-            fill_pending_inputs(chunks, input_ids, self._in_flight.token_ids, self._staging)
+        pending = None
+        if metadata.pending_source_rows is not None:
+            pending = (metadata.pending_source_rows, self._in_flight.token_ids)
+            if proposal is not None or self._whole_graph(
+                    len(input_ids), len(chunks), metadata.max_query_len,
+                    len(layout.token_indices)) is None:
+                fill_pending_inputs(input_ids, *pending)  # (a whole-step graph's own launch
+                pending = None  # puts them in place as it fills its buffers)
         if proposal is not None:
             draft_model.fill_drafts(input_ids, proposal)
-        return self._forward(input_ids, positions, metadata, layer_waits=layer_waits)
+        return self._forward(input_ids, positions, metadata, layer_waits=layer_waits,
+                             pending=pending)
 
     def _sample(self, plan: StepPlan, chunks: list[SequenceChunk], layout: LogitsLayout | None,
                 logits: torch.Tensor | None, sampled_ids: list[str], states: list[RequestState],
@@ -372,16 +379,19 @@ class ModelRunner:
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata,
-                 layer_waits: list[list[torch.cuda.Event]] | None = None) -> torch.Tensor:
+                 layer_waits: list[list[torch.cuda.Event]] | None = None,
+                 pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """-> logits [num_logit_rows, vocab_size]: a whole-step graph where one fits
         (``_whole_graph``), piecewise graphs for other steps that fit them, else eagerly.
         ``layer_waits``: per layer, the load events its attention waits for (never with a
-        whole-step graph, which cannot wait between layers)."""
+        whole-step graph, which cannot wait between layers). ``pending``: (source rows, the
+        step in flight's tokens) for a whole-step graph to put in place."""
         graphs = self._whole_graph(len(input_ids), len(metadata.seq_lens),
                                    metadata.max_query_len, len(metadata.logits_indices))
         if graphs is not None:
             assert layer_waits is None, "a whole-step graph cannot wait between its layers"
-            return graphs.run(input_ids, positions, metadata)
+            return graphs.run(input_ids, positions, metadata, pending)
+        assert pending is None, "pending tokens go in place before any other forward"
         if self._mixed_graphs is not None \
                 and self._mixed_graphs.bucket_for(len(input_ids)) is not None:
             return self._mixed_graphs.run(input_ids, positions, metadata, layer_waits)

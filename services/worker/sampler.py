@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.sampling import sample_tokens
+from services.worker import ops
 from services.worker.penalties import PenaltyTables
 from services.worker.transfer import to_device
 from shared.messages import SamplingParams, TokenLogprobs
@@ -99,7 +100,7 @@ class Sampler:
         penalties): the token ids [num_rows] stay on the device, nothing waits for them."""
         logits = self.adjusted(logits, request_ids, params, output_indices)
         if all(p.is_greedy for p in params):
-            return logits.argmax(dim=-1)
+            return ops.greedy_token_ids(logits)
         if logits.is_cuda:
             return sample_with_kernel(logits, params, output_indices)
         return torch.tensor(sample(logits, params, generators, output_indices))
@@ -185,7 +186,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     random numbers (the CPU path re-seeds the row's generator to the same effect).
     """
     if all(p.is_greedy for p in params):  # the common batch: one argmax, no row gathers
-        return logits.argmax(dim=-1).tolist()
+        return ops.greedy_token_ids(logits).tolist()
     if logits.is_cuda:
         return sample_with_kernel(logits, params, output_indices or [0] * len(params)).tolist()
     token_ids = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # [num_rows]

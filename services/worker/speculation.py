@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.sampling import draw_seed
+from services.worker import ops
 from services.worker.sampler import filtered_probs
 from services.worker.step_inputs import LogitsLayout, SequenceChunk
 from shared.messages import SamplingParams
@@ -83,7 +84,7 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
         verify_logits = adjust(verify_logits, owners, [output_indices[index] + offset
                                                         for index, offset in zip(owners, offsets)])
     greedy_rows = [n for n, index in enumerate(owners) if params[index].is_greedy]
-    argmax = iter(verify_logits[greedy_rows].argmax(-1).tolist() if greedy_rows else [])
+    argmax = iter(ops.greedy_token_ids(verify_logits[greedy_rows]).tolist() if greedy_rows else [])
     first = 0
     for index, _, chunk in verify:
         drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]

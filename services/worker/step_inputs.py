@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.step_inputs import fill_pending_tokens
 from services.worker.model import AttentionMetadata
 from services.worker.staging import HostStaging
 
@@ -101,18 +102,26 @@ def build_step_inputs(chunks: list[SequenceChunk], block_size: int, device: torc
     # [num_logit_rows]: the last token of each sampled chunk, and prompt-logprob positions
     layout = layout or logits_layout(chunks)
     longer = np.flatnonzero(q_lens > 1)
+    # [num_tokens]: the row of the step in flight whose sampled token is this token, -1: none
+    pending = [(end - 1, chunk.pending_row) for chunk, end in zip(chunks, ends.tolist())
+               if chunk.pending_row is not None]
+    source_rows = np.full(num_tokens if pending else 0, -1, np.int64)
+    if pending:
+        source_rows[[row for row, _ in pending]] = [source for _, source in pending]
     # Two host-to-device copies per step, one per dtype, from pinned memory: a copy from
     # pageable memory waits for every kernel queued before it, which would stall the host
     # behind the step in flight.
     longs = to_device([input_ids, positions, slot_mapping,
-                        np.asarray(layout.token_indices, np.int64)], np.int64, device, staging)
+                        np.asarray(layout.token_indices, np.int64), source_rows], np.int64,
+                       device, staging)
     ints = to_device([block_tables.ravel(), seq_lens.astype(np.int32), query_start_loc],
                       np.int32, device, staging)
     metadata = AttentionMetadata(
         slot_mapping=longs[2], block_tables=ints[0].view(num_seqs, max_blocks), seq_lens=ints[1],
         query_start_loc=ints[2], logits_indices=longs[3],
         max_query_len=int(q_lens.max()), max_seq_len=int(seq_lens.max()),
-        num_decodes=int(longer[0]) if len(longer) else num_seqs)
+        num_decodes=int(longer[0]) if len(longer) else num_seqs,
+        pending_source_rows=longs[4] if pending else None)
     return longs[0], longs[1], metadata
 
 
@@ -129,19 +138,14 @@ def to_device(arrays: list[np.ndarray], dtype: type, device: torch.device,
 
 
 
-def fill_pending_inputs(chunks: list[SequenceChunk], input_ids: torch.Tensor,
-                        in_flight_token_ids: torch.Tensor,
-                        staging: HostStaging | None = None) -> None:
+def fill_pending_inputs(input_ids: torch.Tensor, source_rows: torch.Tensor,
+                        in_flight_token_ids: torch.Tensor) -> None:
     """Put the tokens the step in flight samples (``in_flight_token_ids`` [num_sampled], on
-    the device) into this step's ``input_ids`` [num_tokens], where its chunks' pending rows
-    say, on the device."""
-    positions, rows = [], []
-    end = 0
-    for chunk in chunks:
-        end += len(chunk.token_ids)
-        if chunk.pending_row is not None:
-            positions.append(end - 1)
-            rows.append(chunk.pending_row)
-    index = to_device([np.asarray(positions, np.int64), np.asarray(rows, np.int64)],
-                      np.int64, input_ids.device, staging)
-    input_ids.index_copy_(0, index[0], in_flight_token_ids[index[1]])
+    the device) into this step's ``input_ids`` [num_tokens] where ``source_rows``
+    (``AttentionMetadata.pending_source_rows``) names their row, on the device (CUDA: one
+    launch; a whole-step graph does it in ``DecodeGraphs.run``'s instead)."""
+    if input_ids.is_cuda:
+        fill_pending_tokens(input_ids, source_rows, in_flight_token_ids)
+        return
+    pending = source_rows >= 0
+    input_ids[pending] = in_flight_token_ids[source_rows[pending]]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kernels.sampling as sampling_module
-from kernels.sampling import (_filter_top_k_top_p, sample_tokens, sample_tokens_ref,
-                              sampling_probs_ref)
+from kernels.sampling import (_filter_top_k_top_p, greedy_token_ids, sample_tokens,
+                              sample_tokens_ref, sampling_probs_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -120,6 +120,29 @@ def test_greedy_rows_are_argmax(monkeypatch):
     half = logits.to(torch.bfloat16)
     assert torch.equal(sample_tokens(half, temperatures, top_ks, top_ps, seeds, offsets),
                        half.argmax(dim=-1))
+
+
+def test_greedy_token_ids_are_argmax(monkeypatch):
+    monkeypatch.setattr(sampling_module, "SPLIT_SIZE", 256)  # 4 splits of 2 blocks
+    monkeypatch.setattr(sampling_module, "BLOCK_SIZE", 128)
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 1000, generator=gen).to(DEVICE)
+    logits[1, 900] = logits[1, 100] = 50.0  # a tie across splits: the lower id, as argmax
+    logits[2, 300] = logits[2, 301] = 50.0  # a tie inside a block
+    logits[3] = float("-inf")  # nothing allowed: the first id, as argmax
+    logits[4, 999] = 60.0  # the last id, in the last (partial) split
+    tokens = greedy_token_ids(logits)
+    assert tokens.dtype == torch.int64
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert tokens.tolist()[1:5] == [100, 300, 0, 999]
+    half = logits.to(torch.bfloat16)
+    assert torch.equal(greedy_token_ids(half), half.argmax(dim=-1))
+    out = torch.full((6, 2), -1, dtype=torch.int64, device=DEVICE)[:, 0]  # not contiguous
+    assert greedy_token_ids(logits, out=out) is out
+    assert torch.equal(out, logits.argmax(dim=-1))
+    assert greedy_token_ids(logits[:0]).shape == (0,)
+    with pytest.raises(ValueError, match="vocab dim contiguous"):
+        greedy_token_ids(logits.t())
 
 
 def test_top_k_one_is_argmax_at_any_temperature():
@@ -314,6 +337,27 @@ def test_gpu_exact_rows(dtype):
     matches = tokens.cpu().numpy() == emulated_tokens(logits, temperatures, top_ks, top_ps, seeds,
                                                       offsets)
     assert matches.mean() >= 0.95  # GPU log and division are approximate: a near-tie may flip
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_greedy_token_ids_at_a_128k_vocab(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(14)
+    logits = (4.0 * torch.randn(64, 128256, generator=gen, device="cuda")).to(dtype)
+    logits[5, 128255] = logits[5, 7] = 100.0  # a tie across the first and last splits
+    for rows in (1, 3, 64):
+        assert torch.equal(greedy_token_ids(logits[:rows]), logits[:rows].argmax(dim=-1))
+    assert greedy_token_ids(logits)[5] == 7
+    static = logits[:4].clone()
+    out = torch.empty(4, dtype=torch.int64, device="cuda")
+    greedy_token_ids(static, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        greedy_token_ids(static, out=out)
+    static.copy_(logits[10:14])
+    graph.replay()
+    assert torch.equal(out, logits[10:14].argmax(dim=-1))
 
 
 @pytest.mark.gpu

@@ -276,7 +276,8 @@ class FakeDecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int:
         return num_seqs
 
-    def run(self, input_ids, positions, metadata):
+    def run(self, input_ids, positions, metadata, pending=None):
+        assert pending is None  # (no step in flight on the CPU)
         self.num_runs += 1
         return self.model(input_ids, positions, metadata)
 
