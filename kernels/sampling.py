@@ -70,7 +70,7 @@ def _sample_kernel(
     tl.store(partial_ids_ptr + row * num_splits + split, best_id)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["out_ptr"])  # (out may be a caller's view)
 def _best_split_kernel(partial_scores_ptr, partial_ids_ptr, out_ptr, num_splits,
                        BLOCK_SPLITS: tl.constexpr):
     """Program per row: the token id of its best split (the first of equal scores: the splits

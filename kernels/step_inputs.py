@@ -23,6 +23,13 @@ import triton.language as tl
 
 BLOCK_TOKENS = 128  # token rows per program of fill_pending_tokens
 BLOCK_COLUMNS = 256  # block-table entries per loop step of fill_graph_inputs
+# Triton compiles a variant per value class of an int (1, a multiple of 16, other) and per
+# 16-byte alignment of a pointer. A step's counts vary, and its inputs are views at varying
+# offsets into one copy: each new class would compile mid-serving (about a second each), so
+# these kernels take every such argument unspecialized (one variant each).
+_STEP_INTS = ["num_tokens", "num_seqs", "width", "graph_width"]
+_STEP_POINTERS = ["input_ids_ptr", "positions_ptr", "slot_mapping_ptr", "seq_lens_ptr",
+                  "block_tables_ptr", "source_rows_ptr", "token_ids_ptr"]
 
 
 @triton.jit
@@ -35,7 +42,8 @@ def _pending_tokens(input_ids_ptr, source_rows_ptr, token_ids_ptr, tokens, mask)
     return tl.where(source >= 0, sampled, own)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_INTS[:1],
+            do_not_specialize_on_alignment=["input_ids_ptr", "source_rows_ptr", "token_ids_ptr"])
 def _fill_pending_kernel(input_ids_ptr, source_rows_ptr, token_ids_ptr, num_tokens,
                          BLOCK: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -56,7 +64,7 @@ def fill_pending_tokens(input_ids: torch.Tensor, source_rows: torch.Tensor,
             input_ids, source_rows, token_ids, num_tokens, BLOCK=BLOCK_TOKENS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_STEP_INTS[1:], do_not_specialize_on_alignment=_STEP_POINTERS)
 def _fill_graph_inputs_kernel(
     input_ids_ptr, positions_ptr, slot_mapping_ptr, seq_lens_ptr, block_tables_ptr,
     source_rows_ptr, token_ids_ptr,

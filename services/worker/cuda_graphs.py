@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import structlog
 import torch
 
-from kernels.step_inputs import fill_graph_inputs
+from kernels.sampling import greedy_token_ids
+from kernels.step_inputs import fill_graph_inputs, fill_pending_tokens
 from services.worker.config import WorkerConfig
 from services.worker.model import AttentionMetadata, Transformer, wait_events
 
@@ -106,8 +107,24 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):  # the head writes the static logits
                 self.model(*args, logits_out=self.logits[:num_tokens])
             self.graphs[batch_size] = graph
+        self._warm_up_step_launches()
         torch.cuda.synchronize()
         log.info("cuda_graphs_captured", buckets=sorted(self.graphs))
+
+    def _warm_up_step_launches(self) -> None:
+        """Compile what runs around a replay now, not at the first step: the inputs' launch
+        (with and without pending tokens; its own buffers copied onto themselves), the
+        pending tokens' launch for other steps, and the greedy draw."""
+        num_tokens = self.query_len
+        step = (self.input_ids[:num_tokens], self.positions[:num_tokens],
+                self.slot_mapping[:num_tokens], self.seq_lens[:1], self.block_tables[:1, :1])
+        buffers = (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
+                   self.block_tables)
+        no_source = torch.full((num_tokens,), -1, dtype=torch.long, device=self.input_ids.device)
+        for pending in (None, (no_source, self.input_ids[:1])):
+            fill_graph_inputs(*step, buffers, 1, self.query_len, pending)
+        fill_pending_tokens(self.input_ids[:num_tokens], no_source, self.input_ids[:1])
+        greedy_token_ids(self.logits[:1])
 
     def bucket_for(self, batch_size: int) -> int | None:
         return smallest_bucket(self.buckets, batch_size)

@@ -99,6 +99,9 @@ class ModelRunner:
         self.kv_cache = self._allocate_cache(self.model, kv_dtype)
         self.model.bind_kv_cache(self.kv_cache)
         self._staging = HostStaging(self._device) if self._device.type == "cuda" else None
+        # sampled tokens go to the host on a stream of their own (StepInFlight.start)
+        self._read_back = torch.cuda.Stream(self._device) if self._device.type == "cuda" \
+            else None
         self.drafts: NoDraftModel = NoDraftModel() if self._draft is None else DraftModel(
             self._draft, config.draft_model, self._allocate_cache(self._draft, self._dtype),
             self.block_size, config.max_num_batched_tokens, self._staging)
@@ -296,7 +299,8 @@ class ModelRunner:
             for state in states:
                 state.num_pending_tokens += 1
             return StepInFlight.start(plan, start_time, sampled_ids, states,
-                                      sampled.device_token_ids, self._device, kv_step)
+                                      sampled.device_token_ids, self._device, kv_step,
+                                      read_back=self._read_back)
         for state, token_id in zip(states, sampled.token_ids):
             state.token_ids.append(token_id)
         kv_step.wait_for_loads()  # the result says its loads are complete

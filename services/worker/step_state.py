@@ -69,15 +69,24 @@ class StepInFlight:
     @classmethod
     def start(cls, plan: StepPlan, start_time: float, request_ids: list[str],
               states: list[RequestState], token_ids: torch.Tensor | None,
-              device: torch.device, kv: KvStep) -> StepInFlight:
+              device: torch.device, kv: KvStep,
+              read_back: torch.cuda.Stream | None = None) -> StepInFlight:
+        """``read_back``: CUDA, the stream the tokens go to the host on, once sampled. On a
+        stream of its own the copy leaves the compute stream free: the next step starts right
+        after this one's draw instead of a few microseconds after the copy (one H200, batch-1
+        decode: ~10 us a step). None: the current stream."""
         if token_ids is None:  # nothing scheduled: an empty step
             token_ids = torch.empty(0, dtype=torch.int64, device=device)
         host_token_ids, copied = token_ids, None
         if device.type == "cuda":
             host_token_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
-            host_token_ids.copy_(token_ids, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
+            read_back = read_back or torch.cuda.current_stream(device)
+            read_back.wait_stream(torch.cuda.current_stream(device))  # the draw is done
+            with torch.cuda.stream(read_back):
+                host_token_ids.copy_(token_ids, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record()
+            token_ids.record_stream(read_back)  # its memory waits for the copy too
         return cls(plan, start_time, request_ids, states, token_ids, host_token_ids, copied,
                    {request_id: row for row, request_id in enumerate(request_ids)}, kv)
 
