@@ -274,6 +274,8 @@ class ModelRunner:
     def _launch(self, plan: StepPlan, defer: bool) -> StepResult | StepInFlight:
         """Queue the step's kernels; with ``defer``, leave its sampled tokens on the device."""
         start_time = time.perf_counter()
+        if self._staging is not None:  # its input copies may hide behind the step in flight
+            self._staging.behind_step = self._in_flight is not None
         plan = self.kv.prepare(plan)
         finished = self._take_arrivals(plan)
         chunks = [self._chunk(scheduled) for scheduled in plan.scheduled]

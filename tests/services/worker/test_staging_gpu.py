@@ -13,9 +13,11 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
 
-def test_copies_arrive_intact_through_reused_and_grown_buffers():
+@pytest.mark.parametrize("behind_step", [False, True])  # the consuming stream, the side one
+def test_copies_arrive_intact_through_reused_and_grown_buffers(behind_step):
     device = torch.device("cuda")
     staging = HostStaging(device, num_buffers=3, initial_nbytes=64)
+    staging.behind_step = behind_step
     rng = np.random.default_rng(0)
     sent, received = [], []
     for step in range(40):
