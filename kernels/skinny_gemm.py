@@ -135,6 +135,13 @@ def _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE: tl.constexpr)
 
 
 @triton.jit
+def _store_rounded(ptrs, acc, x_ptr, out_ptr, mask):
+    """fp32 sums rounded to x's dtype (as F.linear), stored in out's (fp32 logits: exactly
+    those values, no conversion launch after)."""
+    tl.store(ptrs, acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _row_and_column_tile(M, BLOCK_M: tl.constexpr):
     """(row tile, column tile) of this program: the programs of one column tile, one a
     BLOCK_M-row tile of x, run side by side (row tiles vary fastest), so a weight tile read
@@ -223,9 +230,7 @@ def _skinny_gemm_kernel(
                                   other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc = _silu_times(acc, acc_up, x_ptr.dtype.element_ty)
-        # rounded to x's dtype (as F.linear), then to out's (fp32 logits: exactly those values)
-        tl.store(out_ptrs, acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        _store_rounded(out_ptrs, acc, x_ptr, out_ptr, out_mask)
 
 
 @triton.jit
@@ -255,8 +260,7 @@ def _reduce_splits_kernel(
     pdl.wait_then_launch_dependents(PDL)
     acc = _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
                       partial_stride_m, HAS_BIAS, SPLIT_K)
-    tl.store(out_ptr + row * out_stride_m + cols,
-             acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
+    _store_rounded(out_ptr + row * out_stride_m + cols, acc, x_ptr, out_ptr, mask)
 
 
 @triton.jit

@@ -129,6 +129,14 @@ class DecodeGraphs:
     def bucket_for(self, batch_size: int) -> int | None:
         return smallest_bucket(self.buckets, batch_size)
 
+    def runs(self, num_tokens: int, num_seqs: int, max_query_len: int, num_logits: int
+             ) -> bool:
+        """Whether it runs a whole step of this shape: ``query_len`` tokens a sequence,
+        every token's logits wanted (sampled or verified), a bucket holding the sequences."""
+        return (max_query_len == self.query_len
+                and num_tokens == num_seqs * self.query_len == num_logits
+                and self.bucket_for(num_seqs) is not None)
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata,
             pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

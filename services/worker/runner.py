@@ -99,9 +99,6 @@ class ModelRunner:
         self.kv_cache = self._allocate_cache(self.model, kv_dtype)
         self.model.bind_kv_cache(self.kv_cache)
         self._staging = HostStaging(self._device) if self._device.type == "cuda" else None
-        # sampled tokens go to the host on a stream of their own (StepInFlight.start)
-        self._read_back = torch.cuda.Stream(self._device) if self._device.type == "cuda" \
-            else None
         self.drafts: NoDraftModel = NoDraftModel() if self._draft is None else DraftModel(
             self._draft, config.draft_model, self._allocate_cache(self._draft, self._dtype),
             self.block_size, config.max_num_batched_tokens, self._staging)
@@ -184,7 +181,7 @@ class ModelRunner:
         one before finishes its copies and is unmapped; its commits are dropped."""
         old = self.kv
         self.kv = NoKvConnector(self.block_size) if offload is None else KvConnector(
-            offload, self.block_size, self._waits_between_layers, self._forget_loaded_blocks)
+            offload, self.block_size, self._no_whole_graph, self._forget_loaded_blocks)
         if old.offload is not offload:
             old.close()
 
@@ -302,7 +299,7 @@ class ModelRunner:
                 state.num_pending_tokens += 1
             return StepInFlight.start(plan, start_time, sampled_ids, states,
                                       sampled.device_token_ids, self._device, kv_step,
-                                      read_back=self._read_back)
+                                      self._staging and self._staging.read_back)
         for state, token_id in zip(states, sampled.token_ids):
             state.token_ids.append(token_id)
         kv_step.wait_for_loads()  # the result says its loads are complete
@@ -338,18 +335,14 @@ class ModelRunner:
         draft model's drafts, still on the device."""
         input_ids, positions, metadata = build_step_inputs(
             chunks, self.block_size, self._device, layout, self._staging)
-        pending = None
-        if metadata.pending_source_rows is not None:
-            pending = (metadata.pending_source_rows, self._in_flight.token_ids)
-            if proposal is not None or self._whole_graph(
-                    len(input_ids), len(chunks), metadata.max_query_len,
-                    len(layout.token_indices)) is None:
-                fill_pending_inputs(input_ids, *pending)  # (a whole-step graph's own launch
-                pending = None  # puts them in place as it fills its buffers)
+        pending = None if metadata.pending_source_rows is None else (
+            metadata.pending_source_rows, self._in_flight.token_ids)  # tokens in flight
+        if pending and (proposal is not None or self._no_whole_graph(chunks)):
+            fill_pending_inputs(input_ids, *pending)  # (else the graph's own launch does)
+            pending = None
         if proposal is not None:
             draft_model.fill_drafts(input_ids, proposal)
-        return self._forward(input_ids, positions, metadata, layer_waits=layer_waits,
-                             pending=pending)
+        return self._forward(input_ids, positions, metadata, layer_waits, pending)
 
     def _sample(self, plan: StepPlan, chunks: list[SequenceChunk], layout: LogitsLayout | None,
                 logits: torch.Tensor | None, sampled_ids: list[str], states: list[RequestState],
@@ -390,8 +383,8 @@ class ModelRunner:
         """-> logits [num_logit_rows, vocab_size]: a whole-step graph where one fits
         (``_whole_graph``), piecewise graphs for other steps that fit them, else eagerly.
         ``layer_waits``: per layer, the load events its attention waits for (never with a
-        whole-step graph, which cannot wait between layers). ``pending``: (source rows, the
-        step in flight's tokens) for a whole-step graph to put in place."""
+        whole-step graph, which cannot wait between layers). ``pending``: (source rows, tokens
+        in flight) for a whole-step graph to put in place."""
         graphs = self._whole_graph(len(input_ids), len(metadata.seq_lens),
                                    metadata.max_query_len, len(metadata.logits_indices))
         if graphs is not None:
@@ -406,18 +399,14 @@ class ModelRunner:
     def _whole_graph(self, num_tokens: int, num_seqs: int, max_query_len: int,
                      num_logits: int) -> DecodeGraphs | None:
         """The graph that runs a whole step of this shape: a decode graph (one query a
-        sequence) or a verify graph (a token and K drafts a sequence), every token sampled
-        or verified; None: none does."""
-        for graphs in (self._graphs, self._verify_graphs):
-            if graphs is not None and max_query_len == graphs.query_len \
-                    and num_tokens == num_seqs * graphs.query_len == num_logits \
-                    and graphs.bucket_for(num_seqs) is not None:
-                return graphs
-        return None
+        sequence) or a verify graph (a token and K drafts a sequence); None: none does."""
+        return next((graphs for graphs in (self._graphs, self._verify_graphs) if graphs
+                     is not None and graphs.runs(num_tokens, num_seqs, max_query_len,
+                                                 num_logits)), None)
 
-    def _waits_between_layers(self, chunks: list[SequenceChunk]) -> bool:
-        """The forward of these chunks can wait between its layers (a whole-step graph
-        cannot)."""
+    def _no_whole_graph(self, chunks: list[SequenceChunk]) -> bool:
+        """No whole-step graph runs these chunks: their forward can wait between its layers,
+        and tokens in flight go in place before it."""
         return self._whole_graph(sum(len(chunk.token_ids) for chunk in chunks), len(chunks),
                                  max(len(chunk.token_ids) for chunk in chunks),
                                  len(logits_layout(chunks).token_indices)) is None

@@ -37,6 +37,9 @@ class HostStaging:
         self._turn = 0
         self._copy_stream = torch.cuda.Stream(device)
         self.behind_step = False  # a step is in flight: copy on the side stream
+        # the other way: a step's sampled tokens go to the host on a stream of their own
+        # (step_state.StepInFlight.start)
+        self.read_back = torch.cuda.Stream(device)
 
     def to_device(self, arrays: list[np.ndarray], dtype: type) -> list[torch.Tensor]:
         """``arrays`` as views of one ``dtype`` tensor on the device, queued as one copy."""

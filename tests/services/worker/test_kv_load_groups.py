@@ -276,6 +276,9 @@ class FakeDecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int:
         return num_seqs
 
+    def runs(self, num_tokens, num_seqs, max_query_len, num_logits) -> bool:
+        return max_query_len == 1 and num_tokens == num_seqs == num_logits
+
     def run(self, input_ids, positions, metadata, pending=None):
         assert pending is None  # (no step in flight on the CPU)
         self.num_runs += 1
