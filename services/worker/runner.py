@@ -337,7 +337,7 @@ class ModelRunner:
             chunks, self.block_size, self._device, layout, self._staging)
         pending = None if metadata.pending_source_rows is None else (
             metadata.pending_source_rows, self._in_flight.token_ids)  # tokens in flight
-        if pending and (proposal is not None or self._no_whole_graph(chunks)):
+        if pending and (proposal is not None or self._no_whole_graph(chunks, layout)):
             fill_pending_inputs(input_ids, *pending)  # (else the graph's own launch does)
             pending = None
         if proposal is not None:
@@ -404,12 +404,13 @@ class ModelRunner:
                      is not None and graphs.runs(num_tokens, num_seqs, max_query_len,
                                                  num_logits)), None)
 
-    def _no_whole_graph(self, chunks: list[SequenceChunk]) -> bool:
-        """No whole-step graph runs these chunks: their forward can wait between its layers,
-        and tokens in flight go in place before it."""
+    def _no_whole_graph(self, chunks: list[SequenceChunk], layout: LogitsLayout | None = None
+                        ) -> bool:
+        """No whole-step graph runs these chunks (``layout``: theirs, when built already):
+        their forward can wait between its layers, and tokens in flight go in place first."""
         return self._whole_graph(sum(len(chunk.token_ids) for chunk in chunks), len(chunks),
                                  max(len(chunk.token_ids) for chunk in chunks),
-                                 len(logits_layout(chunks).token_indices)) is None
+                                 len((layout or logits_layout(chunks)).token_indices)) is None
 
     def _forget_loaded_blocks(self, block_ids: list[int]) -> None:
         """CPU: blocks written from outside the model must be gathered again by the decode
