@@ -386,6 +386,10 @@ class StepResult(Struct, frozen=True, array_like=True, gc=False):
     # aligned with request_ids when the worker's draft model proposed drafts this step:
     # each request's drafts ([] for one given none); [] when no request had draft slots
     draft_token_ids: list[list[int]] = []
+    # the draft model's catch-up this step: tokens it computed besides each drafted request's
+    # last known one (a request new to drafts: its context), a one-off cost the scheduler's
+    # draft cap leaves out of its step times
+    num_draft_catch_up_tokens: int = 0
 
 
 class WorkerInfo(Struct, frozen=True, kw_only=True):

@@ -23,6 +23,15 @@ A step's time is its period as the scheduler sees it: from the later of its plan
 result before it to its own result. With overlapped steps that is the time the device spent
 on it; otherwise it also holds the round trip and the host work a step that verifies waits
 for, which is what such a step costs.
+
+One-off costs are kept out. A step in which the draft model first caught its cache up over
+a request's context (its first drafted step, or its first after a pause) is not timed. A
+period counts as at most twice its size's average (a size's first: twice the nearest
+smaller size's), against a first kernel compile or a collection pause. Otherwise one dear
+step makes its size look too dear to draft again, and no later step of that size comes to
+correct the average (a draft model's batch-1 steps stopped drafting after their first).
+A size twice as dear as it is can still lose to a smaller cap for good: three drafts a step
+where four would pay a little more.
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from collections import Counter
 from collections.abc import Callable
 
 COST_EMA_WEIGHT = 0.3  # of the newest period in a size's average
+# a period counts as at most this many times its size's average (a size's first: the
+# nearest smaller size's); a rise that lasts is still learnt, by 1.3x a step
+MAX_PERIOD_RISE = 2.0
 DRAFT_DECAY = 0.95  # per drafted step, of the draft counts (about the last 20 steps)
 # per step without drafts: the counts fade towards the prior, so drafts are tried again
 # now and then (every few hundred steps where they did not pay) and a new workload is seen
@@ -110,10 +122,11 @@ class DraftBudget:
         planned = self._planned.get(step_id)
         return planned[0] if planned is not None else 0
 
-    def step_done(self, step_id: int, num_rows: int,
-                  drafts: list[tuple[int, int]]) -> None:
+    def step_done(self, step_id: int, num_rows: int, drafts: list[tuple[int, int]],
+                  timed: bool = True) -> None:
         """A step's result is in: it computed ``num_rows`` rows; ``drafts`` holds (offered,
-        kept) for each decode it planned."""
+        kept) for each decode it planned; ``timed``: false when its period holds a one-off
+        cost (a draft model's catch-up), which is then not taken as a step's."""
         now = self.clock()
         planned = self._planned.pop(step_id, None)
         for dropped in [s for s in self._planned if s < step_id]:  # (steps of a failed worker)
@@ -123,12 +136,20 @@ class DraftBudget:
             return
         cap, plan_time = planned
         period = now - max(started, plan_time)
-        if period > 0 and num_rows > 0:
-            bucket = size_bucket(num_rows)
-            old = self._step_s.get(bucket)
-            self._step_s[bucket] = period if old is None else (
-                (1 - COST_EMA_WEIGHT) * old + COST_EMA_WEIGHT * period)
+        if timed and period > 0 and num_rows > 0:
+            self._time(num_rows, period)
         self._count_drafts(cap, drafts)
+
+    def _time(self, num_rows: int, period: float) -> None:
+        """Fold a step's period into its size's average, as at most MAX_PERIOD_RISE times
+        that average (a size's first: the nearest smaller size's)."""
+        bucket = size_bucket(num_rows)
+        # (a larger size's time scaled down is no bound: steps are not all compute-bound)
+        if any(b <= bucket for b in self._step_s):
+            period = min(period, MAX_PERIOD_RISE * self.step_time(num_rows))
+        old = self._step_s.get(bucket)
+        self._step_s[bucket] = period if old is None else (
+            (1 - COST_EMA_WEIGHT) * old + COST_EMA_WEIGHT * period)
 
     def _count_drafts(self, cap: int, drafts: list[tuple[int, int]]) -> None:
         decay = DRAFT_DECAY if cap and drafts else IDLE_DECAY

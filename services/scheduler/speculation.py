@@ -316,8 +316,11 @@ class NgramDrafts(NoDrafts):
             offered = len(scheduled.draft_token_ids) + scheduled.num_draft_slots
             if scheduled.num_new_tokens == 1 + offered:
                 drafts.append((offered, kept.get(scheduled.request_id, 0)))
-        self.budget.step_done(plan.step_id, sum(s.num_new_tokens for s in plan.scheduled),
-                              drafts)
+        num_rows = sum(s.num_new_tokens for s in plan.scheduled)
+        # a draft model's catch-up over a context (a request's first drafted step) is a
+        # one-off: more tokens than the step's own is not what a step of its size costs
+        self.budget.step_done(plan.step_id, num_rows, drafts,
+                              timed=result.num_draft_catch_up_tokens <= num_rows)
 
     def _index(self, request_id: str) -> NgramIndex:
         index = self._indexes.get(request_id)

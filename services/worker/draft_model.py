@@ -74,6 +74,9 @@ class Proposal(NamedTuple):
     num_slots: list[int]  # per row
     gather: torch.Tensor  # [num_slots total] int64: indices into drafts.view(-1)
     target_positions: torch.Tensor  # [num_slots total] int64: where they go in the step's input
+    # tokens the first pass computed besides each row's last known one: a row drafted in the
+    # step before has 0 or 1; a row new to drafts (or back after a pause) its whole context
+    num_catch_up_tokens: int
 
 
 class NoDraftModel:
@@ -119,7 +122,7 @@ class DraftModel(NoDraftModel):
         known = [(chunks[i], states[i], chunks[i].start + len(chunks[i].token_ids)
                   - chunks[i].num_drafts) for i in rows]  # (chunk, state, known tokens)
         drafts = torch.zeros(len(rows), num_slots[0], dtype=torch.int64, device=self.device)
-        drafts[:, 0] = self._first_pass(known)
+        drafts[:, 0], num_catch_up = self._first_pass(known)
         for index, (input_ids, positions, metadata) in enumerate(
                 self._decode_passes(known, num_slots)):
             count = len(input_ids)
@@ -129,13 +132,16 @@ class DraftModel(NoDraftModel):
         for (_, state, num_known), slots in zip(known, num_slots):
             state.num_draft_computed = num_known + slots - 1
         gather, target_positions = self._scatter_indices(chunks, rows, num_slots)
-        return Proposal(drafts, rows, num_slots, gather, target_positions)
+        return Proposal(drafts, rows, num_slots, gather, target_positions, num_catch_up)
 
-    def _first_pass(self, known: list[tuple[SequenceChunk, RequestState, int]]) -> torch.Tensor:
-        """Each row's uncomputed tokens up to its last known one -> draft 1 [num_rows]."""
+    def _first_pass(self, known: list[tuple[SequenceChunk, RequestState, int]]
+                    ) -> tuple[torch.Tensor, int]:
+        """Each row's uncomputed tokens up to its last known one -> draft 1 [num_rows], and
+        how many tokens it computed besides the rows' last ones."""
         spans = [(min(state.num_draft_computed, num_known - 1), num_known, chunk, state)
                  for chunk, state, num_known in known]
-        if sum(end - start for start, end, _, _ in spans) > self.max_num_tokens:
+        num_catch_up = sum(end - start - 1 for start, end, _, _ in spans)
+        if num_catch_up + len(spans) > self.max_num_tokens:
             self._catch_up([(start, end - 1, chunk, state) for start, end, chunk, state in spans])
             spans = [(end - 1, end, chunk, state) for _, end, chunk, state in spans]
         pass_chunks = [SequenceChunk(token_ids=state.token_ids[start:end], start=start,
@@ -143,7 +149,7 @@ class DraftModel(NoDraftModel):
                        for start, end, chunk, state in spans]
         input_ids, positions, metadata = build_step_inputs(
             pass_chunks, self.block_size, self.device, staging=self.staging)
-        return ops.greedy_token_ids(self._forward(input_ids, positions, metadata))
+        return ops.greedy_token_ids(self._forward(input_ids, positions, metadata)), num_catch_up
 
     def _catch_up(self, spans: list[tuple[int, int, SequenceChunk, RequestState]]) -> None:
         """Compute the draft KV of [start, end) of every span, in forwards of at most
@@ -245,6 +251,17 @@ def read_back(proposal: Proposal, chunks: list[SequenceChunk]) -> dict[int, list
         chunk.token_ids[len(chunk.token_ids) - slots:] = host[row][:slots]
         by_chunk[index] = host[row][:slots]
     return by_chunk
+
+
+def result_fields(proposal: Proposal | None, proposed: dict[int, list[int]],
+                  chunks: list[SequenceChunk]) -> dict[str, object]:
+    """The step result's fields of the draft model: what it proposed for each sampled
+    chunk (``proposed``: ``read_back``'s), and its catch-up."""
+    if proposal is None:
+        return {}
+    return {"draft_token_ids": [proposed.get(index, []) for index, chunk in enumerate(chunks)
+                                if chunk.sample],
+            "num_draft_catch_up_tokens": proposal.num_catch_up_tokens}
 
 
 def settle(proposal: Proposal, states: list[RequestState]) -> None:

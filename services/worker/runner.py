@@ -311,9 +311,7 @@ class ModelRunner:
                           kv_load_bytes=kv_step.load_bytes,
                           kv_load_bytes_per_s=kv_step.load_bytes_per_s(),
                           num_accepted_drafts=list(sampled.num_accepted),
-                          draft_token_ids=[proposed.get(index, []) for index, chunk
-                                           in enumerate(chunks) if chunk.sample]
-                          if proposed else [])
+                          **draft_model.result_fields(proposal, proposed, chunks))
 
     def _take_arrivals(self, plan: StepPlan) -> dict[str, RequestState]:
         """Forget the plan's finished requests and add its new ones -> the finished ones'

@@ -141,3 +141,66 @@ def test_the_scheduler_plans_each_step_within_the_cap():
     assert kept.count(3) >= 11, kept  # (one step may try no drafts: a size not yet timed)
     rejected = decode_with_drafts(False, lambda rows: 0.01 * rows)
     assert 3 in rejected[:3] and rejected[-6:] == [0] * 6, rejected
+
+
+def test_a_one_off_dear_step_does_not_stop_drafting():
+    """The first drafted step takes 40 times a step's time (a kernel compiled on the way):
+    its size counts it as at most twice the nearest smaller size's, so drafting goes on
+    (that size may stay dear: three drafts, not four, a step here). An untimed step (a
+    draft model's catch-up) leaves the step times as they were."""
+    clock = Clock()
+    budget = DraftBudget(K, clock)
+    first = [True]
+
+    def step_s(rows: int) -> float:
+        spike, first[0] = rows > 1 and first[0], first[0] and rows == 1
+        return 0.2 if spike else 0.005
+
+    budget.planned(0, 0)  # a plain step first: size 1 known
+    clock.now += 0.005
+    budget.step_done(0, 1, [(0, 0)])
+    chosen = run(budget, clock, 200, 1, step_s, acceptance=0.7, start=1)
+    assert chosen[0] == 0 and chosen[K - 1] + chosen[K] == 200, chosen
+    before = budget.step_time(8)
+    budget.planned(500, K)
+    clock.now += 1.0
+    budget.step_done(500, 5, [(K, K)], timed=False)
+    assert budget.step_time(8) == before
+
+
+def test_a_draft_models_catch_up_leaves_its_step_untimed():
+    """Through the scheduler, method draft_model at batch 1 on a device whose step time is
+    flat: the first drafted step also catches the draft's cache up over the prompt (the
+    result says how many tokens) and takes 50 times as long. It is not timed, and drafting
+    goes on. Unreported, it is timed, as twice a plain step at most (the bound)."""
+    spec = ('{"method": "draft_model", "model": "dummy:llama-3.2-1b", '
+            '"num_speculative_tokens": 4}')
+
+    def drafted(catch_up_reported: bool) -> tuple[list[int], float]:
+        core = Scheduler(SchedulerConfig(speculative_config=spec), num_blocks=256,
+                         block_size=4, max_model_len=512, eos_token_ids=[0])
+        clock = Clock()
+        core.drafter.budget.clock = clock
+        core.add_request(GenerateRequest(
+            request_id="r", prompt_token_ids=list(range(1, 301)),
+            sampling=SamplingParams(temperature=0.0, max_tokens=120), output_subject="out"))
+        slots, caught_up = [], False
+        for _ in range(40):
+            plan = core.schedule()
+            scheduled = plan.scheduled[0]
+            slots.append(scheduled.num_draft_slots)
+            catch_up = 0
+            if scheduled.num_draft_slots and not caught_up:
+                catch_up, caught_up = 300, True
+            clock.now += 0.25 if catch_up else 0.005
+            drafts = [[7] * scheduled.num_draft_slots] if scheduled.num_draft_slots else []
+            core.update(plan, StepResult(
+                plan.step_id, ["r"], [9], num_accepted_drafts=[len(drafts[0]) // 2]
+                if drafts else [], draft_token_ids=drafts,
+                num_draft_catch_up_tokens=catch_up if catch_up_reported else 0))
+        return slots[1:], core.drafter.budget.step_time(5)
+
+    slots, verify_s = drafted(True)
+    assert sum(n > 0 for n in slots) >= 35 and abs(verify_s - 0.005) < 1e-9, (slots, verify_s)
+    slots, verify_s = drafted(False)
+    assert sum(n > 0 for n in slots) >= 35 and 0.005 < verify_s <= 0.010 + 1e-9

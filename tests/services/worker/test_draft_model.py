@@ -48,10 +48,12 @@ def greedy_tokens(runner: ModelRunner, prompt: list[int], num_tokens: int) -> li
     return tokens
 
 
-def drafted_tokens(runner: ModelRunner, prompt: list[int], slots: list[int]
+def drafted_tokens(runner: ModelRunner, prompt: list[int], slots: list[int],
+                   catch_ups: list[int] | None = None
                    ) -> tuple[list[int], list[tuple[list[int], int]]]:
     """Prefill, then one step per entry of ``slots`` with that many draft slots -> (the
-    request's tokens, (drafts, kept) per step)."""
+    request's tokens, (drafts, kept) per step); ``catch_ups`` gets each step's reported
+    draft catch-up."""
     result = runner.execute(StepPlan(0, [NewRequestData("r", prompt, GREEDY, BLOCKS)],
                                      [ScheduledRequest("r", len(prompt))]))
     tokens, steps = list(result.sampled_token_ids), []
@@ -62,6 +64,8 @@ def drafted_tokens(runner: ModelRunner, prompt: list[int], slots: list[int]
         assert len(drafts) == num_slots
         tokens += drafts[:kept] + result.sampled_token_ids
         steps.append((drafts, kept))
+        if catch_ups is not None:
+            catch_ups.append(result.num_draft_catch_up_tokens)
         state = runner._requests["r"]
         assert state.token_ids == prompt + tokens
         assert state.num_computed_tokens == len(prompt) + len(tokens) - 1
@@ -73,8 +77,12 @@ def test_the_served_model_drafting_for_itself_proposes_its_greedy_continuation(d
     expected = greedy_tokens(ModelRunner(config(), dummy_model), PROMPT, 40)
     assert expected[18:20] == [8, 6457]
     runner = ModelRunner(config(draft=dummy_model), dummy_model)
-    tokens, steps = drafted_tokens(runner, PROMPT, [4, 2, 1, 4, 4, 4, 4])
+    catch_ups: list[int] = []
+    tokens, steps = drafted_tokens(runner, PROMPT, [4, 2, 1, 4, 4, 4, 4], catch_ups)
     assert tokens == expected[:len(tokens)] and len(tokens) == 1 + 5 + 3 + 2 + 5 * 4
+    # the first drafted step computes the prompt's 6 tokens besides the sampled one; later
+    # ones at most the last draft, never an input (the scheduler times only those steps)
+    assert catch_ups[0] == len(PROMPT) and max(catch_ups[1:]) <= 1, catch_ups
     assert all(kept == len(drafts) for drafts, kept in steps)
     # every draft kept: the last one was never an input to the draft model, so the next step
     # computes it and the bonus token in its first pass
