@@ -39,7 +39,7 @@ from services.worker import ops
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.model import AttentionMetadata, ModelConfig, Transformer
-from services.worker.staging import HostStaging
+from services.worker.staging import HostStaging, to_host
 from services.worker.step_inputs import SequenceChunk, build_step_inputs, to_device
 from services.worker.step_state import RequestState
 from services.worker.weights import check_quantization, load_model
@@ -77,6 +77,8 @@ class Proposal(NamedTuple):
     # tokens the first pass computed besides each row's last known one: a row drafted in the
     # step before has 0 or 1; a row new to drafts (or back after a pause) its whole context
     num_catch_up_tokens: int
+    host_drafts: torch.Tensor  # drafts on its way to the host (CUDA: pinned, once ``copied``)
+    copied: torch.cuda.Event | None  # CUDA: the copy to host_drafts is done
 
 
 class NoDraftModel:
@@ -132,7 +134,11 @@ class DraftModel(NoDraftModel):
         for (_, state, num_known), slots in zip(known, num_slots):
             state.num_draft_computed = num_known + slots - 1
         gather, target_positions = self._scatter_indices(chunks, rows, num_slots)
-        return Proposal(drafts, rows, num_slots, gather, target_positions, num_catch_up)
+        # read back beside the served model's forward, which is queued next: the host then
+        # verifies and queues the draw while that forward runs
+        host_drafts, copied = to_host(drafts, self.staging and self.staging.read_back)
+        return Proposal(drafts, rows, num_slots, gather, target_positions, num_catch_up,
+                        host_drafts, copied)
 
     def _first_pass(self, known: list[tuple[SequenceChunk, RequestState, int]]
                     ) -> tuple[torch.Tensor, int]:
@@ -242,9 +248,11 @@ def fill_drafts(input_ids: torch.Tensor, proposal: Proposal) -> None:
 
 
 def read_back(proposal: Proposal, chunks: list[SequenceChunk]) -> dict[int, list[int]]:
-    """Wait for the drafts and write them into their chunks' token ids -> chunk index ->
-    its drafts."""
-    host = proposal.drafts.tolist()  # [num_rows][max_slots]
+    """Wait for the drafts (not for the forward queued after them) and write them into
+    their chunks' token ids -> chunk index -> its drafts."""
+    if proposal.copied is not None:
+        proposal.copied.synchronize()
+    host = proposal.host_drafts.tolist()  # [num_rows][max_slots]
     by_chunk = {}
     for row, (index, slots) in enumerate(zip(proposal.chunk_indices, proposal.num_slots)):
         chunk = chunks[index]

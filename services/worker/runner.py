@@ -43,6 +43,7 @@ from services.worker.speculation import keep_accepted, verify_drafts
 from services.worker.staging import HostStaging
 from services.worker.step_inputs import (
     LogitsLayout, SequenceChunk, build_step_inputs, fill_pending_inputs, logits_layout,
+    select_rows,
 )
 from services.worker.step_state import RequestState, StepInFlight, needs_host_tokens
 from services.worker.tp_group import SingleRank
@@ -356,9 +357,10 @@ class ModelRunner:
         rows, num_accepted, residual_tokens = verify_drafts(  # speculation.py
             logits, layout, chunks, params, [s.num_outputs for s in states],
             lambda rows_, owners, indices: self.sampler.adjusted(
-                rows_, [sampled_ids[i] for i in owners], [params[i] for i in owners], indices))
+                rows_, [sampled_ids[i] for i in owners], [params[i] for i in owners], indices),
+            self._staging)
         if len(rows) != logits.shape[0]:
-            logits = logits[rows]  # [num_sampled, vocab_size]
+            logits = select_rows(logits, rows, self._staging)  # [num_sampled, vocab_size]
         # a request's next draw is its output number num_outputs + the drafts it keeps
         output_indices = [s.num_outputs + (num_accepted[i] if num_accepted else 0)
                           for i, s in enumerate(states)]

@@ -36,7 +36,8 @@ import torch
 from kernels.sampling import draw_seed
 from services.worker import ops
 from services.worker.sampler import filtered_probs
-from services.worker.step_inputs import LogitsLayout, SequenceChunk
+from services.worker.staging import HostStaging
+from services.worker.step_inputs import LogitsLayout, SequenceChunk, select_rows
 from shared.messages import SamplingParams
 
 _RESIDUAL_SALT = 0x5EED  # the residual draw's seed differs from the same position's uniform
@@ -54,7 +55,7 @@ class Verified(NamedTuple):
 
 def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[SequenceChunk],
                   params: list[SamplingParams], output_indices: list[int],
-                  adjust: Adjust | None = None) -> Verified:
+                  adjust: Adjust | None = None, staging: HostStaging | None = None) -> Verified:
     """logits: [num_logit_rows, vocab_size]; params, output_indices: per sampled chunk (its
     request's sampling and tokens generated so far). ``adjust``: what the sampler does to a
     row before drawing from it (logit_bias, min_tokens, min_p; ``Sampler.adjusted``), given
@@ -62,7 +63,8 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
     through it on a copy, so a draft is kept only where the adjusted row would give it.
     Greedy chunks: one argmax over their verify rows, one read back; sampling ones:
     ``reject_drafts``, with the request's seed or a fresh one (a tensor-parallel group's leader
-    seeds every random request, so its ranks agree)."""
+    seeds every random request, so its ranks agree). ``staging``: the rows' indices go to
+    the device through it (``select_rows``)."""
     sampled = [chunk for chunk in chunks if chunk.sample]
     rows = list(layout.sample_rows)
     if not any(chunk.num_drafts for chunk in sampled):
@@ -78,13 +80,18 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
         return Verified([row + num for row, num in zip(rows, accepted)], accepted, {})
     # [num verify rows, vocab_size]: draft i of a chunk is verified at its row + i
     owners = [index for index, _, chunk in verify for _ in range(chunk.num_drafts)]
-    verify_logits = logits[[row + i for _, row, chunk in verify for i in range(chunk.num_drafts)]]
+    verify_logits = select_rows(
+        logits, [row + i for _, row, chunk in verify for i in range(chunk.num_drafts)], staging)
     if adjust is not None:
         offsets = [i for _, _, chunk in verify for i in range(chunk.num_drafts)]
         verify_logits = adjust(verify_logits, owners, [output_indices[index] + offset
                                                         for index, offset in zip(owners, offsets)])
     greedy_rows = [n for n, index in enumerate(owners) if params[index].is_greedy]
-    argmax = iter(ops.greedy_token_ids(verify_logits[greedy_rows]).tolist() if greedy_rows else [])
+    argmax = iter([])
+    if greedy_rows:
+        greedy_logits = verify_logits if len(greedy_rows) == len(owners) \
+            else select_rows(verify_logits, greedy_rows, staging)
+        argmax = iter(ops.greedy_token_ids(greedy_logits).tolist())
     first = 0
     for index, _, chunk in verify:
         drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]

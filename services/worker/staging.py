@@ -67,3 +67,23 @@ class HostStaging:
             copied.record()
         self._copied[index] = copied
         return list(on_device.split(sizes))
+
+
+def to_host(values: torch.Tensor, read_back: torch.cuda.Stream | None = None
+            ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start copying ``values`` (CUDA) to pinned host memory once the current stream's work
+    so far is done, on ``read_back`` (None: the current stream) -> (the host tensor, the
+    event of the copy; None on a CPU, where ``values`` is returned as it is). On a stream of
+    its own the copy leaves the compute stream free to go on."""
+    if not values.is_cuda:
+        return values, None
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    compute = torch.cuda.current_stream(values.device)
+    read_back = read_back or compute
+    read_back.wait_stream(compute)  # what computes ``values`` is done
+    with torch.cuda.stream(read_back):
+        host.copy_(values, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    values.record_stream(read_back)  # its memory waits for the copy too
+    return host, copied

@@ -137,6 +137,17 @@ def to_device(arrays: list[np.ndarray], dtype: type, device: torch.device,
     return list(flat.split([len(a) for a in arrays]))
 
 
+def select_rows(values: torch.Tensor, rows: list[int], staging: HostStaging | None = None
+                ) -> torch.Tensor:
+    """``values[rows]`` for rows listed on the host, without waiting for the device: indexing
+    a CUDA tensor with a list copies it from pageable memory, which waits for every kernel
+    queued before (a step's whole forward, before the draw behind it is even queued); this
+    index goes the way of the step's inputs."""
+    if not values.is_cuda:
+        return values[rows]
+    index = to_device([np.asarray(rows, np.int64)], np.int64, values.device, staging)[0]
+    return values.index_select(0, index)
+
 
 def fill_pending_inputs(input_ids: torch.Tensor, source_rows: torch.Tensor,
                         in_flight_token_ids: torch.Tensor) -> None:

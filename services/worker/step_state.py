@@ -10,6 +10,7 @@ import torch
 
 from kernels.sampling import draw_seed
 from services.worker.kv_connector import KvStep
+from services.worker.staging import to_host
 from shared.messages import SamplingParams, StepPlan, StepResult
 
 
@@ -77,16 +78,7 @@ class StepInFlight:
         decode: ~10 us a step). None: the current stream."""
         if token_ids is None:  # nothing scheduled: an empty step
             token_ids = torch.empty(0, dtype=torch.int64, device=device)
-        host_token_ids, copied = token_ids, None
-        if device.type == "cuda":
-            host_token_ids = torch.empty(token_ids.shape, dtype=torch.int64, pin_memory=True)
-            read_back = read_back or torch.cuda.current_stream(device)
-            read_back.wait_stream(torch.cuda.current_stream(device))  # the draw is done
-            with torch.cuda.stream(read_back):
-                host_token_ids.copy_(token_ids, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record()
-            token_ids.record_stream(read_back)  # its memory waits for the copy too
+        host_token_ids, copied = to_host(token_ids, read_back)  # once the draw is done
         return cls(plan, start_time, request_ids, states, token_ids, host_token_ids, copied,
                    {request_id: row for row, request_id in enumerate(request_ids)}, kv)
 
