@@ -61,8 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-decode-stall-ms", default=None,
                        help="cap prompt chunks so a step that also decodes takes at most this "
                        "long: the longest gap between a stream's tokens while prompts are "
-                       "admitted; it costs time to first token (default 0: off; "
-                       "docs/bench.md)")
+                       "admitted; it costs time to first token (0: off; default 300 with "
+                       "a GPU worker, off on a CPU; docs/bench.md)")
     serve.add_argument("--max-steps-in-flight", default=None,
                        help="steps each scheduler sends ahead to its worker (default 2)")
     serve.add_argument("--speculative-config", default=None, metavar="JSON",

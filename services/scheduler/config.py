@@ -28,7 +28,9 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_steps_in_flight: int = 2  # 2 overlaps planning step N+1 with computing step N
     chunk_step_ratio: float = 0.0  # >0: steps with decodes and a prompt chunk take at most this
     # many decode-only steps' time (prompt chunks shrink to fit); 0: off
-    max_decode_stall_ms: float = 0.0  # >0: such steps take at most this long (chunk_pacer.py)
+    # >0: such steps take at most this long; 0: off; None: 300 for a GPU worker's streams
+    # (chunk_pacer.decode_stall_target_ms)
+    max_decode_stall_ms: float | None = None
     # keep KV blocks free for the running requests' next tokens (admission.py)
     admission_reserve: bool = True
     step_timeout_s: float = 120.0  # a step taking longer means the worker is gone
@@ -62,7 +64,8 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
                              "preempted and computed twice",
         "max_decode_stall_ms": "cap prompt chunks so a step that also decodes takes at most "
                                "this long: the longest gap between a stream's tokens while "
-                               "prompts are admitted (0: off)",
+                               "prompts are admitted (0: off; default 300 with a GPU "
+                               "worker, off on a CPU)",
         "step_timeout_s": "seconds to wait for a step before failing its requests",
         "stats_interval_s": "seconds between stats events",
         "shutdown_timeout": "on SIGTERM, take no new requests and finish the running and "
@@ -72,7 +75,7 @@ class SchedulerConfig(ServiceConfig, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         limits.check_batch_limits(self.max_num_seqs, self.max_num_batched_tokens)
         check_choice(self.scheduling_policy, SchedulingPolicy, "scheduling_policy")
-        if self.chunk_step_ratio < 0 or self.max_decode_stall_ms < 0:
+        if self.chunk_step_ratio < 0 or (self.max_decode_stall_ms or 0) < 0:
             raise ValueError("chunk_step_ratio and max_decode_stall_ms must be 0 (off) or "
                              "positive")
         if self.shutdown_timeout < 0:

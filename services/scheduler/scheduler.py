@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from services.scheduler.admission import AdmissionReserve
 from services.scheduler.block_manager import BlockManager, num_blocks_for
-from services.scheduler.chunk_pacer import ChunkPacer, StepClock
+from services.scheduler.chunk_pacer import ChunkPacer, StepClock, decode_stall_target_ms
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.kv_tier import IsWanted, KvTierHooks
 from services.scheduler.outputs import append_outputs, request_output
@@ -66,8 +66,10 @@ class Emitted:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int,
                  max_model_len: int, eos_token_ids: list[int], model_name: str = "",
-                 kv: KvTierHooks | None = None, worker_drafts: bool = True) -> None:
-        """``worker_drafts``: the worker can fill draft slots (else draft_model drafts none)."""
+                 kv: KvTierHooks | None = None, worker_drafts: bool = True,
+                 gpu_streams: bool = False) -> None:
+        """``worker_drafts``: the worker can fill draft slots (else draft_model drafts none);
+        ``gpu_streams``: streams served from a GPU worker (the decode stall target's default)."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -76,7 +78,8 @@ class Scheduler:
         self.kv = kv or KvTierHooks()  # the KV connector's hooks (kv_connector.py)
         self.chunk_pacer = ChunkPacer(config.chunk_step_ratio, config.max_num_batched_tokens,
                                       min_tokens=block_size,
-                                      target_s=config.max_decode_stall_ms / 1000)
+                                      target_s=decode_stall_target_ms(
+                                          config.max_decode_stall_ms, gpu_streams) / 1000)
         self.step_clock = StepClock()  # the pacer's step times
         self.reserve = AdmissionReserve(block_size, config.admission_reserve)
         self._kept: dict[int, float] = {}  # room admission keeps, by priority (admission.py)

@@ -215,7 +215,8 @@ class SchedulerService:
             self.core = Scheduler(self.config, num_blocks=info.num_blocks,
                                   block_size=info.block_size, max_model_len=info.max_model_len,
                                   eos_token_ids=info.eos_token_ids, model_name=info.model_name,
-                                  kv=self.kv, worker_drafts=bool(info.draft_model))
+                                  kv=self.kv, worker_drafts=bool(info.draft_model),
+                                  gpu_streams=info.device.startswith("cuda"))
             if self.config.speculative_config and not self.core.drafter.enabled:
                 log.error("speculation_off", worker_id=info.worker_id,
                           detail="--speculative-config names a draft model but the worker was "

@@ -7,7 +7,11 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from services.scheduler.chunk_pacer import ChunkPacer, StepClock
+from services.scheduler.chunk_pacer import (
+    GPU_DECODE_STALL_MS, ChunkPacer, StepClock, decode_stall_target_ms,
+)
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from shared.messages import ScheduledRequest, StepPlan
 from tests.services.scheduler.test_scheduler import (
     FakeWorker, expected_tokens, make_scheduler, request,
@@ -63,6 +67,25 @@ def test_pacer_off_by_default_changes_nothing():
     pacer.observe(plan(1), 0.1)
     pacer.observe(plan(1, 60), 10.0)
     assert pacer.chunk_budget(num_decodes=5) == 64
+
+
+def test_the_stall_target_is_on_by_default_for_a_gpu_workers_streams_only():
+    """Unset, --max-decode-stall-ms is 300 ms for streams from a GPU worker and off on a
+    CPU (and in the in-process engine); set, it is what was given, 0 turning it off."""
+    assert decode_stall_target_ms(None, gpu_worker=True) == GPU_DECODE_STALL_MS == 300.0
+    assert decode_stall_target_ms(None, gpu_worker=False) == 0.0
+    assert decode_stall_target_ms(0.0, gpu_worker=True) == 0.0
+    assert decode_stall_target_ms(120.0, gpu_worker=False) == 120.0
+
+    def target_s(config: SchedulerConfig, **kwargs) -> float:
+        return Scheduler(config, num_blocks=16, block_size=4, max_model_len=64,
+                         eos_token_ids=[0], **kwargs).chunk_pacer.target_s
+
+    assert target_s(SchedulerConfig(), gpu_streams=True) == 0.3
+    assert target_s(SchedulerConfig()) == 0.0
+    assert target_s(SchedulerConfig(max_decode_stall_ms=0), gpu_streams=True) == 0.0
+    with pytest.raises(ValueError, match="max_decode_stall_ms must be 0"):
+        SchedulerConfig(max_decode_stall_ms=-1)
 
 
 def simulated_time(step: StepPlan) -> float:
