@@ -45,7 +45,7 @@ from services.worker.step_inputs import (
     LogitsLayout, SequenceChunk, build_step_inputs, fill_pending_inputs, logits_layout,
     select_rows,
 )
-from services.worker.step_state import RequestState, StepInFlight, needs_host_tokens
+from services.worker.step_state import RequestState, StepInFlight, plan_needs_host_tokens
 from services.worker.tp_group import SingleRank
 from services.worker.warmup import warm_up_attention
 from shared.config import parse_size
@@ -224,7 +224,7 @@ class ModelRunner:
 
     def _submit(self, plan: StepPlan) -> list[StepResult]:
         results: list[StepResult] = []
-        overlap = self.overlap_steps and not self._needs_host_tokens(plan)
+        overlap = self.overlap_steps and not plan_needs_host_tokens(plan, self._requests)
         if self._in_flight is not None and not overlap:
             results += self._flush()  # its tokens must be on the host before this step samples
         if self._in_flight is not None:
@@ -257,17 +257,6 @@ class ModelRunner:
                 state.token_ids.append(token_id)
                 state.num_pending_tokens -= 1
         return [step.result(token_ids)]
-
-    def _needs_host_tokens(self, plan: StepPlan) -> bool:
-        if any(needs_host_tokens(new.sampling) for new in plan.new_requests):
-            return True
-        for scheduled in plan.scheduled:
-            if scheduled.draft_token_ids or scheduled.num_draft_slots:
-                return True  # the next plan depends on how many drafts are kept
-            state = self._requests.get(scheduled.request_id)
-            if state is not None and needs_host_tokens(state.sampling):
-                return True
-        return False
 
     def _launch(self, plan: StepPlan, defer: bool) -> StepResult | StepInFlight:
         """Queue the step's kernels; with ``defer``, leave its sampled tokens on the device."""
@@ -354,25 +343,28 @@ class ModelRunner:
             [(s.request_id, self._requests[s.request_id]) for s in plan.scheduled], chunks,
             layout.first_rows, logits)
         params = [s.sampling for s in states]
-        rows, num_accepted, residual_tokens = verify_drafts(  # speculation.py
+        rows, num_accepted, known_tokens = verify_drafts(  # speculation.py
             logits, layout, chunks, params, [s.num_outputs for s in states],
             lambda rows_, owners, indices: self.sampler.adjusted(
                 rows_, [sampled_ids[i] for i in owners], [params[i] for i in owners], indices),
             self._staging)
-        if len(rows) != logits.shape[0]:
-            logits = select_rows(logits, rows, self._staging)  # [num_sampled, vocab_size]
         # a request's next draw is its output number num_outputs + the drafts it keeps
         output_indices = [s.num_outputs + (num_accepted[i] if num_accepted else 0)
                           for i, s in enumerate(states)]
         for state, output_index in zip(states, output_indices):
             state.seed_next_draw(output_index)
+        if len(known_tokens) == len(states) and not defer:  # verification gave every token
+            return _Sampled(None, [known_tokens[i] for i in range(len(states))],
+                            [None] * len(states), prompt_logprobs, num_accepted)
+        if len(rows) != logits.shape[0]:
+            logits = select_rows(logits, rows, self._staging)  # [num_sampled, vocab_size]
         generators = [s.generator for s in states]
         if defer:
             return _Sampled(self.sampler.sample_on_device(  # [num_sampled]
                 logits, sampled_ids, params, output_indices, generators), [], [], prompt_logprobs)
         token_ids, logprobs = self.sampler.sample(logits, sampled_ids, params, output_indices,
                                                   generators)
-        for index, token_id in residual_tokens.items():  # a rejected draft's replacement
+        for index, token_id in known_tokens.items():  # (a rejected draft's replacement)
             token_ids[index] = token_id
         return _Sampled(None, token_ids, logprobs, prompt_logprobs, num_accepted)
 

@@ -5,9 +5,11 @@ scheduler: services/scheduler/speculation.py) computes its last known token and 
 drafts in one query, so the step has logits at each of those positions.
 
 Greedy verification keeps draft i while it equals the argmax at the position before it; the
-token sampled from the row after the last kept draft follows them. That is the token plain
-decoding would have sampled there (the sampler draws it, from the same row), so the
-request's tokens are the ones it gets without speculation, 1 to K + 1 a step.
+argmax of the row after the last kept draft follows them. That is the token plain decoding
+would have sampled there (the same argmax of the same adjusted row), so the request's tokens
+are the ones it gets without speculation, 1 to K + 1 a step. One argmax over a chunk's K + 1
+rows gives both, so a step whose sampled chunks all verify greedily reads back once and
+draws nothing more.
 
 A request that samples (temperature > 0) verifies by rejection sampling, which keeps the
 target's distribution exactly: the drafter proposes one token with certainty, so draft i is
@@ -49,8 +51,9 @@ Adjust = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 class Verified(NamedTuple):
     rows: list[int]  # per sampled chunk: the logits row its next token comes from
     num_accepted: list[int]  # per sampled chunk: drafts kept ([] when the step has none)
-    # sampled-chunk index -> the token drawn from a rejected draft's residual distribution
-    residual_tokens: dict[int, int]
+    # sampled-chunk index -> its token, known from verification: a greedy chunk's argmax
+    # after its kept drafts, a sampling chunk's draw from a rejected draft's residual
+    known_tokens: dict[int, int]
 
 
 def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[SequenceChunk],
@@ -61,7 +64,9 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
     row before drawing from it (logit_bias, min_tokens, min_p; ``Sampler.adjusted``), given
     (rows, per row its sampled-chunk index, per row its output index); the verify rows go
     through it on a copy, so a draft is kept only where the adjusted row would give it.
-    Greedy chunks: one argmax over their verify rows, one read back; sampling ones:
+    Greedy chunks: one argmax over their verify rows and the row after their last draft, one
+    read back, which also gives the token after the kept drafts (the draw would compute the
+    same argmax of the same adjusted row); sampling ones:
     ``reject_drafts``, with the request's seed or a fresh one (a tensor-parallel group's leader
     seeds every random request, so its ranks agree). ``staging``: the rows' indices go to
     the device through it (``select_rows``)."""
@@ -71,19 +76,22 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
         return Verified(rows, [], {})
     verify = [(index, row, chunk) for index, (row, chunk) in enumerate(zip(rows, sampled))
               if chunk.num_drafts]
-    accepted, residual_tokens = [0] * len(rows), {}
+    accepted, known_tokens = [0] * len(rows), {}
     for index, _, chunk in verify:  # synthetic acceptance (a benchmark): kept unverified
         if chunk.num_forced_accept >= 0:
             accepted[index] = min(chunk.num_forced_accept, chunk.num_drafts)
     verify = [entry for entry in verify if entry[2].num_forced_accept < 0]
     if not verify:
         return Verified([row + num for row, num in zip(rows, accepted)], accepted, {})
-    # [num verify rows, vocab_size]: draft i of a chunk is verified at its row + i
-    owners = [index for index, _, chunk in verify for _ in range(chunk.num_drafts)]
+    # [num verify rows, vocab_size]: draft i of a chunk is verified at its row + i; a greedy
+    # chunk's row + num_drafts gives the token after all of them
+    counts = [chunk.num_drafts + params[index].is_greedy for index, _, chunk in verify]
+    owners = [index for (index, _, _), count in zip(verify, counts) for _ in range(count)]
+    offsets = [offset for count in counts for offset in range(count)]
     verify_logits = select_rows(
-        logits, [row + i for _, row, chunk in verify for i in range(chunk.num_drafts)], staging)
+        logits, [row + offset for (_, row, _), count in zip(verify, counts)
+                 for offset in range(count)], staging)
     if adjust is not None:
-        offsets = [i for _, _, chunk in verify for i in range(chunk.num_drafts)]
         verify_logits = adjust(verify_logits, owners, [output_indices[index] + offset
                                                         for index, offset in zip(owners, offsets)])
     greedy_rows = [n for n, index in enumerate(owners) if params[index].is_greedy]
@@ -93,12 +101,14 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
             else select_rows(verify_logits, greedy_rows, staging)
         argmax = iter(ops.greedy_token_ids(greedy_logits).tolist())
     first = 0
-    for index, _, chunk in verify:
+    for (index, _, chunk), count in zip(verify, counts):
         drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
-        own_rows, first = verify_logits[first:first + len(drafts)], first + len(drafts)
+        own_rows, first = verify_logits[first:first + len(drafts)], first + count
         if params[index].is_greedy:
-            matches = [next(argmax) == draft for draft in drafts]
+            tokens = [next(argmax) for _ in range(count)]  # [num_drafts + 1]
+            matches = [token == draft for token, draft in zip(tokens, drafts)]
             accepted[index] = matches.index(False) if False in matches else len(drafts)
+            known_tokens[index] = tokens[accepted[index]]
             continue
         probs = filtered_probs(own_rows.float(),
                                [params[index]] * len(drafts))  # [num_drafts, vocab_size]
@@ -107,8 +117,8 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
             probs, drafts, seed if seed is not None else random.getrandbits(62),
             output_indices[index])
         if token is not None:
-            residual_tokens[index] = token
-    return Verified([row + num for row, num in zip(rows, accepted)], accepted, residual_tokens)
+            known_tokens[index] = token
+    return Verified([row + num for row, num in zip(rows, accepted)], accepted, known_tokens)
 
 
 def reject_drafts(probs: torch.Tensor, drafts: list[int], seed: int, output_index: int

@@ -53,6 +53,20 @@ def needs_host_tokens(sampling: SamplingParams) -> bool:
         or sampling.structured is not None or sampling.has_penalties
 
 
+def plan_needs_host_tokens(plan: StepPlan, requests: dict[str, RequestState]) -> bool:
+    """The step's sampling reads host tokens (``needs_host_tokens``), or the next plan depends
+    on its tokens (it verifies drafts): it cannot be left in flight."""
+    if any(needs_host_tokens(new.sampling) for new in plan.new_requests):
+        return True
+    for scheduled in plan.scheduled:
+        if scheduled.draft_token_ids or scheduled.num_draft_slots:
+            return True  # the next plan depends on how many drafts are kept
+        state = requests.get(scheduled.request_id)
+        if state is not None and needs_host_tokens(state.sampling):
+            return True
+    return False
+
+
 @dataclass
 class StepInFlight:
     """A step whose kernels are queued and whose sampled tokens are still on the device."""

@@ -40,6 +40,13 @@ def test_kept_drafts_and_the_token_after_them_are_plain_greedy_decodings(runner,
     expected = plain_greedy(runner, 16)
     fresh = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
                                      block_size=16), dummy_model)
+    draws, sample = [], fresh.sampler.sample
+
+    def counted_sample(logits, *args):
+        draws.append(len(logits))
+        return sample(logits, *args)
+
+    fresh.sampler.sample = counted_sample
     result = fresh.execute(StepPlan(0, [NewRequestData("r", PROMPT, GREEDY, BLOCKS)],
                                     [ScheduledRequest("r", len(PROMPT))]))
     tokens = list(result.sampled_token_ids)
@@ -57,6 +64,7 @@ def test_kept_drafts_and_the_token_after_them_are_plain_greedy_decodings(runner,
         assert state.token_ids == PROMPT + tokens
         assert state.num_computed_tokens == len(PROMPT) + len(tokens) - 1
     assert tokens == expected[:len(tokens)] and len(tokens) == 12
+    assert draws == [1]  # the prompt's; each verify step's token came with its verification
     # and plain decoding goes on from there
     result = fresh.execute(StepPlan(5, [], [ScheduledRequest("r", 1)]))
     assert result.sampled_token_ids == [expected[12]] and result.num_accepted_drafts == []
