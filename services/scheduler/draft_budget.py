@@ -25,13 +25,13 @@ on it; otherwise it also holds the round trip and the host work a step that veri
 for, which is what such a step costs.
 
 One-off costs are kept out. A step in which the draft model first caught its cache up over
-a request's context (its first drafted step, or its first after a pause) is not timed. A
-period counts as at most twice its size's average (a size's first: twice the nearest
-smaller size's), against a first kernel compile or a collection pause. Otherwise one dear
-step makes its size look too dear to draft again, and no later step of that size comes to
-correct the average (a draft model's batch-1 steps stopped drafting after their first).
-A size twice as dear as it is can still lose to a smaller cap for good: three drafts a step
-where four would pay a little more.
+a request's context (its first drafted step, or its first after a pause) is not timed:
+otherwise that one dear step makes its size look too dear to draft again, and no later step
+of that size comes to correct the average (a draft model's batch-1 steps stopped drafting
+after their first, which caught up over a 1,024-token context). And a period counts as at
+most twice its size's average, against a collection pause or a late result; such a pause can
+still leave its size a little too dear for good (three drafts a step where four would pay a
+little more), since a size is timed again only when it is drafted.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from collections import Counter
 from collections.abc import Callable
 
 COST_EMA_WEIGHT = 0.3  # of the newest period in a size's average
-# a period counts as at most this many times its size's average (a size's first: the
-# nearest smaller size's); a rise that lasts is still learnt, by 1.3x a step
+# a period counts as at most this many times its size's average; a rise that lasts is
+# still learnt, by 1.3x a step
 MAX_PERIOD_RISE = 2.0
 DRAFT_DECAY = 0.95  # per drafted step, of the draft counts (about the last 20 steps)
 # per step without drafts: the counts fade towards the prior, so drafts are tried again
@@ -141,15 +141,13 @@ class DraftBudget:
         self._count_drafts(cap, drafts)
 
     def _time(self, num_rows: int, period: float) -> None:
-        """Fold a step's period into its size's average, as at most MAX_PERIOD_RISE times
-        that average (a size's first: the nearest smaller size's)."""
+        """Fold a step's period into its size's average, as at most MAX_PERIOD_RISE times that
+        average. A size's first period is taken whole: a size dearer than hoped (a CPU's steps
+        grow with their rows) is known at once."""
         bucket = size_bucket(num_rows)
-        # (a larger size's time scaled down is no bound: steps are not all compute-bound)
-        if any(b <= bucket for b in self._step_s):
-            period = min(period, MAX_PERIOD_RISE * self.step_time(num_rows))
         old = self._step_s.get(bucket)
         self._step_s[bucket] = period if old is None else (
-            (1 - COST_EMA_WEIGHT) * old + COST_EMA_WEIGHT * period)
+            (1 - COST_EMA_WEIGHT) * old + COST_EMA_WEIGHT * min(period, MAX_PERIOD_RISE * old))
 
     def _count_drafts(self, cap: int, drafts: list[tuple[int, int]]) -> None:
         decay = DRAFT_DECAY if cap and drafts else IDLE_DECAY
