@@ -27,7 +27,9 @@ in the shared pool, and at 1,024 sequences with a 128k vocabulary those outputs 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import structlog
 import torch
@@ -38,6 +40,24 @@ from services.worker.config import WorkerConfig
 from services.worker.model import AttentionMetadata, Transformer, wait_events
 
 log = structlog.get_logger()
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collect garbage now, and none until the captures are done. An object collected in the
+    middle of a capture can make CUDA calls that invalidate it (freeing a pinned tensor used
+    on another stream records an event there), and torch no longer collects before one. Seen
+    in GPU tests only: test_runner_gpu's captures failed with cudaErrorStreamCaptureInvalidated
+    after test_draft_model_gpu's engines died in the same process, now and then. Whether this
+    guard cures that is not yet checked on a GPU."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def smallest_bucket(buckets: list[int], size: int) -> int | None:
@@ -96,20 +116,24 @@ class DecodeGraphs:
     def capture(self, buckets: list[int] | None = None) -> None:
         """Capture every bucket (or just ``buckets``), largest first: the others reuse its pool."""
         pool = torch.cuda.graph_pool_handle()
-        for batch_size in sorted(buckets or self.buckets, reverse=True):
-            num_tokens = batch_size * self.query_len
-            args = (self.input_ids[:num_tokens], self.positions[:num_tokens],
-                    self._metadata(batch_size))
-            # warm-up: Triton compiles and autotunes outside the capture
-            self.model(*args, logits_out=self.logits[:num_tokens])
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):  # the head writes the static logits
-                self.model(*args, logits_out=self.logits[:num_tokens])
-            self.graphs[batch_size] = graph
+        with collector_paused():
+            for batch_size in sorted(buckets or self.buckets, reverse=True):
+                self.graphs[batch_size] = self._capture(batch_size, pool)
         self._warm_up_step_launches()
         torch.cuda.synchronize()
         log.info("cuda_graphs_captured", buckets=sorted(self.graphs))
+
+    def _capture(self, batch_size: int, pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
+        num_tokens = batch_size * self.query_len
+        args = (self.input_ids[:num_tokens], self.positions[:num_tokens],
+                self._metadata(batch_size))
+        # warm-up: Triton compiles and autotunes outside the capture
+        self.model(*args, logits_out=self.logits[:num_tokens])
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):  # the head writes the static logits
+            self.model(*args, logits_out=self.logits[:num_tokens])
+        return graph
 
     def _warm_up_step_launches(self) -> None:
         """Compile what runs around a replay now, not at the first step: the inputs' launch
@@ -234,18 +258,19 @@ class PiecewiseGraphs:
         if not self.use_graphs:
             return
         pool = torch.cuda.graph_pool_handle()
-        for num_tokens in sorted(buckets or self.buckets, reverse=True):
-            pieces = self._pieces(num_tokens)
-            for piece in pieces:  # warm-up: Triton compiles outside the capture
-                piece()
-            torch.cuda.synchronize()
-            graphs = []
-            for piece in pieces:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+        with collector_paused():
+            for num_tokens in sorted(buckets or self.buckets, reverse=True):
+                pieces = self._pieces(num_tokens)
+                for piece in pieces:  # warm-up: Triton compiles outside the capture
                     piece()
-                graphs.append(graph)
-            self.graphs[num_tokens] = graphs
+                torch.cuda.synchronize()
+                graphs = []
+                for piece in pieces:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        piece()
+                    graphs.append(graph)
+                self.graphs[num_tokens] = graphs
         torch.cuda.synchronize()
         log.info("piecewise_graphs_captured", buckets=sorted(self.graphs),
                  num_graphs=sum(len(g) for g in self.graphs.values()))

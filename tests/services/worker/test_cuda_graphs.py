@@ -5,13 +5,17 @@ themselves are checked on the GPU (test_runner_gpu.py)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
 
 from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
-from services.worker.cuda_graphs import PiecewiseGraphs, smallest_bucket, token_buckets
+from services.worker.cuda_graphs import (
+    PiecewiseGraphs, collector_paused, smallest_bucket, token_buckets,
+)
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
 from services.worker.weights import random_weights
 from services.worker.runner import SequenceChunk, build_step_inputs
@@ -92,3 +96,24 @@ def test_piecewise_pieces_equal_the_eager_forward(family):
     used = sorted({block for table in tables for block in table})
     unused = [block for block in range(24) if block not in used]
     assert not piece_cache[:, :, unused].any()  # padding rows (slot -1) wrote nowhere
+
+
+def test_captures_run_with_the_collector_paused_after_a_collection():
+    """Garbage is collected before the captures and none during them (an object collected
+    mid-capture can invalidate it); the collector's state is restored after, even when a
+    capture fails."""
+
+    class Cycle:
+        pass
+
+    dead = Cycle()
+    dead.self = dead
+    alive = weakref.ref(dead)
+    del dead
+    assert gc.isenabled()
+    with collector_paused():
+        assert alive() is None and not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
