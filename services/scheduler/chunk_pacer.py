@@ -15,10 +15,11 @@ step time also holds the step before it, still on the device.
 The stall target is on by default for a GPU worker's streams (``decode_stall_target_ms``):
 one H200, 1,000 streams of 1,024 in / 256 out at once through the stack, vLLM's own client,
 both servers on their defaults otherwise: at 300 ms flotilla's ITL p99 was 359 ms against
-vLLM 0.26.0's 435, TTFT p50 13.7 s against 14.3 and total tok/s 1.09x; off, ITL p99 517 against
-438 (docs/bench.md). On the 2-core CPU it stays off: there a decode step of a few requests
-alone takes ~100 ms, and the CPU comparisons were measured without it. The in-process engine
-(offline runs: nobody watches the gaps) leaves it off too.
+vLLM 0.26.0's 435, TTFT p50 13.7 s against 14.3 and total tok/s 1.09x; off (another lease,
+7a1a43b), ITL p99 517 against 438 (docs/bench.md; rows `streams` in BENCHMARKS.md with the
+command). On the 2-core CPU it stays off: there a decode step of a few requests alone takes
+~100 ms, and the CPU comparisons were measured without it. The in-process engine (offline
+runs: nobody watches the gaps) leaves it off too.
 """
 
 from __future__ import annotations

@@ -124,6 +124,7 @@ class DecodeGraphs:
         log.info("cuda_graphs_captured", buckets=sorted(self.graphs))
 
     def _capture(self, batch_size: int, pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
+        """One bucket's graph, its kernels run once first, outside the capture."""
         num_tokens = batch_size * self.query_len
         args = (self.input_ids[:num_tokens], self.positions[:num_tokens],
                 self._metadata(batch_size))

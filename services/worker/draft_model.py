@@ -124,7 +124,8 @@ class DraftModel(NoDraftModel):
         known = [(chunks[i], states[i], chunks[i].start + len(chunks[i].token_ids)
                   - chunks[i].num_drafts) for i in rows]  # (chunk, state, known tokens)
         drafts = torch.zeros(len(rows), num_slots[0], dtype=torch.int64, device=self.device)
-        drafts[:, 0], num_catch_up = self._first_pass(known)
+        first_drafts, num_catch_up = self._first_pass(known)
+        drafts[:, 0] = first_drafts
         for index, (input_ids, positions, metadata) in enumerate(
                 self._decode_passes(known, num_slots)):
             count = len(input_ids)

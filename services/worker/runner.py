@@ -353,7 +353,9 @@ class ModelRunner:
                           for i, s in enumerate(states)]
         for state, output_index in zip(states, output_indices):
             state.seed_next_draw(output_index)
-        if len(known_tokens) == len(states) and not defer:  # verification gave every token
+        # verification gave every token (a deferred step, even one sampling none, needs them
+        # on the device)
+        if len(known_tokens) == len(states) and not defer:
             return _Sampled(None, [known_tokens[i] for i in range(len(states))],
                             [None] * len(states), prompt_logprobs, num_accepted)
         if len(rows) != logits.shape[0]:

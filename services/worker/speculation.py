@@ -66,10 +66,10 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
     through it on a copy, so a draft is kept only where the adjusted row would give it.
     Greedy chunks: one argmax over their verify rows and the row after their last draft, one
     read back, which also gives the token after the kept drafts (the draw would compute the
-    same argmax of the same adjusted row); sampling ones:
-    ``reject_drafts``, with the request's seed or a fresh one (a tensor-parallel group's leader
-    seeds every random request, so its ranks agree). ``staging``: the rows' indices go to
-    the device through it (``select_rows``)."""
+    same argmax of the same adjusted row); sampling ones: ``reject_drafts``, with the
+    request's seed or a fresh one (a tensor-parallel group's leader seeds every random
+    request, so its ranks agree). ``staging``: the rows' indices go to the device through
+    it (``select_rows``)."""
     sampled = [chunk for chunk in chunks if chunk.sample]
     rows = list(layout.sample_rows)
     if not any(chunk.num_drafts for chunk in sampled):
