@@ -14,6 +14,10 @@ from cli.bench.datasets import BenchRequest
 from cli.bench.metrics import RequestRecord
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# Which chunks time TTFT and ITL. "text": those with text, what a reader sees. "tokens":
+# those that carried tokens, text or not (vLLM's client's rule); two engines whose random
+# weights emit different shares of ids that decode to nothing compare only this way.
+TIMED_CHUNKS = ("text", "tokens")
 _MAX_REASON_CHARS = 200
 
 
@@ -24,6 +28,7 @@ class RequestSettings:
     temperature: float = 0.0
     ignore_eos: bool = False
     per_chunk_usage: bool = False  # ask for the usage on every chunk (continuous_usage_stats)
+    timed_chunks: str = "text"  # a key of TIMED_CHUNKS
     extra_body: dict = field(default_factory=dict)  # merged into every request body
 
 
@@ -53,6 +58,12 @@ def chunk_text(payload: dict) -> str:
     if "delta" in choice:
         return (choice["delta"] or {}).get("content") or ""
     return choice.get("text") or ""
+
+
+def _opens_a_message(payload: dict) -> bool:
+    """A chat stream's first chunk: the assistant's role, no content, no token."""
+    delta = payload["choices"][0].get("delta") or {}
+    return "role" in delta and not delta.get("content")
 
 
 def _reason(message: str) -> str:
@@ -86,17 +97,26 @@ class _Timeline:
         elif self.num_tokens is not None:
             self.num_tokens.append(1)
 
+    def carries_tokens(self, usage: dict | None) -> bool:
+        """False only for a chunk whose per-chunk usage counts no tokens since the last."""
+        return (not usage or usage.get("completion_tokens") is None
+                or usage["completion_tokens"] > self.last_completion_tokens)
+
 
 class _StreamReader:
     """Folds SSE lines into a RequestRecord.
 
-    Chunks that carry text are timed (TTFT, ITL). A stream none of whose chunks carries
-    text but whose usage counts output tokens (a random-weight model's ids can decode to
-    nothing) is timed by its chunks that carry a choice, text or not; failing those, by
-    the chunk that brought the usage."""
+    Chunks that carry text are timed (TTFT, ITL), or with ``timed_chunks="tokens"`` those
+    that carry tokens: every chunk with a choice, less those whose per-chunk usage says
+    they added none. A stream none of whose chunks carries text but whose usage counts
+    output tokens (a random-weight model's ids can decode to nothing) is timed by its
+    chunks that carry a choice, text or not; failing those, by the chunk that brought the
+    usage."""
 
-    def __init__(self, record: RequestRecord, sent_at: float, keep_text: bool = False) -> None:
+    def __init__(self, record: RequestRecord, sent_at: float, keep_text: bool = False,
+                 timed_chunks: str = "text") -> None:
         self.record = record
+        self.timed_chunks = timed_chunks
         self.sent_at = sent_at
         self.text = _Timeline()
         self.choices = _Timeline()
@@ -121,7 +141,8 @@ class _StreamReader:
         usage = payload.get("usage")
         at_s = now - self.sent_at
         if payload.get("choices"):
-            self.choices.add(at_s, usage)
+            if not _opens_a_message(payload) and self.choices.carries_tokens(usage):
+                self.choices.add(at_s, usage)
             if text := chunk_text(payload):
                 self.text.add(at_s, usage)
                 if self.text_parts is not None:
@@ -140,8 +161,10 @@ class _StreamReader:
         record = self.record
         if self.text_parts is not None:
             record.output_text = "".join(self.text_parts)
-        if self.text.times_s:
-            record.chunk_times_s, record.chunk_num_tokens = self.text.times_s, self.text.num_tokens
+        timed = self.text if self.timed_chunks == "text" else self.choices
+        if timed.times_s:
+            record.chunk_times_s, record.chunk_num_tokens = timed.times_s, timed.num_tokens
+            record.text = bool(self.text.times_s)
         elif record.num_output_tokens:
             record.text = False
             if self.choices.times_s:
@@ -188,7 +211,7 @@ async def send(client: HttpClient, request: BenchRequest, settings: RequestSetti
         record = new_record(request)
     sent_at = time.perf_counter()
     record.start_s = sent_at - run_started
-    reader = _StreamReader(record, sent_at, keep_text)
+    reader = _StreamReader(record, sent_at, keep_text, settings.timed_chunks)
     try:
         async with client.stream("POST", ENDPOINTS[settings.endpoint],
                                  json=request_body(request, settings)) as response:

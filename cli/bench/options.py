@@ -6,6 +6,7 @@ import argparse
 import json
 import math
 
+from cli.bench.client import TIMED_CHUNKS
 from cli.bench.metrics import SLO_METRICS
 from cli.engine_flags import add_engine_flags
 
@@ -135,6 +136,11 @@ def add_target_flags(parser: argparse.ArgumentParser, base_url_default: str | No
                        help="ask for the usage on every chunk (stream_options."
                        "continuous_usage_stats, vLLM's and flotilla's extension): tokens per "
                        "chunk are reported and ITL splits a chunk's gap over its tokens")
+    group.add_argument("--timed-chunks", choices=TIMED_CHUNKS, default="text",
+                       help="the chunks that time TTFT and ITL: those with text (default), or "
+                       "those that carried tokens, text or not, as vLLM's client times them "
+                       "(with --per-chunk-usage, less chunks that added none); compare engines "
+                       "whose random weights emit ids without text by 'tokens'")
 
 
 def add_stack_flags(parser: argparse.ArgumentParser) -> None:

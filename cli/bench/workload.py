@@ -49,6 +49,7 @@ def request_settings(args: argparse.Namespace, model_name: str,
                            temperature=args.temperature,
                            ignore_eos=args.ignore_eos if ignore_eos is None else ignore_eos,
                            per_chunk_usage=args.per_chunk_usage,
+                           timed_chunks=args.timed_chunks,
                            extra_body=args.extra_body)
 
 

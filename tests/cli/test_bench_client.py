@@ -114,6 +114,28 @@ def test_text_chunks_time_a_stream_that_has_them():
     assert num_output_tokens(record) == 4  # usage, not the chunk count
 
 
+def test_token_chunks_time_empty_text_too_less_those_that_added_no_token():
+    def usage(completion_tokens):
+        return {"prompt_tokens": 2, "completion_tokens": completion_tokens}
+
+    tokens = RequestSettings(model="m", timed_chunks="tokens")
+    body = sse(text_chunk(""), text_chunk("a"), text_chunk(""), text_chunk("b"),
+               {"choices": [], "usage": usage(4)}, "[DONE]")
+    record = run_send(lambda request: httpx.Response(200, content=body), settings=tokens)
+    assert record.success and record.text and len(record.chunk_times_s) == 4
+
+    counted = sse(text_chunk("", usage(1)), text_chunk("a", usage(3)), text_chunk("", usage(3)),
+                  {"choices": [], "usage": usage(3)}, "[DONE]")
+    record = run_send(lambda request: httpx.Response(200, content=counted), settings=tokens)
+    assert record.chunk_num_tokens == [1, 2]  # the third chunk added no token
+
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    chat = sse(role, {"choices": [{"index": 0, "delta": {"content": ""}}]}, "[DONE]")
+    record = run_send(lambda request: httpx.Response(200, content=chat),
+                      settings=RequestSettings(model="m", endpoint="chat", timed_chunks="tokens"))
+    assert len(record.chunk_times_s) == 1 and not record.text
+
+
 @pytest.mark.parametrize("status, body, reason", [
     (400, {"error": {"message": "bad prompt", "type": "invalid_request_error"}},
      "HTTP 400: bad prompt"),
