@@ -19,7 +19,7 @@ class ReplicaRecord:
     num_outstanding: int = 0  # our requests still running there
     num_outstanding_at_stats: int = 0  # num_outstanding when its last stats came
     num_steps: int = -1  # steps it had finished at its last stats ...
-    steps_changed_at: float = 0.0  # ... and when that count last changed
+    steps_changed_at: float = 0.0  # ... and when that count last changed, or it was idle
     stalled: bool = False  # its current stall was already acted on
 
 
@@ -60,7 +60,9 @@ class ReplicaTable:
             record = self._records.pop(stats.scheduler_id, None) or ReplicaRecord()
             self._records[stats.scheduler_id] = record
         record.heard_at = now
-        if record.num_steps != stats.num_steps:
+        # The stall clock runs only while there is work: stats that show none (or a new
+        # step) restart it, so work that comes after an idle spell is not stuck at once.
+        if record.num_steps != stats.num_steps or not (stats.num_running or stats.num_waiting):
             record.num_steps, record.steps_changed_at = stats.num_steps, now
             record.stalled = False
         record.stats = stats

@@ -76,6 +76,18 @@ def test_a_replica_with_work_that_stops_stepping_stalls_once():
     assert replicas.newly_stalled(30.0) == [Stall("a", "0", 18.0)]  # a second stall
 
 
+def test_work_after_an_idle_spell_is_not_stuck_at_once():
+    # Session 21 saw a request moved 12 s after it came to a replica idle for a minute:
+    # the stall clock had counted from the replica's last step, before the idle spell.
+    replicas = table()
+    replicas.heard(stats("a", num_steps=5), now=0.0)
+    replicas.heard(stats("a", num_steps=5), now=60.0)  # idle all along
+    replicas.heard(stats("a", num_steps=5, num_running=1), now=60.5)  # work, no step yet
+    assert replicas.seconds_since_step("a", 61.0) == 1.0
+    assert replicas.newly_stalled(61.0) == []
+    assert replicas.newly_stalled(71.0) == [Stall("a", "0", 11.0)]  # a real stall still is
+
+
 def test_a_replica_without_its_worker_is_not_ready():
     replicas = table()
     replicas.heard(stats("a", worker_ready=False), now=0.0)
