@@ -310,20 +310,23 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
     return k_per_split, triton.cdiv(k, k_per_split)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            weight_scale: torch.Tensor | None, out: torch.Tensor, config: SkinnyConfig,
-            gated: bool, norm: tuple | None = None) -> None:
-    """One launch writing out [M, N] (N = weight rows, or half of them when gated), and the
-    reduce when K is split; ``weight_scale`` [weight rows] with an FP8 weight. With ``norm`` =
-    (residual, norm_weight, eps) (split K only) the reduce adds each row to the residual, in
-    place, and writes its RMSNorm to out instead."""
+def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weight_scale: torch.Tensor | None, out: torch.Tensor | None,
+                 config: SkinnyConfig, gated: bool) -> torch.Tensor | None:
+    """The GEMM launch alone: when K is split, the fp32 partials [split_k, M, N] with the
+    bias not added (``out`` [M, N], which may then be None, is not written); else None, out
+    written (bias in)."""
     m, k = x.shape
-    n = out.shape[1]
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
     k_per_split, split_k = _split(k, config)
     num_tiles = triton.cdiv(n, config.block_n)
     partial = out  # unused without a split
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    if out is None:
+        if split_k == 1:
+            raise ValueError(f"{config} does not split K = {k}: the GEMM needs an out")
+        out = x.new_empty(1, n)  # a placeholder of the usual dtype: splits write partials only
     _skinny_gemm_kernel[(num_tiles * triton.cdiv(m, MAX_M), split_k)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, partial,
@@ -339,6 +342,19 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )
+    return partial if split_k > 1 else None
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            weight_scale: torch.Tensor | None, out: torch.Tensor, config: SkinnyConfig,
+            gated: bool, norm: tuple | None = None) -> None:
+    """One launch writing out [M, N] (N = weight rows, or half of them when gated), and the
+    reduce when K is split; ``weight_scale`` [weight rows] with an FP8 weight. With ``norm`` =
+    (residual, norm_weight, eps) (split K only) the reduce adds each row to the residual, in
+    place, and writes its RMSNorm to out instead."""
+    partial = _launch_gemm(x, weight, bias, weight_scale, out, config, gated)
+    m, n = out.shape
+    split_k = partial.shape[0] if partial is not None else 1
     if split_k > 1 and norm is not None:
         residual, norm_weight, eps = norm
         block, num_warps = single_pass_launch(n)  # as kernels/rms_norm.py launches a row
@@ -356,6 +372,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
             **pdl.launch_options(),
         )
+
+
+def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor,
+                         weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T as ``config_for(N, K)``'s splits of K leave it: fp32
+    partials [split_k, M, N], no bias, for a reduce elsewhere (kernels/all_reduce_rms_norm.py;
+    ``splits_k(num_rows, weight)`` must hold)."""
+    _check_operands(x, weight, None, weight_scale)
+    n, k = weight.shape
+    return _launch_gemm(x, weight, None, weight_scale, None, config_for(n, k, weight.dtype),
+                        gated=False)
+
+
+def splits_k(num_rows: int, weight: torch.Tensor) -> bool:
+    """Whether the worker runs num_rows of this weight on the skinny GEMM with K split."""
+    n, k = weight.shape
+    return serves(num_rows, weight) and _split(k, config_for(n, k, weight.dtype))[1] > 1
 
 
 def serves_add_rms_norm(num_rows: int, weight: torch.Tensor, residual: torch.Tensor,

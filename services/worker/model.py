@@ -232,7 +232,7 @@ def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RM
     projection's reduce where ``ops.linear_add_rms_norm`` can, after the ranks' sum when
     tensor parallel."""
     if proj.reduce is not None:
-        return norm(proj(x), residual)
+        return proj.reduce.linear_add_rms_norm(x, proj, residual, norm)
     return ops.linear_add_rms_norm(x, proj.weight, proj.bias, residual, norm.weight, norm.eps,
                                    proj.weight_scale)
 

@@ -9,6 +9,11 @@ sums (prompt steps) stay with NCCL, which moves bytes better.
 Every rank sums the parts in rank order, so every rank gets the same bits (as NCCL's do).
 The barrier lives in the symmetric memory's signal pads and resets itself, so the kernel is
 safe inside CUDA graphs.
+
+o_proj and down, whose sums the decoder adds to the residual and normalizes at once, take
+``all_reduce_add_rms_norm`` instead: this rank's split-K reduce, the sum over the ranks, the
+add and the norm in one kernel (kernels/all_reduce_rms_norm.py) over a second symmetric
+buffer, in place of three launches.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from collections.abc import Callable
 
 import structlog
 import torch
+
+from kernels import all_reduce_rms_norm
+from kernels.rms_norm import MAX_SINGLE_PASS
 
 log = structlog.get_logger()
 
@@ -39,6 +47,17 @@ class OneShotReduce:
         self.max_bytes = max_bytes
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)  # [max_bytes]
         symm_mem.rendezvous(self.buffer, self.group_name)
+        self.rank, world_size = group.rank(), group.size()
+        # the fused kernel's slots and flags: zeroed before any rank can write a flag here
+        self.norm_buffer = symm_mem.empty(all_reduce_rms_norm.buffer_bytes(world_size, max_bytes),
+                                          dtype=torch.uint8, device=device)
+        self.norm_buffer.zero_()
+        torch.cuda.synchronize(device)
+        handle = symm_mem.rendezvous(self.norm_buffer, self.group_name)
+        self.buffer_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64,
+                                        device=device)  # [world_size]
+        self.call_counts = torch.zeros(all_reduce_rms_norm.FLAG_ROWS, dtype=torch.int64,
+                                       device=device)  # [FLAG_ROWS]: this rank's alone
 
     def takes(self, x: torch.Tensor) -> bool:
         nbytes = x.numel() * x.element_size()
@@ -52,6 +71,25 @@ class OneShotReduce:
         symmetric = self.buffer[:nbytes].view(x.dtype).view(x.shape)
         return torch.ops.symm_mem.one_shot_all_reduce_copy_out(symmetric, x, "sum",
                                                                self.group_name, x)
+
+
+    def takes_add_rms_norm(self, residual: torch.Tensor) -> bool:
+        """Whether ``all_reduce_add_rms_norm`` takes a sum into this residual [M, N]."""
+        num_rows, hidden_size = residual.shape
+        return (residual.is_cuda and residual.stride(1) == 1 and hidden_size <= MAX_SINGLE_PASS
+                and residual.dtype in (torch.bfloat16, torch.float16)
+                and num_rows <= all_reduce_rms_norm.max_rows(hidden_size, residual.dtype,
+                                                             self.max_bytes))
+
+    def all_reduce_add_rms_norm(self, partial: torch.Tensor, bias: torch.Tensor | None,
+                                residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum + residual), sum + residual) of the ranks' projection outputs, the sum
+        added into residual; partial: this rank's, [split_k, M, N] fp32 partials (``bias`` to
+        add) or [M, N] rounded (bias in, ``bias`` None)."""
+        return all_reduce_rms_norm.all_reduce_add_rms_norm(
+            partial, bias, residual, norm_weight, eps, self.buffer_ptrs, self.call_counts,
+            self.rank, self.max_bytes)
 
 
 def one_shot_reduce(group: torch.distributed.ProcessGroup, device: torch.device,

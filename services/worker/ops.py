@@ -99,6 +99,19 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return rms_norm(linear(x, weight, bias, weight_scale), norm_weight, eps, residual)
 
 
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    weight_scale: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [num_tokens, in_features] -> (partial, the bias still to add): the skinny GEMM's fp32
+    split-K partials [split_k, num_tokens, out_features] and the bias where it splits K at
+    this size, else the projection [num_tokens, out_features] (bias in) and None. For a reduce
+    that rounds the splits itself (kernels/all_reduce_rms_norm.py)."""
+    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and skinny_gemm.splits_k(x.shape[0],
+                                                                                  weight):
+        return skinny_gemm.skinny_gemm_partials(x, weight, weight_scale), bias
+    return linear(x, weight, bias, weight_scale), None
+
+
 def norm_in_reduce(num_tokens: int, weight: torch.Tensor, residual: torch.Tensor,
                    norm_weight: torch.Tensor) -> bool:
     """Whether ``linear_add_rms_norm`` of num_tokens rows takes the one-reduce path: CUDA

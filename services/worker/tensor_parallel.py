@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker import ops
+
 # fused projections: rows of qkv_proj and gate_up_proj are split, columns of o_proj and down
 _ROW_SPLIT = ("self_attn.qkv_proj", "mlp.gate_up_proj")
 _COLUMN_SPLIT = ("self_attn.o_proj", "mlp.down_proj")
@@ -91,6 +93,18 @@ class TensorParallel:
                 return self.one_shot.all_reduce(x)
             torch.distributed.all_reduce(x, group=self.group)
         return x
+
+    def linear_add_rms_norm(self, x: torch.Tensor, proj, residual: torch.Tensor, norm
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row-parallel projection (o_proj, down) of x [num_tokens, in_features/size] summed
+        over the ranks, added into residual [num_tokens, hidden] and normalized by ``norm``:
+        (normed, residual). Where the one-shot path takes it, one kernel after the GEMM; else
+        the sum, then the norm's own add."""
+        if self.one_shot is None or not self.one_shot.takes_add_rms_norm(residual):
+            return norm(proj(x), residual)
+        partial, bias = ops.linear_partials(x, proj.weight, proj.bias, proj.weight_scale)
+        return self.one_shot.all_reduce_add_rms_norm(partial, bias, residual, norm.weight,
+                                                     norm.eps)
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """This rank's logits [num_rows, vocab_rows] -> all of them [num_rows, vocab_size]."""
