@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL): the teacher-forced logits of two ranks against one
-rank's on the same random bf16 weights, at every position of a prompt in chunks and of decodes;
+rank's on the same random weights (bf16, and fp32 where only the summation order differs), at
+every position of a prompt in chunks and of decodes;
 and greedy generation through the engine, whose decode steps replay CUDA graphs that hold the
 all-reduces."""
 
@@ -49,8 +50,14 @@ def _logits(path, device: str, tp=None, dtype: torch.dtype = torch.bfloat16) -> 
 
 def _rank(path, rank: int, port: int) -> None:
     config = WorkerConfig(device=f"cuda:{rank}", tensor_parallel_size=2)
-    _logits(path, config.device, join_group(config, rank, 2, port))
+    tp = join_group(config, rank, 2, port)
+    for dtype in (torch.bfloat16, torch.float32):
+        _logits(path, config.device, tp, dtype)
     torch.distributed.destroy_process_group()
+
+
+def _worst_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1).min().item()
 
 
 def test_two_ranks_give_one_ranks_teacher_forced_logits(tmp_path_factory):
@@ -61,7 +68,9 @@ def test_two_ranks_give_one_ranks_teacher_forced_logits(tmp_path_factory):
     follower.start()
     try:
         config = WorkerConfig(device="cuda:0", tensor_parallel_size=2)
-        split = _logits(path, "cuda:0", join_group(config, 0, 2, port))
+        tp = join_group(config, 0, 2, port)
+        split = _logits(path, "cuda:0", tp)
+        split_fp32 = _logits(path, "cuda:0", tp, torch.float32)
         torch.distributed.destroy_process_group()
     finally:
         follower.join(timeout=120)
@@ -74,8 +83,14 @@ def test_two_ranks_give_one_ranks_teacher_forced_logits(tmp_path_factory):
     assert split.shape == whole.shape == exact.shape
     whole_error = 1 - torch.nn.functional.cosine_similarity(whole, exact, dim=-1).min().item()
     split_error = 1 - torch.nn.functional.cosine_similarity(split, exact, dim=-1).min().item()
-    assert split_error <= 1.25 * whole_error, (split_error, whole_error)
-    assert torch.nn.functional.cosine_similarity(split, whole, dim=-1).min().item() >= 0.9995
+    # In fp32 the split differs from one rank by summation order alone: issue 30's 0.9999
+    worst = {"tp2_vs_tp1_fp32": _worst_cosine(split_fp32, exact),
+             "tp2_vs_tp1_bf16": _worst_cosine(split, whole),
+             "tp1_bf16_vs_fp32": 1 - whole_error, "tp2_bf16_vs_fp32": 1 - split_error}
+    print(f"worst-position cosines over {exact.shape[0]} positions: {worst}")
+    assert worst["tp2_vs_tp1_fp32"] >= 0.9999, worst
+    assert split_error <= 1.25 * whole_error, worst
+    assert worst["tp2_vs_tp1_bf16"] >= 0.9995, worst
     assert (split.argmax(-1) == whole.argmax(-1)).float().mean() >= 0.95
 
 
