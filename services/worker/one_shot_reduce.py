@@ -72,7 +72,6 @@ class OneShotReduce:
         return torch.ops.symm_mem.one_shot_all_reduce_copy_out(symmetric, x, "sum",
                                                                self.group_name, x)
 
-
     def takes_add_rms_norm(self, residual: torch.Tensor) -> bool:
         """Whether ``all_reduce_add_rms_norm`` takes a sum into this residual [M, N]."""
         num_rows, hidden_size = residual.shape
