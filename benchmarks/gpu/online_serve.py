@@ -5,7 +5,9 @@
 
 1. flotilla: ``flotilla serve --model MODEL --max-model-len 4096 SERVE_ARGS`` on a free port;
    once /health is ok, ``flotilla bench serve --dataset-name sharegpt --num-prompts 1000
-   --ignore-eos --request-rate inf`` with ``--result-json``. With ``--profile-seconds N`` and
+   --ignore-eos --request-rate inf --timed-chunks tokens`` with ``--result-json`` (chunks
+   timed as vLLM's client times them: each engine's random weights give their own share of
+   ids that decode to no text). With ``--profile-seconds N`` and
    py-spy on PATH, py-spy samples the gateway and tokenizer processes for N seconds from the
    moment the measured load starts, or until it ends (speedscope and flamegraph files, and
    one ``py-spy dump`` of their stacks halfway, 10 s at most). Then the stack is stopped.
@@ -252,7 +254,9 @@ def bench_command(args: argparse.Namespace, base_url: str, name: str, tokenizer:
                "--num-prompts", str(args.num_prompts), "--ignore-eos",
                "--request-rate", args.request_rate, "--seed", str(args.seed),
                "--max-duration", f"{max_duration_s:.0f}", "--disable-tqdm",
-               "--result-json", str(result_json)]
+               # chunks timed by the tokens they carry: each engine's random weights emit
+               # their own share of ids without text (--bench-args may say otherwise)
+               "--timed-chunks", "tokens", "--result-json", str(result_json)]
     if args.dataset_path:
         command += ["--dataset-path", args.dataset_path]
     return command + shlex.split(args.bench_args)

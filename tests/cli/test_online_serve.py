@@ -42,7 +42,8 @@ def test_both_engines_get_the_same_bench_command_but_the_url(online, tmp_path):
     differ = [i for i, (a, b) in enumerate(zip(one, other)) if a != b]
     assert [one[i - 1] for i in differ] == ["--base-url"]
     for flag, value in (("--tokenizer", "/m"), ("--max-duration", "150"), ("--seed", "0"),
-                        ("--request-rate", "inf"), ("--num-warmups", "2")):
+                        ("--request-rate", "inf"), ("--num-warmups", "2"),
+                        ("--timed-chunks", "tokens")):
         assert one[one.index(flag) + 1] == value
     assert "--ignore-eos" in one
 
