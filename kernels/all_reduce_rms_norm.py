@@ -33,21 +33,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.rms_norm import MAX_SINGLE_PASS, add_rms_norm_row, single_pass_launch
-
-@triton.jit
-def _this_ranks_part(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
-                     partial_stride_m, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                     dtype: tl.constexpr):
-    """Row ``row`` of this rank's projection output: its splits summed in split order plus
-    the bias, rounded to ``dtype`` (a single split of ``dtype`` comes back as it is)."""
-    ptrs = partial_ptr + row * partial_stride_m + cols
-    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    for split in tl.static_range(1, SPLIT_K):
-        acc += tl.load(ptrs + split * partial_stride_split, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return acc.to(dtype)
-
+from kernels.split_reduce import sum_splits
 
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(
@@ -66,8 +52,10 @@ def _all_reduce_add_rms_norm_kernel(
     mask = cols < N
     pdl.wait_then_launch_dependents(PDL)
     dtype = out_ptr.dtype.element_ty
-    part = _this_ranks_part(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
-                            partial_stride_m, HAS_BIAS, SPLIT_K, dtype)
+    # this rank's part: its splits summed plus the bias, rounded as the split reduce rounds
+    # (one split of dtype, a projection output already rounded, comes back as it is)
+    part = sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
+                      partial_stride_m, HAS_BIAS, SPLIT_K).to(dtype)
     call = tl.load(call_counts_ptr + row) + 1
     slot = ((call % 2) * WORLD * MAX_ROWS + row) * N  # + src * MAX_ROWS * N
     for peer in tl.static_range(WORLD):

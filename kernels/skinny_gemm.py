@@ -18,7 +18,7 @@ tail of one launch. This kernel is a plain weight stream.
   column tile, the row tiles of a column tile side by side: its weight tile is read from
   memory once and from L2 after), each row summed as it is alone: what ``--batch-invariant``
   (services/worker/ops.py) runs every projection of every step with. With ``split_k`` > 1
-  each split writes an fp32 partial and ``_reduce_splits_kernel`` adds them in split order;
+  each split writes an fp32 partial and kernels/split_reduce.py adds them in split order;
   no atomics anywhere. (Reducing in the
   same launch, by the last program of each column tile to arrive at a counter, was tried: on
   the H200 it cost o_proj 0.3 us more than the second launch saved and a decode step 0.05 ms.)
@@ -52,9 +52,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import pdl
+from kernels import pdl, split_reduce
 from kernels.fp8 import FP8_DTYPE, dequantize_per_channel
-from kernels.rms_norm import MAX_SINGLE_PASS, add_rms_norm_row, single_pass_launch
+from kernels.rms_norm import MAX_SINGLE_PASS
+from kernels.split_reduce import store_rounded
 from kernels.skinny_configs import (CONFIGS, FP8_CONFIGS, FP8_GATED_CONFIGS,  # noqa: F401
                                     GATED_CONFIGS, SkinnyConfig, config_for, default_config,
                                     gated_config_for, gated_table, table)
@@ -135,13 +136,6 @@ def _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE: tl.constexpr)
 
 
 @triton.jit
-def _store_rounded(ptrs, acc, x_ptr, out_ptr, mask):
-    """fp32 sums rounded to x's dtype (as F.linear), stored in out's (fp32 logits: exactly
-    those values, no conversion launch after)."""
-    tl.store(ptrs, acc.to(x_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _row_and_column_tile(M, BLOCK_M: tl.constexpr):
     """(row tile, column tile) of this program: the programs of one column tile, one a
     BLOCK_M-row tile of x, run side by side (row tiles vary fastest), so a weight tile read
@@ -218,7 +212,7 @@ def _skinny_gemm_kernel(
         acc_up = _times_weight_scale(acc_up, scale_ptr + N, offs_n, n_mask, HAS_SCALE)
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * out_stride_m + offs_n[None, :]
-    if SPLIT_K > 1:  # an fp32 partial per split; _reduce_splits_kernel adds them
+    if SPLIT_K > 1:  # an fp32 partial per split; kernels/split_reduce.py adds them
         partial_ptrs = (partial_ptr + pid_k * partial_stride_split
                         + offs_m[:, None] * partial_stride_m + offs_n[None, :])
         tl.store(partial_ptrs, acc, mask=out_mask)
@@ -230,58 +224,7 @@ def _skinny_gemm_kernel(
                                   other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc = _silu_times(acc, acc_up, x_ptr.dtype.element_ty)
-        _store_rounded(out_ptrs, acc, x_ptr, out_ptr, out_mask)
-
-
-@triton.jit
-def _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split, partial_stride_m,
-                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Row ``row``'s columns ``cols`` of the split-K partials summed (fp32), plus the bias."""
-    ptrs = partial_ptr + row * partial_stride_m + cols
-    acc = tl.load(ptrs, mask=mask, other=0.0)
-    for split in tl.static_range(1, SPLIT_K):  # in split order: deterministic
-        acc += tl.load(ptrs + split * partial_stride_split, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return acc
-
-
-@triton.jit
-def _reduce_splits_kernel(
-    partial_ptr, bias_ptr, x_ptr, out_ptr, N, partial_stride_split, partial_stride_m,
-    out_stride_m,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):
-    """Program (row, column block): the splits added in split order, rounded to x's dtype
-    (``x_ptr`` is only read for its dtype), stored in out's."""
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    pdl.wait_then_launch_dependents(PDL)
-    acc = _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
-                      partial_stride_m, HAS_BIAS, SPLIT_K)
-    _store_rounded(out_ptr + row * out_stride_m + cols, acc, x_ptr, out_ptr, mask)
-
-
-@triton.jit
-def _reduce_splits_add_rms_norm_kernel(
-    partial_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr, N, eps,
-    partial_stride_split, partial_stride_m, residual_stride_m, out_stride_m,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program per row: the splits added in split order and rounded to the projection's
-    dtype (as ``_reduce_splits_kernel`` stores them), then that row added to the residual (in
-    place) and normalized by kernels/rms_norm.py's own single-pass code into out."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < N
-    pdl.wait_then_launch_dependents(PDL)
-    acc = _sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
-                      partial_stride_m, HAS_BIAS, SPLIT_K)
-    dtype = out_ptr.dtype.element_ty  # the projection's (and the norm's) dtype
-    add_rms_norm_row(acc.to(dtype).to(tl.float32), residual_ptr + row * residual_stride_m,
-                     norm_weight_ptr, out_ptr + row * out_stride_m, cols, mask, N, eps,
-                     True, dtype)
+        store_rounded(out_ptrs, acc, x_ptr, out_ptr, out_mask)
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -353,25 +296,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     (residual, norm_weight, eps) (split K only) the reduce adds each row to the residual, in
     place, and writes its RMSNorm to out instead."""
     partial = _launch_gemm(x, weight, bias, weight_scale, out, config, gated)
-    m, n = out.shape
     split_k = partial.shape[0] if partial is not None else 1
     if split_k > 1 and norm is not None:
         residual, norm_weight, eps = norm
-        block, num_warps = single_pass_launch(n)  # as kernels/rms_norm.py launches a row
-        _reduce_splits_add_rms_norm_kernel[(m,)](
-            partial, bias if bias is not None else weight, residual, norm_weight, out, n, eps,
-            partial.stride(0), partial.stride(1), residual.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=num_warps,
-            **pdl.launch_options(),
-        )
+        split_reduce.reduce_splits_add_rms_norm(partial, bias, residual, norm_weight, out, eps)
     elif split_k > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _reduce_splits_kernel[(m, triton.cdiv(n, block))](
-            partial, bias if bias is not None else weight, x, out, n, partial.stride(0),
-            partial.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, SPLIT_K=split_k, BLOCK=block, num_warps=4,
-            **pdl.launch_options(),
-        )
+        split_reduce.reduce_splits(partial, bias, x, out)
 
 
 def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor,

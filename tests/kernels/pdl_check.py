@@ -30,11 +30,12 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import (activation, kv_cache, paged_attention, pdl, rms_norm, rotary,
-                     skinny_gemm)
+from kernels import (activation, all_reduce_rms_norm, kv_cache, paged_attention, pdl, rms_norm,
+                     rotary, skinny_gemm, split_reduce)
 
 TARGET = GPUTarget("cuda", 90, 32)
-KERNEL_MODULES = (activation, kv_cache, paged_attention, rms_norm, rotary, skinny_gemm)
+KERNEL_MODULES = (activation, all_reduce_rms_norm, kv_cache, paged_attention, rms_norm, rotary,
+                  skinny_gemm, split_reduce)
 OPTIONS = ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.int32: "i32", torch.int64: "i64"}
@@ -252,6 +253,9 @@ CASES = {
         _empty(1, 32, 128), _empty(1, 8, 128), torch.zeros(1, dtype=torch.int64),
         _empty(128, 128, dtype=torch.float32)),
     "silu_and_mul": lambda: activation.silu_and_mul(_empty(8, 28672)),
+    "tp2_down_all_reduce_norm": lambda: all_reduce_rms_norm.all_reduce_add_rms_norm(
+        _empty(2, 1, 4096, dtype=torch.float32), _empty(4096), _empty(1, 4096), _empty(4096),
+        1e-5, torch.zeros(2, dtype=torch.int64), torch.zeros(256, dtype=torch.int64), 0, 2 << 20),
     "attention_decode_split": _attention(1, 16),
     "attention_chunk": _attention(16, 1),
 }

@@ -38,7 +38,7 @@ WIDE_SPLIT2 = SkinnyConfig(block_n=32, block_k=16, split_k=2)
 CONVERTED = {"_skinny_gemm_kernel", "_reduce_splits_kernel", "_reduce_splits_add_rms_norm_kernel",
              "_rms_norm_kernel", "_rotary_write_kv_cache_kernel", "_write_kv_cache_kernel",
              "_apply_rotary_kernel", "_silu_and_mul_kernel", "_paged_attention_kernel",
-             "_combine_segments_kernel"}
+             "_combine_segments_kernel", "_all_reduce_add_rms_norm_kernel"}
 
 
 # the on path runs with the instructions recorded: only the interpreter can call Python there
