@@ -35,6 +35,7 @@ from kernels import pdl
 from kernels.rms_norm import MAX_SINGLE_PASS, add_rms_norm_row, single_pass_launch
 from kernels.split_reduce import sum_splits
 
+
 @triton.jit
 def _all_reduce_add_rms_norm_kernel(
     partial_ptr, bias_ptr, residual_ptr, norm_weight_ptr, out_ptr, buffer_ptrs_ptr,

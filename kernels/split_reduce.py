@@ -25,7 +25,7 @@ def store_rounded(ptrs, acc, x_ptr, out_ptr, mask):
 
 @triton.jit
 def sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split, partial_stride_m,
-                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+               HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
     """Row ``row``'s columns ``cols`` of the split-K partials summed (fp32), plus the bias."""
     ptrs = partial_ptr + row * partial_stride_m + cols
     acc = tl.load(ptrs, mask=mask, other=0.0)
@@ -49,7 +49,7 @@ def _reduce_splits_kernel(
     mask = cols < N
     pdl.wait_then_launch_dependents(PDL)
     acc = sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
-                      partial_stride_m, HAS_BIAS, SPLIT_K)
+                     partial_stride_m, HAS_BIAS, SPLIT_K)
     store_rounded(out_ptr + row * out_stride_m + cols, acc, x_ptr, out_ptr, mask)
 
 
@@ -67,7 +67,7 @@ def _reduce_splits_add_rms_norm_kernel(
     mask = cols < N
     pdl.wait_then_launch_dependents(PDL)
     acc = sum_splits(partial_ptr, bias_ptr, row, cols, mask, partial_stride_split,
-                      partial_stride_m, HAS_BIAS, SPLIT_K)
+                     partial_stride_m, HAS_BIAS, SPLIT_K)
     dtype = out_ptr.dtype.element_ty  # the projection's (and the norm's) dtype
     add_rms_norm_row(acc.to(dtype).to(tl.float32), residual_ptr + row * residual_stride_m,
                      norm_weight_ptr, out_ptr + row * out_stride_m, cols, mask, N, eps,
