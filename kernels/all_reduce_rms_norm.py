@@ -1,10 +1,10 @@
 """Tensor parallelism's row-parallel projection tail in one kernel: each rank's partial sums
 added over the ranks through GPU peer memory, then the residual add and the RMSNorm (Triton).
 
-A tensor-parallel decode layer ends o_proj and down with the same three launches: the
-projection's split-K reduce (this rank's part, rounded), an all-reduce of the parts, and the
-residual add + RMSNorm. At batch 1 each is a few microseconds of mostly waiting, and a
-Llama-3.1-8B step has 64 of each. Here one program per row does all three:
+A tensor-parallel decode layer ends o_proj and down with the same launches: the projection's
+split-K reduce where its config splits K (this rank's part, rounded), an all-reduce of the
+parts, and the residual add + RMSNorm. At batch 1 each is a few microseconds of mostly
+waiting, and a Llama-3.1-8B step has 64 of each. Here one program per row does them all:
 
 1. sums this rank's split-K partials (fp32, in split order) plus the bias and rounds them to
    the activation dtype, as ``skinny_gemm``'s reduce stores its output (or takes a projection
