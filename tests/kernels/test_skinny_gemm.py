@@ -261,3 +261,18 @@ def test_gpu_cuda_graph_capture():
             x.copy_(randn(4, 14336, gen=gen, device="cuda", dtype=torch.bfloat16))
             graph.replay()
             assert torch.equal(out, skinny_gemm(x * 3.0, weight, bias, config=config)), config
+
+
+def test_partials_are_the_splits_the_reduce_adds(monkeypatch):
+    """skinny_gemm_partials (the TP tail's input) leaves the split-K partials unreduced: added
+    in split order they are skinny_gemm's own output, bit for bit; an unsplit config refuses."""
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    x, weight = randn(3, 200, gen=gen), randn(40, 200, gen=gen)  # K 200: three splits
+    monkeypatch.setattr(skinny_module, "config_for", lambda n, k, dtype: DOT_SPLIT)
+    partials = skinny_module.skinny_gemm_partials(x, weight)
+    assert partials.shape == (3, 3, 40) and partials.dtype == torch.float32
+    assert torch.equal(partials[0] + partials[1] + partials[2],
+                       skinny_gemm(x, weight, config=DOT_SPLIT))
+    monkeypatch.setattr(skinny_module, "config_for", lambda n, k, dtype: DOT)
+    with pytest.raises(ValueError, match="does not split K"):
+        skinny_module.skinny_gemm_partials(x, weight)
