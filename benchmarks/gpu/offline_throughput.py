@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -85,6 +86,55 @@ def time_steps(engine) -> list[tuple[float, int, int]]:
     return records
 
 
+SEQ_BUCKETS = (16, 64, 128, 256, 512, 1024)
+
+
+def period_by_seqs(records: list[tuple[float, int, int]]) -> dict[str, list[float]]:
+    """Steps grouped by sequences: [count, total s, mean ms, mean tokens] per range, timed by
+    the period between results (what the run pays a step, host and device together)."""
+    groups: dict[int, list[float]] = {}
+    for (before, _, _), (when, num_seqs, num_tokens) in zip(records, records[1:]):
+        bound = next((b for b in SEQ_BUCKETS if num_seqs <= b), num_seqs)
+        count, total, tokens = groups.get(bound, (0, 0.0, 0))
+        groups[bound] = (count + 1, total + when - before, tokens + num_tokens)
+    return {f"seqs<={bound}": [count, round(total, 2), round(1e3 * total / count, 2),
+                               round(tokens / count)]
+            for bound, (count, total, tokens) in sorted(groups.items())}
+
+
+def profile_window(engine, first_step: int, num_steps: int, trace_path: Path):
+    """Trace the timed run's steps first_step.. first_step + num_steps - 1 (counted by plans
+    submitted) with the PyTorch profiler on this process (rank 0) into ``trace_path``; the
+    returned function prints where their GPU time went (benchmarks/gpu/kernel_summary.py)."""
+    from benchmarks.gpu import kernel_summary
+
+    submit, num_submitted, profiles = engine.runner.submit, [0], []
+
+    def profiled_submit(plan):
+        if num_submitted[0] == first_step:
+            torch.cuda.synchronize()
+            profiles.append(torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]))
+            profiles[0].__enter__()
+        results = submit(plan)
+        num_submitted[0] += 1
+        if num_submitted[0] == first_step + num_steps and profiles:
+            torch.cuda.synchronize()
+            profiles[0].__exit__(None, None, None)
+        return results
+
+    def report() -> dict | None:
+        if not profiles:
+            return None
+        profiles[0].export_chrome_trace(str(trace_path))  # after the run: not on its clock
+        summary = kernel_summary.summarize(kernel_summary.load_events(trace_path), num_steps)
+        kernel_summary.print_summary(summary, f"flotilla, steps {first_step}..")
+        return summary
+
+    engine.runner.submit = profiled_submit
+    return report
+
+
 def tail_summary(records: list[tuple[float, int, int]], tail_seqs: int) -> dict:
     """Wall time and steps before and in the tail (at most ``tail_seqs`` sequences a step to
     the end), and the tail's steps that computed more tokens than sequences (verify steps):
@@ -127,6 +177,9 @@ def main() -> None:
     parser.add_argument("--overlap-steps", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--speculative-config", default="",
                         help="JSON as flotilla serve takes it (issue 28: never slower than off)")
+    parser.add_argument("--profile-at", type=int, default=-1, metavar="STEP",
+                        help="trace --profile-steps steps from this one (-1: none) under $OUT")
+    parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--dump-workload", default="",
                         help="write the workload's token ids as JSON ({prompts, output_lens}: "
                              "what vllm_offline.py reads) and exit")
@@ -159,6 +212,9 @@ def main() -> None:
                                                   ignore_eos=True) for _ in warm_prompts])
     sampling = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     step_times = time_steps(engine)
+    report_profile = (profile_window(engine, args.profile_at, args.profile_steps,
+                                     Path(os.environ.get("OUT", "/tmp"), "flotilla_trace.json"))
+                      if args.profile_at >= 0 else None)
     completions, stats = engine.generate(prompts, sampling)
     assert [len(c.output_token_ids) for c in completions] == output_lens
     num_in, num_out = sum(map(len, prompts)), sum(output_lens)
@@ -178,6 +234,7 @@ def main() -> None:
         "mixed_steps_time_by_tokens": step_time_by_tokens(stats.steps),
         "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,
         "tail": tail_summary(step_times, TAIL_SEQS),
+        "period_by_seqs": period_by_seqs(step_times),
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager, "overlap_steps": args.overlap_steps,
         "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
@@ -190,6 +247,8 @@ def main() -> None:
         # the last request finishes when the run ends: finish times from the run's start
         "done_s_percentiles": done_percentiles([
             c.finish_time - last_finish + stats.elapsed_s for c in completions])}
+    if report_profile is not None:
+        result["profile"] = report_profile()
     engine.close()
     if args.hf_batch_sizes:
         model_files = resolve_model(args.model)
