@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
@@ -15,6 +16,7 @@ from shared.logging import setup_logging
 from shared.tracing import setup_tracing
 
 C = TypeVar("C", bound=ServiceConfig)
+log = structlog.get_logger()
 
 
 def setup_process(name: str, config_cls: type[C], argv: Sequence[str] | None = None) -> C:
@@ -29,9 +31,27 @@ def setup_process(name: str, config_cls: type[C], argv: Sequence[str] | None = N
 def freeze_startup_objects() -> None:
     """Move everything alive after start-up (modules, the model, the tokenizer) out of the
     garbage collector's reach, so its full passes walk only what the service makes while
-    serving: on the 2-core machine every process shares the worker's cores."""
+    serving: on the 2-core machine every process shares the worker's cores; on a GPU a
+    pause in one tensor-parallel rank stalls every rank's next all-reduce. From here on a
+    collection that pauses the process for over LONG_GC_PAUSE_S is logged."""
     gc.collect()
     gc.freeze()
+    if _log_long_gc_pause not in gc.callbacks:
+        gc.callbacks.append(_log_long_gc_pause)
+
+
+LONG_GC_PAUSE_S = 0.02
+_gc_started: list[float] = []
+
+
+def _log_long_gc_pause(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[:] = [time.perf_counter()]
+    elif _gc_started:
+        paused_s = time.perf_counter() - _gc_started.pop()
+        if paused_s > LONG_GC_PAUSE_S:
+            log.warning("long_gc_pause", ms=round(1e3 * paused_s, 1),
+                        generation=info.get("generation"), collected=info.get("collected"))
 
 
 def run_event_loop(main: Awaitable[None]) -> None:

@@ -42,6 +42,7 @@ from shared.messages import (
     AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch,
     StepPlan, StepResult, SubmitReply, WorkerInfo,
 )
+from shared.runtime import freeze_startup_objects
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -448,6 +449,7 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
                             on_lost=stop.set)
     service = SchedulerService(config, bus)
     await service.start()
+    freeze_startup_objects()
     log.info("scheduler_started", replica_id=config.replica_id)
     speculation = parse_speculative_config(config.speculative_config)
     if speculation is not None and speculation.rejection_sample_method == "synthetic":

@@ -235,6 +235,7 @@ def follower_main(config: WorkerConfig, model_files: ModelFiles, rank: int, port
     _die_with_parent(parent_pid)
     from services.worker.runner import ModelRunner  # the runner imports this module
     from shared.logging import setup_logging
+    from shared.runtime import freeze_startup_objects
 
     setup_logging("worker", level=config.log_level, json=config.log_json)
     structlog.contextvars.bind_contextvars(service="worker", instance=config.instance_id,
@@ -242,6 +243,9 @@ def follower_main(config: WorkerConfig, model_files: ModelFiles, rank: int, port
     config = rank_config(config, rank)
     tp = join_group(config, rank, config.tensor_parallel_size, port)
     runner = ModelRunner(config, model_files, FollowerRank(tp))
+    # A full collection over the start-up heap took ~100 ms while rank 0 waited in the step's
+    # first all-reduce (70B TP2 on two H200s); rank 0's own process freezes it too.
+    freeze_startup_objects()
     while True:
         try:
             message = link.recv_bytes()
