@@ -179,8 +179,35 @@ def summarize(records: list[RequestRecord], duration_s: float,
     if slo_s:
         num_good = sum(meets_slo(r, slo_s) for r in done)
         summary.update(slo_ms={k: v * 1000 for k, v in slo_s.items()}, good_requests=num_good,
-                       goodput=_rate(num_good, duration_s))
+                       goodput=_rate(num_good, duration_s),
+                       slo_misses=slo_misses(done, slo_s))
     return summary
+
+
+def slo_misses(records: list[RequestRecord], slo_s: dict[str, float],
+               limit: int = 5) -> list[dict]:
+    """The first ``limit`` completed requests outside the SLO, each with its longest gap:
+    when it ended (seconds after the run began) and how many other requests in flight
+    then got no chunk during it either (all of them: the server or client paused; none:
+    something of this request's own)."""
+    misses = []
+    for record in [r for r in records if not meets_slo(r, slo_s)][:limit]:
+        gaps = chunk_gaps_s(record)
+        miss = {"start_s": round(record.start_s, 3), "ttft_ms": round(1e3 * ttft_s(record), 1),
+                "longest_gap_ms": round(1e3 * max(gaps, default=0.0), 1),
+                "num_output_tokens": num_output_tokens(record)}
+        if gaps:
+            after_chunk = gaps.index(max(gaps))
+            began = record.start_s + record.chunk_times_s[after_chunk]
+            ended = record.start_s + record.chunk_times_s[after_chunk + 1]
+            in_flight = [r for r in records if r is not record and r.chunk_times_s
+                         and r.start_s < began and r.start_s + r.e2e_s > ended]
+            silent = [r for r in in_flight if not any(
+                began < r.start_s + t < ended for t in r.chunk_times_s)]
+            miss |= {"gap_after_chunk": after_chunk, "gap_ended_s": round(ended, 3),
+                     "others_in_flight": len(in_flight), "others_silent": len(silent)}
+        misses.append(miss)
+    return misses
 
 
 def chunk_figures(records: list[RequestRecord]) -> dict:

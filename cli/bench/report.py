@@ -76,6 +76,7 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
         lines += [f"{'SLO:':<14}{slo:>38}",
                   _line("Requests within the SLO:", summary["good_requests"]),
                   _line("Goodput (req/s):", summary["goodput"])]
+        lines += [slo_miss_line(miss) for miss in summary.get("slo_misses", [])]
     lines += [_title("Latency", "-"), *latency_table(summary), *chunk_table(summary)]
     if summary["failure_reasons"]:
         lines.append(_title("Failures", "-"))
@@ -84,6 +85,17 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
         lines.append(_title("CUT SHORT at the --max-duration deadline", "!"))
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
+
+
+def slo_miss_line(miss: dict) -> str:
+    """One request outside the SLO: when it was sent, its TTFT and longest gap, and whether
+    the requests in flight with it were silent through that gap too."""
+    line = (f"  outside: sent at {miss['start_s']:.2f} s, TTFT {miss['ttft_ms']:.0f} ms, "
+            f"longest gap {miss['longest_gap_ms']:.0f} ms")
+    if "gap_ended_s" in miss:
+        line += (f" (after chunk {miss['gap_after_chunk']}, ended at {miss['gap_ended_s']:.2f} s;"
+                 f" {miss['others_silent']} of {miss['others_in_flight']} others silent)")
+    return line
 
 
 def sweep_table(runs: list[dict]) -> str:

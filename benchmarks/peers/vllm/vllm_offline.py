@@ -4,13 +4,50 @@ ignored.
 
   python3 benchmarks/peers/vllm/vllm_offline.py --model DIR --workloads c_fixed.json,e_sharegpt.json [--latency]
 
-Prints one JSON line per workload and writes $OUT/vllm_<name>.json.
+Prints one JSON line per workload and writes $OUT/vllm_<name>.json. Each result also holds
+``period_by_seqs``: the engine's steps grouped by the sequences that got a token, each group's
+[count, total s, mean ms, mean sequences], timed by the period between the steps' outputs (the
+figure flotilla's offline_throughput reports under the same name). ``--runs 2`` times the
+workload again in the same process (vLLM's steady state: its first timed run after the short
+warm-up was 6% slower on the 70B TP2 ShareGPT workload, session 22). ``--profile-at N``
+traces engine iterations N.. N + --profile-steps - 1 of the last run with vLLM's torch profiler
+into $OUT/vllm_trace (summarize with benchmarks/gpu/kernel_summary.py).
 """
 import argparse
 import json
 import os
 import time
 from pathlib import Path
+
+
+SEQ_BUCKETS = (16, 64, 128, 256, 512, 1024)
+
+
+def record_steps(llm) -> list:
+    """(when, sequences given a token) of each engine step's outputs as the front end reads
+    them, appended while the engine runs (the engine core sends one batch of outputs a step)."""
+    steps, client = [], llm.llm_engine.engine_core
+    get_output = client.get_output
+
+    def timed_get_output(*args, **kwargs):
+        outputs = get_output(*args, **kwargs)
+        if outputs.outputs:
+            steps.append((time.perf_counter(), len(outputs.outputs)))
+        return outputs
+
+    client.get_output = timed_get_output
+    return steps
+
+
+def period_by_seqs(steps: list) -> dict:
+    groups = {}
+    for (before, _), (when, num_seqs) in zip(steps, steps[1:]):
+        bound = next((b for b in SEQ_BUCKETS if num_seqs <= b), num_seqs)
+        count, total, seqs = groups.get(bound, (0, 0.0, 0))
+        groups[bound] = (count + 1, total + when - before, seqs + num_seqs)
+    return {f"seqs<={bound}": [count, round(total, 2), round(1e3 * total / count, 2),
+                               round(seqs / count)]
+            for bound, (count, total, seqs) in sorted(groups.items())}
 
 
 def main() -> None:
@@ -28,6 +65,9 @@ def main() -> None:
     ap.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only")
     ap.add_argument("--tag", default="", help="suffix for the output names")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=1, help="timed runs of each workload")
+    ap.add_argument("--profile-at", type=int, default=-1, help="engine iteration (-1: none)")
+    ap.add_argument("--profile-steps", type=int, default=3)
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -48,6 +88,13 @@ def main() -> None:
         kw["skip_tokenizer_init"] = True
     if a.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = a.tensor_parallel_size
+    out = os.environ.get("OUT")
+    if a.profile_at >= 0:
+        kw["profiler_config"] = {
+            "profiler": "torch", "torch_profiler_dir": str(Path(out or "/tmp", "vllm_trace")),
+            "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
+            "delay_iterations": a.profile_at, "max_iterations": a.profile_steps,
+            "ignore_frontend": True}
     t0 = time.perf_counter()
     llm = LLM(model=a.model, load_format="dummy", dtype="bfloat16", max_model_len=a.max_model_len,
               gpu_memory_utilization=a.gpu_memory_utilization, seed=0, **kw)
@@ -56,7 +103,7 @@ def main() -> None:
     cfg = llm.llm_engine.vllm_config.scheduler_config
     common = {"engine": f"vllm {vllm.__version__}", "model": a.model, "startup_s": start_s,
               "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens}
-    out = os.environ.get("OUT")
+    steps = record_steps(llm)
 
     def emit(name: str, res: dict) -> None:
         res = {**common, **res, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
@@ -74,16 +121,25 @@ def main() -> None:
         w = json.loads(Path(path).read_text())
         prompts = [TokensPrompt(prompt_token_ids=p) for p in w["prompts"]]
         params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=not a.skip_tokenizer_init) for n in w["output_lens"]]
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        el = time.perf_counter() - t
-        got = [len(o.outputs[0].token_ids) for o in outs]
-        assert got == w["output_lens"], "output lengths differ"
-        n_in, n_out = sum(map(len, w["prompts"])), sum(w["output_lens"])
-        emit(Path(path).stem, {"workload": Path(path).stem, "num_prompts": len(prompts),
-                               "input_tokens": n_in, "output_tokens": n_out, "elapsed_s": el,
-                               "request_s": len(prompts) / el, "output_tok_s": n_out / el,
-                               "total_tok_s": (n_in + n_out) / el})
+        for run in range(1, a.runs + 1):
+            profiled = a.profile_at >= 0 and run == a.runs
+            if profiled:
+                llm.start_profile()
+            steps.clear()
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            el = time.perf_counter() - t
+            if profiled:
+                llm.stop_profile()
+            got = [len(o.outputs[0].token_ids) for o in outs]
+            assert got == w["output_lens"], "output lengths differ"
+            n_in, n_out = sum(map(len, w["prompts"])), sum(w["output_lens"])
+            name = Path(path).stem + (f"_run{run}" if a.runs > 1 else "")
+            emit(name, {"workload": Path(path).stem, "run": run, "profiled": profiled,
+                        "num_prompts": len(prompts), "input_tokens": n_in, "output_tokens": n_out,
+                        "elapsed_s": el, "request_s": len(prompts) / el,
+                        "output_tok_s": n_out / el, "total_tok_s": (n_in + n_out) / el,
+                        "num_steps": len(steps), "period_by_seqs": period_by_seqs(steps)})
 
     if a.latency:
         prompt = TokensPrompt(prompt_token_ids=[100 + (j * 7919) % 30000 for j in range(1024)])
