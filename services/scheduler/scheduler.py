@@ -29,7 +29,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from services.scheduler.admission import AdmissionReserve
+from services.scheduler.admission import AdmissionReserve, KeptRoom
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer, StepClock, decode_stall_target_ms
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
@@ -82,7 +82,7 @@ class Scheduler:
                                           config.max_decode_stall_ms, gpu_streams) / 1000)
         self.step_clock = StepClock()  # the pacer's step times
         self.reserve = AdmissionReserve(block_size, config.admission_reserve)
-        self._kept: dict[int, float] = {}  # room admission keeps, by priority (admission.py)
+        self._kept = KeptRoom()  # room admission keeps for the running (admission.py)
         self.drafter = drafter(parse_speculative_config(config.speculative_config))
         if self.drafter.drafts_in_worker and not worker_drafts:
             self.drafter = NoDrafts()
@@ -209,8 +209,8 @@ class Scheduler:
             budget -= num_new
             num_chunk_tokens += num_new if prefilling else 0
             num_decodes += 0 if prefilling else 1
-        self._kept = self.reserve.kept_tokens(self.running, self.max_model_len) \
-            if self.waiting else {}
+        self._kept = self.reserve.kept_room(self.running, self.max_model_len) \
+            if self.waiting else KeptRoom()
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = self._waiting_head()
             if head is None:
@@ -309,13 +309,13 @@ class Scheduler:
         num_cached = (len(hit_ids) + len(loaded)) * block_size
         num_new = min(req.num_tokens - num_cached, budget)
         num_missing = num_blocks_for(num_cached + num_new, block_size) - len(hit_ids)
-        own = self.reserve.tokens_to_keep(req, req.num_tokens - num_cached - num_new,
-                                          self.max_model_len)
-        kept = self.reserve.kept_for(self._kept, req.sort_key[0]) + own if self.running else 0
+        own = self.reserve.commitment(req, len(hit_ids) + num_missing, req.num_tokens
+                                      - num_cached - num_new, self.max_model_len)
+        kept = self._kept.need_with(own, req.sort_key[0]) if self.running else 0
         if not self.block_manager.can_allocate(num_missing + self.reserve.blocks_for(kept),
                                                self.block_manager.num_evictable(hit_ids)):
             return None
-        self._kept[req.sort_key[0]] = self._kept.get(req.sort_key[0], 0.0) + own
+        self._kept.add(own, req.sort_key[0])
         self.waiting.remove(req)
         self.running.append(req)
         self.block_manager.reuse(hit_ids)

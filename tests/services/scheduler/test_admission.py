@@ -3,7 +3,10 @@ how much of max_tokens finished requests used."""
 
 from __future__ import annotations
 
-from services.scheduler.admission import MAX_COUNTED_TOKENS, AdmissionReserve
+import random
+
+from services.scheduler.admission import (MAX_COUNTED_TOKENS, AdmissionReserve, Commitment,
+                                          peak_need)
 from services.scheduler.request import Request
 from shared.messages import SamplingParams
 from tests.services.scheduler.test_scheduler import (
@@ -61,13 +64,65 @@ def test_the_share_follows_finished_requests_and_rises_on_preemption():
 def test_room_counts_the_prompt_left_and_a_clipped_share_of_the_output():
     reserve = AdmissionReserve(block_size=16)
     reserve.ratio = 0.5
-    # 100 tokens may still come (max_tokens 110, 10 written): half kept, plus 20 of prompt
-    assert reserve.tokens_to_keep(sized(10, 110), 20, max_model_len=10_000) == 20 + 50
-    # max_tokens up to the context counts at most MAX_COUNTED_TOKENS
+    # 100 tokens may still come (max_tokens 110, 10 written): half kept, plus 20 of prompt;
+    # its 3 blocks free when it ends
+    assert reserve.commitment(sized(10, 110), 3, 20, max_model_len=10_000) == \
+        Commitment(48, 20, 50.0)
+    # max_tokens up to the context counts at most MAX_COUNTED_TOKENS, and its end is not
+    # counted on (its blocks would free too late)
     huge = sized(0, 100_000)
-    assert reserve.tokens_to_keep(huge, 0, max_model_len=200_000) == 0.5 * MAX_COUNTED_TOKENS
+    assert reserve.commitment(huge, 3, 0, max_model_len=200_000) == \
+        Commitment(0, 0, 0.5 * MAX_COUNTED_TOKENS)
     assert reserve.blocks_for(70) == 5
-    assert AdmissionReserve(16, enabled=False).tokens_to_keep(huge, 9, 200_000) == 0.0
+    assert AdmissionReserve(16, enabled=False).commitment(huge, 3, 9, 200_000) == \
+        Commitment(0, 0, 0.0)
+
+
+def brute_force_peak(commitments: list[Commitment]) -> float:
+    """Step by step: at step t a request still running (it writes its last token at step
+    growth) holds its blocks, its prompt and t tokens; one that has ended holds nothing."""
+    horizon = int(max(c.growth for c in commitments)) + 1
+    held_now = sum(c.held_tokens for c in commitments)
+    return max(sum(c.held_tokens + c.prompt_left + t for c in commitments if t <= c.growth)
+               - held_now for t in range(horizon))
+
+
+def test_the_need_peaks_before_the_long_ones_end_not_at_the_sum():
+    # one long answer and many short ones: the short ones free their blocks first
+    mix = [Commitment(160, 0, 1000.0)] + [Commitment(32, 8, 20.0)] * 50
+    assert peak_need(mix) == brute_force_peak(mix)
+    assert peak_need(mix) < 1000 + 50 * (8 + 20)  # the sum the reserve used to keep
+    # identical answers all run to the end together: their peak is the sum
+    same = [Commitment(64, 4, 100.0)] * 10
+    assert peak_need(same) == brute_force_peak(same) == 10 * (4 + 100)
+    # a prompt still to fill counts at once, even for a request about to end
+    assert peak_need([Commitment(0, 500, 0.0), Commitment(16, 0, 10.0)]) == 500
+    assert peak_need([]) == 0.0
+
+
+def test_the_peak_matches_a_step_by_step_count_on_random_mixes():
+    rng = random.Random(0)
+    for _ in range(200):
+        mix = [Commitment(16 * rng.randint(0, 20), rng.choice((0, 0, rng.randint(1, 64))),
+                          float(rng.randint(0, 60))) for _ in range(rng.randint(1, 12))]
+        assert peak_need(mix) == brute_force_peak(mix), mix
+
+
+def test_short_and_long_answers_start_together_when_the_peak_fits():
+    """One request of 4 + 100 tokens and five of 4 + 12 on 32 blocks of 4 tokens: the sum of
+    their prompts and answers (184 tokens) would not fit, their peak does (the short ones end
+    long before the long one needs its last blocks): all start at once, none is preempted
+    and every one gets its exact tokens."""
+    scheduler, worker = make_scheduler(num_blocks=32, max_num_batched_tokens=64), FakeWorker(32)
+    scheduler.add_request(request("long", 4, 100, ignore_eos=True))
+    for i in range(5):
+        scheduler.add_request(request(f"short{i}", 4, 12, ignore_eos=True))
+    outputs, _, plans = run_to_completion(scheduler, worker, depth=2)
+    assert len(plans[0].new_requests) == 6  # all at once
+    assert scheduler.num_preemptions == 0
+    assert outputs["long"] == expected_tokens("long", 4, 100)
+    for i in range(5):
+        assert outputs[f"short{i}"] == expected_tokens(f"short{i}", 4, 12)
 
 
 def test_under_the_priority_policy_room_is_kept_only_for_the_more_important():
