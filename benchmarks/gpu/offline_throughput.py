@@ -30,6 +30,7 @@ import torch
 
 from benchmarks.gpu.common import (build_engine, device_name, done_percentiles, hf_random_model,
                     hf_static_batches, save)
+from benchmarks.step_periods import period_by_seqs
 from shared.messages import SamplingParams
 from shared.models import resolve_model
 
@@ -84,22 +85,6 @@ def time_steps(engine) -> list[tuple[float, int, int]]:
 
     engine.scheduler.update = timed_update
     return records
-
-
-SEQ_BUCKETS = (16, 64, 128, 256, 512, 1024)
-
-
-def period_by_seqs(records: list[tuple[float, int, int]]) -> dict[str, list[float]]:
-    """Steps grouped by sequences: [count, total s, mean ms, mean tokens] per range, timed by
-    the period between results (what the run pays a step, host and device together)."""
-    groups: dict[int, list[float]] = {}
-    for (before, _, _), (when, num_seqs, num_tokens) in zip(records, records[1:]):
-        bound = next((b for b in SEQ_BUCKETS if num_seqs <= b), num_seqs)
-        count, total, tokens = groups.get(bound, (0, 0.0, 0))
-        groups[bound] = (count + 1, total + when - before, tokens + num_tokens)
-    return {f"seqs<={bound}": [count, round(total, 2), round(1e3 * total / count, 2),
-                               round(tokens / count)]
-            for bound, (count, total, tokens) in sorted(groups.items())}
 
 
 def profile_window(engine, first_step: int, num_steps: int, trace_path: Path):
@@ -234,7 +219,7 @@ def main() -> None:
         "mixed_steps_time_by_tokens": step_time_by_tokens(stats.steps),
         "num_preemptions": stats.num_preemptions, "num_blocks": engine.runner.num_blocks,
         "tail": tail_summary(step_times, TAIL_SEQS),
-        "period_by_seqs": period_by_seqs(step_times),
+        "period_by_seqs": period_by_seqs([(when, seqs) for when, seqs, _ in step_times]),
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "cuda_graphs": not args.enforce_eager, "overlap_steps": args.overlap_steps,
         "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,

@@ -16,11 +16,12 @@ into $OUT/vllm_trace (summarize with benchmarks/gpu/kernel_summary.py).
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
-
-SEQ_BUCKETS = (16, 64, 128, 256, 512, 1024)
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository: its plain
+from benchmarks.step_periods import period_by_seqs  # noqa: E402 (Python, no flotilla deps)
 
 
 def record_steps(llm) -> list:
@@ -37,17 +38,6 @@ def record_steps(llm) -> list:
 
     client.get_output = timed_get_output
     return steps
-
-
-def period_by_seqs(steps: list) -> dict:
-    groups = {}
-    for (before, _), (when, num_seqs) in zip(steps, steps[1:]):
-        bound = next((b for b in SEQ_BUCKETS if num_seqs <= b), num_seqs)
-        count, total, seqs = groups.get(bound, (0, 0.0, 0))
-        groups[bound] = (count + 1, total + when - before, seqs + num_seqs)
-    return {f"seqs<={bound}": [count, round(total, 2), round(1e3 * total / count, 2),
-                               round(seqs / count)]
-            for bound, (count, total, seqs) in sorted(groups.items())}
 
 
 def main() -> None:
