@@ -14,14 +14,11 @@ traces engine iterations N.. N + --profile-steps - 1 of the last run with vLLM's
 into $OUT/vllm_trace (summarize with benchmarks/gpu/kernel_summary.py).
 """
 import argparse
+import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository: its plain
-from benchmarks.step_periods import period_by_seqs  # noqa: E402 (Python, no flotilla deps)
 
 
 def record_steps(llm) -> list:
@@ -38,6 +35,17 @@ def record_steps(llm) -> list:
 
     client.get_output = timed_get_output
     return steps
+
+
+def load_step_periods():
+    """benchmarks/step_periods.py, loaded from its file: this script runs in vLLM's
+    environment, apart from the repository's packages (its top-level ``kernels`` would
+    shadow a library of that name), and that module is plain Python."""
+    path = Path(__file__).resolve().parents[2] / "step_periods.py"
+    spec = importlib.util.spec_from_file_location("flotilla_step_periods", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
@@ -93,7 +101,7 @@ def main() -> None:
     cfg = llm.llm_engine.vllm_config.scheduler_config
     common = {"engine": f"vllm {vllm.__version__}", "model": a.model, "startup_s": start_s,
               "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens}
-    steps = record_steps(llm)
+    steps, step_periods = record_steps(llm), load_step_periods()
 
     def emit(name: str, res: dict) -> None:
         res = {**common, **res, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
@@ -129,7 +137,7 @@ def main() -> None:
                         "num_prompts": len(prompts), "input_tokens": n_in, "output_tokens": n_out,
                         "elapsed_s": el, "request_s": len(prompts) / el,
                         "output_tok_s": n_out / el, "total_tok_s": (n_in + n_out) / el,
-                        "num_steps": len(steps), "period_by_seqs": period_by_seqs(steps)})
+                        "num_steps": len(steps), "period_by_seqs": step_periods.period_by_seqs(steps)})
 
     if a.latency:
         prompt = TokensPrompt(prompt_token_ids=[100 + (j * 7919) % 30000 for j in range(1024)])
