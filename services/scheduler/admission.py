@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -126,12 +126,14 @@ class AdmissionReserve:
         return Commitment(num_held_blocks * self.block_size if ends else 0, num_prompt_left,
                           self.ratio * self.remaining_tokens(req, max_model_len))
 
-    def kept_room(self, running: Iterable[Request], max_model_len: int) -> KeptRoom:
-        """The running requests' room (a prompt's blocks come chunk by chunk)."""
+    def kept_room(self, running: Iterable[Request], max_model_len: int,
+                  num_sole_blocks: Callable[[list[int]], int]) -> KeptRoom:
+        """The running requests' room (a prompt's blocks come chunk by chunk); each frees
+        only the blocks no other sequence holds (``num_sole_blocks`` of its block table)."""
         kept = KeptRoom()
         if self.enabled:
             for req in running:
-                kept.add(self.commitment(req, len(req.block_table), max(
+                kept.add(self.commitment(req, num_sole_blocks(req.block_table), max(
                     0, req.num_tokens - req.num_computed_tokens), max_model_len), req.sort_key[0])
         return kept
 

@@ -98,6 +98,10 @@ class BlockManager:
     def num_evictable(self, block_ids: Sequence[int]) -> int:
         return sum(1 for block_id in block_ids if block_id in self._evictable)
 
+    def num_sole(self, block_ids: Sequence[int]) -> int:
+        """Blocks of ``block_ids`` no other sequence holds: what freeing them gives back."""
+        return sum(1 for block_id in block_ids if self.blocks[block_id].ref_count == 1)
+
     def reuse(self, block_ids: Sequence[int]) -> None:
         """Take a reference on cached blocks (a prefix hit)."""
         for block_id in block_ids:

@@ -209,8 +209,8 @@ class Scheduler:
             budget -= num_new
             num_chunk_tokens += num_new if prefilling else 0
             num_decodes += 0 if prefilling else 1
-        self._kept = self.reserve.kept_room(self.running, self.max_model_len) \
-            if self.waiting else KeptRoom()
+        self._kept = KeptRoom() if not self.waiting else self.reserve.kept_room(
+            self.running, self.max_model_len, self.block_manager.num_sole)
         while not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = self._waiting_head()
             if head is None:
@@ -309,8 +309,8 @@ class Scheduler:
         num_cached = (len(hit_ids) + len(loaded)) * block_size
         num_new = min(req.num_tokens - num_cached, budget)
         num_missing = num_blocks_for(num_cached + num_new, block_size) - len(hit_ids)
-        own = self.reserve.commitment(req, len(hit_ids) + num_missing, req.num_tokens
-                                      - num_cached - num_new, self.max_model_len)
+        own = self.reserve.commitment(req, num_missing, req.num_tokens - num_cached - num_new,
+                                      self.max_model_len)  # its hits may stay held by others
         kept = self._kept.need_with(own, req.sort_key[0]) if self.running else 0
         if not self.block_manager.can_allocate(num_missing + self.reserve.blocks_for(kept),
                                                self.block_manager.num_evictable(hit_ids)):

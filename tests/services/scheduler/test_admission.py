@@ -137,3 +137,24 @@ def test_under_the_priority_policy_room_is_kept_only_for_the_more_important():
     scheduler.add_request(request("urgent", 4, 20, priority=-1, ignore_eos=True))
     plan = scheduler.schedule()
     assert [new.request_id for new in plan.new_requests] == ["urgent"]
+
+
+def test_a_request_frees_only_the_blocks_no_other_sequence_holds():
+    """Siblings share their prompt's blocks: one that ends gives back only its own."""
+    from services.scheduler.block_manager import BlockManager
+
+    blocks = BlockManager(num_blocks=8, block_size=4)
+    shared, own_a, own_b = blocks.allocate(1), blocks.allocate(2), blocks.allocate(1)
+    blocks.blocks[shared[0]].ref_count += 1  # the second sibling's reference
+    assert blocks.num_sole(shared + own_a) == 2
+    assert blocks.num_sole(shared + own_b) == 1
+    reserve = AdmissionReserve(block_size=4)
+    a, b = sized(0, 10), sized(0, 10)
+    a.block_table, b.block_table = shared + own_a, shared + own_b
+    a.num_computed_tokens = b.num_computed_tokens = 3  # their prompts are in
+    kept = reserve.kept_room([a, b], max_model_len=1000, num_sole_blocks=blocks.num_sole)
+    # both grow 10 tokens; just before they end they need 20 tokens beyond what they hold
+    assert kept.need_with(Commitment(0, 0, 0.0), 0) == 20
+    # a third request growing 100 counts on their 3 sole blocks (12 tokens) once they end,
+    # not on 4
+    assert kept.need_with(Commitment(0, 0, 100.0), 0) == 100 - 12
