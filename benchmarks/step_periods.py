@@ -18,3 +18,27 @@ def period_by_seqs(steps: list[tuple[float, int]]) -> dict[str, list[float]]:
     return {f"seqs<={bound}": [count, round(total, 2), round(1e3 * total / count, 2),
                                round(seqs / count)]
             for bound, (count, total, seqs) in sorted(groups.items())}
+
+
+def comparison_table(named: dict[str, dict[str, list[float]]]) -> str:
+    """Several runs' ``period_by_seqs`` side by side: ms a step and steps, bucket by bucket."""
+    buckets = sorted({b for periods in named.values() for b in periods},
+                     key=lambda bucket: int(bucket.split("<=")[1]))
+    lines = [f"{'sequences':>12}" + "".join(f"{name[:24]:>26}" for name in named)]
+    for bucket in buckets:
+        cells = [periods.get(bucket) for periods in named.values()]
+        lines.append(f"{bucket:>12}" + "".join(
+            f"{cell[2]:>14.2f} ms x{cell[0]:>6}" if cell else f"{'-':>26}" for cell in cells))
+    lines.append(f"{'total s':>12}" + "".join(
+        f"{sum(cell[1] for cell in periods.values()):>26.2f}" for periods in named.values()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    # python -m benchmarks.step_periods RESULT.json ... (each holding "period_by_seqs")
+    print(comparison_table({path: json.loads(Path(path).read_text())["period_by_seqs"]
+                            for path in sys.argv[1:]}))

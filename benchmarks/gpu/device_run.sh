@@ -185,6 +185,22 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
               --max-num-batched-tokens 16384 --tensor-parallel-size $tp 2>&1 \
               | grep -E "num_blocks|^sharegpt|Error|error" | tail -4
         done;;
+    # issue 30: the 70B-class dummy at TP2 on ShareGPT 1,000 (vLLM's offline limits), then
+    # vLLM 0.26.0 TP2 on the same token ids, two timed runs in one process (the kit installed
+    # by earlier calls: benchmarks/peers/vllm/README.md); step periods by sequences side by
+    # side. ~8 minutes: the only stage of its call. TP70_ARGS: more flotilla flags.
+    tp-70b-pair) python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.3-70b \
+            --workload sharegpt --num-prompts 1000 $E_DATA --dump-workload /tmp/e70.json
+        python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.3-70b \
+            --workload sharegpt --num-prompts 1000 $E_DATA --tensor-parallel-size 2 \
+            --gpu-memory-utilization 0.95 --max-num-seqs 1024 --max-num-batched-tokens 16384 \
+            ${TP70_ARGS:-} > "$OUT/flotilla70b.log" 2>&1; grep -E "^sharegpt|Error" "$OUT/flotilla70b.log" | tail -3
+        (source /tmp/vsite/env.sh && VLLM_USE_FLASHINFER_SAMPLER=0 timeout 420 python3 \
+            benchmarks/peers/vllm/vllm_offline.py --model $M/dummy-llama-3.3-70b \
+            --tensor-parallel-size 2 --workloads /tmp/e70.json --runs 2 > "$OUT/vllm70b.log" 2>&1)
+        grep -E "^\{|Error" "$OUT/vllm70b.log" | cut -c1-400 | tail -3
+        python3 -m benchmarks.step_periods "$OUT"/throughput_sharegpt_*70b*_tp2.json \
+            "$OUT"/vllm_e70_run1.json "$OUT"/vllm_e70_run2.json;;
     # two replicas, one per GPU, each half of the same 1,000 prompts at once (data parallel)
     tp-replicas) for gpu in 0 1; do
           CUDA_VISIBLE_DEVICES=$gpu python3 -m benchmarks.gpu.offline_throughput \

@@ -50,26 +50,3 @@ def test_gpu_time_per_step_by_kind(tmp_path, gzipped):
     assert summary["kernels"][0] == {"name": "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT",
                                      "kind": "gemm", "calls": 1, "ms_per_step": 0.3}
 
-
-def test_step_periods_grouped_by_sequences():
-    from benchmarks.step_periods import period_by_seqs
-
-    # (when a step's result came, its sequences)
-    records = [(0.0, 900), (0.1, 900), (0.3, 1000), (0.31, 3)]
-    assert period_by_seqs(records) == {"seqs<=16": [1, 0.01, 10.0, 3],
-                                       "seqs<=1024": [2, 0.3, 150.0, 950]}
-
-
-
-def test_vllms_offline_script_loads_the_same_step_periods():
-    import importlib.util
-    from pathlib import Path
-
-    from benchmarks.step_periods import period_by_seqs
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks/peers/vllm/vllm_offline.py"
-    spec = importlib.util.spec_from_file_location("vllm_offline", path)
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)  # stdlib imports only: vLLM loads inside main()
-    records = [(0.5 * i + 0.001 * n, n) for i, n in enumerate([1000, 700, 300, 120, 60, 10, 1])]
-    assert peer.load_step_periods().period_by_seqs(records) == period_by_seqs(records)
