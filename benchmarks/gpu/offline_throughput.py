@@ -93,25 +93,24 @@ def profile_window(engine, first_step: int, num_steps: int, trace_path: Path):
     returned function prints where their GPU time went (benchmarks/gpu/kernel_summary.py)."""
     from benchmarks.gpu import kernel_summary
 
-    submit, num_submitted, profiles = engine.runner.submit, [0], []
+    submit, num_submitted = engine.runner.submit, [0]
+    profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 
     def profiled_submit(plan):
         if num_submitted[0] == first_step:
-            torch.cuda.synchronize()
-            profiles.append(torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CUDA]))
-            profiles[0].__enter__()
+            torch.cuda.synchronize()  # the steps before it are not in the window
+            profile.start()
         results = submit(plan)
         num_submitted[0] += 1
-        if num_submitted[0] == first_step + num_steps and profiles:
+        if num_submitted[0] == first_step + num_steps:
             torch.cuda.synchronize()
-            profiles[0].__exit__(None, None, None)
+            profile.stop()
         return results
 
     def report() -> dict | None:
-        if not profiles:
-            return None
-        profiles[0].export_chrome_trace(str(trace_path))  # after the run: not on its clock
+        if num_submitted[0] < first_step + num_steps:
+            return None  # the run had fewer steps
+        profile.export_chrome_trace(str(trace_path))  # after the run: not on its clock
         summary = kernel_summary.summarize(kernel_summary.load_events(trace_path), num_steps)
         kernel_summary.print_summary(summary, f"flotilla, steps {first_step}..")
         return summary
