@@ -187,8 +187,9 @@ def summarize(records: list[RequestRecord], duration_s: float,
 def slo_misses(records: list[RequestRecord], slo_s: dict[str, float],
                limit: int = 5) -> list[dict]:
     """The first ``limit`` completed requests outside the SLO, each with its longest gap:
-    when it ended (seconds after the run began) and how many other requests in flight
-    then got no chunk during it either (all of them: the server or client paused; none:
+    when it ended (seconds after the run began) and how many of the other requests
+    streaming through it (their first chunk before it, their last after) were stalled in it
+    too, for at least half its length (all of them: the server or client paused; none:
     something of this request's own)."""
     misses = []
     for record in [r for r in records if not meets_slo(r, slo_s)][:limit]:
@@ -200,14 +201,23 @@ def slo_misses(records: list[RequestRecord], slo_s: dict[str, float],
             after_chunk = gaps.index(max(gaps))
             began = record.start_s + record.chunk_times_s[after_chunk]
             ended = record.start_s + record.chunk_times_s[after_chunk + 1]
-            in_flight = [r for r in records if r is not record and r.chunk_times_s
-                         and r.start_s < began and r.start_s + r.e2e_s > ended]
-            silent = [r for r in in_flight if not any(
-                began < r.start_s + t < ended for t in r.chunk_times_s)]
+            streaming = [r for r in records if r is not record and r.chunk_times_s
+                         and r.start_s + r.chunk_times_s[0] < began
+                         and r.start_s + r.chunk_times_s[-1] > ended]
+            stalled = [r for r in streaming
+                       if longest_silence_s(r, began, ended) >= (ended - began) / 2]
             miss |= {"gap_after_chunk": after_chunk, "gap_ended_s": round(ended, 3),
-                     "others_in_flight": len(in_flight), "others_silent": len(silent)}
+                     "others_streaming": len(streaming), "others_stalled": len(stalled)}
         misses.append(miss)
     return misses
+
+
+def longest_silence_s(record: RequestRecord, began: float, ended: float) -> float:
+    """The longest stretch of [began, ended] (run seconds) in which ``record`` got no chunk."""
+    inside = [record.start_s + t for t in record.chunk_times_s
+              if began < record.start_s + t < ended]
+    points = [began, *inside, ended]
+    return max(later - earlier for earlier, later in zip(points, points[1:]))
 
 
 def chunk_figures(records: list[RequestRecord]) -> dict:

@@ -89,12 +89,12 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
 
 def slo_miss_line(miss: dict) -> str:
     """One request outside the SLO: when it was sent, its TTFT and longest gap, and whether
-    the requests in flight with it were silent through that gap too."""
+    the requests streaming with it were stalled in that gap too."""
     line = (f"  outside: sent at {miss['start_s']:.2f} s, TTFT {miss['ttft_ms']:.0f} ms, "
             f"longest gap {miss['longest_gap_ms']:.0f} ms")
     if "gap_ended_s" in miss:
         line += (f" (after chunk {miss['gap_after_chunk']}, ended at {miss['gap_ended_s']:.2f} s;"
-                 f" {miss['others_silent']} of {miss['others_in_flight']} others silent)")
+                 f" {miss['others_stalled']} of {miss['others_streaming']} others stalled too)")
     return line
 
 

@@ -135,27 +135,31 @@ def test_summary_without_completions_has_no_figures():
     assert math.isnan(summary["ttft_ms"]["mean"])
 
 
-def test_slo_misses_say_whether_the_others_in_flight_were_silent_too():
+def test_slo_misses_say_whether_the_others_streaming_were_stalled_too():
     from cli.bench.metrics import slo_misses
     from cli.bench.report import slo_miss_line
 
     # the missed request: sent at 1.0 s, chunks at 1.1, 1.2, then 1.5 (a 300 ms gap)
     missed = RequestRecord(prompt_len=10, output_len=3, start_s=1.0,
                            chunk_times_s=[0.1, 0.2, 0.5], e2e_s=0.5)
-    # in flight through the gap (1.2 - 1.5 s): one got a chunk at 1.35 s, one got none
-    talking = RequestRecord(prompt_len=10, output_len=3, start_s=0.9,
-                            chunk_times_s=[0.1, 0.45, 0.8], e2e_s=0.8)
-    silent = RequestRecord(prompt_len=10, output_len=3, start_s=0.8,
-                           chunk_times_s=[0.1, 0.3, 0.9], e2e_s=0.9)
+    # streaming through the gap (1.2 - 1.5 s): one kept getting chunks (at most 80 ms
+    # apart in it), one got a chunk 10 ms in and then none (stalled: 290 of its 300 ms)
+    talking = RequestRecord(prompt_len=10, output_len=5, start_s=0.9,
+                            chunk_times_s=[0.1, 0.37, 0.45, 0.52, 0.8], e2e_s=0.8)
+    stalled = RequestRecord(prompt_len=10, output_len=3, start_s=0.8,
+                            chunk_times_s=[0.1, 0.41, 0.9], e2e_s=0.9)
     later = RequestRecord(prompt_len=10, output_len=3, start_s=2.0,
                           chunk_times_s=[0.1, 0.2, 0.3], e2e_s=0.3)  # not in flight then
-    misses = slo_misses([missed, talking, silent, later], {"itl": 0.29})
+    # queued before the gap, its first chunk inside it: not streaming through it
+    joined = RequestRecord(prompt_len=10, output_len=3, start_s=1.1,
+                           chunk_times_s=[0.2, 0.3, 0.55], e2e_s=0.55)
+    misses = slo_misses([missed, talking, stalled, later, joined], {"itl": 0.29})
     assert misses[0] == {"start_s": 1.0, "ttft_ms": 100.0, "longest_gap_ms": 300.0,
                          "num_output_tokens": 3, "gap_after_chunk": 1, "gap_ended_s": 1.5,
-                         "others_in_flight": 2, "others_silent": 1}
-    assert [m["start_s"] for m in misses] == [1.0, 0.9, 0.8]  # later's gaps are 100 ms
-    assert len(slo_misses([missed, talking, silent, later], {"itl": 0.29}, limit=2)) == 2
+                         "others_streaming": 2, "others_stalled": 1}
+    assert [m["start_s"] for m in misses] == [1.0, 0.8]  # the others' gaps are under 290 ms
+    assert len(slo_misses([missed, talking, stalled, later], {"itl": 0.29}, limit=1)) == 1
     assert slo_miss_line(misses[0]) == ("  outside: sent at 1.00 s, TTFT 100 ms, longest gap "
                                         "300 ms (after chunk 1, ended at 1.50 s; 1 of 2 others "
-                                        "silent)")
+                                        "stalled too)")
     assert summarize([missed, later], 3.0, {"itl": 0.25})["slo_misses"][0]["start_s"] == 1.0
