@@ -9,10 +9,12 @@ keeps back room for what the running requests may still write: each one's share
 prompt tokens it has no blocks for yet. Room is needed at the peak of that, not for the sum:
 a request that ends sooner frees its blocks for the longer ones (``peak_need``), so a mix of
 short and long answers admits more at once than identical ones (for those, peak and sum are
-one figure). Replayed (benchmarks/scheduler_replay.py, ShareGPT 1,000 at once): on the 70B
-TP2's 23,562 blocks the sum held the last 121 requests back (TTFT p99 23.0 s), the peak
-admits all (8.3 s) and preempts none; on 8,000 blocks of the 8B, 20.5 s to the last token
-against the sum's 22.9, no preemption either way.
+one figure). Replayed (``python -m benchmarks.scheduler_replay --workload sharegpt
+--dataset-path .devmodels/sharegpt-1000.json``, ShareGPT 1,000 at once): on the 70B TP2's
+blocks (``--tokenizer .devmodels/dummy-llama-3.3-70b --num-blocks 23562 --step-model
+0.0195,9e-5,5e-9``) the sum held the last 121 requests back (TTFT p99 23.0 s), the peak
+admits all (8.3 s) and preempts none; on ``--num-blocks 8000`` of the 8B, 20.5 s to the last
+token against the sum's 22.9, no preemption either way.
 
 The share is learned, since clients often set max_tokens far above what they get: it is the
 running mean of the share of their (counted) budget that finished requests used, and a
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -53,18 +55,16 @@ class Commitment(NamedTuple):
     growth: float
 
 
-def peak_need(commitments: list[Commitment]) -> float:
-    """The most tokens beyond those held now that ``commitments`` need at one time, each
-    writing a token a step and ending after its growth: checked at the start and just
-    before each one ends (the need grows between those points and drops at each end)."""
-    if not commitments:
+def peak_need(held: Sequence[float], prompt_left: Sequence[float],
+              growth: Sequence[float]) -> float:
+    """The most tokens beyond those held now that some commitments (as columns: one entry
+    a request) need at one time, each writing a token a step and ending after its growth:
+    checked at the start and just before each one ends (the need grows between those
+    points and drops at each end)."""
+    if not len(growth):
         return 0.0
-    held, prompt_left, growth = zip(*commitments)
-    return _peak(np.array(held, dtype=np.float64), np.array(prompt_left, dtype=np.float64),
-                 np.array(growth, dtype=np.float64))
-
-
-def _peak(held: np.ndarray, prompt_left: np.ndarray, growth: np.ndarray) -> float:
+    held, prompt_left, growth = (np.array(column, dtype=np.float64)
+                                 for column in (held, prompt_left, growth))
     order = np.argsort(-growth, kind="stable")  # the longest first
     held, prompt_left, growth = held[order], prompt_left[order], growth[order]
     num_still_running = np.arange(1, len(growth) + 1)
@@ -95,7 +95,7 @@ class KeptRoom:
             if other <= priority:
                 for column, values in zip(columns, kept):
                     column.extend(values)
-        return _peak(*(np.array(column, dtype=np.float64) for column in columns))
+        return peak_need(*columns)
 
 
 class AdmissionReserve:

@@ -90,14 +90,14 @@ def brute_force_peak(commitments: list[Commitment]) -> float:
 def test_the_need_peaks_before_the_long_ones_end_not_at_the_sum():
     # one long answer and many short ones: the short ones free their blocks first
     mix = [Commitment(160, 0, 1000.0)] + [Commitment(32, 8, 20.0)] * 50
-    assert peak_need(mix) == brute_force_peak(mix)
-    assert peak_need(mix) < 1000 + 50 * (8 + 20)  # the sum the reserve used to keep
+    assert peak_need(*zip(*mix)) == brute_force_peak(mix)
+    assert peak_need(*zip(*mix)) < 1000 + 50 * (8 + 20)  # the sum the reserve used to keep
     # identical answers all run to the end together: their peak is the sum
     same = [Commitment(64, 4, 100.0)] * 10
-    assert peak_need(same) == brute_force_peak(same) == 10 * (4 + 100)
+    assert peak_need(*zip(*same)) == brute_force_peak(same) == 10 * (4 + 100)
     # a prompt still to fill counts at once, even for a request about to end
-    assert peak_need([Commitment(0, 500, 0.0), Commitment(16, 0, 10.0)]) == 500
-    assert peak_need([]) == 0.0
+    assert peak_need(*zip(Commitment(0, 500, 0.0), Commitment(16, 0, 10.0))) == 500
+    assert peak_need([], [], []) == 0.0
 
 
 def test_the_peak_matches_a_step_by_step_count_on_random_mixes():
@@ -105,7 +105,7 @@ def test_the_peak_matches_a_step_by_step_count_on_random_mixes():
     for _ in range(200):
         mix = [Commitment(16 * rng.randint(0, 20), rng.choice((0, 0, rng.randint(1, 64))),
                           float(rng.randint(0, 60))) for _ in range(rng.randint(1, 12))]
-        assert peak_need(mix) == brute_force_peak(mix), mix
+        assert peak_need(*zip(*mix)) == brute_force_peak(mix), mix
 
 
 def test_short_and_long_answers_start_together_when_the_peak_fits():
