@@ -24,7 +24,7 @@ import triton.language as tl
 MAX_WORDS = 4096  # words one program moves per iteration (32 KiB of int64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["block_ids_ptr"])  # (a chunk's slice of the ids)
 def _copy_pieces_kernel(
     cache_ptr, staging_ptr, block_ids_ptr, num_cache_blocks,
     PIECE_WORDS: tl.constexpr, NUM_PIECES: tl.constexpr, BLOCK_WORDS: tl.constexpr,
@@ -64,15 +64,35 @@ def _words(kv_cache: torch.Tensor, staging: torch.Tensor, block_ids: torch.Tenso
 
 
 def _launch(kv_cache: torch.Tensor, staging: torch.Tensor, block_ids: torch.Tensor,
-            to_staging: bool) -> None:
+            to_staging: bool, compile_only: bool = False) -> None:
     if block_ids.numel() == 0:
         return
     cache_words, staging_words, piece_words, num_pieces = _words(kv_cache, staging, block_ids)
     block_words = min(MAX_WORDS, triton.next_power_of_2(piece_words))
-    _copy_pieces_kernel[(block_ids.numel(), num_pieces)](
-        cache_words, staging_words, block_ids, kv_cache.shape[2],
-        PIECE_WORDS=piece_words, NUM_PIECES=num_pieces, BLOCK_WORDS=block_words,
-        TO_STAGING=to_staging, num_warps=8)
+    args = (cache_words, staging_words, block_ids, kv_cache.shape[2])
+    constants = dict(PIECE_WORDS=piece_words, NUM_PIECES=num_pieces, BLOCK_WORDS=block_words,
+                     TO_STAGING=to_staging, num_warps=8)
+    grid = (block_ids.numel(), num_pieces)
+    if compile_only:
+        _copy_pieces_kernel.warmup(*args, grid=grid, **constants)
+    else:
+        _copy_pieces_kernel[grid](*args, **constants)
+
+
+def compile_copies(kv_cache: torch.Tensor, staging: torch.Tensor,
+                   load_layers: list[tuple[int, int] | None]) -> None:
+    """Compile, without running, the kernel variants a kvstore's copies launch: a store's
+    gather of every layer, and a load's scatter of every layer and of each of
+    ``load_layers``' groups. Triton compiles on a first launch, which would stall the step
+    that makes the first store or load (mid-run, on a machine with a cold Triton cache) for
+    the compile."""
+    block_ids = torch.zeros(1, dtype=torch.int64, device=kv_cache.device)
+    _launch(kv_cache, staging, block_ids, to_staging=True, compile_only=True)
+    for layers in {None, *load_layers}:
+        sliced = layer_slice(kv_cache, layers)
+        rows = staging.view(-1)[:sliced[:, :, 0].numel()].view(1, *sliced.shape[:2],
+                                                                 *sliced.shape[3:])
+        _launch(sliced, rows, block_ids, to_staging=False, compile_only=True)
 
 
 def layer_slice(kv_cache: torch.Tensor, layers: tuple[int, int] | None) -> torch.Tensor:

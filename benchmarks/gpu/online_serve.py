@@ -15,7 +15,8 @@
    and not ``--skip-vllm``: ``vllm serve MODEL --load-format dummy --served-model-name NAME
    --max-model-len 4096`` in its own process with vLLM's PYTHONPATH only, then the identical
    bench command (same seed, prompts and tokenizer: ``--tokenizer`` is the model directory,
-   so both engines get the same token ids), then it is stopped.
+   so both engines get the same token ids), then it is stopped. ``--skip-flotilla`` runs
+   this half alone: a sweep too long for one device call runs as two calls in one lease.
 3. A side-by-side table; ``online_summary.json``, the bench JSONs and every log in --out,
    with a digest of each server's /metrics after its load (online_clients.py: tokens per
    chunk, delivery lag, step times, preemptions).
@@ -443,6 +444,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vllm-start-timeout", type=float, default=300.0)
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for everything")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--skip-flotilla", action="store_true",
+                        help="vLLM only (its half of a comparison too long for one device "
+                             "call: the next call in the same lease)")
     parser.add_argument("--vllm-env", default="/tmp/vsite/env.sh", help="the vLLM kit's env.sh")
     parser.add_argument("--profile-seconds", type=float, default=0.0,
                         help="py-spy the gateway and tokenizer this long under load (0: off)")
@@ -470,8 +474,11 @@ def main() -> int:
     serve_model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     results = []
     try:
-        results += phase(flotilla_server(args, serve_model, free_port()), args, budget, out,
-                         name, model_dir)
+        if args.skip_flotilla:
+            log("flotilla: skipped (--skip-flotilla)")
+        else:
+            results += phase(flotilla_server(args, serve_model, free_port()), args, budget,
+                             out, name, model_dir)
         if args.skip_vllm:
             log("vllm: skipped (--skip-vllm)")
         elif not Path(args.vllm_env).is_file():

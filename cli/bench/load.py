@@ -39,10 +39,12 @@ class RunResult:
     in_flight: list[RequestRecord] = field(default_factory=list)
     num_not_sent: int = 0
     deadline_reached: bool = False
+    started_unix: float = 0.0  # the first send, wall clock: to match servers' logs
 
     def summary(self, slo_s: dict[str, float] | None = None) -> dict:
         return summarize(self.records, self.duration_s, slo_s, num_in_flight=len(self.in_flight),
-                         num_not_sent=self.num_not_sent, deadline_reached=self.deadline_reached)
+                         num_not_sent=self.num_not_sent, deadline_reached=self.deadline_reached,
+                         started_unix=self.started_unix)
 
 
 def arrival_gaps(num_requests: int, request_rate: float, burstiness: float = 1.0,
@@ -84,7 +86,7 @@ async def run_load(client: HttpClient, requests: list[BenchRequest],
     records = [new_record(request) for request in requests]
     sent = [False] * len(requests)
     finished = [False] * len(requests)
-    started = time.perf_counter()
+    started, started_unix = time.perf_counter(), time.time()
 
     async def one(i: int) -> None:
         if limit is None:
@@ -113,7 +115,7 @@ async def run_load(client: HttpClient, requests: list[BenchRequest],
     duration_s = time.perf_counter() - started
     if done:
         dispatcher.result()  # a bug in a callback surfaces here
-        return RunResult(records, duration_s)
+        return RunResult(records, duration_s, started_unix=started_unix)
     for task in (dispatcher, *tasks):
         task.cancel()
     await asyncio.gather(dispatcher, *tasks, return_exceptions=True)
@@ -121,7 +123,8 @@ async def run_load(client: HttpClient, requests: list[BenchRequest],
     for record in in_flight:
         record.error = DEADLINE_ERROR
     return RunResult([r for r, f in zip(records, finished) if f], duration_s, in_flight,
-                     num_not_sent=sent.count(False), deadline_reached=True)
+                     num_not_sent=sent.count(False), deadline_reached=True,
+                     started_unix=started_unix)
 
 
 async def warm_up(client: HttpClient, requests: list[BenchRequest],

@@ -17,6 +17,7 @@ Definitions (times in seconds here; the report shows milliseconds):
 
 from __future__ import annotations
 
+import datetime
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -145,7 +146,8 @@ def meets_slo(record: RequestRecord, slo_s: dict[str, float]) -> bool:
 
 def summarize(records: list[RequestRecord], duration_s: float,
               slo_s: dict[str, float] | None = None, *, num_in_flight: int = 0,
-              num_not_sent: int = 0, deadline_reached: bool = False) -> dict:
+              num_not_sent: int = 0, deadline_reached: bool = False,
+              started_unix: float = 0.0) -> dict:
     """Every figure of one run. ``records`` are the finished requests (completed or
     failed). A run cut short at its deadline (``deadline_reached``) also had
     ``num_in_flight`` requests sent but unfinished and ``num_not_sent`` never sent: both
@@ -163,7 +165,7 @@ def summarize(records: list[RequestRecord], duration_s: float,
         "deadline_reached": deadline_reached,
         "completed_without_text": sum(not r.text for r in done),
         "failure_reasons": dict(Counter(r.error for r in records if not r.success)),
-        "duration_s": duration_s,
+        "duration_s": duration_s, "started_unix": started_unix,
         "total_input_tokens": input_tokens, "total_output_tokens": output_tokens,
         "request_throughput": _rate(len(done), duration_s),
         "input_throughput": _rate(input_tokens, duration_s),
@@ -180,15 +182,16 @@ def summarize(records: list[RequestRecord], duration_s: float,
         num_good = sum(meets_slo(r, slo_s) for r in done)
         summary.update(slo_ms={k: v * 1000 for k, v in slo_s.items()}, good_requests=num_good,
                        goodput=_rate(num_good, duration_s),
-                       slo_misses=slo_misses(done, slo_s))
+                       slo_misses=slo_misses(done, slo_s, started_unix))
     return summary
 
 
 def slo_misses(records: list[RequestRecord], slo_s: dict[str, float],
-               limit: int = 5) -> list[dict]:
+               started_unix: float = 0.0, limit: int = 5) -> list[dict]:
     """The first ``limit`` completed requests outside the SLO, each with its longest gap:
-    when it ended (seconds after the run began) and how many of the other requests
-    streaming through it (their first chunk before it, their last after) were stalled in it
+    when it ended (seconds after the run began; also in UTC, to find in a server's logs,
+    when ``started_unix``, the run's start on the wall clock, is given) and how many of the
+    other requests streaming through it (their first chunk before it, their last after) were stalled in it
     too, for at least half its length (all of them: the server or client paused; none:
     something of this request's own)."""
     misses = []
@@ -208,6 +211,9 @@ def slo_misses(records: list[RequestRecord], slo_s: dict[str, float],
                        if longest_silence_s(r, began, ended) >= (ended - began) / 2]
             miss |= {"gap_after_chunk": after_chunk, "gap_ended_s": round(ended, 3),
                      "others_streaming": len(streaming), "others_stalled": len(stalled)}
+            if started_unix:
+                miss["gap_ended_utc"] = datetime.datetime.fromtimestamp(
+                    started_unix + ended, datetime.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
         misses.append(miss)
     return misses
 

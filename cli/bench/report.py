@@ -93,7 +93,9 @@ def slo_miss_line(miss: dict) -> str:
     line = (f"  outside: sent at {miss['start_s']:.2f} s, TTFT {miss['ttft_ms']:.0f} ms, "
             f"longest gap {miss['longest_gap_ms']:.0f} ms")
     if "gap_ended_s" in miss:
-        line += (f" (after chunk {miss['gap_after_chunk']}, ended at {miss['gap_ended_s']:.2f} s;"
+        at_utc = f" = {miss['gap_ended_utc']} UTC" if "gap_ended_utc" in miss else ""
+        line += (f" (after chunk {miss['gap_after_chunk']}, ended at {miss['gap_ended_s']:.2f} s"
+                 f"{at_utc};"
                  f" {miss['others_stalled']} of {miss['others_streaming']} others stalled too)")
     return line
 

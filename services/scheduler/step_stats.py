@@ -36,7 +36,8 @@ class StepStats:
         if len(self._samples) < MAX_STEP_SAMPLES:
             self._samples.append((num_tokens, result.step_time_s))
         log.debug("step_done", step_id=plan.step_id, num_scheduled=len(plan.scheduled),
-                  num_tokens=num_tokens, worker_time_s=round(result.step_time_s, 4),
+                  num_tokens=num_tokens, num_prompt_tokens=num_prompt,
+                  num_stores=len(plan.kv_stores), worker_time_s=round(result.step_time_s, 4),
                   kv_load_bytes=result.kv_load_bytes,
                   kv_load_gb_per_s=round(result.kv_load_bytes_per_s / 1e9, 1))
 

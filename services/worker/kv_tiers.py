@@ -39,7 +39,7 @@ import numpy as np
 import structlog
 import torch
 
-from kernels.kv_blocks import gather_blocks, scatter_blocks
+from kernels.kv_blocks import compile_copies, gather_blocks, scatter_blocks
 from services.worker.cuda_copy import memcpy_2d
 from services.worker.kv_load_groups import (
     LoadChunk, LoadCopy, group_chunk_blocks, group_copies, layer_groups, load_chunks, load_waits,
@@ -171,6 +171,9 @@ class KvTiers:
                 with torch.cuda.stream(self._copy_stream):  # used on the copy stream only
                     self._store_staging = torch.empty(shape, dtype=kv_cache.dtype,
                                                       device=self.device)
+                # here (off the step loop), not at the first store or load
+                compile_copies(kv_cache, self._store_staging,
+                               self.load_groups if len(self.load_groups) > 1 else [])
 
     def arena_is_current(self) -> bool:
         """The mapped file is still the kvstore's arena (not replaced by a restarted one,

@@ -163,3 +163,8 @@ def test_slo_misses_say_whether_the_others_streaming_were_stalled_too():
                                         "300 ms (after chunk 1, ended at 1.50 s; 1 of 2 others "
                                         "stalled too)")
     assert summarize([missed, later], 3.0, {"itl": 0.25})["slo_misses"][0]["start_s"] == 1.0
+    # with the run's start on the wall clock, the gap's end in UTC (to find in server logs)
+    timed = slo_misses([missed, talking], {"itl": 0.29}, started_unix=1_800_000_000.25)[0]
+    assert timed["gap_ended_utc"] == "08:00:01.750"  # 2027-01-15 08:00:00.25 UTC + 1.5 s
+    assert slo_miss_line(timed).endswith("ended at 1.50 s = 08:00:01.750 UTC; "
+                                         "0 of 1 others stalled too)")

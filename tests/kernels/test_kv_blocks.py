@@ -120,3 +120,26 @@ def test_llama_8b_blocks_on_the_gpu():
     gather_blocks_ref(kv_cache, block_ids, expected)
     gather_blocks(kv_cache, block_ids, staging)
     assert torch.equal(staging, expected)
+
+
+@pytest.mark.gpu
+@gpu
+def test_compiled_copies_leave_nothing_to_compile_at_the_first_store_or_load():
+    """compile_copies (a kvstore's attach) compiles every variant the copies launch: the
+    first gather, whole scatter and layer-group scatters find them in Triton's cache."""
+    from kernels.kv_blocks import _copy_pieces_kernel, compile_copies
+
+    kv_cache, staging = cache_and_staging((6, 16, 2, 64, torch.bfloat16), num_blocks=32,
+                                          num_rows=8, seed=5)
+    kernel_cache = _copy_pieces_kernel.device_caches[torch.cuda.current_device()][0]
+    groups = [(0, 3), (3, 6)]
+    compile_copies(kv_cache, staging, groups)
+    compiled = len(kernel_cache)
+    block_ids = torch.tensor([3, 9, 30], device=DEVICE)
+    gather_blocks(kv_cache, block_ids, staging)
+    gather_blocks(kv_cache, block_ids[1:], staging)  # a chunk's ids, 8 bytes in
+    scatter_blocks(kv_cache, block_ids, staging)
+    rows = torch.zeros(4, 3, 2, 16, 2, 64, dtype=kv_cache.dtype, device=DEVICE)
+    for layers in groups:
+        scatter_blocks(kv_cache, block_ids, rows, layers=layers)
+    assert len(kernel_cache) == compiled
