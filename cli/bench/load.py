@@ -17,6 +17,7 @@ from cli.bench.client import (
 )
 from cli.bench.datasets import BenchRequest
 from cli.bench.metrics import RequestRecord, summarize
+from cli.bench.pauses import ClientPauses
 
 
 @dataclass(frozen=True)
@@ -40,11 +41,12 @@ class RunResult:
     num_not_sent: int = 0
     deadline_reached: bool = False
     started_unix: float = 0.0  # the first send, wall clock: to match servers' logs
+    client: dict = field(default_factory=dict)  # the client's own pauses (pauses.py)
 
     def summary(self, slo_s: dict[str, float] | None = None) -> dict:
         return summarize(self.records, self.duration_s, slo_s, num_in_flight=len(self.in_flight),
                          num_not_sent=self.num_not_sent, deadline_reached=self.deadline_reached,
-                         started_unix=self.started_unix)
+                         started_unix=self.started_unix) | self.client
 
 
 def arrival_gaps(num_requests: int, request_rate: float, burstiness: float = 1.0,
@@ -80,7 +82,18 @@ async def run_load(client: HttpClient, requests: list[BenchRequest],
                    on_done: Callable[[RequestRecord], None] = lambda record: None,
                    max_duration_s: float | None = None) -> RunResult:
     """Send every request on the arrival schedule and wait for all of them, or until
-    ``max_duration_s`` has passed: then cancel what is in flight and return what finished."""
+    ``max_duration_s`` has passed: then cancel what is in flight and return what finished.
+    The result says how long the client itself paused."""
+    async with ClientPauses() as pauses:
+        result = await _run_load(client, requests, settings, load, on_done, max_duration_s)
+    result.client = pauses.figures()
+    return result
+
+
+async def _run_load(client: HttpClient, requests: list[BenchRequest],
+                    settings: RequestSettings, load: LoadSettings,
+                    on_done: Callable[[RequestRecord], None],
+                    max_duration_s: float | None) -> RunResult:
     gaps = arrival_gaps(len(requests), load.request_rate, load.burstiness, load.seed)
     limit = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     records = [new_record(request) for request in requests]

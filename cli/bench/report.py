@@ -77,6 +77,8 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
                   _line("Requests within the SLO:", summary["good_requests"]),
                   _line("Goodput (req/s):", summary["goodput"])]
         lines += [slo_miss_line(miss) for miss in summary.get("slo_misses", [])]
+    if "client_max_loop_lag_ms" in summary:
+        lines.append(client_pause_line(summary))
     lines += [_title("Latency", "-"), *latency_table(summary), *chunk_table(summary)]
     if summary["failure_reasons"]:
         lines.append(_title("Failures", "-"))
@@ -85,6 +87,15 @@ def serve_table(summary: dict, title: str = "Serving Benchmark Result") -> str:
         lines.append(_title("CUT SHORT at the --max-duration deadline", "!"))
     lines.append("=" * _WIDTH)
     return "\n".join(lines)
+
+
+def client_pause_line(summary: dict) -> str:
+    """How long the client itself stopped reading (a stall every stream saw at once may be
+    its own)."""
+    return (f"  client: longest event-loop lag {summary['client_max_loop_lag_ms']:.0f} ms "
+            f"(ended at {summary['client_max_loop_lag_at_s']:.2f} s); "
+            f"{summary['client_gc_collections']} GC collections, longest "
+            f"{summary['client_gc_max_ms']:.0f} ms")
 
 
 def slo_miss_line(miss: dict) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from kernels.step_inputs import fill_pending_tokens
 from services.worker.model import AttentionMetadata
-from services.worker.staging import HostStaging
+from services.worker.staging import HostStaging, aligned_starts, pack
 
 
 @dataclass
@@ -131,10 +131,13 @@ def to_device(arrays: list[np.ndarray], dtype: type, device: torch.device,
     asynchronously, through ``staging``'s pinned buffers, or a freshly pinned one)."""
     if staging is not None and device.type == "cuda":
         return staging.to_device(arrays, dtype)
-    flat = torch.from_numpy(np.concatenate([a.astype(dtype, copy=False) for a in arrays]))
+    _, length = aligned_starts([len(a) for a in arrays], np.dtype(dtype).itemsize)
+    host = np.empty(length, dtype)
+    views = pack(arrays, host)
+    flat = torch.from_numpy(host)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
-    return list(flat.split([len(a) for a in arrays]))
+    return [flat[start:start + size] for start, size in views]
 
 
 def select_rows(values: torch.Tensor, rows: list[int], staging: HostStaging | None = None
