@@ -95,6 +95,13 @@ def main() -> None:
     print("batch-1 decode graph, 10 steps:")
     print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=25,
                                        max_name_column_width=70))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(10):
+            runner._graphs.run(*inputs)
+        torch.cuda.synchronize()
+    print(f"batch-{args.batch} decode graph, 10 steps:")
+    print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                       max_name_column_width=70))
     logits = runner.model(*inputs)
     result["sample_greedy_ms"] = timed(lambda: logits.argmax(-1).tolist())[1]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
