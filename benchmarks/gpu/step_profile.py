@@ -58,9 +58,9 @@ def main() -> None:
               "batch": args.batch, "context": args.context, "prompt": args.prompt}
     result["build_inputs_ms"] = timed(lambda: build_step_inputs(decodes, runner.block_size,
                                                                 device))[1]
-    inputs = build_step_inputs(decodes, runner.block_size, device)
-    result["decode_graph_ms"] = timed(lambda: runner._graphs.run(*inputs))
-    result["decode_eager_ms"] = timed(lambda: runner.model(*inputs))
+    decode_inputs = build_step_inputs(decodes, runner.block_size, device)
+    result["decode_graph_ms"] = timed(lambda: runner._graphs.run(*decode_inputs))
+    result["decode_eager_ms"] = timed(lambda: runner.model(*decode_inputs))
     mixed = build_step_inputs(decodes[:-1] + [prompt], runner.block_size, device)
     result["mixed_eager_ms"] = timed(lambda: runner.model(*mixed))
     mixed_graphs = runner._mixed_graphs
@@ -97,12 +97,12 @@ def main() -> None:
                                        max_name_column_width=70))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         for _ in range(10):
-            runner._graphs.run(*inputs)
+            runner._graphs.run(*decode_inputs)
         torch.cuda.synchronize()
     print(f"batch-{args.batch} decode graph, 10 steps:")
     print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=25,
                                        max_name_column_width=70))
-    logits = runner.model(*inputs)
+    logits = runner.model(*decode_inputs)
     result["sample_greedy_ms"] = timed(lambda: logits.argmax(-1).tolist())[1]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as profile:

@@ -47,7 +47,7 @@ from services.worker.step_inputs import (
 )
 from services.worker.step_state import RequestState, StepInFlight, plan_needs_host_tokens
 from services.worker.tp_group import SingleRank
-from services.worker.warmup import warm_up_attention
+from services.worker.warmup import warm_up_attention, warm_up_steps
 from shared.config import parse_size
 from shared.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from shared.kv_messages import KvLayout
@@ -126,6 +126,8 @@ class ModelRunner:
             if self._device.type == "cuda" and not config.enforce_eager else (None, None, None)
         if isinstance(self.drafts, DraftModel) and self._graphs is not None:
             self.drafts.capture_graphs(config.max_num_seqs, self.max_model_len)
+        if self._device.type == "cuda" and ranks.tp.size == 1:
+            warm_up_steps(self)  # (a group's ranks take steps only once all are up)
         log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
                  num_blocks=self.num_blocks, block_size=self.block_size,
                  kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,

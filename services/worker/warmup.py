@@ -1,4 +1,5 @@
-"""Compile the attention kernel's variants before serving.
+"""Compile what serving runs before it serves: the attention kernel's variants, then a
+request's first steps.
 
 Triton compiles one variant per set of constexprs; the attention launcher picks its tile shape
 from the step's longest query and its split-KV segment count from the context lengths, so a
@@ -6,6 +7,12 @@ server meeting a new combination mid-run stalls for the compile (about a second 
 on an H200). This runs one small launch per variant at start-up, on layer 0's cache and with
 inputs laid out as the model lays them out (a query sliced from a fused qkv output), so the
 variants compiled are the ones steps will use. Triton's disk cache makes later starts fast.
+
+``warm_up_steps`` then runs two short requests through the runner as the scheduler would
+send them (a prompt alone, a prompt beside a decode, decodes with the step before still in
+flight), so what compiles or allocates on a first use (the eager logits of a prompt step,
+the sampler, the read-back) does so before the first user's request: on an H200 with a
+cold Triton cache, the first request's prompt step took 0.55 s, later ones ~8 ms.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 from kernels import attention_configs, paged_attention
 from services.worker import ops
 from services.worker.model import Transformer
+from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 
 log = structlog.get_logger()
 
@@ -84,3 +92,35 @@ def _one_per_tile_shape(group: int, dtype: torch.dtype, fp8_cache: bool) -> list
             seen.add(shape)
             query_lens.append(q_len)
     return query_lens
+
+
+WARM_UP_PROMPT_LEN = 20  # a full block and part of one (block sizes up to 16)
+
+
+def warm_up_steps(runner) -> None:
+    """Two requests' first steps on the runner (a ModelRunner of one rank), then both
+    forgotten. They use the cache's last blocks: nothing is cached yet, and a request's
+    blocks are written before they are read."""
+    started = time.perf_counter()
+    blocks_per_request = -(-(WARM_UP_PROMPT_LEN + 4) // runner.block_size)
+    last = runner.num_blocks
+    if last < 2 * blocks_per_request:
+        return  # (a tiny test cache)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(1, WARM_UP_PROMPT_LEN + 1))
+
+    def new(request_id: str, index: int) -> NewRequestData:
+        first = last - (index + 1) * blocks_per_request
+        return NewRequestData(request_id, prompt, greedy,
+                              list(range(first, first + blocks_per_request)))
+
+    plans = [StepPlan(0, [new("warm-a", 0)], [ScheduledRequest("warm-a", len(prompt))]),
+             StepPlan(1, [new("warm-b", 1)], [ScheduledRequest("warm-a", 1),
+                                               ScheduledRequest("warm-b", len(prompt))])]
+    plans += [StepPlan(step_id, [], [ScheduledRequest("warm-a", 1),
+                                     ScheduledRequest("warm-b", 1)]) for step_id in (2, 3)]
+    for plan in plans:
+        runner.submit(plan)
+    runner.flush()
+    runner.execute(StepPlan(4, [], [], finished_request_ids=["warm-a", "warm-b"]))
+    log.info("first_steps_warmed_up", seconds=round(time.perf_counter() - started, 2))

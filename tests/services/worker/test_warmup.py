@@ -20,3 +20,22 @@ def test_warm_up_attention_leaves_the_cache_untouched():
     model.bind_kv_cache(kv_cache)
     warm_up_attention(model, block_size=16)
     assert torch.equal(kv_cache, before)
+
+
+def test_warm_up_steps_leave_the_runner_as_they_found_it(dummy_model):
+    """Its two requests are forgotten, and a request after it gets the text it gets on a
+    runner that never warmed up."""
+    from services.worker.config import WorkerConfig
+    from services.worker.runner import ModelRunner
+    from services.worker.warmup import warm_up_steps
+    from tests.services.worker.model_checks import runner_greedy
+
+    def runner() -> ModelRunner:
+        return ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="1MiB",
+                                        block_size=4), dummy_model)
+
+    warmed, fresh = runner(), runner()
+    warm_up_steps(warmed)
+    assert warmed.num_requests == 0 and not warmed.has_in_flight
+    prompt = list(range(5, 30))
+    assert runner_greedy(warmed, [prompt], 6) == runner_greedy(fresh, [prompt], 6)
