@@ -8,3 +8,7 @@ import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests import interpreter_dot
+
+    interpreter_dot.install()  # a row's dot the same bits wherever it sits in its tile
