@@ -1,10 +1,11 @@
 """Triton's interpreter, with a dot whose rows do not depend on where they sit in the tile.
 
 The interpreter multiplies two tiles with numpy's ``matmul``, which for fp32 is OpenBLAS's
-SGEMM. On an AMD EPYC of the Zen 5 family (cpu family 26) OpenBLAS 0.3.31, which does not
-know the family, falls back to its Haswell kernel, and that kernel rounds a row's products
-differently by the row's place in the tile: of 16 rows moved to the tile's first row, 10 came
-out with another last bit (on Zen 4 it picked its SkylakeX kernel, which does not). The
+SGEMM. On an AMD EPYC of the Zen 5 family (cpu family 26) the kernel OpenBLAS 0.3.31 picks
+rounds a row's products differently by the row's place in the tile: a [16, 200] x [200, 48]
+product, each row moved to the tile's first row, 1,000 of 1,600 rows came out with another
+last bit; the same with OPENBLAS_CORETYPE=Haswell or Zen, none with SkylakeX (the kernel a
+Zen 4, where these tests passed, is likely given: not checked). The
 kernels' batch-invariance tests compare a row alone with the same row inside a full tile, so
 they failed on such a machine though the GPU kernels keep the property (a tensor-core MMA sums
 each output from its own row and column in a fixed order). Here each row of an fp32 dot is
