@@ -128,6 +128,9 @@ class ModelRunner:
             self.drafts.capture_graphs(config.max_num_seqs, self.max_model_len)
         if self._device.type == "cuda" and ranks.tp.size == 1:
             warm_up_steps(self)  # (a group's ranks take steps only once all are up)
+            self.num_overlapped_steps = 0  # the counts are serving's
+            if self._mixed_graphs is not None:
+                self._mixed_graphs.num_steps = 0
         log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
                  num_blocks=self.num_blocks, block_size=self.block_size,
                  kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
