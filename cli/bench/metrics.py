@@ -191,9 +191,9 @@ def slo_misses(records: list[RequestRecord], slo_s: dict[str, float],
     """The first ``limit`` completed requests outside the SLO, each with its longest gap:
     when it ended (seconds after the run began; also in UTC, to find in a server's logs,
     when ``started_unix``, the run's start on the wall clock, is given) and how many of the
-    other requests streaming through it (their first chunk before it, their last after) were stalled in it
-    too, for at least half its length (all of them: the server or client paused; none:
-    something of this request's own)."""
+    other requests streaming through it (their first chunk before it, their last after)
+    were stalled in it too, for at least half its length (all of them: the server or client
+    paused; none: something of this request's own)."""
     misses = []
     for record in [r for r in records if not meets_slo(r, slo_s)][:limit]:
         gaps = chunk_gaps_s(record)
