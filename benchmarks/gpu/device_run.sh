@@ -68,6 +68,21 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     online-vllm) python3 -m benchmarks.gpu.online_serve --model $M/dummy-llama-3.1-8b --out "$OUT/online" \
         --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192" --vllm-args "${VLLM_ARGS:-}" \
         ${ON_ARGS:-} 2>&1 | tail -80;;
+    # issue 27: the Poisson sweep (320 ShareGPT prompts at 5, 10, 20, 40 req/s, goodput at
+    # TTFT < 2 s and no gap over 100 ms), flotilla's half and vLLM's, each the only stage of
+    # its call (~260 and ~290 s), back to back in one lease (the kit installed before); the
+    # bench JSONs and the servers' logs come back as $OUT/poisson-ENGINE.tgz.
+    # POISSON_SERVE_ARGS: flotilla serve flags (e.g. "--log-level debug": step_done lines)
+    poisson-flotilla|poisson-vllm) engine=${stage#poisson-}
+        skip=$([ "$engine" = flotilla ] && echo --skip-vllm || echo --skip-flotilla)
+        python3 -m benchmarks.gpu.online_serve --model $M/dummy-llama-3.1-8b \
+            --dataset-path $M/sharegpt-1000.json --max-duration 300 --budget 560 $skip \
+            --vllm-start-timeout 200 --out /tmp/poisson-$engine \
+            --serve-args "${POISSON_SERVE_ARGS:-}" \
+            --loads '[{"name": "poisson", "request_rate": "5,10,20,40", "num_prompts": 320,
+                       "bench_args": "--goodput ttft:2000 itl:100 --per-chunk-usage"}]' 2>&1 \
+            | grep -E "outside:|client:|^  [a-z]+_poisson \|  +[0-9]+ |rate +req/s|poisson@|healthy|skipped"
+        tar czf "$OUT/poisson-$engine.tgz" -C /tmp "poisson-$engine";;
     # issue 14 (docs/kvstore.md): the tiered KV store through the stack; one part per call
     # (each ~3-8 minutes): KV_PARTS=prefix16k, offload or prefill512; KV_ARGS: more flags.
     # The result JSON goes to $OUT.
