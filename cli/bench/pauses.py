@@ -3,9 +3,7 @@ makes every stream's chunks look late, whichever server it measures.
 
 ``ClientPauses`` watches the event loop (a task that sleeps a few ms and notes how late it
 wakes) and Python's garbage collector (each collection's length) for the run it wraps, so a
-report can tell a server's stall from the client's. It also freezes what the process holds
-when the run starts (the requests, the records of earlier runs): collections during the run
-then walk only what the run itself made.
+report can tell a server's stall from the client's.
 """
 
 from __future__ import annotations
@@ -29,8 +27,6 @@ class ClientPauses:
         self._watcher: asyncio.Task | None = None
 
     async def __aenter__(self) -> ClientPauses:
-        gc.collect()
-        gc.freeze()
         self.started = time.perf_counter()
         gc.callbacks.append(self._on_collection)
         self._watcher = asyncio.create_task(self._watch())

@@ -22,20 +22,33 @@ def test_warm_up_attention_leaves_the_cache_untouched():
     assert torch.equal(kv_cache, before)
 
 
+
 def test_warm_up_steps_leave_the_runner_as_they_found_it(dummy_model):
-    """Its two requests are forgotten, and a request after it gets the text it gets on a
-    runner that never warmed up."""
+    """Its two requests are forgotten, and a request given the very blocks they wrote gets
+    the greedy text it gets on a runner that never warmed up (it writes before it reads)."""
     from services.worker.config import WorkerConfig
     from services.worker.runner import ModelRunner
     from services.worker.warmup import warm_up_steps
-    from tests.services.worker.model_checks import runner_greedy
+    from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 
     def runner() -> ModelRunner:
         return ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="1MiB",
                                         block_size=4), dummy_model)
 
+    def greedy_text(runner: ModelRunner) -> list[int]:
+        prompt, num_new = list(range(5, 30)), 6
+        last = runner.num_blocks  # the warm-up's requests took the cache's last blocks
+        block_ids = list(range(last - 8, last))  # 32 slots: prompt and outputs
+        greedy = SamplingParams(temperature=0.0, max_tokens=num_new)
+        result = runner.execute(StepPlan(0, [NewRequestData("r", prompt, greedy, block_ids)],
+                                         [ScheduledRequest("r", len(prompt))]))
+        tokens = list(result.sampled_token_ids)
+        for step_id in range(1, num_new):
+            tokens += runner.execute(StepPlan(step_id, [], [ScheduledRequest("r", 1)])
+                                     ).sampled_token_ids
+        return tokens
+
     warmed, fresh = runner(), runner()
     warm_up_steps(warmed)
     assert warmed.num_requests == 0 and not warmed.has_in_flight
-    prompt = list(range(5, 30))
-    assert runner_greedy(warmed, [prompt], 6) == runner_greedy(fresh, [prompt], 6)
+    assert greedy_text(warmed) == greedy_text(fresh)
