@@ -35,16 +35,18 @@ The kernel (``paged_attention``; design notes above ``_paged_attention_kernel``)
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
-import triton.language as tl
 
 from kernels import pdl
 from kernels.attention_configs import (FP8_MIN_SEGMENT_LEN, MIN_SEGMENT_LEN,
                                        AttentionConfig, choose_chunk_segments,
                                        choose_num_segments, default_config)
+from kernels.paged_attention_kernels import _combine_segments_kernel, _paged_attention_kernel
 from kernels.paged_attention_ref import FP8_KV_DTYPE
+from kernels.repeated_launch import RepeatedLaunch
 
 SEQ_CHUNK = 256  # sequences scanned per vector load when a program looks for its sequence
 COMBINE_NUM_WARPS = 4
@@ -78,42 +80,109 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         (``--batch-invariant``; slower on long contexts and long prompts).
     returns: out, [num_tokens, num_heads, head_dim] in the query's dtype
     """
+    if out is None:
+        out = torch.empty_like(query)
+    plan = plan_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                          max_query_len=max_query_len, max_seq_len=max_seq_len, out=out,
+                          num_decodes=num_decodes, num_segments=num_segments,
+                          decode_config=decode_config, chunk_config=chunk_config,
+                          batch_invariant=batch_invariant)
+    return plan.run(query, key_cache, value_cache, scale, out=out, workspace=workspace,
+                    k_scale=k_scale, v_scale=v_scale)
+
+
+def plan_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start_loc: torch.Tensor, *, max_query_len: int, max_seq_len: int,
+                   out: torch.Tensor | None = None, num_decodes: int = 0,
+                   num_segments: int | None = None, decode_config: AttentionConfig | None = None,
+                   chunk_config: AttentionConfig | None = None,
+                   batch_invariant: bool = False) -> AttentionPlan:
+    """The launches ``paged_attention`` makes for this step's sequences (arguments as there),
+    planned once to run for every layer: ``AttentionPlan.run`` with each layer's query, caches,
+    out and scales, while ``AttentionPlan.fits`` them."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, num_seqs)
-    if out is None:
+    if out is None:  # what run allocates when given none: its strides are planned
         out = torch.empty_like(query)
+    plan = AttentionPlan(query, key_cache, value_cache, out, batch_invariant)
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return plan
     if max_query_len <= 1:
         num_decodes = num_seqs
     if not 0 <= num_decodes <= num_seqs:
         raise ValueError(f"num_decodes={num_decodes} with {num_seqs} sequences")
     fp8 = key_cache.dtype == FP8_KV_DTYPE
-    # the key scale folds into the softmax's, the value scale into the output (1: exact)
-    args = (query, key_cache, value_cache, out, scale * (k_scale if fp8 else 1.0),
-            v_scale if fp8 else 1.0, max_seq_len, workspace)
+    group = num_heads // key_cache.shape[2]
+    tensors = (query, key_cache, value_cache, out)
     if batch_invariant:
         num_segments = 1
-        decode_config = chunk_config = default_config(1, num_heads // key_cache.shape[2],
-                                                      query.dtype, fp8)
+        decode_config = chunk_config = default_config(1, group, query.dtype, fp8)
     if num_decodes > 0:
         segments = num_segments or choose_num_segments(
             num_decodes, key_cache.shape[2], max_seq_len, _sm_count(query.device),
             FP8_MIN_SEGMENT_LEN if fp8 else MIN_SEGMENT_LEN)
-        _launch(*args, block_tables[:num_decodes], seq_lens[:num_decodes],
-                query_start_loc[:num_decodes + 1], min(num_decodes, num_tokens), 1, segments,
-                decode_config or default_config(1, num_heads // key_cache.shape[2], query.dtype,
-                                                fp8))
+        plan.parts.append(_plan_part(
+            *tensors, block_tables[:num_decodes], seq_lens[:num_decodes],
+            query_start_loc[:num_decodes + 1], min(num_decodes, num_tokens), 1, segments,
+            decode_config or default_config(1, group, query.dtype, fp8)))
     if num_decodes < num_seqs:
-        config = chunk_config or default_config(max_query_len, num_heads // key_cache.shape[2],
-                                                 query.dtype, fp8)
+        config = chunk_config or default_config(max_query_len, group, query.dtype, fp8)
         segments = num_segments or choose_chunk_segments(
             num_seqs - num_decodes, num_tokens - num_decodes, max_query_len, max_seq_len,
-            num_heads // key_cache.shape[2], key_cache.shape[2], config, _sm_count(query.device))
-        _launch(*args, block_tables[num_decodes:], seq_lens[num_decodes:],
-                query_start_loc[num_decodes:], num_tokens, max_query_len, segments, config)
-    return out
+            group, key_cache.shape[2], config, _sm_count(query.device))
+        plan.parts.append(_plan_part(
+            *tensors, block_tables[num_decodes:], seq_lens[num_decodes:],
+            query_start_loc[num_decodes:], num_tokens, max_query_len, segments, config))
+    return plan
+
+
+class AttentionPlan:
+    """One step's attention launches (the decodes', the chunks'), planned from one layer's
+    tensors and run for each layer with its own: between two layers' attentions the host
+    only launches (kernels/repeated_launch.py), where planning and Triton's binder cost a
+    mixed step ~0.1 ms a layer."""
+
+    def __init__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 out: torch.Tensor, batch_invariant: bool) -> None:
+        self.layouts = tuple(_layout(t) for t in (query, key_cache, value_cache))
+        self.out_layout = _layout(out)
+        self.batch_invariant = batch_invariant
+        self.pdl = pdl.enabled()  # (a CUDA graph keeps what its capture's launches read)
+        self.parts: list[_PlannedPart] = []
+
+    def fits(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             out: torch.Tensor | None, batch_invariant: bool) -> bool:
+        """Whether these tensors take the planned launches: the same shapes, strides, dtypes
+        and 16-byte alignment (all that Triton specializes them on), the same switches."""
+        return (self.layouts == (_layout(query), _layout(key_cache), _layout(value_cache))
+                and (out is None or _layout(out) == self.out_layout)
+                and batch_invariant == self.batch_invariant and pdl.enabled() == self.pdl)
+
+    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            scale: float, *, out: torch.Tensor | None = None,
+            workspace: torch.Tensor | None = None, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:
+        """The attention of one layer (arguments as ``paged_attention``'s) -> out."""
+        if out is None:
+            out = torch.empty_like(query)
+        fp8 = key_cache.dtype == FP8_KV_DTYPE
+        # the key scale folds into the softmax's, the value scale into the output (1: exact)
+        qk_scale = scale * (k_scale if fp8 else 1.0) * LOG2E
+        for part in self.parts:
+            partials = part.partials(workspace, out)
+            part.attention(query_ptr=query, key_cache_ptr=key_cache, value_cache_ptr=value_cache,
+                           out_ptr=out, qk_scale=qk_scale, v_scale=v_scale if fp8 else 1.0,
+                           **partials)
+            if part.combine is not None:
+                part.combine(out_ptr=out, **partials)
+        return out
+
+
+def _layout(tensor: torch.Tensor) -> tuple:
+    return (tensor.shape, tensor.stride(), tensor.dtype, tensor.device,
+            tensor.data_ptr() % 16 == 0)
 
 
 def workspace_numel(num_tokens: int, num_heads: int, head_dim: int, num_segments: int) -> int:
@@ -159,10 +228,33 @@ def _check_inputs(query, key_cache, value_cache, block_tables, query_start_loc, 
         raise ValueError("block_tables rows must be contiguous")
 
 
-def _launch(query, key_cache, value_cache, out, scale, v_scale, max_seq_len, workspace,
-            block_tables, seq_lens, query_start_loc, num_tokens, max_query_len, num_segments,
-            config) -> None:
-    """One kernel launch over a contiguous run of sequences (and the combine, if split).
+@dataclass
+class _PlannedPart:
+    """The launches over one contiguous run of sequences: the attention and, split, the
+    combine; their split-KV scratch comes from the run's workspace or is allocated per run."""
+    attention: RepeatedLaunch
+    combine: RepeatedLaunch | None
+    workspace_numel: int
+    num_rows: int  # partial rows: tokens x heads x segments
+    head_dim_p2: int
+
+    def partials(self, workspace: torch.Tensor | None, out: torch.Tensor) -> dict:
+        """The split-KV scratch arguments (unused unless split: out stands in)."""
+        if self.combine is None:
+            return {"part_acc_ptr": out, "part_max_ptr": out, "part_sum_ptr": out}
+        numel, rows, width = self.workspace_numel, self.num_rows, self.head_dim_p2
+        if workspace is None:
+            workspace = torch.empty(numel, dtype=torch.float32, device=out.device)
+        elif workspace.dtype != torch.float32 or workspace.numel() < numel:
+            raise ValueError(f"workspace needs {numel} fp32 elements")
+        return {"part_acc_ptr": workspace[:rows * width],
+                "part_max_ptr": workspace[rows * width:rows * (width + 1)],
+                "part_sum_ptr": workspace[rows * (width + 1):numel]}
+
+
+def _plan_part(query, key_cache, value_cache, out, block_tables, seq_lens, query_start_loc,
+               num_tokens, max_query_len, num_segments, config) -> _PlannedPart:
+    """The launches over a contiguous run of sequences (and the combine, if split).
 
     num_tokens: a bound on the tokens of these sequences (grid and scratch size).
     """
@@ -178,259 +270,34 @@ def _launch(query, key_cache, value_cache, out, scale, v_scale, max_seq_len, wor
     one_tile_per_seq = max_query_len <= block_q
     num_tiles = num_seqs if one_tile_per_seq else num_tokens // block_q + num_seqs + 1
     head_dim_p2 = _padded_head_dim(head_dim)
-    part_acc = part_max = part_sum = out  # unused unless split
-    if num_segments > 1:
-        numel = workspace_numel(num_tokens, num_heads, head_dim, num_segments)
-        if workspace is None:
-            workspace = torch.empty(numel, dtype=torch.float32, device=query.device)
-        elif workspace.dtype != torch.float32 or workspace.numel() < numel:
-            raise ValueError(f"workspace needs {numel} fp32 elements")
-        num_rows = num_tokens * num_heads * num_segments
-        part_acc = workspace[:num_rows * head_dim_p2]
-        part_max = workspace[num_rows * head_dim_p2:num_rows * (head_dim_p2 + 1)]
-        part_sum = workspace[num_rows * (head_dim_p2 + 1):numel]
-    _paged_attention_kernel[(num_tiles, num_kv_heads, num_segments)](
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, out,
-        part_acc, part_max, part_sum, scale * LOG2E, v_scale, num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+    options = pdl.launch_options()
+    launch_pdl = {"launch_pdl": options.pop("launch_pdl")}
+    # per-layer arguments (None here) come with each run
+    attention = RepeatedLaunch(_paged_attention_kernel, (num_tiles, num_kv_heads, num_segments), dict(
+        query_ptr=None, key_cache_ptr=None, value_cache_ptr=None, block_tables_ptr=block_tables,
+        seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc, out_ptr=None,
+        part_acc_ptr=None, part_max_ptr=None, part_sum_ptr=None, qk_scale=None, v_scale=None,
+        num_seqs=num_seqs, stride_q_tok=query.stride(0), stride_q_head=query.stride(1),
+        stride_o_tok=out.stride(0), stride_o_head=out.stride(1),
+        stride_k_blk=key_cache.stride(0), stride_k_tok=key_cache.stride(1),
+        stride_k_head=key_cache.stride(2), stride_v_blk=value_cache.stride(0),
+        stride_v_tok=value_cache.stride(1), stride_v_head=value_cache.stride(2),
+        stride_bt_seq=block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
         ONE_TILE_PER_SEQ=one_tile_per_seq, SEQ_CHUNK=SEQ_CHUNK, NUM_SEGMENTS=num_segments,
         SCALED_V=key_cache.dtype == FP8_KV_DTYPE,  # (never by value: one variant a cache dtype)
         FP16_DOTS=(key_cache.dtype, query.dtype) == (FP8_KV_DTYPE, torch.bfloat16),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **options),
+        dict(num_warps=config.num_warps, num_stages=config.num_stages, **launch_pdl))
+    combine = None
     if num_segments > 1:
-        _combine_segments_kernel[(num_tokens, num_heads)](
-            out, part_acc, part_max, part_sum, query_start_loc, num_seqs,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, NUM_SEGMENTS=num_segments,
-            num_warps=COMBINE_NUM_WARPS, **pdl.launch_options())
-
-
-@triton.jit
-def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, SEQ_CHUNK: tl.constexpr):
-    """The sequence owning query tile `tile`: sequence i's tiles start at
-    T_i = query_start_loc[i] // BLOCK_Q + i - query_start_loc[0] // BLOCK_Q (strictly increasing),
-    so it is the number of i >= 1 with T_i <= tile."""
-    base = tl.load(query_start_loc_ptr) // BLOCK_Q
-    seq = tl.full([], 0, tl.int32)
-    for first in range(1, num_seqs, SEQ_CHUNK):
-        idx = first + tl.arange(0, SEQ_CHUNK)
-        in_range = idx < num_seqs
-        starts = tl.load(query_start_loc_ptr + idx, mask=in_range, other=0)
-        tile_starts = starts // BLOCK_Q + idx - base
-        seq += tl.sum((in_range & (tile_starts <= tile)).to(tl.int32), axis=0)
-    return seq, tile - (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq - base)
-
-
-@triton.jit
-def _load_tile(ptrs, key_ok, d_ok, MASK_KEYS: tl.constexpr, PAD_D: tl.constexpr):
-    """A K or V tile; masks only where the keys run out or head_dim was padded."""
-    if MASK_KEYS and PAD_D:
-        tile = tl.load(ptrs, mask=key_ok & d_ok, other=0.0)
-    elif MASK_KEYS:
-        tile = tl.load(ptrs, mask=key_ok, other=0.0)
-    elif PAD_D:
-        tile = tl.load(ptrs, mask=d_ok, other=0.0)
-    else:
-        tile = tl.load(ptrs)
-    return tile
-
-
-@triton.jit
-def _attend_tile(q, acc, m_i, l_i, key_start, key_end, query_pos, block_table_ptr, k_base, v_base,
-                 stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 HEAD_DIM_P2: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of the rows with keys key_start..key_start + BLOCK_N (base 2).
-
-    q: [BLOCK_M, HEAD_DIM_P2]; acc: [BLOCK_M, HEAD_DIM_P2] fp32; m_i, l_i, query_pos: [BLOCK_M]
-    """
-    PAD_D: tl.constexpr = HEAD_DIM != HEAD_DIM_P2
-    offs_d = tl.arange(0, HEAD_DIM_P2)
-    keys = key_start + tl.arange(0, BLOCK_N)  # [BLOCK_N] positions in the context
-    key_ok = keys < key_end
-    if MASKED:  # past the sequence's blocks the table row may end: don't read it
-        block_ids = tl.load(block_table_ptr + keys // BLOCK_SIZE, mask=key_ok, other=0)
-    else:
-        block_ids = tl.load(block_table_ptr + keys // BLOCK_SIZE)
-    block_ids = block_ids.to(tl.int64)
-    slots = keys % BLOCK_SIZE
-    k_ptrs = (k_base + (block_ids * stride_k_blk + slots * stride_k_tok)[None, :]
-              + offs_d[:, None])  # [HEAD_DIM_P2, BLOCK_N]
-    # an FP8 cache's tile widened to q's dtype (its scale is in qk_scale)
-    k = _load_tile(k_ptrs, key_ok[None, :], (offs_d < HEAD_DIM)[:, None], MASKED, PAD_D)
-    scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * qk_scale  # [M, N] tile
-    if MASKED:
-        visible = (keys[None, :] <= query_pos[:, None]) & key_ok[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    v_ptrs = (v_base + (block_ids * stride_v_blk + slots * stride_v_tok)[:, None]
-              + offs_d[None, :])  # [BLOCK_N, HEAD_DIM_P2]
-    v = _load_tile(v_ptrs, key_ok[:, None], (offs_d < HEAD_DIM)[None, :], MASKED, PAD_D)
-    # (an FP8 cache's tiles widened to q's dtype; their scales are in qk_scale and the output)
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
-
-# Arguments that change from step to step are not specialized on (an int divisible by 16 or
-# equal to 1, a pointer 16-byte aligned: slices at num_decodes and workspace offsets vary):
-# each new combination would compile another variant in the middle of serving.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt_seq", "block_tables_ptr", "seq_lens_ptr",
-                               "query_start_loc_ptr", "part_acc_ptr", "part_max_ptr",
-                               "part_sum_ptr"])
-def _paged_attention_kernel(
-        query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        query_start_loc_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, qk_scale, v_scale,
-        num_seqs,
-        stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
-        stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
-        stride_bt_seq,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
-        BLOCK_N: tl.constexpr, ONE_TILE_PER_SEQ: tl.constexpr, SEQ_CHUNK: tl.constexpr,
-        NUM_SEGMENTS: tl.constexpr, SCALED_V: tl.constexpr, FP16_DOTS: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Program (tile, kv_head, segment): BLOCK_Q queries of one sequence x the GROUP query heads
-    of kv_head (row r: query tile_first + r // GROUP, head kv_head * GROUP + r % GROUP), over
-    its segment of the context (all of it unless split)."""
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    segment = tl.program_id(2)
-    pdl.wait_then_launch_dependents(PDL)  # before the early return of spare programs
-    if ONE_TILE_PER_SEQ:
-        seq = tile
-        tile_in_seq = 0
-    else:
-        seq, tile_in_seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q, SEQ_CHUNK)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    tile_first = tile_in_seq * BLOCK_Q  # the tile's first query, counted within the sequence
-    if tile_first >= q_len:  # spare program (or an empty padding sequence)
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    rows = tl.arange(0, BLOCK_M)
-    query_idx = tile_first + rows // GROUP  # [BLOCK_M] within the sequence
-    row_ok = (rows < BLOCK_Q * GROUP) & (query_idx < q_len)
-    query_pos = seq_len - q_len + query_idx  # [BLOCK_M] position in the context
-    tokens = (q_start + query_idx).to(tl.int64)  # [BLOCK_M] row of the packed batch
-    heads = kv_head * GROUP + rows % GROUP  # [BLOCK_M]
-    offs_d = tl.arange(0, HEAD_DIM_P2)
-    d_ok = offs_d < HEAD_DIM
-    q_ptrs = (query_ptr + (tokens * stride_q_tok + heads * stride_q_head)[:, None]
-              + offs_d[None, :])
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, HEAD_DIM_P2]
-    if FP16_DOTS:  # FP8 K/V widen to fp16 in one cvt a pair (bf16: several; 1,188 vs 1,320 us)
-        q = q.to(tl.float16)
-
-    acc, m_i, l_i = _attend_segment(
-        q, query_pos, seq, seq_len, q_len, tile_first, kv_head, segment, block_tables_ptr,
-        key_cache_ptr, value_cache_ptr, stride_bt_seq, stride_k_blk, stride_k_tok, stride_k_head,
-        stride_v_blk, stride_v_tok, stride_v_head, qk_scale, BLOCK_Q, BLOCK_SIZE, BLOCK_M,
-        BLOCK_N, HEAD_DIM, HEAD_DIM_P2, NUM_SEGMENTS, DOT_PRECISION)
-    if SCALED_V:  # an FP8 cache's values: sum(p * v / v_scale) * v_scale
-        acc *= v_scale
-    _store_rows(acc, m_i, l_i, tokens, heads, row_ok, segment, out_ptr, part_acc_ptr, part_max_ptr,
-                part_sum_ptr, query_start_loc_ptr, stride_o_tok, stride_o_head, GROUP, HEAD_DIM,
-                HEAD_DIM_P2, NUM_SEGMENTS)
-
-
-@triton.jit
-def _attend_segment(q, query_pos, seq, seq_len, q_len, tile_first, kv_head, segment,
-                    block_tables_ptr, key_cache_ptr, value_cache_ptr, stride_bt_seq,
-                    stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok,
-                    stride_v_head, qk_scale, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-                    NUM_SEGMENTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online softmax of a tile's rows over its program's segment of sequence seq's context for
-    kv_head (all of it unless split): first the key tiles every row sees whole, unmasked, then the
-    masked ones on the causal diagonal and the ragged end.
-
-    q: [BLOCK_M, HEAD_DIM_P2]; query_pos: [BLOCK_M] position in the context
-    returns: acc [BLOCK_M, HEAD_DIM_P2] fp32, unnormalised; m_i, l_i [BLOCK_M] (base 2)
-    """
-    # keys < full_end are visible to every row; the tile's last row sees keys < kv_end
-    full_end = (seq_len - q_len + tile_first + 1) // BLOCK_N * BLOCK_N
-    kv_end = seq_len - q_len + tl.minimum(tile_first + BLOCK_Q, q_len)
-    if NUM_SEGMENTS == 1:
-        seg_start = 0
-        seg_end = kv_end
-    else:  # equal BLOCK_N-aligned pieces of this sequence's context
-        seg_len = tl.cdiv(tl.cdiv(seq_len, NUM_SEGMENTS), BLOCK_N) * BLOCK_N
-        seg_start = segment * seg_len
-        seg_end = tl.minimum(seg_start + seg_len, kv_end)
-
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_P2], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: fully masked rows stay 0, not NaN
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
-    k_base = key_cache_ptr + kv_head * stride_k_head
-    v_base = value_cache_ptr + kv_head * stride_v_head
-    for key_start in range(seg_start, tl.minimum(seg_end, full_end), BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, key_start, seg_end, query_pos, block_table_ptr, k_base, v_base,
-            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_P2, False, DOT_PRECISION)
-    for key_start in range(tl.maximum(seg_start, full_end), seg_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, key_start, seg_end, query_pos, block_table_ptr, k_base, v_base,
-            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, HEAD_DIM_P2, True, DOT_PRECISION)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _store_rows(acc, m_i, l_i, tokens, heads, row_ok, segment, out_ptr, part_acc_ptr,
-                part_max_ptr, part_sum_ptr, query_start_loc_ptr, stride_o_tok, stride_o_head,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-                NUM_SEGMENTS: tl.constexpr):
-    """The rows' normalised output or, split, their segment's partial for the combine.
-    acc: [BLOCK_M, HEAD_DIM_P2] fp32; m_i, l_i, tokens (rows of the batch), heads, row_ok: [BLOCK_M]
-    """
-    offs_d = tl.arange(0, HEAD_DIM_P2)
-    if NUM_SEGMENTS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = (out_ptr + (tokens * stride_o_tok + heads * stride_o_head)[:, None]
-                  + offs_d[None, :])
-        d_ok = offs_d < HEAD_DIM
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-    else:  # partial row [token - first token of the launch, head, segment]
-        num_heads = tl.num_programs(1) * GROUP
-        part_rows = ((tokens - tl.load(query_start_loc_ptr)) * num_heads + heads) * NUM_SEGMENTS
-        part_rows += segment
-        acc_ptrs = part_acc_ptr + part_rows[:, None] * HEAD_DIM_P2 + offs_d[None, :]
-        tl.store(acc_ptrs, acc, mask=row_ok[:, None])
-        tl.store(part_max_ptr + part_rows, m_i, mask=row_ok)
-        tl.store(part_sum_ptr + part_rows, l_i, mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["num_seqs", "query_start_loc_ptr", "part_acc_ptr", "part_max_ptr",
-                               "part_sum_ptr"])
-def _combine_segments_kernel(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
-                             query_start_loc_ptr, num_seqs, stride_o_tok, stride_o_head,
-                             HEAD_DIM: tl.constexpr, HEAD_DIM_P2: tl.constexpr,
-                             NUM_SEGMENTS: tl.constexpr, PDL: tl.constexpr):
-    """Program (token of the launch, head): merge the segments' partial outputs, each weighted by
-    exp2(its max - the overall max); empty segments (max -1e30, sum 0) weigh nothing."""
-    token_in_launch = tl.program_id(0)
-    head = tl.program_id(1)
-    pdl.wait_then_launch_dependents(PDL)  # before the early return of padding rows
-    token = tl.load(query_start_loc_ptr) + token_in_launch
-    if token >= tl.load(query_start_loc_ptr + num_seqs):  # padding rows past the last sequence
-        return
-    rows = (token_in_launch.to(tl.int64) * tl.num_programs(1) + head) * NUM_SEGMENTS
-    rows += tl.arange(0, NUM_SEGMENTS)  # [NUM_SEGMENTS]
-    seg_max = tl.load(part_max_ptr + rows)
-    weights = tl.exp2(seg_max - tl.max(seg_max, axis=0))
-    total = tl.sum(tl.load(part_sum_ptr + rows) * weights, axis=0)
-    offs_d = tl.arange(0, HEAD_DIM_P2)
-    acc = tl.load(part_acc_ptr + rows[:, None] * HEAD_DIM_P2 + offs_d[None, :])
-    out = tl.sum(acc * weights[:, None], axis=0) / total  # [HEAD_DIM_P2]
-    o_ptrs = out_ptr + token.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        combine = RepeatedLaunch(_combine_segments_kernel, (num_tokens, num_heads), dict(
+            out_ptr=None, part_acc_ptr=None, part_max_ptr=None, part_sum_ptr=None,
+            query_start_loc_ptr=query_start_loc, num_seqs=num_seqs,
+            stride_o_tok=out.stride(0), stride_o_head=out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_P2=head_dim_p2, NUM_SEGMENTS=num_segments, **options),
+            dict(num_warps=COMBINE_NUM_WARPS, **launch_pdl))
+    return _PlannedPart(attention, combine, workspace_numel(num_tokens, num_heads, head_dim,
+                                                            num_segments),
+                        num_tokens * num_heads * num_segments, head_dim_p2)

@@ -59,6 +59,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     penalties) python3 -m benchmarks.sampling_penalties --device cuda --model $M/dummy-llama-3.2-1b \
         ${P_ARGS:-} 2>&1 | tail -30;;
     profile) python3 -m benchmarks.gpu.step_profile --model $M/dummy-llama-3.1-8b 2>&1 | tail -60;;
+    # issue 27: steps with a prompt chunk beside decodes, host launch vs GPU (MIXED_SHAPES)
+    mixed-steps) python3 -m benchmarks.gpu.mixed_steps --model $M/dummy-llama-3.1-8b \
+        --shapes ${MIXED_SHAPES:-1x60,8x60,40x60,40x300,40x1000,80x1500} 2>&1 | tail -20;;
     # online serving (docs/bench.md): flotilla alone, or flotilla then vLLM (needs the vLLM kit
     # installed by an earlier call: shared/peers/vllm/README.md); each ends within ~9 minutes,
     # so run it as the only stage of its call. Files in $OUT/online. ON_ARGS: more flags (e.g.

@@ -54,8 +54,10 @@ class WorkerConfig(ServiceConfig, frozen=True, kw_only=True):
     max_num_batched_tokens: int = limits.MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = limits.MAX_NUM_SEQS
     enforce_eager: bool = False  # no CUDA graphs
-    # steps with prompt chunks up to this many tokens run as piecewise CUDA graphs; 0: eager
-    max_graph_tokens: int = 512
+    # steps with prompt chunks up to this many tokens run as piecewise CUDA graphs; 0: eager.
+    # The default covers the default step budget: an eager step's ~30 ms host launch (8B)
+    # would hold the step in flight before it
+    max_graph_tokens: int = limits.MAX_NUM_BATCHED_TOKENS
     overlap_steps: OverlapSteps = OverlapSteps.AUTO
     seed: int = 0  # random weights of dummy models
     # GPUs (CPU: processes) one worker spreads the model over: rank 0 is this process and the

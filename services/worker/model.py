@@ -22,13 +22,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
 import torch
 from torch import nn
 
+from kernels.paged_attention import AttentionPlan
 from kernels.rotary import build_cos_sin_cache
 from services.worker import ops
 from services.worker.cpu_attention import DecodeContext
@@ -195,6 +196,8 @@ class AttentionMetadata:
     # [num_tokens] int64: the row of the step in flight whose sampled token is this token's
     # input, -1 for the rest (None: no such token; step_inputs.fill_pending_inputs)
     pending_source_rows: torch.Tensor | None = None
+    # the step's attention launches, planned by its first layer (ops.attention)
+    attention_plan: AttentionPlan | None = field(default=None, repr=False, compare=False)
 
 
 class RMSNorm(nn.Module):

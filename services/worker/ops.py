@@ -175,8 +175,13 @@ def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
         result = cpu_attention.attention(query, key_cache, value_cache, metadata, scale,
                                          decode_context)
         return result if out is None else out.copy_(result)
-    return paged_attention.paged_attention(
-        query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-        metadata.query_start_loc, scale, max_query_len=metadata.max_query_len,
-        max_seq_len=metadata.max_seq_len, num_decodes=metadata.num_decodes, out=out,
-        k_scale=k_scale, v_scale=v_scale, batch_invariant=batch_invariant)
+    # planned at the step's first layer, kept on its metadata for the layers after it
+    plan = metadata.attention_plan
+    if plan is None or not plan.fits(query, key_cache, value_cache, out, batch_invariant):
+        plan = metadata.attention_plan = paged_attention.plan_attention(
+            query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+            metadata.query_start_loc, max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len, num_decodes=metadata.num_decodes, out=out,
+            batch_invariant=batch_invariant)
+    return plan.run(query, key_cache, value_cache, scale, out=out, k_scale=k_scale,
+                    v_scale=v_scale)

@@ -47,6 +47,7 @@ class Recorder:
 
     def __init__(self, kernel, launches: list) -> None:
         self.kernel, self.launches = kernel, launches
+        self.arg_names = kernel.arg_names  # (kernels/repeated_launch.py orders by them)
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launches.append((self.kernel, args, kwargs))
