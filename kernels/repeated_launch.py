@@ -29,7 +29,9 @@ class RepeatedLaunch:
         if set(names) != set(args):
             raise ValueError(f"arguments {sorted(set(names) ^ set(args))} do not match "
                              f"the kernel's signature")
-        self.kernel, self.grid, self.options, self.names = kernel, grid, options, names
+        # (a compiled kernel's launcher takes three grid dimensions)
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.kernel, self.options, self.names = kernel, options, names
         self.args = [args[name] for name in names]  # the kernel's signature order
         self.index = {name: i for i, name in enumerate(names)}
         self.launcher = None  # the compiled kernel's, after the first launch

@@ -12,6 +12,7 @@ decode graph: B decodes). Medians of 20 (``step_profile.timed``); JSON via ``com
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -60,9 +61,11 @@ def main() -> None:
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("8x60,40x60,40x1000"))
     parser.add_argument("--context", type=int, default=700)
     args = parser.parse_args()
+    started = time.perf_counter()
     engine = build_engine(args.model, max_model_len=4096,
                           max_num_seqs=max(batch for batch, _ in args.shapes),
                           max_num_batched_tokens=2048)
+    print(f"engine built in {time.perf_counter() - started:.1f} s")
     rows = [profile_shape(engine.runner, batch, prompt_len, args.context)
             for batch, prompt_len in args.shapes]
     for row in rows:

@@ -124,7 +124,8 @@ def test_later_launches_take_the_compiled_kernels_launcher_in_signature_order():
     launch(a_ptr="second")
     launch(a_ptr="third", n=7)
     assert kernel.jit_launches == [{"a_ptr": "first", "n": 5, "BLOCK": 16, "num_warps": 4}]
-    assert kernel.compiled_launches == [((3, 1), ("second", 5, 16)), ((3, 1), ("third", 7, 16))]
+    assert kernel.compiled_launches == [((3, 1, 1), ("second", 5, 16)),
+                                        ((3, 1, 1), ("third", 7, 16))]
     assert launch.args == [None, 5, 16]  # what changed was for that launch only
 
 

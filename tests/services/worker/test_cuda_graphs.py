@@ -33,7 +33,10 @@ CONFIGS = {
 
 
 def test_token_buckets():
-    assert token_buckets(512) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert token_buckets(512) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 288, 320, 352, 384,
+                                  416, 448, 480, 512]
+    assert token_buckets(2048)[-9:] == [1024, 1152, 1280, 1408, 1536, 1664, 1792, 1920, 2048]
+    assert token_buckets(300)[-3:] == [256, 288, 300]
     assert token_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
     assert token_buckets(16) == [16]
     assert token_buckets(8) == [8]
