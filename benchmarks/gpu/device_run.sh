@@ -82,7 +82,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
             --dataset-path $M/sharegpt-1000.json --max-duration 300 --budget 560 $skip \
             --vllm-start-timeout 200 --out /tmp/poisson-$engine \
             --serve-args "${POISSON_SERVE_ARGS:-}" \
-            --loads '[{"name": "poisson", "request_rate": "5,10,20,40", "num_prompts": 320,
+            --loads '[{"name": "poisson", "request_rate": "'"${POISSON_RATES:-5,10,20,40}"'", "num_prompts": 320,
                        "bench_args": "--goodput ttft:2000 itl:100 --per-chunk-usage"}]' 2>&1 \
             | grep -E "outside:|client:|^  [a-z]+_poisson \|  +[0-9]+ |rate +req/s|poisson@|healthy|skipped"
         tar czf "$OUT/poisson-$engine.tgz" -C /tmp "poisson-$engine";;

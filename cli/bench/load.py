@@ -117,9 +117,14 @@ async def _run_load(client: HttpClient, requests: list[BenchRequest],
     tasks: list[asyncio.Task] = []
 
     async def dispatch() -> None:
+        # each request at its own time on the schedule: a sleep that woke late (the loop
+        # busy reading streams) must not push every later send back (it did: by 4.2 s over
+        # 320 requests at 40 req/s on an H200, more behind a server of more chunk events)
+        due = started
         for i, gap in enumerate(gaps):
-            if gap > 0:
-                await asyncio.sleep(gap)
+            due += gap
+            if due > time.perf_counter():
+                await asyncio.sleep(due - time.perf_counter())
             tasks.append(asyncio.create_task(one(i)))
         await asyncio.gather(*tasks)
 
