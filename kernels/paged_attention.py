@@ -1,7 +1,7 @@
 """Paged attention in Triton: ``paged_attention_ref`` without a host-device sync. The cache layout
 and the varlen batch rule it follows are set out in kernels/paged_attention_ref.py (the reference).
 
-The kernel (``paged_attention``; design notes above ``_paged_attention_kernel``):
+The kernel (``paged_attention``; its code in kernels/paged_attention_kernels.py):
 
 - one program per (tile of query rows of ONE sequence, kv head, context segment). A tile's rows are
   ``BLOCK_Q`` query positions times the GQA group: the query heads sharing a kv head are rows of one

@@ -196,8 +196,10 @@ class AttentionMetadata:
     # [num_tokens] int64: the row of the step in flight whose sampled token is this token's
     # input, -1 for the rest (None: no such token; step_inputs.fill_pending_inputs)
     pending_source_rows: torch.Tensor | None = None
-    # the step's attention launches, planned by its first layer (ops.attention)
-    attention_plan: AttentionPlan | None = field(default=None, repr=False, compare=False)
+    # the step's attention launches, planned by its first layer (ops.attention); not copied
+    # by dataclasses.replace, so metadata with other lengths never runs an old plan
+    attention_plan: AttentionPlan | None = field(default=None, init=False, repr=False,
+                                                 compare=False)
 
 
 class RMSNorm(nn.Module):
