@@ -1,7 +1,7 @@
 """Steps that carry a prompt chunk beside decodes, run as the worker runs them: piecewise
 graphs where a token bucket holds the step, eagerly past them. Host launch and GPU time per
-shape, beside the decode graph of the same decodes (what the step would cost without the
-chunk). One engine for every shape:
+shape, beside the same step eagerly and the decode graph of the same decodes (what the step
+would cost without the chunk). One engine for every shape:
 
     python -m benchmarks.gpu.mixed_steps --model dummy:llama-3.1-8b --shapes 8x60,40x60,40x1000
 
@@ -41,9 +41,9 @@ def profile_shape(runner, batch: int, prompt_len: int, context: int) -> dict:
     graphs = runner._mixed_graphs
     piecewise = graphs is not None and graphs.bucket_for(len(mixed[0])) is not None
 
-    def run_mixed() -> None:
+    def run_mixed(eager: bool = False) -> None:
         mixed[-1].attention_plan = None  # as in serving: each step plans at its first layer
-        if piecewise:
+        if piecewise and not eager:
             graphs.run(*mixed)
         else:
             runner.model(*mixed)
@@ -51,7 +51,7 @@ def profile_shape(runner, batch: int, prompt_len: int, context: int) -> dict:
     return {"batch": batch, "prompt": prompt_len, "context": context,
             "path": "piecewise" if piecewise else "eager",
             "decode_graph_ms": timed(lambda: runner._graphs.run(*decode_inputs)),
-            "mixed_ms": timed(run_mixed)}
+            "mixed_ms": timed(run_mixed), "mixed_eager_ms": timed(lambda: run_mixed(eager=True))}
 
 
 @torch.inference_mode()
