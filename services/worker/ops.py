@@ -175,6 +175,8 @@ def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
         result = cpu_attention.attention(query, key_cache, value_cache, metadata, scale,
                                          decode_context)
         return result if out is None else out.copy_(result)
+    if out is None:  # (allocated here, not in the planning too)
+        out = torch.empty_like(query)
     # planned at the step's first layer, kept on its metadata for the layers after it
     plan = metadata.attention_plan
     if plan is None or not plan.fits(query, key_cache, value_cache, out, batch_invariant):

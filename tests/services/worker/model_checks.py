@@ -94,6 +94,20 @@ def runner_greedy(runner: ModelRunner, prompts: list[list[int]], num_new_tokens:
     return [outputs[r] for r in request_ids]
 
 
+def greedy_tokens(runner: ModelRunner, prompt: list[int], num_tokens: int,
+                  block_ids: list[int], params: SamplingParams | None = None) -> list[int]:
+    """One request's first ``num_tokens`` tokens on ``block_ids``: its prompt in one step,
+    then one plain decode step a token (greedy unless ``params``)."""
+    params = params or SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    result = runner.execute(StepPlan(0, [NewRequestData("r", prompt, params, block_ids)],
+                                     [ScheduledRequest("r", len(prompt))]))
+    tokens = list(result.sampled_token_ids)
+    for step_id in range(1, num_tokens):
+        tokens += runner.execute(StepPlan(step_id, [], [ScheduledRequest("r", 1)])
+                                 ).sampled_token_ids
+    return tokens
+
+
 def make_runner(path: Path, kv_cache_memory: str = "256KiB") -> ModelRunner:
     return ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory=kv_cache_memory,
                                     block_size=BLOCK_SIZE), ModelFiles(name="tiny", path=path))

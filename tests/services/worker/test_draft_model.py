@@ -15,6 +15,7 @@ from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import DUMMY_MARKER, PRESETS_DIR, ModelFiles
+from tests.services.worker import model_checks
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 # the tiny random model repeats this prompt's last token 19 times, then 6457: the drafts must
@@ -39,13 +40,7 @@ def tiny_variant(tmp_path_factory, name: str, **changes) -> ModelFiles:
 
 def greedy_tokens(runner: ModelRunner, prompt: list[int], num_tokens: int) -> list[int]:
     """The request's tokens one plain decode step at a time."""
-    result = runner.execute(StepPlan(0, [NewRequestData("r", prompt, GREEDY, BLOCKS)],
-                                     [ScheduledRequest("r", len(prompt))]))
-    tokens = list(result.sampled_token_ids)
-    for step_id in range(1, num_tokens):
-        tokens += runner.execute(StepPlan(step_id, [], [ScheduledRequest("r", 1)])
-                                 ).sampled_token_ids
-    return tokens
+    return model_checks.greedy_tokens(runner, prompt, num_tokens, BLOCKS, GREEDY)
 
 
 def drafted_tokens(runner: ModelRunner, prompt: list[int], slots: list[int],

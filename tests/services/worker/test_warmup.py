@@ -6,9 +6,12 @@ from __future__ import annotations
 import torch
 
 from kernels.paged_attention_ref import allocate_kv_cache
+from services.worker.config import WorkerConfig
+from services.worker.runner import ModelRunner
+from services.worker.warmup import warm_up_attention, warm_up_steps
 from services.worker.weights import load_model
-from services.worker.warmup import warm_up_attention
 from shared.models import resolve_model
+from tests.services.worker.model_checks import greedy_tokens
 
 
 def test_warm_up_attention_leaves_the_cache_untouched():
@@ -26,27 +29,14 @@ def test_warm_up_attention_leaves_the_cache_untouched():
 def test_warm_up_steps_leave_the_runner_as_they_found_it(dummy_model):
     """Its two requests are forgotten, and a request given the very blocks they wrote gets
     the greedy text it gets on a runner that never warmed up (it writes before it reads)."""
-    from services.worker.config import WorkerConfig
-    from services.worker.runner import ModelRunner
-    from services.worker.warmup import warm_up_steps
-    from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
-
     def runner() -> ModelRunner:
         return ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="1MiB",
                                         block_size=4), dummy_model)
 
     def greedy_text(runner: ModelRunner) -> list[int]:
-        prompt, num_new = list(range(5, 30)), 6
         last = runner.num_blocks  # the warm-up's requests took the cache's last blocks
-        block_ids = list(range(last - 8, last))  # 32 slots: prompt and outputs
-        greedy = SamplingParams(temperature=0.0, max_tokens=num_new)
-        result = runner.execute(StepPlan(0, [NewRequestData("r", prompt, greedy, block_ids)],
-                                         [ScheduledRequest("r", len(prompt))]))
-        tokens = list(result.sampled_token_ids)
-        for step_id in range(1, num_new):
-            tokens += runner.execute(StepPlan(step_id, [], [ScheduledRequest("r", 1)])
-                                     ).sampled_token_ids
-        return tokens
+        # 32 slots: the prompt and its outputs
+        return greedy_tokens(runner, list(range(5, 30)), 6, list(range(last - 8, last)))
 
     warmed, fresh = runner(), runner()
     warm_up_steps(warmed)
