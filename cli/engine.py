@@ -17,7 +17,8 @@ from services.scheduler.speculation import worker_speculation
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
-from services.worker.tp_group import SingleRank, start_group
+from services.worker.tp_group import start_group
+from services.worker.tp_ranks import SingleRank
 from shared.messages import GenerateRequest, SamplingParams, StepPlan, StepResult
 from shared.models import ModelFiles
 

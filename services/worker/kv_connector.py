@@ -23,8 +23,7 @@ attaches, keeps reserved and replaces.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -32,6 +31,7 @@ import torch
 
 from services.worker.cuda_copy import check_memcpy_2d
 from services.worker.kv_offload import BlocksToStore, KvOffload, recompute_unusable_loads
+from services.worker.kv_step import NO_KV_WORK, KvStep, LayerWaits
 from services.worker.kv_tiers import LoadTiming
 from shared.messages import StepPlan
 
@@ -41,39 +41,6 @@ if TYPE_CHECKING:
     from services.worker.step_state import RequestState
 
 log = structlog.get_logger()
-
-# per layer, the load events its attention waits for (None: none)
-LayerWaits = list[list[torch.cuda.Event]] | None
-
-
-@dataclass(frozen=True)
-class KvStep:
-    """What a step's kvstore work leaves for the rest of the step: its loads' timing, the
-    stores of blocks it completes (copied out after its forward), and per layer the load
-    events its attention waits for (loads in layer groups, when the forward can wait
-    between layers)."""
-
-    load: LoadTiming | None = None
-    late_stores: Sequence[BlocksToStore] = ()
-    layer_waits: LayerWaits = None
-
-    def loads_done(self) -> bool:
-        end = self.load.end if self.load is not None else None
-        return end is None or end.query()
-
-    def wait_for_loads(self) -> None:
-        if self.load is not None and self.load.end is not None:
-            self.load.end.synchronize()
-
-    @property
-    def load_bytes(self) -> int:
-        return self.load.num_bytes if self.load is not None else 0
-
-    def load_bytes_per_s(self) -> float:
-        return self.load.bytes_per_s() if self.load is not None else 0.0
-
-
-NO_KV_WORK = KvStep()
 
 
 class NoKvConnector:

@@ -30,10 +30,9 @@ from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs, capture_step_graphs, mixed_graph_tokens
 from services.worker import draft_model, ops
 from services.worker.draft_model import DraftModel, NoDraftModel, Proposal, load_draft_model
-from services.worker.kv_connector import (
-    KvConnector, LayerWaits, NoKvConnector, usable_load_groups,
-)
+from services.worker.kv_connector import KvConnector, NoKvConnector, usable_load_groups
 from services.worker.kv_offload import KvOffload
+from services.worker.kv_step import LayerWaits
 from services.worker.kv_quant import kv_scales_tag, resolve_kv_cache_dtype, set_fp8_kv_scales
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import AttentionMetadata
@@ -46,7 +45,7 @@ from services.worker.step_inputs import (
     select_rows,
 )
 from services.worker.step_state import RequestState, StepInFlight, plan_needs_host_tokens
-from services.worker.tp_group import SingleRank
+from services.worker.tp_ranks import SingleRank
 from services.worker.warmup import warm_up_attention, warm_up_steps
 from shared.config import parse_size
 from shared.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult, TokenLogprobs

@@ -30,7 +30,8 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_upkeep import KvUpkeep, NoKvUpkeep
 from services.worker.main_thread import MainThreadExecutor
 from services.worker.runner import ModelRunner
-from services.worker.tp_group import SingleRank, start_group
+from services.worker.tp_group import start_group
+from services.worker.tp_ranks import SingleRank
 from shared.bus import EXIT_NATS_LOST, Bus
 from shared.errors import ServiceUnavailable
 from shared.messages import Empty, HealthReply, StepPlan, StepResult, WorkerInfo

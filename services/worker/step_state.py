@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampling import draw_seed
-from services.worker.kv_connector import KvStep
+from services.worker.kv_step import KvStep
 from services.worker.staging import to_host
 from shared.messages import SamplingParams, StepPlan, StepResult
 

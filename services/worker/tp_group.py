@@ -20,17 +20,13 @@ restart. Nobody waits out NCCL's own timeout.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import ctypes
+import dataclasses
 import multiprocessing
-import multiprocessing.connection
 import os
-import random
 import signal
 import socket
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 
 import msgspec
@@ -39,132 +35,17 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.one_shot_reduce import one_shot_reduce
+from services.worker.runner import ModelRunner
 from services.worker.tensor_parallel import TensorParallel
-from shared.messages import StepPlan
+from services.worker.tp_ranks import QUIT, FollowerRank, LeaderRank, follow
+from shared.logging import setup_logging
 from shared.models import ModelFiles
+from shared.runtime import freeze_startup_objects
 
 log = structlog.get_logger()
 
 EXIT_RANK_LOST = 76  # a tensor-parallel rank died or hung: restart the whole group
-WATCH_EVERY_S = 0.2
 JOIN_TIMEOUT = timedelta(minutes=10)  # forming the group: the ranks' model loads race to it
-_STEP, _FLUSH, _RESET, _QUIT = b"S", b"F", b"R", b"Q"
-_plans = msgspec.msgpack.Encoder()
-
-
-class SingleRank:
-    """One rank: the model whole, nothing sent, nothing watched (the null group)."""
-
-    tp = TensorParallel()
-
-    def lead_step(self, plan: StepPlan) -> StepPlan:
-        return plan
-
-    def lead_flush(self) -> None:
-        pass
-
-    def lead_reset(self) -> None:
-        pass
-
-    @contextlib.contextmanager
-    def watch(self) -> Iterator[None]:
-        yield
-
-    def close(self) -> None:
-        pass
-
-
-class FollowerRank(SingleRank):
-    """Ranks 1..N-1: rank 0 leads; they only join in the collectives."""
-
-    def __init__(self, tp: TensorParallel):
-        self.tp = tp
-
-
-class LeaderRank(SingleRank):
-    """Rank 0: sends every runner call down to the other ranks and watches them."""
-
-    def __init__(self, config: WorkerConfig,
-                 processes: list[multiprocessing.process.BaseProcess], links: list,
-                 on_lost: Callable[[str], None]):
-        """Watches the ranks from here on, so a rank lost while the group forms fails it
-        too; ``tp`` is set once the group has formed."""
-        self.config = config
-        self._processes, self._links = processes, links
-        self._on_lost = on_lost
-        self._busy_since: float | None = None  # when the runner call now running began
-        self._closing = threading.Event()
-        self._watcher = threading.Thread(target=self._watch_ranks, name="tp-watch", daemon=True)
-        self._watcher.start()
-
-    def lead_step(self, plan: StepPlan) -> StepPlan:
-        plan = seed_random_draws(plan)
-        self._send(_STEP + _plans.encode(plan))
-        return plan
-
-    def lead_flush(self) -> None:
-        self._send(_FLUSH)
-
-    def lead_reset(self) -> None:
-        self._send(_RESET)
-
-    @contextlib.contextmanager
-    def watch(self) -> Iterator[None]:
-        self._busy_since = time.monotonic()
-        try:
-            yield
-        finally:
-            self._busy_since = None
-
-    def _send(self, message: bytes) -> None:
-        for link in self._links:
-            link.send_bytes(message)
-
-    def _watch_ranks(self) -> None:
-        sentinels = [process.sentinel for process in self._processes]
-        timeout = self.config.tensor_parallel_step_timeout
-        while not self._closing.is_set():
-            ended = multiprocessing.connection.wait(sentinels, timeout=WATCH_EVERY_S)
-            if self._closing.is_set():
-                return
-            busy_since = self._busy_since
-            if ended:
-                rank = 1 + sentinels.index(ended[0])
-                process = self._processes[rank - 1]
-                process.join(timeout=1)
-                self._on_lost(f"rank {rank} exited (code {process.exitcode})")
-                return
-            if busy_since is not None and time.monotonic() - busy_since > timeout:
-                self._on_lost(f"a runner call ran past {timeout} s: a rank is hung")
-                return
-
-    def close(self) -> None:
-        """Stop the other ranks (rank 0 is stopping)."""
-        self._closing.set()
-        with contextlib.suppress(OSError):
-            self._send(_QUIT)
-        # gloo only: NCCL's teardown after graphs that hold its collectives did not return on
-        # an H200 pair; rank 0 is exiting then, and its exit frees the communicator
-        if torch.distributed.get_backend() == "gloo":
-            torch.distributed.destroy_process_group()
-        for process in self._processes:
-            process.join(timeout=10)
-            if process.is_alive():
-                process.kill()
-
-
-def seed_random_draws(plan: StepPlan) -> StepPlan:
-    """``plan`` with a seed for each new request that draws at random without one: every rank
-    then draws the same tokens from the same logits."""
-    if not any(not new.sampling.is_greedy and new.sampling.seed is None
-               for new in plan.new_requests):
-        return plan
-    new_requests = [
-        msgspec.structs.replace(new, sampling=msgspec.structs.replace(
-            new.sampling, seed=random.getrandbits(62)))
-        if not new.sampling.is_greedy and new.sampling.seed is None else new
-        for new in plan.new_requests]
-    return msgspec.structs.replace(plan, new_requests=new_requests)
 
 
 def rank_config(config: WorkerConfig, rank: int) -> WorkerConfig:
@@ -233,9 +114,6 @@ def follower_main(config: WorkerConfig, model_files: ModelFiles, rank: int, port
     """Rank ``rank``'s process: join the group, build the runner, then run what rank 0 sends
     until it says quit or is gone."""
     _die_with_parent(parent_pid)
-    from services.worker.runner import ModelRunner  # the runner imports this module
-    from shared.logging import setup_logging
-    from shared.runtime import freeze_startup_objects
 
     setup_logging("worker", level=config.log_level, json=config.log_json)
     structlog.contextvars.bind_contextvars(service="worker", instance=config.instance_id,
@@ -252,24 +130,12 @@ def follower_main(config: WorkerConfig, model_files: ModelFiles, rank: int, port
             message = link.recv_bytes()
         except EOFError:  # rank 0 is gone
             os._exit(EXIT_RANK_LOST)
-        if message[:1] == _QUIT:
-            os._exit(0)  # no teardown: see LeaderRank.close
+        if message[:1] == QUIT:
+            os._exit(0)  # no teardown: see LeaderRank.close (tp_ranks.py)
         try:
-            _follow(runner, message)
+            follow(runner, message)
         except Exception:  # noqa: BLE001 - rank 0 fails the same call and sends a reset
             log.exception("tensor_parallel_call_failed", rank=rank)
-
-
-def _follow(runner, message: bytes) -> None:
-    kind = message[:1]
-    if kind == _STEP:
-        runner.submit(msgspec.msgpack.decode(message[1:], type=StepPlan))
-    elif kind == _FLUSH:
-        runner.flush()
-    elif kind == _RESET:
-        runner.reset()
-    else:
-        raise ValueError(f"unknown tensor-parallel call {kind!r}")
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -19,7 +19,8 @@ from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from services.worker.model import ModelConfig
 from services.worker.tensor_parallel import TensorParallel, split_range
-from services.worker.tp_group import seed_random_draws, start_group
+from services.worker.tp_group import start_group
+from services.worker.tp_ranks import seed_random_draws
 from services.worker.weights import fuse_hf_weights, read_safetensors
 from shared.messages import NewRequestData, SamplingParams, StepPlan
 from shared.models import resolve_model
