@@ -30,12 +30,13 @@ from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.messages import SamplingParams
 from shared.models import resolve_model
+from shared.sections.speculative import parse_speculative_config
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 
 
 def engine(args, spec: str) -> Engine:
-    return Engine(SchedulerConfig(speculative_config=spec, max_num_seqs=max(args.batch, 8)),
+    return Engine(SchedulerConfig(speculative_config=parse_speculative_config(spec), max_num_seqs=max(args.batch, 8)),
                   WorkerConfig(device=args.device, dtype=args.dtype, max_model_len=2048,
                                kv_cache_memory=args.kv_cache_memory,
                                max_num_seqs=max(args.batch, 8)),

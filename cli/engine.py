@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.speculation import worker_speculation
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
@@ -57,9 +56,9 @@ class EngineStats:
 class Engine:
     def __init__(self, scheduler_config: SchedulerConfig, worker_config: WorkerConfig,
                  model_files: ModelFiles) -> None:
-        speculation = worker_speculation(scheduler_config.speculative_config)
-        if speculation and not worker_config.num_speculative_tokens:  # as flotilla serve
-            worker_config = msgspec.structs.replace(worker_config, **speculation)
+        speculation = scheduler_config.speculative_config
+        if speculation is not None and worker_config.speculative_config is None:  # as serve
+            worker_config = msgspec.structs.replace(worker_config, speculative_config=speculation)
         ranks = SingleRank()
         if worker_config.tensor_parallel_size > 1:  # ranks 1.. as processes (tp_group.py)
             ranks, worker_config = start_group(worker_config, model_files)

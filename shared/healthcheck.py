@@ -30,35 +30,33 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
-from shared.config import ServiceConfig, load_config
+from shared.config import Section, compose, knob, load_config
 from shared.messages import Empty, HealthReply, SchedulerStats, decode, encode
+from shared.sections.gateway import Listen
+from shared.sections.kvstore import KvNode
+from shared.sections.runtime import COMMON, Replica
 from shared.subjects import Subjects
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "kvstore")
 ERROR_HEADER = "Flotilla-Error"  # shared.bus.ERROR_HEADER (not imported: keep the probe light)
 
 
-class HealthcheckConfig(ServiceConfig, frozen=True, kw_only=True):
-    """flotilla health probe: exits 0 when the service answers, 1 when it does not."""
+class Probe(Section, frozen=True, kw_only=True):
+    live: Annotated[bool, knob(
+        "check liveness only (the process serves), not readiness")] = False
+    timeout_s: Annotated[float, knob("give up after this many seconds")] = 3.0
 
-    replica_id: str = "0"  # scheduler and worker: the replica to check
-    node_id: str = "local"  # kvstore: the node whose kvstore to check (FLOTILLA_NODE_ID, as its own)
-    host: str = "0.0.0.0"  # gateway: where it listens (0.0.0.0 is checked on loopback)
-    port: int = 8000  # gateway: its HTTP port
-    live: bool = False  # liveness only: the process serves, whether or not it is ready
-    timeout_s: float = 3.0
 
-    __help__ = {
-        "replica_id": "replica to check (scheduler, worker)",
-        "node_id": "node whose kvstore to check (kvstore)",
-        "host": "gateway listen address",
-        "port": "gateway HTTP port",
-        "live": "check liveness only, not readiness",
-        "timeout_s": "give up after this many seconds",
-    }
+# The probe reads the variables its service reads (the same sections), so it checks the
+# replica, node or port the service itself took.
+HealthcheckConfig = compose(
+    "HealthcheckConfig",
+    "flotilla health probe: exits 0 when the service answers, 1 when it does not.",
+    (*COMMON, Replica, KvNode, Listen, Probe), module=__name__)
 
 
 class Unhealthy(Exception):

@@ -19,7 +19,8 @@ from contextvars import ContextVar
 from opentelemetry import context, propagate, trace
 from opentelemetry.trace import SpanKind, Tracer, TracerProvider
 
-from shared.config import OtelExporter, check_choice
+from shared.config import check_choice
+from shared.sections.runtime import OtelExporter
 
 TRACE_HEADERS = ("traceparent", "tracestate", "baggage")  # what the default propagators read
 

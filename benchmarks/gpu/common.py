@@ -16,6 +16,7 @@ from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.models import ModelFiles, resolve_model
 from shared.runtime import freeze_startup_objects
+from shared.sections.speculative import parse_speculative_config
 
 
 def copy_bandwidth(device: str = "cuda", num_bytes: int = 2 << 30) -> float:
@@ -56,7 +57,7 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 prefix_caching=prefix_caching,
-                                speculative_config=speculative_config)
+                                speculative_config=parse_speculative_config(speculative_config))
     engine = Engine(scheduler, worker, resolve_model(model))
     freeze_startup_objects()  # as the worker service: full collections skip the model
     return engine

@@ -30,6 +30,7 @@ from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.messages import SamplingParams
 from shared.models import resolve_model
+from shared.sections.speculative import parse_speculative_config
 
 # drafts at every batch size (the default turns them off above 16 running requests)
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
@@ -39,7 +40,7 @@ IDENTITY_BATCHES = ((1, 16), (4, 32), (16, 64), (64, 200))
 
 
 def build(model: str, spec: str, max_num_seqs: int, batch_invariant: bool = False) -> Engine:
-    return Engine(SchedulerConfig(speculative_config=spec, max_num_seqs=max_num_seqs,
+    return Engine(SchedulerConfig(speculative_config=parse_speculative_config(spec), max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=8192),
                   WorkerConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,

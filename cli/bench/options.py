@@ -8,7 +8,7 @@ import math
 
 from cli.bench.client import TIMED_CHUNKS
 from cli.bench.metrics import SLO_METRICS
-from cli.engine_flags import add_engine_flags
+from cli.serve_flags import add_engine_flags
 
 _SLO_ALIASES = {"e2el": "e2e"}
 
@@ -145,7 +145,8 @@ def add_target_flags(parser: argparse.ArgumentParser, base_url_default: str | No
 
 def add_stack_flags(parser: argparse.ArgumentParser) -> None:
     add_engine_flags(parser.add_argument_group(
-        "the flotilla stack started when no --base-url is given"))
+        "the flotilla stack started when no --base-url is given"),
+        skip=("seed",))  # --seed is the prompts' (add_dataset_flags)
 
 
 def endpoint(args: argparse.Namespace) -> str:

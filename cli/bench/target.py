@@ -74,14 +74,14 @@ def server(args: argparse.Namespace, spec: str) -> Iterator[str]:
     if args.base_url:
         yield args.base_url.rstrip("/")
         return
-    from cli.engine_flags import engine_service_args, gpus_per_replica, tensor_parallel_size_of
-    from cli.stack import Stack, StackOptions, free_port
+    from cli.serve_flags import stack_configs, stack_options
+    from cli.stack import Stack, free_port
 
     log_dir = Path(tempfile.mkdtemp(prefix="flotilla-bench-"))
-    stack = Stack(StackOptions(model=spec, host="127.0.0.1", port=free_port(), log_dir=log_dir,
-                               service_args=engine_service_args(args),
-                               worker_gpus=gpus_per_replica(args),
-                               kvstore=tensor_parallel_size_of(args) == 1))
+    engine = {name: getattr(args, name, None) for name in args.engine_knobs}
+    configs = stack_configs({**engine, "model": spec, "host": "127.0.0.1", "port": free_port(),
+                             "log_dir": str(log_dir)})
+    stack = Stack(stack_options(configs, supervise=False))
     print(f"flotilla bench: starting a flotilla stack for {spec} (logs in {log_dir})",
           file=sys.stderr, flush=True)
     stack.start()

@@ -29,7 +29,7 @@ async def serve(config: GatewayConfig) -> None:
 def server_config(config: GatewayConfig, app) -> uvicorn.Config:
     """uvicorn's settings from the gateway's config (one place, tested)."""
     return uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                          access_log=False, timeout_graceful_shutdown=config.shutdown_timeout_s,
+                          access_log=False, timeout_graceful_shutdown=config.shutdown_timeout,
                           timeout_keep_alive=config.http_keep_alive_s)
 
 

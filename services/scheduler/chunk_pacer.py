@@ -27,9 +27,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from shared import limits
 from shared.messages import StepPlan
 
-GPU_DECODE_STALL_MS = 300.0  # the default target for a GPU worker's streams (above)
 DECODE_EMA_WEIGHT = 0.2  # of the newest decode-only step in the running mean
 # The per-token cost is the ratio of running sums, chunk seconds over chunk tokens, each
 # moved this far toward the newest mixed step: symmetric, so periods that come in pairs
@@ -42,11 +42,11 @@ CHUNK_EMA_WEIGHT = 0.2  # (paired periods then swing the cost ±11% about its me
 
 
 def decode_stall_target_ms(configured: float | None, gpu_worker: bool) -> float:
-    """``--max-decode-stall-ms`` as given (0: off), or by default GPU_DECODE_STALL_MS for a
+    """``--max-decode-stall-ms`` as given (0: off), or by default limits.GPU_DECODE_STALL_MS for a
     GPU worker's streams and off otherwise."""
     if configured is not None:
         return configured
-    return GPU_DECODE_STALL_MS if gpu_worker else 0.0
+    return limits.GPU_DECODE_STALL_MS if gpu_worker else 0.0
 
 
 class StepClock:

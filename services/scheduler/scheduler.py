@@ -35,7 +35,7 @@ from services.scheduler.chunk_pacer import ChunkPacer, StepClock, decode_stall_t
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.kv_tier import IsWanted, KvTierHooks
 from services.scheduler.outputs import append_outputs, request_output
-from services.scheduler.speculation import NoDrafts, drafter, parse_speculative_config
+from services.scheduler.speculation import NoDrafts, drafter
 from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
 from services.scheduler.request import Request, TierHit
 from services.scheduler.siblings import shares_prompt, sibling_requests
@@ -83,7 +83,7 @@ class Scheduler:
         self.step_clock = StepClock()  # the pacer's step times
         self.reserve = AdmissionReserve(block_size, config.admission_reserve)
         self._kept = KeptRoom()  # room admission keeps for the running (admission.py)
-        self.drafter = drafter(parse_speculative_config(config.speculative_config))
+        self.drafter = drafter(config.speculative_config)
         if self.drafter.drafts_in_worker and not worker_drafts:
             self.drafter = NoDrafts()
         self.requests: dict[str, Request] = {}

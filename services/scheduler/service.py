@@ -33,7 +33,6 @@ from services.scheduler.kv_client import KEEPALIVE_INTERVAL_S
 from services.scheduler.kv_connector import KvConnector, KvConnectorFactory
 from services.scheduler.outbox import REDELIVERY_TICK_S, Outbox, bus_lost_error, by_subject
 from services.scheduler.scheduler import Emitted, Scheduler
-from services.scheduler.speculation import parse_speculative_config
 from services.scheduler.step_stats import StepStats
 from services.scheduler.tiering import TierSpeeds
 from shared.bus import PING_INTERVAL_S, Bus
@@ -451,7 +450,7 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
     await service.start()
     freeze_startup_objects()
     log.info("scheduler_started", replica_id=config.replica_id)
-    speculation = parse_speculative_config(config.speculative_config)
+    speculation = config.speculative_config
     if speculation is not None and speculation.rejection_sample_method == "synthetic":
         log.warning("synthetic_acceptance", detail="--speculative-config keeps drafts "
                     "unverified (a benchmark mode): outputs are not the model's")

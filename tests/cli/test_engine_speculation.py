@@ -16,6 +16,7 @@ from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.messages import SamplingParams
 from shared.models import resolve_model
+from shared.sections.speculative import parse_speculative_config
 
 pytestmark = pytest.mark.integration
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 0, "adaptive": false}'
@@ -49,7 +50,7 @@ def model():
 
 
 def run(model, spec: str, batches: list[list[list[int]]]) -> tuple[list[list[int]], Engine]:
-    engine = Engine(SchedulerConfig(speculative_config=spec, max_num_seqs=64),
+    engine = Engine(SchedulerConfig(speculative_config=parse_speculative_config(spec), max_num_seqs=64),
                     WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB"), model)
     outputs = []
     for batch in batches:
@@ -90,7 +91,7 @@ def test_sampled_requests_are_drafted_for_and_reproducible(model):
                 for index in range(len(batch))]
 
     def generate() -> tuple[list[list[int]], Engine]:
-        engine = Engine(SchedulerConfig(speculative_config=NGRAM, max_num_seqs=64),
+        engine = Engine(SchedulerConfig(speculative_config=parse_speculative_config(NGRAM), max_num_seqs=64),
                         WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB"),
                         model)
         return [c.output_token_ids for c in engine.generate(batch, sampling)[0]], engine
@@ -113,7 +114,7 @@ def test_overlapped_steps_keep_as_many_drafts_as_steps_one_at_a_time(model):
     batch = prompts(tokenizer, 24)
     rates = []
     for overlap in ("off", "on"):
-        engine = Engine(SchedulerConfig(speculative_config=NGRAM, max_num_seqs=64),
+        engine = Engine(SchedulerConfig(speculative_config=parse_speculative_config(NGRAM), max_num_seqs=64),
                         WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB",
                                      overlap_steps=overlap), model)
         engine.generate(batch, [SamplingParams(temperature=0.0, max_tokens=12)] * len(batch))
@@ -181,7 +182,7 @@ def test_requests_with_logit_bias_min_tokens_or_min_p_are_drafted_and_keep_their
     sampling = [kinds[i % len(kinds)] for i in range(len(batch))]
     outputs = []
     for spec in ("", NGRAM):
-        engine = Engine(SchedulerConfig(speculative_config=spec, max_num_seqs=64),
+        engine = Engine(SchedulerConfig(speculative_config=parse_speculative_config(spec), max_num_seqs=64),
                         WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB"),
                         model)
         outputs.append([c.output_token_ids for c in engine.generate(batch, sampling)[0]])

@@ -4,6 +4,7 @@ tensor parallel size of them, after the replicas before it; CPU stacks' environm
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cli.main import build_parser, serve_options
 from cli.stack import Stack, StackOptions, replica_gpus
@@ -63,6 +64,7 @@ def test_one_replica_on_one_gpu_and_cpu_stacks_keep_their_environment(monkeypatc
 
 def test_serve_gives_the_stack_the_tensor_parallel_size(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # (serve counts them first)
     args = build_parser().parse_args(["serve", "--device", "cuda", "--replicas", "2",
                                       "--tensor-parallel-size", "2"])
     stack = Stack(serve_options(args))

@@ -67,5 +67,5 @@ def test_kv_load_layer_groups_reach_every_worker_and_parse():
     default = Stack(serve_options(build_parser().parse_args(["serve", "--device", "cpu"])))
     assert "--kv-load-layer-groups" not in command(default, "worker")
     assert load_config(WorkerConfig, [], environ={}).kv_load_layer_groups == 8
-    with pytest.raises(SystemExit, match="kv_load_layer_groups must be at least 1"):
+    with pytest.raises(SystemExit, match="--kv-load-layer-groups must be at least 1"):
         load_config(WorkerConfig, ["--kv-load-layer-groups", "0"], environ={})

@@ -7,6 +7,7 @@ import pytest
 from cli.main import build_parser, serve_options
 from cli.stack import Stack
 from services.gateway.config import GatewayConfig
+from shared.config import load_config
 from tests.cli.test_stack_kvstore import command, value
 
 
@@ -14,7 +15,11 @@ from tests.cli.test_stack_kvstore import command, value
 def test_serve_passes_the_routing_policy_to_the_gateway(routing):
     args = build_parser().parse_args(["serve", "--device", "cpu", "--replicas", "3",
                                       "--routing", routing])
-    assert value(command(Stack(serve_options(args)), "gateway"), "--routing") == routing
+    gateway = command(Stack(serve_options(args)), "gateway")
+    flags = gateway[gateway.index("services.gateway") + 1:]
+    assert load_config(GatewayConfig, flags, environ={}).routing == routing
+    # a value the gateway takes by default is not repeated on its command line
+    assert value(gateway, "--routing") == (None if routing == "kv" else routing)
 
 
 def test_the_default_is_the_gateways():

@@ -1,13 +1,18 @@
 from __future__ import annotations
 
+from typing import Annotated
+
 import pytest
 
 import msgspec
 
 from services.gateway.config import GatewayConfig, RoutingPolicy
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
+from services.kvstore.config import KvStoreConfig
+from services.tokenizer.config import TokenizerConfig
 from services.worker.config import Dtype, OverlapSteps, WorkerConfig
-from shared.config import build_parser, load_config, parse_size
+from shared.config import Section, build_parser, compose, knob, knobs_of, load_config, parse_size
+from shared.sections.engine import BatchLimits
 from shared.subjects import Subjects
 
 
@@ -20,7 +25,7 @@ def test_flags_beat_env_which_beats_defaults():
 
 
 def test_bad_values_exit_with_a_message():
-    with pytest.raises(SystemExit, match="max_num_seqs"):
+    with pytest.raises(SystemExit, match="--max-num-seqs"):
         load_config(SchedulerConfig, ["--max-num-seqs", "many"], {})
 
 
@@ -79,3 +84,40 @@ def test_subjects_are_namespaced():
     assert a.worker_step("0") == "a.v1.worker.0.step"
     assert a.scheduler_stats == "a.v1.evt.scheduler.stats"
     assert a.gateway_outputs("g1") != b.gateway_outputs("g1")
+
+
+class One(Section, frozen=True, kw_only=True):
+    size: Annotated[int, knob("how many")] = 1
+
+
+class Other(Section, frozen=True, kw_only=True):
+    size: Annotated[int, knob("how many, again")] = 2
+
+
+class Bare(Section, frozen=True, kw_only=True):
+    size: int = 1
+
+
+def test_a_service_config_is_its_sections_each_knob_declared_once():
+    for config_cls in (GatewayConfig, KvStoreConfig, SchedulerConfig, TokenizerConfig,
+                       WorkerConfig):
+        fields = [f.name for f in msgspec.structs.fields(config_cls)]
+        knobs = knobs_of(config_cls)
+        assert [k.name for k in knobs] == fields  # every field is one section's knob
+        assert all(k.help for k in knobs)
+        help_text = build_parser(config_cls).format_help()
+        assert all(k.flag in help_text for k in knobs)
+
+    with pytest.raises(TypeError, match="size is in One and Other"):
+        compose("Both", "", (One, Other), module=__name__)
+
+    with pytest.raises(TypeError, match="has no help"):
+        knobs_of(compose("Bare", "", (Bare,), module=__name__))
+
+
+def test_a_section_checks_its_values_in_every_config_that_has_it():
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        WorkerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)
+    assert SchedulerConfig(max_num_seqs=3).section(BatchLimits) == BatchLimits(max_num_seqs=3)

@@ -12,6 +12,7 @@ from services.scheduler.draft_budget import DraftBudget, size_bucket
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.config import SchedulerConfig
 from shared.messages import GenerateRequest, SamplingParams, StepResult
+from shared.sections.speculative import parse_speculative_config
 
 K = 4
 
@@ -111,7 +112,7 @@ def decode_with_drafts(keep: bool, step_s, num_steps: int = 12) -> list[int]:
     proposed; the simulated worker keeps them all or none, and each step takes
     ``step_s(rows)``. -> the drafts of each decode step."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3}'
-    core = Scheduler(SchedulerConfig(speculative_config=spec), num_blocks=64, block_size=4,
+    core = Scheduler(SchedulerConfig(speculative_config=parse_speculative_config(spec)), num_blocks=64, block_size=4,
                      max_model_len=256, eos_token_ids=[0])
     clock = Clock()
     core.drafter.budget.clock = clock
@@ -174,7 +175,7 @@ def test_a_draft_models_catch_up_leaves_its_step_untimed():
             '"num_speculative_tokens": 4}')
 
     def drafted(catch_up_reported: bool) -> tuple[list[int], float]:
-        core = Scheduler(SchedulerConfig(speculative_config=spec), num_blocks=256,
+        core = Scheduler(SchedulerConfig(speculative_config=parse_speculative_config(spec)), num_blocks=256,
                          block_size=4, max_model_len=512, eos_token_ids=[0])
         clock = Clock()
         core.drafter.budget.clock = clock

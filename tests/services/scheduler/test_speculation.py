@@ -11,11 +11,10 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.speculation import (
-    NgramDrafts, NgramIndex, SpeculativeConfig, can_speculate, parse_speculative_config,
-    worker_speculation,
-)
+from services.worker.config import WorkerConfig
+from services.scheduler.speculation import NgramDrafts, NgramIndex, can_speculate
 from shared.messages import GenerateRequest, SamplingParams, StepResult, StructuredSpec
+from shared.sections.speculative import SpeculativeConfig, parse_speculative_config
 
 EOS = 0
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}'
@@ -83,7 +82,7 @@ def test_the_config_takes_vllms_names_and_refuses_what_it_cannot_do():
         with pytest.raises(ValueError, match=says):
             parse_speculative_config(bad)
     with pytest.raises(ValueError, match="not supported"):
-        SchedulerConfig(speculative_config='{"method": "eagle"}')
+        SchedulerConfig(speculative_config=parse_speculative_config('{"method": "eagle"}'))
 
 
 def test_a_replay_file_that_cannot_be_read_fails_the_config_naming_it(tmp_path):
@@ -113,7 +112,7 @@ def test_requests_whose_adjustments_depend_only_on_the_position_are_drafted_for(
 
 
 def scheduler(spec: str = NGRAM, **config) -> Scheduler:
-    return Scheduler(SchedulerConfig(speculative_config=spec, **config), num_blocks=64,
+    return Scheduler(SchedulerConfig(speculative_config=parse_speculative_config(spec), **config), num_blocks=64,
                      block_size=4, max_model_len=128, eos_token_ids=[EOS])
 
 
@@ -186,10 +185,11 @@ def test_a_draft_model_gets_slots_and_the_result_says_what_it_proposed():
     can take drafts (no repeat needed); the result's drafts are what the output keeps."""
     with pytest.raises(ValueError, match="model goes with method draft_model"):
         SpeculativeConfig(method="draft_model")
-    assert worker_speculation(DRAFT_MODEL) == {"draft_model": "dummy:llama-3.2-1b",
-                                               "num_speculative_tokens": 3}
-    assert worker_speculation(NGRAM) == {"num_speculative_tokens": 3}
-    assert worker_speculation("") == {}
+    worker = WorkerConfig(speculative_config=parse_speculative_config(DRAFT_MODEL))
+    assert (worker.draft_model, worker.num_speculative_tokens) == ("dummy:llama-3.2-1b", 3)
+    ngram = WorkerConfig(speculative_config=parse_speculative_config(NGRAM))
+    assert (ngram.draft_model, ngram.num_speculative_tokens) == ("", 3)
+    assert (WorkerConfig().draft_model, WorkerConfig().num_speculative_tokens) == ("", 0)
     core = scheduler(DRAFT_MODEL)
     submit(core, [9, 8, 7])
     step(core, sampled=5)
@@ -211,14 +211,14 @@ def test_a_worker_without_a_draft_model_gets_plain_decode_steps():
     """A deployment whose worker lacks --draft-model (WorkerInfo.draft_model ""): draft slots
     would fail every step the worker takes, so the scheduler drafts nothing; n-gram drafts
     need no worker model and stay."""
-    core = Scheduler(SchedulerConfig(speculative_config=DRAFT_MODEL), num_blocks=64,
+    core = Scheduler(SchedulerConfig(speculative_config=parse_speculative_config(DRAFT_MODEL)), num_blocks=64,
                      block_size=4, max_model_len=128, eos_token_ids=[EOS], worker_drafts=False)
     assert not core.drafter.enabled
     submit(core, [9, 8, 7])
     step(core, sampled=5)
     plan = core.schedule()
     assert (plan.scheduled[0].num_draft_slots, plan.scheduled[0].num_new_tokens) == (0, 1)
-    ngram = Scheduler(SchedulerConfig(speculative_config=NGRAM), num_blocks=64, block_size=4,
+    ngram = Scheduler(SchedulerConfig(speculative_config=parse_speculative_config(NGRAM)), num_blocks=64, block_size=4,
                       max_model_len=128, eos_token_ids=[EOS], worker_drafts=False)
     assert ngram.drafter.enabled
 

@@ -8,10 +8,10 @@ import random
 import pytest
 
 from services.scheduler.request import Request
-from services.scheduler.speculation import (SpeculativeConfig, SuffixDrafts, drafter,
-                                            parse_speculative_config)
+from services.scheduler.speculation import SuffixDrafts, drafter
 from services.scheduler.suffix import ResponseCache, SuffixIndex
 from shared.messages import SamplingParams
+from shared.sections.speculative import SpeculativeConfig, parse_speculative_config
 from tests.services.scheduler.test_speculation import ngram_drafts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)

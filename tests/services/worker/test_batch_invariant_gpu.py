@@ -13,6 +13,7 @@ from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.messages import SamplingParams
 from tests.services.worker.conftest import dummy_preset
+from shared.sections.speculative import parse_speculative_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,7 +23,7 @@ NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size
 
 def _generate(model_files, spec: str, batches: list[list[list[int]]]) -> list[list[int]]:
     engine = Engine(SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024,
-                                    speculative_config=spec),
+                                    speculative_config=parse_speculative_config(spec)),
                     WorkerConfig(device="cuda", dtype="bfloat16", max_model_len=1024,
                                  max_num_seqs=32, max_num_batched_tokens=1024,
                                  kv_cache_memory="2GiB", batch_invariant=True),

@@ -15,6 +15,7 @@ from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import DUMMY_MARKER, PRESETS_DIR, ModelFiles
+from shared.sections.speculative import SpeculativeConfig
 from tests.services.worker import model_checks
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -26,7 +27,9 @@ BLOCKS = [0, 1, 2, 3, 4, 5]  # block_size 16: room for 96 tokens
 
 def config(draft: ModelFiles | None = None, **overrides) -> WorkerConfig:
     return WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB", block_size=16,
-                        draft_model=str(draft.path) if draft else "", **overrides)
+                        speculative_config=SpeculativeConfig(
+                            method="draft_model", model=str(draft.path)) if draft else None,
+                        **overrides)
 
 
 def tiny_variant(tmp_path_factory, name: str, **changes) -> ModelFiles:

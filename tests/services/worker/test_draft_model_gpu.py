@@ -19,6 +19,7 @@ from services.worker.runner import ModelRunner
 from services.worker.step_inputs import SequenceChunk, build_step_inputs, logits_layout
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import ModelFiles
+from shared.sections.speculative import SpeculativeConfig, parse_speculative_config
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.gpu,
 def engine(model_files: ModelFiles, spec: str) -> Engine:
     """fp32, as test_runner_gpu.py: no bf16 rounding flips this near-flat random model."""
     return Engine(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
-                                  speculative_config=spec),
+                                  speculative_config=parse_speculative_config(spec)),
                   WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="auto",
                                gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=16,
                                max_num_batched_tokens=256),
@@ -63,7 +64,8 @@ def test_a_verify_graph_computes_what_the_eager_forward_computes(dummy_model):
     padding): the verify graph's logits are the eager forward's."""
     runner = ModelRunner(WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="64MiB",
                                       max_model_len=512, max_num_seqs=8,
-                                      num_speculative_tokens=3), dummy_model)
+                                      speculative_config=SpeculativeConfig(
+                                          num_speculative_tokens=3)), dummy_model)
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     prompts = {f"r{i}": list(range(5 + i, 40 + 9 * i)) for i in range(3)}
     blocks = {rid: list(range(4 * i, 4 * i + 4)) for i, rid in enumerate(prompts)}

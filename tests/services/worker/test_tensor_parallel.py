@@ -24,6 +24,7 @@ from services.worker.tp_ranks import seed_random_draws
 from services.worker.weights import fuse_hf_weights, read_safetensors
 from shared.messages import NewRequestData, SamplingParams, StepPlan
 from shared.models import resolve_model
+from shared.sections.speculative import parse_speculative_config
 
 NUM_NEW_TOKENS = 24
 
@@ -95,7 +96,7 @@ def test_unseeded_random_draws_get_a_seed_every_rank_shares():
 
 def _generate(model_files, prompts, tensor_parallel_size: int, speculative_config: str = ""):
     engine = Engine(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=4,
-                                    speculative_config=speculative_config,
+                                    speculative_config=parse_speculative_config(speculative_config),
                                     admission_reserve=False),  # (so requests are preempted)
                     WorkerConfig(device="cpu", kv_cache_memory="3MiB", block_size=8,
                                  tensor_parallel_size=tensor_parallel_size), model_files)

@@ -1,0 +1,165 @@
+"""The engine's knobs: what the worker computes with, how much it holds at once, how it
+spreads over GPUs; the batch limits and context length it shares with the scheduler and the
+tokenizer."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from shared import limits
+from shared.config import Section, check_choice, check_number, knob
+
+
+class Dtype(StrEnum):
+    """The weights' and KV cache's dtype."""
+
+    AUTO = "auto"  # bfloat16 on CUDA, float32 on CPU
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Quantization(StrEnum):
+    """How the projections' weights are stored and multiplied (docs/quantization.md)."""
+
+    NONE = "none"  # in --dtype
+    FP8 = "fp8"  # e4m3, a scale per output channel, quantized while loading; CUDA (sm 8.9+) only
+
+
+class KvCacheDtype(StrEnum):
+    """What the KV cache stores (docs/quantization.md)."""
+
+    AUTO = "auto"  # the model's dtype
+    FP8 = "fp8"  # e4m3, a scale per layer for keys and one for values; CUDA (sm 8.9+) only
+
+
+class OverlapSteps(StrEnum):
+    """Whether step N+1 is queued before step N is read back."""
+
+    AUTO = "auto"  # on CUDA
+    ON = "on"
+    OFF = "off"
+
+
+class BatchLimits(Section, frozen=True, kw_only=True):
+    """The scheduler plans within them; the worker sizes its memory profile and its CUDA
+    graphs by them. Per-device defaults: shared/limits.py."""
+
+    max_num_seqs: Annotated[int, knob(
+        f"most requests running at once: the scheduler's batch, the worker's largest CUDA "
+        f"graph (default {limits.GPU_MAX_NUM_SEQS} when the worker runs on a GPU under "
+        f"flotilla serve)")] = limits.MAX_NUM_SEQS
+    max_num_batched_tokens: Annotated[int, knob(
+        f"most tokens computed in one step, decodes and prompt chunks (the worker's memory "
+        f"profile is sized by it; default {limits.GPU_MAX_NUM_BATCHED_TOKENS} when the worker "
+        f"runs on a GPU under flotilla serve)")] = limits.MAX_NUM_BATCHED_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+
+
+class ContextLimit(Section, frozen=True, kw_only=True):
+    """The worker and the tokenizer (so the gateway) hold requests to one context length."""
+
+    max_model_len: Annotated[int, knob(
+        "context length limit (0: the model's own)")] = limits.MAX_MODEL_LEN
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be 0 (the model's own) or positive, "
+                             f"not {self.max_model_len}")
+
+
+class Weights(Section, frozen=True, kw_only=True):
+    dtype: Annotated[Dtype, knob(
+        "the weights' and activations' dtype: auto (bfloat16 on a GPU, float32 on CPU), "
+        "float32, bfloat16 or float16")] = Dtype.AUTO
+    quantization: Annotated[Quantization, knob(
+        "none, or fp8: the projections' weights in FP8 (e4m3, a scale per output channel, "
+        "quantized while loading), activations quantized per token; half the weight memory, "
+        "so more KV blocks. CUDA with FP8 tensor cores (compute capability 8.9+: Ada, "
+        "Hopper) only (docs/quantization.md)")] = Quantization.NONE
+    seed: Annotated[int, knob("seed of dummy models' random weights")] = 0
+
+    def __post_init__(self) -> None:
+        check_choice(self.dtype, Dtype, "dtype")
+        check_choice(self.quantization, Quantization, "quantization")
+
+
+class KvCache(Section, frozen=True, kw_only=True):
+    kv_cache_memory: Annotated[str, knob(
+        "memory for the KV cache, bytes or e.g. 512MiB, 2GiB (auto: 1GiB on CPU; on a GPU "
+        "what --gpu-memory-utilization leaves after profiling)")] = "auto"
+    kv_cache_dtype: Annotated[KvCacheDtype, knob(
+        "auto (the model's dtype) or fp8: keys and values in FP8 (e4m3, a scale per layer "
+        "from the checkpoint or a calibration prefill at start): twice the blocks of bf16 in "
+        "the same memory. CUDA, compute capability 8.9+ (docs/quantization.md)")] = \
+        KvCacheDtype.AUTO
+    gpu_memory_utilization: Annotated[float, knob(
+        "share of the GPU's memory the worker uses, 0-1 (weights, KV cache, the rest)")] = 0.9
+    block_size: Annotated[int, knob("tokens per KV cache block")] = 16
+
+    def __post_init__(self) -> None:
+        check_choice(self.kv_cache_dtype, KvCacheDtype, "kv_cache_dtype")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not "
+                             f"{self.gpu_memory_utilization}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, not {self.block_size}")
+
+
+class Compute(Section, frozen=True, kw_only=True):
+    device: Annotated[str, knob("where the worker runs: auto (CUDA when there is a GPU), cpu, "
+                                "cuda or cuda:N")] = "auto"
+    enforce_eager: Annotated[bool, knob("run every step eagerly: no CUDA graphs")] = False
+    max_graph_tokens: Annotated[int, knob(
+        "steps with prompt chunks of up to this many tokens run as piecewise CUDA graphs "
+        "between their attentions (0: eagerly); the default covers the default step budget, "
+        "since an eager step's host launch (~30 ms, 8B) holds the step in flight before it")] \
+        = limits.MAX_NUM_BATCHED_TOKENS
+    overlap_steps: Annotated[OverlapSteps, knob(
+        "queue each step before the one before it is read back, so host work hides behind "
+        "the GPU's: auto (on CUDA), on or off")] = OverlapSteps.AUTO
+    batch_invariant: Annotated[bool, knob(
+        "CUDA, one GPU a worker: compute each request's numbers as if it ran alone (every "
+        "projection on the batch-invariant skinny GEMM, attention without split-KV), so "
+        "greedy output never changes with batching or speculative decoding; slower "
+        "(docs/speculative-decoding.md)")] = False
+    num_threads: Annotated[int, knob("torch CPU threads (0: torch's default)")] = 0
+
+    def __post_init__(self) -> None:
+        check_choice(self.overlap_steps, OverlapSteps, "overlap_steps")
+        if self.max_graph_tokens < 0:
+            raise ValueError(f"max_graph_tokens must be >= 0, not {self.max_graph_tokens}")
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the worker runs on CUDA (auto: when torch sees a GPU)."""
+        if self.device != "auto":
+            return self.device.startswith("cuda")
+        import torch  # only here: the CLI checks a worker's flags without loading torch else
+
+        return torch.cuda.is_available()
+
+
+class Parallel(Section, frozen=True, kw_only=True):
+    tensor_parallel_size: Annotated[int, knob(
+        "spread each worker's model over this many GPUs of its host (one process each, NCCL; "
+        "on CPU, processes over gloo): attention heads, MLP and vocabulary split between "
+        "them; a stack of R replicas uses N*R GPUs (docs/tensor-parallel.md)")] = 1
+    tensor_parallel_step_timeout: Annotated[float, knob(
+        "seconds a step may take on a tensor-parallel group before the group is taken for "
+        "hung and exits (its supervisor restarts it; requests migrate)")] = 30.0
+    disable_custom_all_reduce: Annotated[bool, knob(
+        "sum every tensor-parallel all-reduce with NCCL; by default decode-sized ones are one "
+        "kernel over GPU peer memory (docs/tensor-parallel.md)")] = False
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, not "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_step_timeout <= 0:
+            raise ValueError(f"tensor_parallel_step_timeout must be positive, not "
+                             f"{self.tensor_parallel_step_timeout}")
