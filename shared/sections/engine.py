@@ -8,7 +8,7 @@ from enum import StrEnum
 from typing import Annotated
 
 from shared import limits
-from shared.config import Section, check_choice, check_number, knob
+from shared.config import Section, check_choice, knob
 
 
 class Dtype(StrEnum):

@@ -74,7 +74,8 @@ def test_the_command_line_parses():
     assert args.slo == {"ttft": 0.1} and args.base_url == "http://127.0.0.1:8000"
     throughput = build_parser().parse_args(["bench", "throughput", "--backend", "flotilla,hf"])
     assert throughput.ignore_eos is True and throughput.base_url is None
-    assert build_parser().parse_args(["serve"]).port == 8000  # `flotilla serve` is unchanged
+    serve = build_parser().parse_args(["serve", "--port", "9000"])  # `flotilla serve` too
+    assert serve.port == "9000" and serve.host is None  # (None: the knob's default)
 
 
 def test_useful_tokens_of_a_static_batch_row():
