@@ -16,7 +16,7 @@ import time
 import torch
 
 from services.worker.config import WorkerConfig
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import resolve_model
 
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the worker's --dtype (auto: fp32 on CPU)")
     args = parser.parse_args()
     block_size = 16
-    runner = ModelRunner(WorkerConfig(device="cpu", kv_cache_memory="256MiB",
+    runner = build_runner(WorkerConfig(device="cpu", kv_cache_memory="256MiB",
                                       block_size=block_size, num_threads=args.num_threads,
                                       dtype=args.dtype),
                          resolve_model("smollm2"))

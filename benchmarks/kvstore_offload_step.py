@@ -58,7 +58,7 @@ from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
 from services.worker.kv_offload import KvOffload
 from services.worker.kv_tiers import KvTiers
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from shared.kv_arena import KvArena
 from shared.logging import setup_logging
 from shared.messages import GenerateRequest, SamplingParams, StepPlan, decode, encode
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace, model: ModelFiles, work: Path, kvstore: bool) 
     """Per measured step: host seconds by phase (kvstore on) or the baseline's (off)."""
     budget = args.max_num_batched_tokens
     num_blocks = budget // BLOCK_SIZE  # a step's blocks; the cache holds four steps'
-    runner = ModelRunner(WorkerConfig(device="cpu", dtype="float32", block_size=BLOCK_SIZE,
+    runner = build_runner(WorkerConfig(device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                                       kv_cache_memory=str(4 * num_blocks * BLOCK_BYTES),
                                       max_num_batched_tokens=budget, overlap_steps="off"),
                          model)

@@ -1,8 +1,8 @@
 """Issue 28's ceiling: what the verify machinery gives when every draft is kept. The engine
 (the real scheduler and ModelRunner, in process) first decodes greedily without speculation,
-then again with ``method: "replay"`` drafting each request's own saved output, so the
-proposer costs nothing and every draft is right: the speed-up is the most any proposer can
-reach at that draft length, on this machine.
+then again with replayed drafts, each request's own saved output (its plug-in:
+benchmarks/speculation_plugins.py), so the proposer costs nothing and every draft is right:
+the speed-up is the most any proposer can reach at that draft length, on this machine.
 
     python -m benchmarks.speculative_replay                                  # SmolLM2, CPU fp32
     python -m benchmarks.speculative_replay --model DIR --device cuda --dtype bfloat16
@@ -10,10 +10,11 @@ reach at that draft length, on this machine.
 Reported, off against replay: batch 1 (one prompt at a time) ms per output token after the
 first, and ``--batch`` prompts at once output tokens per second; the texts must be the same.
 ``--synthetic-acceptance-length L`` keeps a set share of the replayed drafts instead
-(``rejection_sample_method: "synthetic"``, L tokens a verify step): on random weights, whose
-greedy tokens are near-ties that a verify pass's other kernel shapes flip, no replayed draft
-survives verification, and this is how engines are compared there (vLLM's same mode); the
-texts then differ by design. Results: $OUT/speculative_replay.json.
+(``rejection_sample_method: "synthetic"``, L tokens a verify step; its plug-in replaces the
+worker's acceptance rule): on random weights, whose greedy tokens are near-ties that a
+verify pass's other kernel shapes flip, no replayed draft survives verification, and this
+is how engines are compared there (vLLM's same mode); the texts then differ by design.
+Results: $OUT/speculative_replay.json.
 """
 
 from __future__ import annotations
@@ -25,22 +26,25 @@ import random
 import tempfile
 from pathlib import Path
 
+from benchmarks.speculation_plugins import install, split_speculative_config
 from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.messages import SamplingParams
 from shared.models import resolve_model
-from shared.sections.speculative import parse_speculative_config
 
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 
 
 def engine(args, spec: str) -> Engine:
-    return Engine(SchedulerConfig(speculative_config=parse_speculative_config(spec), max_num_seqs=max(args.batch, 8)),
-                  WorkerConfig(device=args.device, dtype=args.dtype, max_model_len=2048,
-                               kv_cache_memory=args.kv_cache_memory,
-                               max_num_seqs=max(args.batch, 8)),
-                  resolve_model(args.model))
+    """The engine under ``spec``: vLLM's JSON, with the benchmark modes it names installed."""
+    config, modes = split_speculative_config(spec)
+    return install(Engine(SchedulerConfig(speculative_config=config,
+                                          max_num_seqs=max(args.batch, 8)),
+                          WorkerConfig(device=args.device, dtype=args.dtype, max_model_len=2048,
+                                       kv_cache_memory=args.kv_cache_memory,
+                                       max_num_seqs=max(args.batch, 8)),
+                          resolve_model(args.model)), modes)
 
 
 def timed(run: Engine, prompts: list[list[int]], num_tokens: int, one_at_a_time: bool
@@ -94,15 +98,15 @@ def main() -> None:
     timed(replay, prompts[:2], 8, True)
     on_one = timed(replay, prompts[:args.prompts], args.tokens, True)
     on_batch = timed(replay, prompts[:args.batch], args.tokens, False)
-    drafter = replay.scheduler.drafter
+    books = replay.scheduler.draft_books
     result = {"benchmark": "speculative_replay", "model": args.model, "device": args.device,
               "dtype": args.dtype, "num_speculative_tokens": args.num_speculative_tokens,
               "tokens": args.tokens, "batch": args.batch,
               "identical": on_one[0] == off_one[0] and on_batch[0] == off_batch[0],
-              "drafts_kept": f"{drafter.num_accepted_drafts}/{drafter.num_draft_tokens}",
+              "drafts_kept": f"{books.num_accepted_drafts}/{books.num_draft_tokens}",
               "synthetic_acceptance_length": args.synthetic_acceptance_length,
-              "tokens_per_verify_step": 1 + drafter.num_accepted_drafts
-              / max(1, drafter.num_drafted_steps),
+              "tokens_per_verify_step": 1 + books.num_accepted_drafts
+              / max(1, books.num_drafted_steps),
               "batch1_ms_per_token_off": off_one[1], "batch1_ms_per_token_replay": on_one[1],
               "batch1_speedup": off_one[1] / on_one[1],
               "batch_tok_s_off": off_batch[2], "batch_tok_s_replay": on_batch[2],

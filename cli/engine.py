@@ -15,7 +15,7 @@ import msgspec
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from services.worker.tp_group import start_group
 from services.worker.tp_ranks import SingleRank
 from shared.messages import GenerateRequest, SamplingParams, StepPlan, StepResult
@@ -62,7 +62,7 @@ class Engine:
         ranks = SingleRank()
         if worker_config.tensor_parallel_size > 1:  # ranks 1.. as processes (tp_group.py)
             ranks, worker_config = start_group(worker_config, model_files)
-        self.runner = ModelRunner(worker_config, model_files, ranks)
+        self.runner = build_runner(worker_config, model_files, ranks)
         self.scheduler = Scheduler(
             scheduler_config, num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
             max_model_len=self.runner.max_model_len, eos_token_ids=self.runner.eos_token_ids,

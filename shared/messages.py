@@ -341,16 +341,13 @@ class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):
     request_id: str
     num_new_tokens: int  # tokens to compute this step, from the worker's num_computed
     new_block_ids: list[int] = []
-    # speculative decoding: tokens guessed to follow the request's last one, computed in
-    # this step after it (num_new_tokens = 1 + their number) and kept while the greedy
-    # argmax agrees (StepResult.num_accepted_drafts)
+    # speculative decoding: positions guessed to follow the request's last known token,
+    # computed in this step after it (num_new_tokens counts them) and verified against the
+    # model; what was kept comes back in StepResult.accepted_draft_ids
+    num_drafts: int = 0
+    # the drafts' tokens where the scheduler proposed them (n-gram, suffix); [] where the
+    # worker's proposer fills the slots (its draft model: method draft_model)
     draft_token_ids: list[int] = []
-    # a benchmark's synthetic acceptance: keep this many drafts whatever the model computes
-    # (-1: verify them)
-    num_forced_accept: int = -1
-    # drafts the worker's draft model proposes in this step (method draft_model), verified
-    # like draft_token_ids, which is then empty; num_new_tokens counts them
-    num_draft_slots: int = 0
 
 
 class StepPlan(Struct, frozen=True, array_like=True, gc=False):
@@ -380,16 +377,18 @@ class StepResult(Struct, frozen=True, array_like=True, gc=False):
     # the plan's kv_loads: bytes copied from host slots, and how fast (0: none this step)
     kv_load_bytes: int = 0
     kv_load_bytes_per_s: float = 0.0
-    # aligned with request_ids when the step verified drafts: how many of each request's
-    # drafts were kept (they precede its sampled token); [] when none were sent
-    num_accepted_drafts: list[int] = []
-    # aligned with request_ids when the worker's draft model proposed drafts this step:
-    # each request's drafts ([] for one given none); [] when no request had draft slots
-    draft_token_ids: list[list[int]] = []
+    # aligned with request_ids when the step verified drafts: the drafts each request kept,
+    # in order (they precede its sampled token; [] for one given none); [] when none were sent
+    accepted_draft_ids: list[list[int]] = []
     # the draft model's catch-up this step: tokens it computed besides each drafted request's
     # last known one (a request new to drafts: its context), a one-off cost the scheduler's
     # draft cap leaves out of its step times
     num_draft_catch_up_tokens: int = 0
+
+    @property
+    def num_accepted_drafts(self) -> list[int]:
+        """Per request (aligned with request_ids), the drafts kept; [] when none were sent."""
+        return [len(kept) for kept in self.accepted_draft_ids]
 
 
 class WorkerInfo(Struct, frozen=True, kw_only=True):

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import torch
 
-
+from benchmarks.speculation_plugins import install, split_speculative_config
 from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from shared.models import ModelFiles, resolve_model
 from shared.runtime import freeze_startup_objects
-from shared.sections.speculative import parse_speculative_config
 
 
 def copy_bandwidth(device: str = "cuda", num_bytes: int = 2 << 30) -> float:
@@ -44,7 +43,9 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
                  speculative_config: str = "", disable_custom_all_reduce: bool = False,
                  batch_invariant: bool = False) -> Engine:
     """``tensor_parallel_size`` > 1: ranks 1.. spawned on cuda:1.. (``engine.close()`` stops
-    them)."""
+    them). ``speculative_config``: vLLM's JSON, with the benchmark-only modes it may name
+    (replay, synthetic acceptance) installed in process (benchmarks/speculation_plugins.py)."""
+    speculation, modes = split_speculative_config(speculative_config)
     worker = WorkerConfig(device="cuda", dtype="bfloat16", quantization=quantization,
                           kv_cache_dtype=kv_cache_dtype,
                           tensor_parallel_size=tensor_parallel_size,
@@ -57,8 +58,8 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 prefix_caching=prefix_caching,
-                                speculative_config=parse_speculative_config(speculative_config))
-    engine = Engine(scheduler, worker, resolve_model(model))
+                                speculative_config=speculation)
+    engine = install(Engine(scheduler, worker, resolve_model(model)), modes)
     freeze_startup_objects()  # as the worker service: full collections skip the model
     return engine
 

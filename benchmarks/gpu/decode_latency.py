@@ -157,9 +157,9 @@ def main() -> None:
               "kv_cache_dtype": args.kv_cache_dtype,
               "speculative_config": args.speculative_config or None,
               "batch_invariant": args.batch_invariant}
-    drafter = engine.scheduler.drafter
-    if drafter.num_drafted_steps:
-        result["tokens_per_verify_step"] = 1 + drafter.num_accepted_drafts / drafter.num_drafted_steps
+    books = engine.scheduler.draft_books
+    if books.num_drafted_steps:
+        result["tokens_per_verify_step"] = 1 + books.num_accepted_drafts / books.num_drafted_steps
     if args.hf:
         engine.close()
         del engine, model

@@ -224,8 +224,8 @@ def main() -> None:
         "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
         "kv_cache_dtype": args.kv_cache_dtype,
         "speculative_config": args.speculative_config or None,
-        "drafts_kept": f"{engine.scheduler.drafter.num_accepted_drafts}/"
-                       f"{engine.scheduler.drafter.num_draft_tokens}",
+        "drafts_kept": f"{engine.scheduler.draft_books.num_accepted_drafts}/"
+                       f"{engine.scheduler.draft_books.num_draft_tokens}",
         "num_overlapped_steps": engine.runner.num_overlapped_steps,
         "wall_ms_per_step": 1e3 * stats.elapsed_s / max(stats.num_steps, 1),
         # the last request finishes when the run ends: finish times from the run's start

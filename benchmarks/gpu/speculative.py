@@ -40,8 +40,8 @@ IDENTITY_BATCHES = ((1, 16), (4, 32), (16, 64), (64, 200))
 
 
 def build(model: str, spec: str, max_num_seqs: int, batch_invariant: bool = False) -> Engine:
-    return Engine(SchedulerConfig(speculative_config=parse_speculative_config(spec), max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=8192),
+    return Engine(SchedulerConfig(speculative_config=parse_speculative_config(spec),
+                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=8192),
                   WorkerConfig(device="cuda", dtype="bfloat16", max_model_len=4096,
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=8192,
                                gpu_memory_utilization=0.9, batch_invariant=batch_invariant),
@@ -66,11 +66,11 @@ def repetitive(count: int, seed: int) -> list[list[int]]:
 def generate(engine: Engine, prompts: list[list[int]], max_tokens: int):
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
               for _ in prompts]
-    drafter = engine.scheduler.drafter  # (NoDrafts keeps the same counts, at zero)
-    drafts_before, kept_before = drafter.num_draft_tokens, drafter.num_accepted_drafts
+    books = engine.scheduler.draft_books  # (zero without speculation)
+    drafts_before, kept_before = books.num_draft_tokens, books.num_accepted_drafts
     completions, stats = engine.generate(prompts, params)
-    return completions, stats, (drafter.num_draft_tokens - drafts_before,
-                                drafter.num_accepted_drafts - kept_before)
+    return completions, stats, (books.num_draft_tokens - drafts_before,
+                                books.num_accepted_drafts - kept_before)
 
 
 def measure(engine: Engine) -> dict:

@@ -51,7 +51,7 @@ class Request:
     tier_hit: TierHit | None = None  # a pinned kvstore hit, until admission uses it
     # drafts the step in flight verifies after the last token (speculation.py); until its
     # result, the request's token count after that step is not known: it is not scheduled
-    draft_token_ids: list[int] = field(default_factory=list)
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -35,7 +35,7 @@ from services.scheduler.chunk_pacer import ChunkPacer, StepClock, decode_stall_t
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.kv_tier import IsWanted, KvTierHooks
 from services.scheduler.outputs import append_outputs, request_output
-from services.scheduler.speculation import NoDrafts, drafter
+from services.scheduler.speculation import NO_DRAFTS, DraftBooks, Drafts, drafter, settle_drafts
 from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
 from services.scheduler.request import Request, TierHit
 from services.scheduler.siblings import shares_prompt, sibling_requests
@@ -83,9 +83,8 @@ class Scheduler:
         self.step_clock = StepClock()  # the pacer's step times
         self.reserve = AdmissionReserve(block_size, config.admission_reserve)
         self._kept = KeptRoom()  # room admission keeps for the running (admission.py)
-        self.drafter = drafter(config.speculative_config)
-        if self.drafter.drafts_in_worker and not worker_drafts:
-            self.drafter = NoDrafts()
+        self.drafter = drafter(config.speculative_config, worker_drafts)  # speculation.py
+        self.draft_books = DraftBooks()  # drafts verified and kept
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
         self.running: list[Request] = []
@@ -187,7 +186,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: (r.is_prefilling, r.sort_key)):
             if budget == 0:
                 break
-            if req not in self.running or req.reached_max_tokens or req.draft_token_ids:
+            if req not in self.running or req.reached_max_tokens or req.num_drafts:
                 continue  # preempted for an earlier request, or its last token(s) coming
             if req.num_pending_tokens and not req.is_prefilling and speculating and \
                     self.drafter.worth_waiting(req.request_id, req.all_token_ids, req.sampling):
@@ -199,8 +198,8 @@ class Scheduler:
             if num_new <= 0:
                 continue
             drafts = self.drafter.for_request(req, budget, self.max_model_len) \
-                if speculating and not prefilling else []
-            num_new += len(drafts)
+                if speculating and not prefilling else NO_DRAFTS
+            num_new += drafts.num_drafts
             new_block_ids = self._grow_or_preempt(req, req.num_computed_tokens + num_new)
             if new_block_ids is None:  # req itself was preempted
                 preempted = True
@@ -243,15 +242,14 @@ class Scheduler:
         self._add_prompt_logprobs(plan, result)
         emitted: list[Emitted] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)  # [] from an older worker
-        accepted = result.num_accepted_drafts or [0] * len(result.request_ids)
-        worker_drafts = result.draft_token_ids or [[]] * len(result.request_ids)
-        for request_id, token_id, entry, num_accepted, drafts in zip(
-                result.request_ids, result.sampled_token_ids, logprobs, accepted, worker_drafts):
+        accepted = result.accepted_draft_ids or [[]] * len(result.request_ids)
+        for request_id, token_id, entry, kept in zip(
+                result.request_ids, result.sampled_token_ids, logprobs, accepted):
             req = self.requests.get(request_id)
             if req is None:  # finished or aborted while the step ran: a wasted token
                 continue
             req.num_pending_tokens -= 1
-            token_ids = self.drafter.settle(req, num_accepted, drafts) + [token_id]
+            token_ids = settle_drafts(req, kept, self.draft_books) + [token_id]
             token_ids, finish_reason = append_outputs(req, token_ids, self.eos_token_ids,
                                                       self.max_model_len)
             self._register_full_blocks(req)
@@ -399,21 +397,17 @@ class Scheduler:
 
     def _schedule(self, req: Request, num_new: int, new_block_ids: list[int],
                   new_requests: list[NewRequestData], scheduled: list[ScheduledRequest],
-                  drafts: list[int] | None = None) -> None:
+                  drafts: Drafts = NO_DRAFTS) -> None:
         if not req.known_to_worker:
             self._send_to_worker(req, new_requests)
             new_block_ids = []
         else:
             req.block_table.extend(new_block_ids)
-        drafts = drafts or []
-        in_worker = self.drafter.drafts_in_worker  # drafts are slots its draft model fills
-        scheduled.append(ScheduledRequest(
-            req.request_id, num_new, new_block_ids, [] if in_worker else drafts,
-            self.drafter.num_forced_accept(len(drafts)) if drafts else -1,
-            num_draft_slots=len(drafts) if in_worker else 0))
+        scheduled.append(ScheduledRequest(req.request_id, num_new, new_block_ids,
+                                          drafts.num_drafts, drafts.token_ids))
         self._in_plan.add(req.request_id)
         req.num_computed_tokens += num_new
-        req.draft_token_ids = drafts
+        req.num_drafts = drafts.num_drafts
         if req.num_computed_tokens >= req.num_tokens_at_worker:
             req.num_pending_tokens += 1  # the worker samples this step
         self._register_full_blocks(req)

@@ -450,10 +450,6 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
     await service.start()
     freeze_startup_objects()
     log.info("scheduler_started", replica_id=config.replica_id)
-    speculation = config.speculative_config
-    if speculation is not None and speculation.rejection_sample_method == "synthetic":
-        log.warning("synthetic_acceptance", detail="--speculative-config keeps drafts "
-                    "unverified (a benchmark mode): outputs are not the model's")
     try:
         await service.run(stop)
     finally:

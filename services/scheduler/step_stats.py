@@ -65,10 +65,10 @@ class StepStats:
             worker_ready=core is not None and not draining,
             num_prefix_queries=core.num_prefix_queries if core else 0,
             num_prefix_hits=core.num_prefix_hits if core else 0,
-            num_draft_tokens=core.drafter.num_draft_tokens if core else 0,
-            num_accepted_drafts=core.drafter.num_accepted_drafts if core else 0,
-            num_drafted_steps=core.drafter.num_drafted_steps if core else 0,
-            num_accepted_per_position=list(core.drafter.num_accepted_per_position)
+            num_draft_tokens=core.draft_books.num_draft_tokens if core else 0,
+            num_accepted_drafts=core.draft_books.num_accepted_drafts if core else 0,
+            num_drafted_steps=core.draft_books.num_drafted_steps if core else 0,
+            num_accepted_per_position=list(core.draft_books.num_accepted_per_position)
             if core else [],
             draft_cap=core.drafter.step_cap if core and core.drafter.enabled else -1,
             worker_busy_s=self.worker_busy_s, worker_idle_ratio=idle_ratio,

@@ -1,6 +1,7 @@
 """Speculative decoding's draft model (issue 28, method ``draft_model``): a smaller model with
 the served model's tokenizer proposes the drafts of the requests a step gives draft slots
-(``ScheduledRequest.num_draft_slots``), right before the step's forward verifies them.
+(``ScheduledRequest.num_drafts`` with no tokens), right before the step's forward verifies
+them. It is the worker's proposer (``WorkerProposer``); ``NoDraftModel`` the null one.
 
 KV. The draft model has its own paged cache, indexed by the served model's block ids, so a
 request's block table and slot mapping serve both. Each request's state counts the
@@ -30,7 +31,7 @@ drafts.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -40,10 +41,17 @@ from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import DecodeGraphs
 from services.worker.model import AttentionMetadata, ModelConfig, Transformer
 from services.worker.staging import HostStaging, to_host
-from services.worker.step_inputs import SequenceChunk, build_step_inputs, to_device
+from services.worker.step_inputs import (
+    SequenceChunk, build_step_inputs, fill_pending_inputs, to_device,
+)
 from services.worker.step_state import RequestState
+from services.worker.warmup import warm_up_attention
 from services.worker.weights import check_quantization, load_model
+from shared.messages import ScheduledRequest
 from shared.models import resolve_model
+
+# (source rows, the step in flight's tokens): a step's inputs still to be put in place
+Pending = tuple[torch.Tensor, torch.Tensor]
 
 MAX_GRAPH_BATCH = 64  # draft passes of more rows run eagerly (drafts are for small batches)
 
@@ -55,7 +63,8 @@ def load_draft_model(config: WorkerConfig, target: ModelConfig, max_model_len: i
     tensor-parallel rank: each rank drafts the same tokens itself, with no collective."""
     files = resolve_model(config.draft_model, config.cache_dir)
     draft = load_model(files.path, device, dtype, seed=config.seed,
-                       quantization=check_quantization(files.path, config.quantization, device))
+                       quantization=check_quantization(files.path, config.quantization, device),
+                       batch_invariant=config.batch_invariant)
     if draft.config.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {config.draft_model}: a vocabulary of "
                          f"{draft.config.vocab_size} tokens, the served model's has "
@@ -81,19 +90,59 @@ class Proposal(NamedTuple):
     copied: torch.cuda.Event | None  # CUDA: the copy to host_drafts is done
 
 
-class NoDraftModel:
-    """The seam's null side: no draft model (a plan with draft slots is refused)."""
+class WorkerProposer(Protocol):
+    """The worker's side of the speculation seam, chosen once when the runner is built: what
+    fills the draft slots a plan gives (``ScheduledRequest.num_drafts`` without tokens).
+    ``NoDraftModel`` (none: drafts come with their tokens) or ``DraftModel``. The runner calls
+    each step's hooks in order: ``propose`` before the forward, ``fill`` while building its
+    inputs, ``read_back`` after queuing it, ``settle`` once the kept drafts are known."""
 
-    enabled = False
-    bytes_per_block = 0
+    def check(self, request_id: str, scheduled: ScheduledRequest) -> None: ...
+    def warm_up(self, block_size: int) -> None: ...
+    def capture_graphs(self, max_batch_size: int, max_model_len: int) -> None: ...
+    def propose(self, chunks: list[SequenceChunk], states: list[RequestState]
+                ) -> Proposal | None: ...
+    def fill(self, input_ids: torch.Tensor, proposal: Proposal | None,
+             pending: Pending | None) -> Pending | None: ...
+    def read_back(self, proposal: Proposal | None, chunks: list[SequenceChunk]) -> None: ...
+    def settle(self, proposal: Proposal | None, states: list[RequestState]) -> int: ...
+
+
+class NoDraftModel:
+    """No draft model: a plan's drafts come with their tokens (the scheduler proposed them);
+    draft slots are refused. Every step hook does nothing."""
+
+    name = ""
+
+    def check(self, request_id: str, scheduled: ScheduledRequest) -> None:
+        if scheduled.num_drafts and not scheduled.draft_token_ids:
+            raise ValueError(f"request {request_id}: {scheduled.num_drafts} draft slots need "
+                             f"a worker with a draft model (this one has no draft model)")
+
+    def warm_up(self, block_size: int) -> None:
+        pass
+
+    def capture_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        pass
 
     def propose(self, chunks: list[SequenceChunk], states: list[RequestState]
                 ) -> Proposal | None:
         return None
 
+    def fill(self, input_ids: torch.Tensor, proposal: Proposal | None,
+             pending: Pending | None) -> Pending | None:
+        return pending
 
-class DraftModel(NoDraftModel):
-    enabled = True
+    def read_back(self, proposal: Proposal | None, chunks: list[SequenceChunk]) -> None:
+        pass
+
+    def settle(self, proposal: Proposal | None, states: list[RequestState]) -> int:
+        return 0
+
+
+class DraftModel:
+    """The draft model: it fills every draft slot of a step (a plan's drafts never come with
+    tokens), greedily, right before the step's forward."""
 
     def __init__(self, model: Transformer, name: str, kv_cache: torch.Tensor, block_size: int,
                  max_num_tokens: int, staging: HostStaging | None) -> None:
@@ -106,6 +155,15 @@ class DraftModel(NoDraftModel):
         self.device = kv_cache.device
         model.bind_kv_cache(kv_cache)
         self.graphs: DecodeGraphs | None = None
+
+    def check(self, request_id: str, scheduled: ScheduledRequest) -> None:
+        if scheduled.draft_token_ids:
+            raise ValueError(f"request {request_id}: drafts came with their tokens, but this "
+                             f"worker's draft model fills draft slots")
+
+    def warm_up(self, block_size: int) -> None:
+        """CUDA: compile the draft model's attention variants (warmup.py)."""
+        warm_up_attention(self.model, block_size)
 
     def capture_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(self.model, min(max_batch_size, MAX_GRAPH_BATCH),
@@ -241,41 +299,38 @@ class DraftModel(NoDraftModel):
         on_device = to_device([gather, targets], np.int64, self.device, self.staging)
         return on_device[0], on_device[1]
 
+    def fill(self, input_ids: torch.Tensor, proposal: Proposal | None,
+             pending: Pending | None) -> Pending | None:
+        """Put the proposal's drafts into the step's ``input_ids`` [num_tokens], on the
+        device; the tokens in flight (``pending``) go in place first -> None: nothing left
+        pending (a step without drafts: ``pending`` as it was)."""
+        if proposal is None:
+            return pending
+        if pending is not None:
+            fill_pending_inputs(input_ids, *pending)
+        input_ids.index_copy_(0, proposal.target_positions,
+                              proposal.drafts.view(-1)[proposal.gather])
+        return None
 
-def fill_drafts(input_ids: torch.Tensor, proposal: Proposal) -> None:
-    """Put the proposal's drafts into the step's ``input_ids`` [num_tokens], on the device."""
-    input_ids.index_copy_(0, proposal.target_positions,
-                          proposal.drafts.view(-1)[proposal.gather])
+    def read_back(self, proposal: Proposal | None, chunks: list[SequenceChunk]) -> None:
+        """Wait for the drafts (not for the forward queued after them) and write them into
+        their chunks' token ids, for verification."""
+        if proposal is None:
+            return
+        if proposal.copied is not None:
+            proposal.copied.synchronize()
+        host = proposal.host_drafts.tolist()  # [num_rows][max_slots]
+        for row, (index, slots) in enumerate(zip(proposal.chunk_indices, proposal.num_slots)):
+            chunk = chunks[index]
+            chunk.token_ids[len(chunk.token_ids) - slots:] = host[row][:slots]
 
-
-def read_back(proposal: Proposal, chunks: list[SequenceChunk]) -> dict[int, list[int]]:
-    """Wait for the drafts (not for the forward queued after them) and write them into
-    their chunks' token ids -> chunk index -> its drafts."""
-    if proposal.copied is not None:
-        proposal.copied.synchronize()
-    host = proposal.host_drafts.tolist()  # [num_rows][max_slots]
-    by_chunk = {}
-    for row, (index, slots) in enumerate(zip(proposal.chunk_indices, proposal.num_slots)):
-        chunk = chunks[index]
-        chunk.token_ids[len(chunk.token_ids) - slots:] = host[row][:slots]
-        by_chunk[index] = host[row][:slots]
-    return by_chunk
-
-
-def result_fields(proposal: Proposal | None, proposed: dict[int, list[int]],
-                  chunks: list[SequenceChunk]) -> dict[str, object]:
-    """The step result's fields of the draft model: what it proposed for each sampled
-    chunk (``proposed``: ``read_back``'s), and its catch-up."""
-    if proposal is None:
-        return {}
-    return {"draft_token_ids": [proposed.get(index, []) for index, chunk in enumerate(chunks)
-                                if chunk.sample],
-            "num_draft_catch_up_tokens": proposal.num_catch_up_tokens}
-
-
-def settle(proposal: Proposal, states: list[RequestState]) -> None:
-    """After the step kept what it kept (``states``: per chunk, their token ids updated):
-    draft KV past a drafted request's known tokens is of rejected drafts."""
-    for index in proposal.chunk_indices:
-        state = states[index]
-        state.num_draft_computed = min(state.num_draft_computed, len(state.token_ids))
+    def settle(self, proposal: Proposal | None, states: list[RequestState]) -> int:
+        """After the step kept what it kept (``states``: per chunk, their token ids updated):
+        draft KV past a drafted request's known tokens is of rejected drafts. -> the step's
+        catch-up tokens (``Proposal.num_catch_up_tokens``), for its result."""
+        if proposal is None:
+            return 0
+        for index in proposal.chunk_indices:
+            state = states[index]
+            state.num_draft_computed = min(state.num_draft_computed, len(state.token_ids))
+        return proposal.num_catch_up_tokens

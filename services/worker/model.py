@@ -67,6 +67,7 @@ class ModelConfig:
     # per output channel (``Linear``): the checkpoint's own (fp8_checkpoints.py) or
     # --quantization fp8's; "none": all in the model's dtype
     quantization: str = "none"
+    batch_invariant: bool = False  # --batch-invariant (ops.py), passed by each layer to its ops
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:
@@ -225,9 +226,11 @@ class Linear(nn.Linear):
         fp8 = config.quantization == "fp8"
         self.register_buffer("weight_scale", torch.empty(out_features) if fp8 else None)
         self.reduce = reduce if reduce is not None and reduce.size > 1 else None
+        self.batch_invariant = config.batch_invariant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ops.linear(x, self.weight, self.bias, self.weight_scale)
+        out = ops.linear(x, self.weight, self.bias, self.weight_scale,
+                         batch_invariant=self.batch_invariant)
         return out if self.reduce is None else self.reduce.all_reduce(out)
 
 
@@ -239,7 +242,7 @@ def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RM
     if proj.reduce is not None:
         return proj.reduce.linear_add_rms_norm(x, proj, residual, norm)
     return ops.linear_add_rms_norm(x, proj.weight, proj.bias, residual, norm.weight, norm.eps,
-                                   proj.weight_scale)
+                                   proj.weight_scale, proj.batch_invariant)
 
 
 class Attention(nn.Module):
@@ -249,7 +252,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale, self.batch_invariant = config.head_dim ** -0.5, config.batch_invariant
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                config.qkv_bias, config)
         self.o_proj = Linear(self.q_size, config.hidden_size, config.o_proj_bias, config, tp)
@@ -288,7 +291,7 @@ class Attention(nn.Module):
         ``out`` when given)."""
         return ops.attention(q, self.key_cache, self.value_cache, metadata, self.scale,
                              self.decode_context, out=out, k_scale=self.k_scale,
-                             v_scale=self.v_scale)
+                             v_scale=self.v_scale, batch_invariant=self.batch_invariant)
 
 
 class MLP(nn.Module):
@@ -300,9 +303,12 @@ class MLP(nn.Module):
                                 config, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
-        gate_up = self.gate_up_proj
-        h = ops.linear_silu_and_mul(x, gate_up.weight, gate_up.bias, gate_up.weight_scale)
-        return self.down_proj(h)
+        return self.down_proj(self.gated(x))
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of gate_up: [num_tokens, hidden_size] -> [num_tokens, intermediate_size]."""
+        up = self.gate_up_proj
+        return ops.linear_silu_and_mul(x, up.weight, up.bias, up.weight_scale, up.batch_invariant)
 
 
 class DecoderLayer(nn.Module):
@@ -351,9 +357,7 @@ class DecoderLayer(nn.Module):
                                    self.post_attention_layernorm)
         if next_norm is None:
             return self.mlp(h), residual
-        gate_up = self.mlp.gate_up_proj
-        h = ops.linear_silu_and_mul(h, gate_up.weight, gate_up.bias, gate_up.weight_scale)
-        return add_rms_norm(h, self.mlp.down_proj, residual, next_norm)
+        return add_rms_norm(self.mlp.gated(h), self.mlp.down_proj, residual, next_norm)
 
 
 class Transformer(nn.Module):
@@ -432,9 +436,10 @@ class Transformer(nn.Module):
         """Final-normed rows [num_sampled, hidden_size] -> logits [num_sampled, vocab_size]
         (fp32; into ``out`` when given)."""
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        invariant = self.config.batch_invariant
         if self.tp.size == 1 and out is not None:
-            return ops.linear(x, head_weight, out=out)
-        logits = ops.linear(x, head_weight)  # [num_sampled, this rank's vocabulary rows]
+            return ops.linear(x, head_weight, out=out, batch_invariant=invariant)
+        logits = ops.linear(x, head_weight, batch_invariant=invariant)  # [num_sampled, rank's rows]
         logits = self.tp.gather_vocab(logits, self.config.vocab_size)
         return logits.float() if out is None else out.copy_(logits)
 

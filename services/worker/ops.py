@@ -13,16 +13,16 @@ from kernels import (activation, fp8, kv_cache, paged_attention, paged_attention
                      rms_norm as rms_norm_kernels, rotary, sampling, skinny_gemm)
 from services.worker import cpu_attention
 
-# --batch-invariant (WorkerConfig.batch_invariant, set once by the runner): every CUDA
-# projection on the skinny GEMM (each row summed as alone, at any number of rows) and every
-# attention launch on one tile config without split-KV, so a row's numbers do not depend on
-# what else its step holds: greedy output then never changes with batching or speculation
-batch_invariant = False
+# ``batch_invariant`` (--batch-invariant, held by the model: ModelConfig.batch_invariant and
+# passed to each op that reads it): every CUDA projection on the skinny GEMM (each row summed
+# as alone, at any number of rows) and every attention launch on one tile config without
+# split-KV, so a row's numbers do not depend on what else its step holds: greedy output then
+# never changes with batching or speculation
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None, out: torch.Tensor | None = None
-           ) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
     """x [num_tokens, in_features] -> [num_tokens, out_features], as nn.Linear. Decode-sized
     batches of the shapes the skinny GEMM was measured faster on take it (batch invariant up
     to its row bound); everything else, and the CPU, F.linear. An FP8 weight comes with its
@@ -55,7 +55,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None,
-                        weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        weight_scale: torch.Tensor | None = None,
+                        batch_invariant: bool = False) -> torch.Tensor:
     """SwiGLU of the fused gate_up projection: x [num_tokens, in_features], weight
     [2 * intermediate_size, in_features] -> [num_tokens, intermediate_size]. Where the skinny
     GEMM serves it, one launch with SwiGLU in its epilogue (bitwise the two ops)."""
@@ -64,7 +65,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and not batch_invariant
             and skinny_gemm.serves_gated(x.shape[0], weight)):
         return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias, weight_scale=weight_scale)
-    return silu_and_mul(linear(x, weight, bias, weight_scale))
+    return silu_and_mul(linear(x, weight, bias, weight_scale, batch_invariant=batch_invariant))
 
 
 def greedy_token_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -85,7 +86,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight_scale: torch.Tensor | None = None
+                        weight_scale: torch.Tensor | None = None, batch_invariant: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """A projection into the residual stream and the RMSNorm after it: x [num_tokens,
     in_features] -> (norm(linear(x) + residual), linear(x) + residual), the sum written into
@@ -96,7 +97,8 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                                                             norm_weight):
         return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps,
                                                     weight_scale=weight_scale)
-    return rms_norm(linear(x, weight, bias, weight_scale), norm_weight, eps, residual)
+    return rms_norm(linear(x, weight, bias, weight_scale, batch_invariant=batch_invariant),
+                    norm_weight, eps, residual)
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -160,7 +162,7 @@ def attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.T
               metadata, scale: float,
               decode_context: cpu_attention.DecodeContext | None = None,
               out: torch.Tensor | None = None, k_scale: float = 1.0,
-              v_scale: float = 1.0) -> torch.Tensor:
+              v_scale: float = 1.0, batch_invariant: bool = False) -> torch.Tensor:
     """Causal paged attention of the step's queries [num_tokens, num_heads, head_dim]
     (written into ``out`` when given); an FP8 cache's scales k_scale and v_scale.
 

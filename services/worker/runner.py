@@ -22,23 +22,18 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import structlog
 import torch
 
-from kernels.paged_attention_ref import FP8_KV_DTYPE, allocate_kv_cache
-from services.worker.config import WorkerConfig
-from services.worker.cuda_graphs import DecodeGraphs, capture_step_graphs, mixed_graph_tokens
-from services.worker import draft_model, ops
-from services.worker.draft_model import DraftModel, NoDraftModel, Proposal, load_draft_model
-from services.worker.kv_connector import KvConnector, NoKvConnector, usable_load_groups
+from kernels.paged_attention_ref import FP8_KV_DTYPE
+from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from services.worker.draft_model import Proposal, WorkerProposer
+from services.worker.kv_connector import KvConnector, NoKvConnector
 from services.worker.kv_offload import KvOffload
 from services.worker.kv_step import LayerWaits
-from services.worker.kv_quant import kv_scales_tag, resolve_kv_cache_dtype, set_fp8_kv_scales
-from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
-from services.worker.model import AttentionMetadata
-from services.worker.weights import check_quantization, load_model, resolve_device, resolve_dtype
+from services.worker.kv_quant import kv_scales_tag
+from services.worker.model import AttentionMetadata, Transformer
 from services.worker.sampler import Sampler, chunk_prompt_logprobs, make_generator
-from services.worker.speculation import keep_accepted, verify_drafts
+from services.worker.speculation import VerifyRule, keep_accepted, verify_drafts
 from services.worker.staging import HostStaging
 from services.worker.step_inputs import (
     LogitsLayout, SequenceChunk, build_step_inputs, fill_pending_inputs, logits_layout,
@@ -46,115 +41,54 @@ from services.worker.step_inputs import (
 )
 from services.worker.step_state import RequestState, StepInFlight, plan_needs_host_tokens
 from services.worker.tp_ranks import SingleRank
-from services.worker.warmup import warm_up_attention, warm_up_steps
-from shared.config import parse_size
 from shared.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
 from shared.kv_messages import KvLayout
-from shared.models import ModelFiles, read_eos_token_ids
+from shared.models import ModelFiles
 
-log = structlog.get_logger()
+class StepGraphs(NamedTuple):
+    """The runner's CUDA graphs (cuda_graphs.py); None where none are captured."""
+
+    decode: DecodeGraphs | None  # whole decode steps
+    verify: DecodeGraphs | None  # whole verify steps (speculative decoding)
+    mixed: PiecewiseGraphs | None  # steps in pieces
+
 
 class ModelRunner:
-    def __init__(self, config: WorkerConfig, model_files: ModelFiles,
-                 ranks: SingleRank = SingleRank()):
-        """``ranks``: this runner's tensor-parallel group (tp_group.py); rank 0 sends each
-        call to the others, which run it too."""
-        self.ranks = ranks
-        if config.num_threads > 0:
-            torch.set_num_threads(config.num_threads)
-        if config.block_size < 1:
-            raise ValueError(f"block_size must be positive, got {config.block_size}")
-        self._device = resolve_device(config.device)
-        self._dtype = resolve_dtype(config.dtype, self._device)
-        if config.batch_invariant and self._device.type != "cuda":
-            raise ValueError("batch_invariant needs a CUDA device (the CPU's GEMMs are torch's)")
-        ops.batch_invariant = config.batch_invariant  # the process's kernels (ops.py)
+    def __init__(self, *, ranks: SingleRank, model_files: ModelFiles, model: Transformer,
+                 device: torch.device, dtype: torch.dtype, seed: int, block_size: int,
+                 max_model_len: int, eos_token_ids: list[int], kv_cache: torch.Tensor,
+                 kv_cache_bytes: int, staging: HostStaging | None, proposer: WorkerProposer,
+                 sampler: Sampler, graphs: StepGraphs, overlap_steps: bool,
+                 kv_load_groups: int, verify: VerifyRule = verify_drafts) -> None:
+        """The parts ``build_runner`` (runner_build.py) assembles. ``ranks``: this runner's
+        tensor-parallel group (tp_group.py); rank 0 sends each call to the others, which run
+        it too. ``proposer``: what fills draft slots (draft_model.py); ``verify``: which
+        drafts a step keeps (speculation.py; a benchmark may install another).
+        ``overlap_steps``: leave steps in flight (``submit``): on CUDA, where it hides the
+        host's work behind the GPU's; tests turn it on on CPU to check the path.
+        ``kv_load_groups``: the layer groups loads from the kvstore copy in."""
+        self.ranks, self.model, self.seed = ranks, model, seed
         self.model_name: str = model_files.name
         self.model_path: Path = model_files.path
-        self.seed: int = config.seed
-        self.model = load_model(model_files.path, self._device, self._dtype, seed=config.seed,
-                                quantization=check_quantization(model_files.path,
-                                                                config.quantization, self._device),
-                                tp=ranks.tp)
-        model_config = self.model.config
-        self.block_size: int = config.block_size
-        self.max_model_len: int = model_config.usable_context_len(config.max_model_len)
-        self.eos_token_ids: list[int] = read_eos_token_ids(model_files.path)
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self._dtype, self._device)
-        if kv_dtype == FP8_KV_DTYPE:  # before the profile and graphs: they use the scales
-            set_fp8_kv_scales(self.model, config.block_size, self._device, self._dtype)
-        # speculative decoding's draft model (draft_model.py): loaded before the profile,
-        # its cache (in --dtype) takes a share of each block's bytes
-        self._draft = load_draft_model(config, self.model.config, self.max_model_len,
-                                       self._device, self._dtype) if config.draft_model else None
-        bytes_per_block = kv_bytes_per_block(self.model, config.block_size, kv_dtype) + (
-            kv_bytes_per_block(self._draft, config.block_size, self._dtype) if self._draft else 0)
-        # every rank the same block space: the fewest any rank's memory holds
-        self.num_blocks: int = ranks.tp.agree_min(self._kv_cache_budget(config, kv_dtype)
-                                                      // bytes_per_block)
-        if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {config.kv_cache_memory} holds no block "
-                             f"({bytes_per_block} bytes each)")
-        self.kv_cache_bytes: int = self.num_blocks * bytes_per_block
-        self.kv_cache = self._allocate_cache(self.model, kv_dtype)
-        self.model.bind_kv_cache(self.kv_cache)
-        self._staging = HostStaging(self._device) if self._device.type == "cuda" else None
-        self.drafts: NoDraftModel = NoDraftModel() if self._draft is None else DraftModel(
-            self._draft, config.draft_model, self._allocate_cache(self._draft, self._dtype),
-            self.block_size, config.max_num_batched_tokens, self._staging)
+        self._device, self._dtype = device, dtype
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.kv_cache, self.kv_cache_bytes = kv_cache, kv_cache_bytes
+        self.num_blocks: int = kv_cache.shape[2]
+        self._staging, self.proposer, self.verify = staging, proposer, verify
+        self.sampler = sampler
+        self._graphs, self._verify_graphs, self._mixed_graphs = graphs
+        self.overlap_steps, self.kv_load_groups = overlap_steps, kv_load_groups
+        self.kv: NoKvConnector = NoKvConnector(block_size)  # the kvstore's hooks
         self._requests: dict[str, RequestState] = {}
         self._in_flight: StepInFlight | None = None
-        # Leave steps in flight (submit): on CUDA, where it hides the host's work behind the
-        # GPU's; on CPU nothing runs asynchronously, but tests turn it on to check the path.
-        self.overlap_steps: bool = config.overlap_steps == "on" or (
-            config.overlap_steps == "auto" and self._device.type == "cuda")
         self.num_overlapped_steps = 0  # steps queued while the one before was in flight
-        # the layer groups loads from the kvstore copy in (kv_load_groups.py)
-        self.kv_load_groups = usable_load_groups(config, model_config.num_layers, self._device)
-        self.kv: NoKvConnector = NoKvConnector(self.block_size)  # the kvstore's hooks
-        self.sampler = Sampler(model_config.vocab_size, self.eos_token_ids, self._device,
-                               make_grammars=lambda: _grammar_bank(
-                                   model_files.path, model_config.vocab_size, self.eos_token_ids))
-        if self._device.type == "cuda":
-            warm_up_attention(self.model, self.block_size)
-            if self._draft is not None:
-                warm_up_attention(self._draft, self.block_size)
-        # whole decode steps, verify steps (speculative decoding), steps in pieces
-        self._graphs, self._verify_graphs, self._mixed_graphs = capture_step_graphs(
-            self.model, config, self.max_model_len, self._device) \
-            if self._device.type == "cuda" and not config.enforce_eager else (None, None, None)
-        if isinstance(self.drafts, DraftModel) and self._graphs is not None:
-            self.drafts.capture_graphs(config.max_num_seqs, self.max_model_len)
-        if self._device.type == "cuda" and ranks.tp.size == 1:
-            warm_up_steps(self)  # (a group's ranks take steps only once all are up)
-            self.num_overlapped_steps = 0  # the counts are serving's
-            if self._mixed_graphs is not None:
-                self._mixed_graphs.num_steps = 0
-        log.info("model_runner_ready", model=self.model_name, device=self.device, dtype=self.dtype,
-                 num_blocks=self.num_blocks, block_size=self.block_size,
-                 kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len,
-                 kv_cache_dtype=self.kv_cache_dtype_name, draft_model=config.draft_model or None)
 
-    def _allocate_cache(self, model, dtype: torch.dtype) -> torch.Tensor:
-        """[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"""
-        config = model.config
-        return allocate_kv_cache(config.num_layers, self.num_blocks, self.block_size,
-                                 config.num_kv_heads, config.head_dim, dtype, self._device)
-
-    def _kv_cache_budget(self, config: WorkerConfig, kv_dtype: torch.dtype) -> int:
-        if config.kv_cache_memory != "auto":
-            return parse_size(config.kv_cache_memory)
-        if self._device.type != "cuda":
-            return 1 << 30
-        return profile_kv_cache_bytes(
-            self.model, num_tokens=config.max_num_batched_tokens, num_sampled=config.max_num_seqs,
-            max_model_len=self.max_model_len, block_size=config.block_size,
-            gpu_memory_utilization=config.gpu_memory_utilization, device=self._device,
-            dtype=self._dtype, kv_dtype=kv_dtype,
-            graph_batch_size=None if config.enforce_eager else config.max_num_seqs,
-            graph_num_tokens=0 if config.enforce_eager else mixed_graph_tokens(config),
-            draft=self._draft, num_speculative_tokens=config.num_speculative_tokens
-        ).kv_cache_bytes
+    def zero_step_counts(self) -> None:
+        """The step counts start again (after the start-up warm-up: they are serving's)."""
+        self.num_overlapped_steps = 0
+        if self._mixed_graphs is not None:
+            self._mixed_graphs.num_steps = 0
 
     @property
     def device(self) -> str:
@@ -275,19 +209,18 @@ class ModelRunner:
         states = [self._requests[request_id] for request_id in sampled_ids]
         chunk_states = [self._requests[s.request_id] for s in plan.scheduled]
         with torch.inference_mode():
-            proposal = self.drafts.propose(chunks, chunk_states)  # draft_model.py
+            proposal = self.proposer.propose(chunks, chunk_states)  # draft_model.py
             layout = logits_layout(chunks) if chunks else None
             logits = self._run_model(chunks, layout, kv_step.layer_waits,
                                      proposal) if chunks else None
             self.kv.after_forward(kv_step)
-            proposed = draft_model.read_back(proposal, chunks) if proposal else {}
+            self.proposer.read_back(proposal, chunks)  # (its drafts into their chunks)
             sampled = self._sample(plan, chunks, layout, logits, sampled_ids, states, defer)
         for state, chunk, scheduled in zip(chunk_states, chunks, plan.scheduled):
             state.block_table = chunk.block_table
             state.num_computed_tokens += scheduled.num_new_tokens
-        keep_accepted(states, chunks, sampled.num_accepted)  # speculation.py
-        if proposal:
-            draft_model.settle(proposal, chunk_states)
+        accepted = keep_accepted(states, chunks, sampled.num_accepted)  # speculation.py
+        num_catch_up_tokens = self.proposer.settle(proposal, chunk_states)
         if defer:
             for state in states:
                 state.num_pending_tokens += 1
@@ -304,8 +237,8 @@ class ModelRunner:
                           prompt_logprobs=sampled.prompt_logprobs,
                           kv_load_bytes=kv_step.load_bytes,
                           kv_load_bytes_per_s=kv_step.load_bytes_per_s(),
-                          num_accepted_drafts=list(sampled.num_accepted),
-                          **draft_model.result_fields(proposal, proposed, chunks))
+                          accepted_draft_ids=accepted,
+                          num_draft_catch_up_tokens=num_catch_up_tokens)
 
     def _take_arrivals(self, plan: StepPlan) -> dict[str, RequestState]:
         """Forget the plan's finished requests and add its new ones -> the finished ones'
@@ -329,11 +262,10 @@ class ModelRunner:
             chunks, self.block_size, self._device, layout, self._staging)
         pending = None if metadata.pending_source_rows is None else (
             metadata.pending_source_rows, self._in_flight.token_ids)  # tokens in flight
-        if pending and (proposal is not None or self._no_whole_graph(chunks, layout)):
+        pending = self.proposer.fill(input_ids, proposal, pending)
+        if pending and self._no_whole_graph(chunks, layout):
             fill_pending_inputs(input_ids, *pending)  # (else the graph's own launch does)
             pending = None
-        if proposal is not None:
-            draft_model.fill_drafts(input_ids, proposal)
         return self._forward(input_ids, positions, metadata, layer_waits, pending)
 
     def _sample(self, plan: StepPlan, chunks: list[SequenceChunk], layout: LogitsLayout | None,
@@ -347,7 +279,7 @@ class ModelRunner:
             [(s.request_id, self._requests[s.request_id]) for s in plan.scheduled], chunks,
             layout.first_rows, logits)
         params = [s.sampling for s in states]
-        rows, num_accepted, known_tokens = verify_drafts(  # speculation.py
+        rows, num_accepted, known_tokens = self.verify(  # speculation.py
             logits, layout, chunks, params, [s.num_outputs for s in states],
             lambda rows_, owners, indices: self.sampler.adjusted(
                 rows_, [sampled_ids[i] for i in owners], [params[i] for i in owners], indices),
@@ -442,10 +374,7 @@ class ModelRunner:
         state = self._requests.get(request_id)
         if state is None:
             raise ValueError(f"unknown request id {request_id!r}")
-        drafts = list(scheduled.draft_token_ids) or [0] * scheduled.num_draft_slots
-        if scheduled.num_draft_slots and (scheduled.draft_token_ids or not self.drafts.enabled):
-            raise ValueError(f"request {request_id}: draft slots need a worker with a draft "
-                             f"model (this one has no draft model, or drafts came too)")
+        drafts = self._drafts(scheduled)
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_new_tokens
         known_end = end - len(drafts)  # drafts follow the last known token
         if num_new_tokens <= len(drafts) or known_end > state.num_tokens \
@@ -475,8 +404,18 @@ class ModelRunner:
         return SequenceChunk(token_ids=token_ids + list(drafts), start=start,
                              block_table=block_table, sample=known_end == state.num_tokens,
                              num_logprob_rows=num_logprob_rows, pending_row=pending_row,
-                             num_drafts=len(drafts), draft_slots=bool(scheduled.num_draft_slots),
-                             num_forced_accept=scheduled.num_forced_accept if drafts else -1)
+                             num_drafts=len(drafts),
+                             draft_slots=bool(drafts and not scheduled.draft_token_ids))
+
+    def _drafts(self, scheduled: ScheduledRequest) -> list[int]:
+        """A scheduled entry's drafts: the scheduler's tokens, or placeholders for the slots
+        the worker's proposer fills (its draft model, draft_model.py; the null one refuses)."""
+        given = scheduled.draft_token_ids
+        if given and len(given) != scheduled.num_drafts:
+            raise ValueError(f"request {scheduled.request_id}: {len(given)} draft tokens for "
+                             f"{scheduled.num_drafts} drafts")
+        self.proposer.check(scheduled.request_id, scheduled)
+        return list(given) or [0] * scheduled.num_drafts
 
     def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
@@ -491,8 +430,3 @@ class _Sampled(NamedTuple):
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     num_accepted: list[int] | tuple = ()  # per sampled row: drafts kept ((): none sent)
 
-
-def _grammar_bank(model_dir: Path, vocab_size: int, eos_token_ids: list[int]):
-    from services.worker.structured import GrammarBank  # loads the grammar library on first use
-
-    return GrammarBank(model_dir, vocab_size, eos_token_ids)

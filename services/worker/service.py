@@ -30,6 +30,7 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_upkeep import KvUpkeep, NoKvUpkeep
 from services.worker.main_thread import MainThreadExecutor
 from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from services.worker.tp_group import start_group
 from services.worker.tp_ranks import SingleRank
 from shared.bus import EXIT_NATS_LOST, Bus
@@ -233,7 +234,7 @@ def run(config: WorkerConfig) -> None:
     ranks = SingleRank()
     if config.tensor_parallel_size > 1:  # ranks 1.. spawned; rank 0 on its own GPU
         ranks, config = start_group(config, model_files)
-    runner = ModelRunner(config, model_files, ranks)
+    runner = build_runner(config, model_files, ranks)
     freeze_startup_objects()
     log.info("model_loaded", model=model_files.name, num_blocks=runner.num_blocks,
              kv_cache_bytes=runner.kv_cache_bytes, device=str(runner.device))

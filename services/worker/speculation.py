@@ -1,8 +1,10 @@
 """Speculative decoding in the worker (issue 28): verifying a step's drafts.
 
-A request scheduled with drafts (``ScheduledRequest.draft_token_ids``, proposed by the
-scheduler: services/scheduler/speculation.py) computes its last known token and the
-drafts in one query, so the step has logits at each of those positions.
+A request scheduled with drafts (``ScheduledRequest.num_drafts``: their tokens proposed by
+the scheduler, services/scheduler/speculation.py, or filled by the worker's draft model,
+draft_model.py) computes its last known token and the drafts in one query, so the step has
+logits at each of those positions. The step's result returns the drafts each request kept
+(``StepResult.accepted_draft_ids``), whichever side proposed them.
 
 Greedy verification keeps draft i while it equals the argmax at the position before it; the
 argmax of the row after the last kept draft follows them. That is the token plain decoding
@@ -22,16 +24,18 @@ seeded request given the same drafts gives the same tokens.
 Each verify row is first adjusted as the sampler adjusts a row it draws from (logit_bias,
 min_tokens, min_p), at its own output index, so what is kept is what plain decoding gives.
 
-Rejected drafts' positions count as not computed: their KV slots are written again. A
-chunk with ``num_forced_accept`` >= 0 (the scheduler's synthetic acceptance, a benchmark
-mode) keeps that many drafts unverified; the token after them is sampled as after kept ones.
+Rejected drafts' positions count as not computed: their KV slots are written again.
+
+``verify_drafts`` is the runner's acceptance rule (``ModelRunner.verify``, a ``VerifyRule``);
+a benchmark may install another in process (benchmarks/speculation_plugins.py keeps a set
+share of the drafts whatever the model computes).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -56,6 +60,15 @@ class Verified(NamedTuple):
     known_tokens: dict[int, int]
 
 
+class VerifyRule(Protocol):
+    """Which drafts a step keeps (``verify_drafts``'s signature and meaning)."""
+
+    def __call__(self, logits: torch.Tensor, layout: LogitsLayout, chunks: list[SequenceChunk],
+                 params: list[SamplingParams], output_indices: list[int],
+                 adjust: Adjust | None = None, staging: HostStaging | None = None
+                 ) -> Verified: ...
+
+
 def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[SequenceChunk],
                   params: list[SamplingParams], output_indices: list[int],
                   adjust: Adjust | None = None, staging: HostStaging | None = None) -> Verified:
@@ -77,12 +90,6 @@ def verify_drafts(logits: torch.Tensor, layout: LogitsLayout, chunks: list[Seque
     verify = [(index, row, chunk) for index, (row, chunk) in enumerate(zip(rows, sampled))
               if chunk.num_drafts]
     accepted, known_tokens = [0] * len(rows), {}
-    for index, _, chunk in verify:  # synthetic acceptance (a benchmark): kept unverified
-        if chunk.num_forced_accept >= 0:
-            accepted[index] = min(chunk.num_forced_accept, chunk.num_drafts)
-    verify = [entry for entry in verify if entry[2].num_forced_accept < 0]
-    if not verify:
-        return Verified([row + num for row, num in zip(rows, accepted)], accepted, {})
     # [num verify rows, vocab_size]: draft i of a chunk is verified at its row + i; a greedy
     # chunk's row + num_drafts gives the token after all of them
     counts = [chunk.num_drafts + params[index].is_greedy for index, _, chunk in verify]
@@ -138,12 +145,16 @@ def reject_drafts(probs: torch.Tensor, drafts: list[int], seed: int, output_inde
     return len(drafts), None
 
 
-def keep_accepted(states: list, chunks: list[SequenceChunk], num_accepted: list[int]) -> None:
+def keep_accepted(states: list, chunks: list[SequenceChunk], num_accepted: list[int]
+                  ) -> list[list[int]]:
     """The sampled requests' states (``states``, in the order of the sampled ``chunks``)
     after their step: kept drafts join their tokens (the sampled token follows them); the
-    rejected ones' positions count as not computed."""
+    rejected ones' positions count as not computed. -> per sampled chunk, the drafts it kept
+    ([] when the step verified none: ``num_accepted`` empty)."""
+    kept_drafts = []
     for state, chunk, num in zip(states, [c for c in chunks if c.sample], num_accepted):
-        if chunk.num_drafts:
-            drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:]
-            state.token_ids.extend(drafts[:num])
-            state.num_computed_tokens -= chunk.num_drafts - num
+        drafts = chunk.token_ids[len(chunk.token_ids) - chunk.num_drafts:][:num]
+        state.token_ids.extend(drafts)
+        state.num_computed_tokens -= chunk.num_drafts - num
+        kept_drafts.append(drafts)
+    return kept_drafts

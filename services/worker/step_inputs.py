@@ -31,7 +31,6 @@ class SequenceChunk:
     # speculative decoding: token_ids ends with this many drafts after the last known
     # token; each of those positions' logits verifies the token after it
     num_drafts: int = 0
-    num_forced_accept: int = -1  # synthetic acceptance: drafts kept unverified (-1: none)
     # the drafts are slots the worker's draft model fills (draft_model.py) before the forward
     draft_slots: bool = False
 

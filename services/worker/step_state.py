@@ -59,7 +59,7 @@ def plan_needs_host_tokens(plan: StepPlan, requests: dict[str, RequestState]) ->
     if any(needs_host_tokens(new.sampling) for new in plan.new_requests):
         return True
     for scheduled in plan.scheduled:
-        if scheduled.draft_token_ids or scheduled.num_draft_slots:
+        if scheduled.num_drafts:
             return True  # the next plan depends on how many drafts are kept
         state = requests.get(scheduled.request_id)
         if state is not None and needs_host_tokens(state.sampling):

@@ -35,7 +35,7 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.one_shot_reduce import one_shot_reduce
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from services.worker.tensor_parallel import TensorParallel
 from services.worker.tp_ranks import QUIT, FollowerRank, LeaderRank, follow
 from shared.logging import setup_logging
@@ -120,7 +120,7 @@ def follower_main(config: WorkerConfig, model_files: ModelFiles, rank: int, port
                                            tensor_parallel_rank=rank)
     config = rank_config(config, rank)
     tp = join_group(config, rank, config.tensor_parallel_size, port)
-    runner = ModelRunner(config, model_files, FollowerRank(tp))
+    runner = build_runner(config, model_files, FollowerRank(tp))
     # As rank 0's process does: in a traced 70B TP2 step rank 0 waited 107 ms in its first
     # all-reduce for this rank, which a full collection over this heap would explain; with
     # the freeze the same trace showed no such wait and no collection over 20 ms.

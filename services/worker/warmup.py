@@ -23,7 +23,6 @@ import structlog
 import torch
 
 from kernels import attention_configs, paged_attention
-from services.worker import ops
 from services.worker.model import Transformer
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 
@@ -63,7 +62,7 @@ def warm_up_attention(model: Transformer, block_size: int) -> None:
             torch.tensor(seq_lens, dtype=torch.int32, device=device), query_start_loc, attn.scale,
             max_query_len=max(q_lens), max_seq_len=max(seq_lens), num_decodes=num_decodes,
             num_segments=num_segments, k_scale=attn.k_scale, v_scale=attn.v_scale,
-            batch_invariant=ops.batch_invariant)  # (then: the one config, the variants it meets)
+            batch_invariant=model.config.batch_invariant)  # (then: one config, its variants)
 
     split_query_lens = _one_per_tile_shape(num_heads // attn.num_kv_heads, dtype,
                                            key_cache.dtype == paged_attention.FP8_KV_DTYPE)

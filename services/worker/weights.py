@@ -29,17 +29,17 @@ log = structlog.get_logger()
 
 
 def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int = 0,
-               quantization: str = "none", tp: TensorParallel = TensorParallel()
-               ) -> Transformer:
+               quantization: str = "none", tp: TensorParallel = TensorParallel(),
+               batch_invariant: bool = False) -> Transformer:
     """Build the model from a Hugging Face directory without materializing random weights first.
 
     A dummy-model directory (``DUMMY_MARKER``) gets random weights from ``seed`` instead, made
     directly on ``device`` in ``dtype``. ``quantization``: "none" or "fp8" (``ModelConfig``);
     a checkpoint of FP8 weights (fp8_checkpoints.py) loads as FP8 either way. With ``tp``,
     this rank's part of every weight (tensor_parallel.py): the same weights as one rank's,
-    random ones included, split.
+    random ones included, split. ``batch_invariant``: its ops so (ModelConfig, ops.py).
     """
-    config = ModelConfig.from_path(path)
+    config = dataclasses.replace(ModelConfig.from_path(path), batch_invariant=batch_invariant)
     if quantization == "fp8":
         config = dataclasses.replace(config, quantization=quantization)
     with torch.device("meta"):

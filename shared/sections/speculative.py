@@ -1,18 +1,19 @@
 """Speculative decoding's settings: ``--speculative-config``, JSON with vLLM's field names,
 decoded once into ``SpeculativeConfig`` and handed whole to the scheduler (which drafts) and
 the worker (which sizes its verify steps' graphs by K and loads a draft model). What each
-method does: docs/speculative-decoding.md."""
+method does: docs/speculative-decoding.md. Benchmark-only modes (replayed drafts, synthetic
+acceptance) are not here: benchmarks install them in process
+(benchmarks/speculation_plugins.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import msgspec
 
 from shared.config import Section, knob
 
-METHODS = ("ngram", "suffix", "replay", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -31,14 +32,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     suffix_decoding_max_tree_depth: int = 16
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
-    replay_path: str = ""  # replay: the saved outputs (a benchmark mode)
     # draft_model: the model the worker drafts with (as --model takes it: a directory, a
     # .gguf, smollm2, dummy:<preset>); the same tokenizer as the served model's
     model: str = ""
-    # "standard": drafts verified against the model; "synthetic": a set share kept (a
-    # benchmark mode), synthetic_acceptance_length tokens a verify step on average
-    rejection_sample_method: str = "standard"
-    synthetic_acceptance_length: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -56,43 +52,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("suffix_decoding_max_cached_requests must be 0 (none) or more")
         if self.suffix_decoding_max_spec_factor <= 0:
             raise ValueError("suffix_decoding_max_spec_factor must be positive")
-        if (self.method == "replay") != bool(self.replay_path):
-            raise ValueError("replay_path goes with method replay, and it needs one")
-        if self.replay_path:
-            load_replay(self.replay_path)  # a bad file fails the start, named
         if (self.method == "draft_model") != bool(self.model):
             raise ValueError("model goes with method draft_model, and it needs one")
-        self._check_synthetic()
-
-    def _check_synthetic(self) -> None:
-        if self.rejection_sample_method not in ("standard", "synthetic"):
-            raise ValueError(f"rejection_sample_method {self.rejection_sample_method!r} is not "
-                             f"supported (standard or synthetic)")
-        synthetic = self.rejection_sample_method == "synthetic"
-        if synthetic != bool(self.synthetic_acceptance_length):
-            raise ValueError("synthetic_acceptance_length goes with rejection_sample_method "
-                             "synthetic, and it needs one")
-        if synthetic and not 1.0 <= self.synthetic_acceptance_length \
-                <= self.num_speculative_tokens + 1:
-            raise ValueError(f"synthetic_acceptance_length must be between 1 and "
-                             f"num_speculative_tokens + 1 ({self.num_speculative_tokens + 1})")
-
-
-class ReplayFile(msgspec.Struct, frozen=True):
-    prompts: list[list[int]]
-    outputs: list[list[int]]
-
-
-def load_replay(path: str) -> dict[tuple[int, ...], list[int]]:
-    """A replay file's saved outputs by prompt; a ValueError naming the file if it cannot."""
-    try:
-        saved = msgspec.json.decode(Path(path).read_bytes(), type=ReplayFile)
-    except (OSError, msgspec.DecodeError) as exc:
-        raise ValueError(f"replay_path {path}: {exc}") from None
-    if len(saved.prompts) != len(saved.outputs):
-        raise ValueError(f"replay_path {path}: {len(saved.prompts)} prompts, "
-                         f"{len(saved.outputs)} outputs")
-    return {tuple(prompt): output for prompt, output in zip(saved.prompts, saved.outputs)}
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:

@@ -11,6 +11,7 @@ import random
 
 import pytest
 
+from benchmarks.speculation_plugins import install, split_speculative_config
 from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
@@ -50,8 +51,11 @@ def model():
 
 
 def run(model, spec: str, batches: list[list[list[int]]]) -> tuple[list[list[int]], Engine]:
-    engine = Engine(SchedulerConfig(speculative_config=parse_speculative_config(spec), max_num_seqs=64),
-                    WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB"), model)
+    """``spec`` may hold a benchmark's modes (benchmarks/speculation_plugins.py), installed."""
+    config, modes = split_speculative_config(spec)
+    engine = install(Engine(SchedulerConfig(speculative_config=config, max_num_seqs=64),
+                            WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB"),
+                            model), modes)
     outputs = []
     for batch in batches:
         sampling = [SamplingParams(temperature=0.0, max_tokens=12) for _ in batch]
@@ -75,9 +79,9 @@ def test_two_hundred_prompts_give_the_same_tokens_with_and_without_drafts(model)
         speculative, engine = run(model, spec, batches)
         different = [i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b]
         assert not different, f"prompts {different} differ with {spec}"
-        drafter = engine.scheduler.drafter
-        assert drafter.num_draft_tokens > 200  # the copy-heavy prompts were drafted for
-        assert drafter.num_accepted_drafts > drafter.num_draft_tokens // 2, spec
+        books = engine.scheduler.draft_books
+        assert books.num_draft_tokens > 200  # the copy-heavy prompts were drafted for
+        assert books.num_accepted_drafts > books.num_draft_tokens // 2, spec
 
 
 def test_sampled_requests_are_drafted_for_and_reproducible(model):
@@ -100,8 +104,8 @@ def test_sampled_requests_are_drafted_for_and_reproducible(model):
     again, _ = generate()
     assert first == again
     assert all(len(tokens) == 16 for tokens in first)
-    drafter = engine.scheduler.drafter
-    assert drafter.num_accepted_drafts > drafter.num_draft_tokens // 4 > 0
+    books = engine.scheduler.draft_books
+    assert books.num_accepted_drafts > books.num_draft_tokens // 4 > 0
 
 
 def test_overlapped_steps_keep_as_many_drafts_as_steps_one_at_a_time(model):
@@ -118,13 +122,13 @@ def test_overlapped_steps_keep_as_many_drafts_as_steps_one_at_a_time(model):
                         WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="256MiB",
                                      overlap_steps=overlap), model)
         engine.generate(batch, [SamplingParams(temperature=0.0, max_tokens=12)] * len(batch))
-        drafter = engine.scheduler.drafter
-        rates.append(drafter.num_accepted_drafts / drafter.num_draft_tokens)
+        books = engine.scheduler.draft_books
+        rates.append(books.num_accepted_drafts / books.num_draft_tokens)
     assert rates[0] > 0.5 and abs(rates[1] - rates[0]) <= 0.05 * rates[0], rates
 
 
 def test_replayed_outputs_are_kept_whole_and_give_the_same_tokens(model, tmp_path):
-    """method replay (a benchmark mode) drafts each request's saved greedy output: every
+    """Replay (a benchmark mode, its plug-in) drafts each request's saved greedy output: every
     draft is kept, so the text is the plain run's and a step verifies K + 1 tokens. A prompt
     not saved gets no drafts."""
     rng = random.Random(11)
@@ -137,8 +141,8 @@ def test_replayed_outputs_are_kept_whole_and_give_the_same_tokens(model, tmp_pat
                        "adaptive": False})
     replayed, engine = run(model, spec, [batch])
     assert replayed == plain
-    drafter = engine.scheduler.drafter
-    assert drafter.num_accepted_drafts == drafter.num_draft_tokens >= 5 * 8  # 11 of 12 each
+    books = engine.scheduler.draft_books
+    assert books.num_accepted_drafts == books.num_draft_tokens >= 5 * 8  # 11 of 12 each
 
 
 def test_a_draft_model_gives_the_same_tokens_and_itself_drafts_what_it_decodes(model):
@@ -157,9 +161,9 @@ def test_a_draft_model_gives_the_same_tokens_and_itself_drafts_what_it_decodes(m
                            "disable_by_batch_size": 0, "adaptive": False})
         drafted, engine = run(model, spec, batches)
         assert drafted == plain, draft
-        drafter = engine.scheduler.drafter
-        kept = drafter.num_accepted_drafts / drafter.num_draft_tokens
-        assert drafter.num_draft_tokens > 16 * 4
+        books = engine.scheduler.draft_books
+        kept = books.num_accepted_drafts / books.num_draft_tokens
+        assert books.num_draft_tokens > 16 * 4
         assert kept > 0.9 if draft == "smollm2" else kept < 0.5
     sampling = [SamplingParams(temperature=0.7, seed=index, max_tokens=12, ignore_eos=True)
                 for index in range(6)]
@@ -188,5 +192,5 @@ def test_requests_with_logit_bias_min_tokens_or_min_p_are_drafted_and_keep_their
         outputs.append([c.output_token_ids for c in engine.generate(batch, sampling)[0]])
     assert outputs[1] == outputs[0]
     assert all(len(tokens) >= 20 for tokens in outputs[0][1::3])  # min_tokens held
-    drafter = engine.scheduler.drafter
-    assert drafter.num_accepted_drafts > drafter.num_draft_tokens // 4 > 0
+    books = engine.scheduler.draft_books
+    assert books.num_accepted_drafts > books.num_draft_tokens // 4 > 0

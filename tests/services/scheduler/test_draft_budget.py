@@ -131,7 +131,7 @@ def decode_with_drafts(keep: bool, step_s, num_steps: int = 12) -> list[int]:
         tokens.append(cycle[len(tokens) % 3])
         clock.now += step_s(plan.scheduled[0].num_new_tokens)
         core.update(plan, StepResult(plan.step_id, ["r"], [tokens[-1]],
-                                     num_accepted_drafts=[num_kept]))
+                                     accepted_draft_ids=[drafts[:num_kept]]))
     return drafted[1:]
 
 
@@ -186,15 +186,15 @@ def test_a_draft_models_catch_up_leaves_its_step_untimed():
         for _ in range(40):
             plan = core.schedule()
             scheduled = plan.scheduled[0]
-            slots.append(scheduled.num_draft_slots)
+            slots.append(scheduled.num_drafts)
             catch_up = 0
-            if scheduled.num_draft_slots and not caught_up:
+            if scheduled.num_drafts and not caught_up:
                 catch_up, caught_up = 300, True
             clock.now += 0.25 if catch_up else 0.005
-            drafts = [[7] * scheduled.num_draft_slots] if scheduled.num_draft_slots else []
+            # the worker's draft model proposed 7s; half of them kept
+            kept = [[7] * (scheduled.num_drafts // 2)] if scheduled.num_drafts else []
             core.update(plan, StepResult(
-                plan.step_id, ["r"], [9], num_accepted_drafts=[len(drafts[0]) // 2]
-                if drafts else [], draft_token_ids=drafts,
+                plan.step_id, ["r"], [9], accepted_draft_ids=kept,
                 num_draft_catch_up_tokens=catch_up if catch_up_reported else 0))
         return slots[1:], core.drafter.budget.step_time(5)
 

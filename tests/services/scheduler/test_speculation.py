@@ -12,8 +12,10 @@ import pytest
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
-from services.scheduler.speculation import NgramDrafts, NgramIndex, can_speculate
-from shared.messages import GenerateRequest, SamplingParams, StepResult, StructuredSpec
+from services.scheduler.speculation import (
+    NO_DRAFTS, NgramIndex, NoDrafts, Speculation, can_speculate, drafter, host_drafts,
+)
+from shared.messages import GenerateRequest, SamplingParams, StepPlan, StepResult, StructuredSpec
 from shared.sections.speculative import SpeculativeConfig, parse_speculative_config
 
 EOS = 0
@@ -71,26 +73,16 @@ def test_the_config_takes_vllms_names_and_refuses_what_it_cannot_do():
                       ('{"num_speculative_tokens": 0}', "between 1 and 16"),
                       ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
                       ('{"num_speculative_tokens": 4, "bogus": 1}', "bogus"),
-                      ('{"method": "replay"}', "replay_path"),
+                      # benchmark-only modes are not the product's (benchmarks/
+                      # speculation_plugins.py takes them out of a benchmark's JSON)
+                      ('{"method": "replay"}', "not supported"),
                       ('{"replay_path": "/x.json"}', "replay_path"),
-                      ('{"rejection_sample_method": "block"}', "standard or synthetic"),
-                      ('{"rejection_sample_method": "synthetic"}', "needs one"),
-                      ('{"synthetic_acceptance_length": 2.0}', "goes with"),
-                      ('{"rejection_sample_method": "synthetic", "num_speculative_tokens": 2, '
-                       '"synthetic_acceptance_length": 3.5}', "between 1 and"),
+                      ('{"rejection_sample_method": "synthetic"}', "rejection_sample_method"),
                       ("{ngram}", "not JSON")):
         with pytest.raises(ValueError, match=says):
             parse_speculative_config(bad)
     with pytest.raises(ValueError, match="not supported"):
         SchedulerConfig(speculative_config=parse_speculative_config('{"method": "eagle"}'))
-
-
-def test_a_replay_file_that_cannot_be_read_fails_the_config_naming_it(tmp_path):
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"prompts": [[1, 2]], "outputs": [[3], [4]]}')
-    for path, says in ((tmp_path / "missing.json", "No such file"), (bad, "1 prompts, 2 outputs")):
-        with pytest.raises(ValueError, match=f"replay_path {path}: .*{says}"):
-            parse_speculative_config(f'{{"method": "replay", "replay_path": "{path}"}}')
 
 
 def test_requests_whose_adjustments_depend_only_on_the_position_are_drafted_for():
@@ -108,7 +100,7 @@ def test_requests_whose_adjustments_depend_only_on_the_position_are_drafted_for(
                   SamplingParams(temperature=0.0, speculative=False),  # opted out
                   SamplingParams(temperature=0.0, structured=StructuredSpec(kind="json_object"))):
         assert not can_speculate(other)
-        assert NgramDrafts(SpeculativeConfig()).drafts("r", [1, 2, 1, 2], other, 4) == []
+        assert drafter(SpeculativeConfig()).drafts("r", [1, 2, 1, 2], other, 4) == NO_DRAFTS
 
 
 def scheduler(spec: str = NGRAM, **config) -> Scheduler:
@@ -122,10 +114,16 @@ def submit(core: Scheduler, prompt: list[int], max_tokens: int = 20) -> None:
                                      output_subject="out"))
 
 
+def kept(plan: StepPlan, num_kept: int) -> list[list[int]]:
+    """A result's accepted_draft_ids for a plan of one request whose first ``num_kept``
+    drafts (the scheduler's) the worker kept."""
+    return [plan.scheduled[0].draft_token_ids[:num_kept]]
+
+
 def step(core: Scheduler, sampled: int, accepted: int | None = None):
     plan = core.schedule()
     result = StepResult(plan.step_id, [s.request_id for s in plan.scheduled], [sampled],
-                        num_accepted_drafts=[] if accepted is None else [accepted])
+                        accepted_draft_ids=[] if accepted is None else kept(plan, accepted))
     return plan, core.update(plan, result)
 
 
@@ -138,42 +136,22 @@ def test_a_verify_step_outputs_the_kept_drafts_then_its_token():
     plan, _ = core.schedule(), None
     # after [.., 1, 2, 3] the lookup finds [1, 2, 3] at 1..3, followed by 4, 1, 2
     assert plan.scheduled[0].draft_token_ids == [4, 1, 2]
+    assert plan.scheduled[0].num_drafts == 3
     assert plan.scheduled[0].num_new_tokens == 4  # the last token and its 3 drafts
     assert core.schedule() is None  # not planned again before the result says what it kept
-    emitted = core.update(plan, StepResult(plan.step_id, ["r"], [7], num_accepted_drafts=[2]))
+    emitted = core.update(plan, StepResult(plan.step_id, ["r"], [7],
+                                           accepted_draft_ids=[[4, 1]]))
     assert emitted[0].output.new_token_ids == [4, 1, 7]
     assert req.output_token_ids == [3, 4, 1, 7]
     # computed: the prompt, 3, and the kept 4 and 1; 7 is the next step's input
     assert req.num_computed_tokens == 10 and req.num_tokens == 11
-    assert (core.drafter.num_draft_tokens, core.drafter.num_accepted_drafts) == (3, 2)
+    books = core.draft_books
+    assert (books.num_draft_tokens, books.num_accepted_drafts) == (3, 2)
     # one verify pass; its first two draft positions kept, the third not
-    assert core.drafter.num_drafted_steps == 1
-    assert core.drafter.num_accepted_per_position == [1, 1, 0]
+    assert books.num_drafted_steps == 1
+    assert books.num_accepted_per_position == [1, 1, 0]
     next_plan = core.schedule()
     assert next_plan.scheduled[0].num_new_tokens == 1 + len(next_plan.scheduled[0].draft_token_ids)
-
-
-def test_synthetic_acceptance_keeps_a_set_share_of_the_drafts_whatever_the_model_says():
-    """floor(L - 1) drafts kept a verify step, one more with the fractional rest's chance
-    (seeded), never more than were sent; the standard method verifies (-1)."""
-    assert NgramDrafts(SpeculativeConfig()).num_forced_accept(4) == -1
-    synthetic = NgramDrafts(SpeculativeConfig(rejection_sample_method="synthetic",
-                                              synthetic_acceptance_length=3.25))
-    draws = [synthetic.num_forced_accept(4) for _ in range(4000)]
-    assert set(draws) == {2, 3} and 0.22 < draws.count(3) / len(draws) < 0.28
-    assert synthetic.num_forced_accept(1) == 1  # only one draft sent
-    again = NgramDrafts(synthetic.config)
-    assert [again.num_forced_accept(4) for _ in range(4000)] == draws  # a run repeats
-    core = scheduler('{"rejection_sample_method": "synthetic", "adaptive": false, '
-                     '"synthetic_acceptance_length": 4.0}')
-    submit(core, [9, 1, 2, 3, 4, 1, 2])
-    step(core, sampled=3)
-    verify = core.schedule().scheduled[0]
-    assert verify.draft_token_ids == [4, 1, 2, 3] and verify.num_forced_accept == 3
-    core = scheduler()
-    submit(core, [9, 1, 2, 3, 4, 1, 2])
-    step(core, sampled=3)
-    assert core.schedule().scheduled[0].num_forced_accept == -1
 
 
 DRAFT_MODEL = ('{"method": "draft_model", "model": "dummy:llama-3.2-1b", "num_speculative_tokens": 3, '
@@ -195,16 +173,16 @@ def test_a_draft_model_gets_slots_and_the_result_says_what_it_proposed():
     step(core, sampled=5)
     plan = core.schedule()
     verify = plan.scheduled[0]
-    assert (verify.draft_token_ids, verify.num_draft_slots, verify.num_new_tokens) == ([], 3, 4)
-    emitted = core.update(plan, StepResult(plan.step_id, ["r"], [6], num_accepted_drafts=[2],
-                                           draft_token_ids=[[11, 12, 13]]))
+    assert (verify.draft_token_ids, verify.num_drafts, verify.num_new_tokens) == ([], 3, 4)
+    emitted = core.update(plan, StepResult(plan.step_id, ["r"], [6],
+                                           accepted_draft_ids=[[11, 12]]))
     assert emitted[0].output.new_token_ids == [11, 12, 6]
     req = core.requests["r"]
     assert req.output_token_ids == [5, 11, 12, 6] and req.num_computed_tokens == 6
     plan = core.schedule()
-    with pytest.raises(ValueError, match="3 draft slots, the worker returned 1 drafts"):
-        core.update(plan, StepResult(plan.step_id, ["r"], [6], num_accepted_drafts=[1],
-                                     draft_token_ids=[[11]]))
+    with pytest.raises(ValueError, match="3 drafts, the worker kept 4"):
+        core.update(plan, StepResult(plan.step_id, ["r"], [6],
+                                     accepted_draft_ids=[[11, 12, 13, 14]]))
 
 
 def test_a_worker_without_a_draft_model_gets_plain_decode_steps():
@@ -217,10 +195,46 @@ def test_a_worker_without_a_draft_model_gets_plain_decode_steps():
     submit(core, [9, 8, 7])
     step(core, sampled=5)
     plan = core.schedule()
-    assert (plan.scheduled[0].num_draft_slots, plan.scheduled[0].num_new_tokens) == (0, 1)
+    assert (plan.scheduled[0].num_drafts, plan.scheduled[0].num_new_tokens) == (0, 1)
     ngram = Scheduler(SchedulerConfig(speculative_config=parse_speculative_config(NGRAM)), num_blocks=64, block_size=4,
                       max_model_len=128, eos_token_ids=[EOS], worker_drafts=False)
     assert ngram.drafter.enabled
+
+
+class FixedProposer:
+    """Proposes [8, 8] after anything (a proposer plugged in, as a benchmark's is)."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+
+    def propose(self, request_id, token_ids, num_drafts):
+        return host_drafts([8, 8][:num_drafts])
+
+    def forget(self, req) -> None:
+        self.forgotten.append(req.request_id)
+
+
+def test_the_drafts_are_the_proposers_and_the_books_the_schedulers():
+    """Off, the drafter is the null one, which holds nothing, and the scheduler's books stay
+    at zero; on, the policy asks its proposer (one put in its place too) for each drafted
+    request's drafts and tells it when a request is done."""
+    off = scheduler(spec="")
+    assert isinstance(off.drafter, NoDrafts) and not vars(off.drafter)
+    submit(off, [1, 2, 3, 1, 2])
+    step(off, sampled=3)
+    assert off.schedule().scheduled[0].num_drafts == 0
+    assert off.draft_books.num_drafted_steps == 0
+    core = scheduler()
+    assert isinstance(core.drafter, Speculation)
+    core.drafter.proposer = proposer = FixedProposer()
+    submit(core, [9, 8, 7], max_tokens=4)
+    step(core, sampled=5)
+    plan, emitted = step(core, sampled=6, accepted=1)
+    assert (plan.scheduled[0].num_drafts, plan.scheduled[0].draft_token_ids) == (2, [8, 8])
+    assert emitted[0].output.new_token_ids == [8, 6]
+    assert core.draft_books.num_accepted_per_position == [1, 0]
+    step(core, sampled=9)  # the fourth token: done
+    assert proposer.forgotten == ["r"]
 
 
 def test_drafts_stop_at_max_tokens_and_an_end_among_them_ends_the_output():
@@ -239,7 +253,8 @@ def test_drafts_stop_at_max_tokens_and_an_end_among_them_ends_the_output():
     step(core3, sampled=2)  # [.., 4, 1, 2]: drafts EOS, 5, 4
     plan = core3.schedule()
     assert plan.scheduled[0].draft_token_ids == [EOS, 5, 4]
-    emitted = core3.update(plan, StepResult(plan.step_id, ["r"], [9], num_accepted_drafts=[3]))
+    emitted = core3.update(plan, StepResult(plan.step_id, ["r"], [9],
+                                            accepted_draft_ids=kept(plan, 3)))
     assert emitted[0].output.new_token_ids == [EOS] and emitted[0].output.finish_reason == "stop"
     assert "r" not in core3.requests
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from services.scheduler.request import Request
-from services.scheduler.speculation import SuffixDrafts, drafter
+from services.scheduler.speculation import Speculation, drafter
 from services.scheduler.suffix import ResponseCache, SuffixIndex
 from shared.messages import SamplingParams
 from shared.sections.speculative import SpeculativeConfig, parse_speculative_config
@@ -17,7 +17,7 @@ from tests.services.scheduler.test_speculation import ngram_drafts
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
-def suffix_drafter(**fields) -> SuffixDrafts:
+def suffix_drafter(**fields) -> Speculation:
     config = SpeculativeConfig(method="suffix", num_speculative_tokens=8, **fields)
     return drafter(config)
 
@@ -55,28 +55,28 @@ def test_a_longer_match_proposes_more_tokens():
     spec = suffix_drafter()
     phrase = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
     # the suffix [11, 12] matched: 2 tokens, so 2 drafts (factor 1.0)
-    assert spec.drafts("a", [1] + phrase + [5, 11, 12], GREEDY, 16) == [13, 14]
+    assert spec.drafts("a", [1] + phrase + [5, 11, 12], GREEDY, 16).token_ids == [13, 14]
     # the suffix [5, 11, 12, 13, 14, 15] matched: 6 tokens, so 6 drafts
     tokens = [5] + phrase + [7, 5, 11, 12, 13, 14, 15]
-    assert spec.drafts("b", tokens, GREEDY, 16) == [16, 17, 18, 19, 20, 7]
+    assert spec.drafts("b", tokens, GREEDY, 16).token_ids == [16, 17, 18, 19, 20, 7]
     # capped by num_speculative_tokens and by the step's limit
     long = phrase * 2 + phrase[:9]
-    assert len(spec.drafts("c", long, GREEDY, 16)) == 8
-    assert len(spec.drafts("d", long, GREEDY, 3)) == 3
+    assert len(spec.drafts("c", long, GREEDY, 16).token_ids) == 8
+    assert len(spec.drafts("d", long, GREEDY, 3).token_ids) == 3
     half = suffix_drafter(suffix_decoding_max_spec_factor=0.5)
-    assert half.drafts("e", tokens, GREEDY, 16) == [16, 17, 18]  # ceil(6 * 0.5)
+    assert half.drafts("e", tokens, GREEDY, 16).token_ids == [16, 17, 18]  # ceil(6 * 0.5)
 
 
 def test_a_finished_response_is_drafted_from_by_later_requests():
     spec = suffix_drafter()
     answer = [40, 41, 42, 43, 44, 45, 46, 47]
-    assert spec.drafts("first", [1, 2, 3, 40, 41], GREEDY, 8) == []  # nothing to match yet
+    assert spec.drafts("first", [1, 2, 3, 40, 41], GREEDY, 8).token_ids == []  # nothing to match yet
     spec.forget(finished("first", [1, 2, 3], answer))
     # a new request, another prompt, writing the same answer: drafts from the cached one
-    assert spec.drafts("second", [9, 8, 7, 40, 41, 42], GREEDY, 8) == [43, 44, 45]
+    assert spec.drafts("second", [9, 8, 7, 40, 41, 42], GREEDY, 8).token_ids == [43, 44, 45]
     # its own tokens win when they match longer
     own = [50, 43, 44, 45, 51, 52, 9, 50, 43, 44, 45]
-    assert spec.drafts("third", own, GREEDY, 8) == [51, 52, 9, 50]
+    assert spec.drafts("third", own, GREEDY, 8).token_ids == [51, 52, 9, 50]
 
 
 def test_the_response_cache_keeps_the_latest_and_drops_the_evicted():

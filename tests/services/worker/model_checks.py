@@ -13,6 +13,7 @@ from kernels.paged_attention_ref import allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.weights import load_model
 from services.worker.runner import ModelRunner, SequenceChunk, build_step_inputs
+from services.worker.runner_build import build_runner
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import ModelFiles
 
@@ -109,5 +110,5 @@ def greedy_tokens(runner: ModelRunner, prompt: list[int], num_tokens: int,
 
 
 def make_runner(path: Path, kv_cache_memory: str = "256KiB") -> ModelRunner:
-    return ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory=kv_cache_memory,
+    return build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory=kv_cache_memory,
                                     block_size=BLOCK_SIZE), ModelFiles(name="tiny", path=path))

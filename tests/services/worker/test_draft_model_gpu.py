@@ -15,7 +15,7 @@ import torch
 from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from services.worker.step_inputs import SequenceChunk, build_step_inputs, logits_layout
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import ModelFiles
@@ -51,18 +51,18 @@ def test_the_served_model_drafting_for_itself_on_the_gpu(dummy_model):
         run = engine(dummy_model, config)
         outputs[name] = [c.output_token_ids for batch in batches
                          for c in run.generate(batch, greedy * len(batch))[0]]
-    drafts = run.runner.drafts
-    assert drafts.graphs is not None and drafts.graphs.graphs  # its decode passes' graphs
+    proposer = run.runner.proposer
+    assert proposer.graphs is not None and proposer.graphs.graphs  # its decode passes' graphs
     assert outputs["drafted"] == outputs["plain"]
-    drafter = run.scheduler.drafter
-    assert drafter.num_accepted_drafts == drafter.num_draft_tokens > 12 * 4
+    books = run.scheduler.draft_books
+    assert books.num_accepted_drafts == books.num_draft_tokens > 12 * 4
 
 
 @torch.inference_mode()
 def test_a_verify_graph_computes_what_the_eager_forward_computes(dummy_model):
     """Three requests, each its last token and 3 drafts (a bucket of 4 sequences: one of
     padding): the verify graph's logits are the eager forward's."""
-    runner = ModelRunner(WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="64MiB",
+    runner = build_runner(WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="64MiB",
                                       max_model_len=512, max_num_seqs=8,
                                       speculative_config=SpeculativeConfig(
                                           num_speculative_tokens=3)), dummy_model)

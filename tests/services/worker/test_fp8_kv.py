@@ -15,7 +15,7 @@ from kernels.paged_attention_ref import FP8_KV_DTYPE, FP8_KV_MAX, allocate_kv_ca
 from services.worker.config import WorkerConfig
 from services.worker.kv_quant import (HEADROOM, calibrate_kv_scales, kv_scales_tag,
                                       power_of_two_scale, set_fp8_kv_scales)
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from services.worker.weights import load_model
 from shared.kv_messages import KvLayout
 from shared.models import resolve_model
@@ -108,6 +108,6 @@ def test_the_namespace_carries_the_scales_and_keeps_unscaled_ones(tiny):
 
 def test_a_cpu_worker_refuses_an_fp8_cache_naming_the_flag(tiny):
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs a CUDA GPU"):
-        ModelRunner(WorkerConfig(device="cpu", kv_cache_dtype="fp8"), tiny)
+        build_runner(WorkerConfig(device="cpu", kv_cache_dtype="fp8"), tiny)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8"):
         WorkerConfig(kv_cache_dtype="int8")

@@ -9,7 +9,7 @@ import torch
 from kernels.fp8 import FP8_DTYPE, dequantize_per_channel
 from kernels.paged_attention_ref import allocate_kv_cache
 from services.worker.config import WorkerConfig
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from services.worker.weights import check_quantization, load_model
 from shared.models import resolve_model
 from tests.services.worker.model_checks import BLOCK_SIZE, run_chunks
@@ -60,7 +60,7 @@ def test_fp8_logits_follow_the_unquantized_model(tiny):
 
 def test_a_cpu_worker_refuses_fp8_naming_the_flag(tiny):
     with pytest.raises(ValueError, match="--quantization fp8 needs a CUDA GPU"):
-        ModelRunner(WorkerConfig(device="cpu", quantization="fp8"), tiny)
+        build_runner(WorkerConfig(device="cpu", quantization="fp8"), tiny)
     assert check_quantization(tiny.path, "none", CPU) == "none"
     with pytest.raises(ValueError, match="quantization must be one of none, fp8"):
         WorkerConfig(quantization="int4")

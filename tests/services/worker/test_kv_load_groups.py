@@ -26,6 +26,7 @@ from services.worker.kv_tiers import KvTiers, chunked_runs
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
 from services.worker.weights import random_weights
 from services.worker.runner import SequenceChunk, build_step_inputs
+from services.worker.runner_build import build_runner
 from shared.kv_arena import KvArena
 
 
@@ -290,10 +291,10 @@ class FakeDecodeGraphs:
 def test_the_runner_hands_per_layer_waits_to_the_forward_except_to_a_decode_graph(
         dummy_model, monkeypatch):
     from services.worker.config import WorkerConfig
-    from services.worker.runner import ModelRunner
+    from services.worker.runner_build import build_runner
     from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 
-    runner = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+    runner = build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
                                       kv_load_layer_groups=2), dummy_model)
     offload = FakeOffload()
     runner.attach_kv(offload)
@@ -336,10 +337,10 @@ class RecordingOffload(FakeOffload):
 
 def test_a_load_goes_in_layer_groups_only_when_this_steps_forward_reads_it(dummy_model):
     from services.worker.config import WorkerConfig
-    from services.worker.runner import ModelRunner
+    from services.worker.runner_build import build_runner
     from shared.messages import KvLoad, NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 
-    runner = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+    runner = build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
                                       kv_load_layer_groups=2), dummy_model)
     offload = RecordingOffload()
     runner.attach_kv(offload)

@@ -21,6 +21,7 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_offload import KvOffload
 from services.worker.kv_tiers import KvTiers
 from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from shared.kv_arena import KvArena
 from shared.messages import KvLoad, KvStoreRun, NewRequestData, SamplingParams, \
     ScheduledRequest, StepPlan
@@ -126,7 +127,7 @@ def six_layers(tmp_path_factory) -> ModelFiles:
 def make_runner(model_files: ModelFiles, enforce_eager: bool = False,
                 groups: int = 1) -> ModelRunner:
     # fp32: a near-flat random model's greedy tokens must not flip on a bf16 rounding
-    return ModelRunner(WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="64MiB",
+    return build_runner(WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="64MiB",
                                     max_model_len=512, max_num_seqs=8, overlap_steps="on",
                                     enforce_eager=enforce_eager, kv_load_layer_groups=groups),
                        model_files)

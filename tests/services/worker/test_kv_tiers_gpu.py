@@ -19,6 +19,7 @@ from services.worker.config import WorkerConfig
 from services.worker.kv_offload import KvOffload
 from services.worker.kv_tiers import KvTiers
 from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from shared.kv_arena import KvArena
 from shared.messages import KvLoad, KvStoreRun, NewRequestData, SamplingParams, \
     ScheduledRequest, StepPlan
@@ -122,7 +123,7 @@ def test_a_load_runs_after_the_work_before_it_and_before_the_work_that_waits_for
 
 def make_runner(model_files: ModelFiles) -> ModelRunner:
     # fp32: a near-flat random model's greedy tokens must not flip on a bf16 rounding
-    return ModelRunner(WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="64MiB",
+    return build_runner(WorkerConfig(device="cuda", dtype="float32", kv_cache_memory="64MiB",
                                     max_model_len=512, max_num_seqs=8, overlap_steps="on"),
                        model_files)
 

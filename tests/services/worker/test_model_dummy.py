@@ -14,7 +14,7 @@ from services.tokenizer.encoding import TextCodec
 from services.worker.config import WorkerConfig
 from services.worker.model import ModelConfig, Transformer
 from services.worker.weights import load_model
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import DUMMY_MARKER, PRESETS_DIR, dummy_presets, resolve_model
 from tests.services.worker.model_checks import BLOCK_SIZE, run_chunks
@@ -99,7 +99,7 @@ def test_activations_stay_finite_in_bf16_through_many_layers(tmp_path):
 
 
 def test_dummy_tiny_llama_runs_a_step_through_the_runner(tiny):
-    runner = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="1MiB",
+    runner = build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="1MiB",
                                       block_size=16), tiny)
     assert runner.model_name == "dummy-tiny-llama" and runner.eos_token_ids == [2]
     assert runner.max_model_len == 8192

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.worker.config import WorkerConfig
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import resolve_model
 
@@ -27,7 +27,7 @@ def model_files():
 @pytest.fixture(scope="module")
 def runner(model_files):
     config = WorkerConfig(device="cpu", dtype="auto", kv_cache_memory="24MiB", block_size=BLOCK_SIZE)
-    return ModelRunner(config, model_files)
+    return build_runner(config, model_files)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from services.worker.kv_connector import KvConnector, NoKvConnector
 from services.worker.kv_offload import KvOffload, recompute_unusable_loads
 from services.worker.kv_tiers import KvTiers
 from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from shared.kv_arena import KvArena
 from shared.messages import (
     KvLoad, KvStoreRun, NewRequestData, SamplingParams, ScheduledRequest, StepPlan,
@@ -39,7 +40,7 @@ def tiny_model(tmp_path_factory) -> ModelFiles:
 
 
 def make_runner(model_files: ModelFiles, overlap: bool = False) -> ModelRunner:
-    runner = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+    runner = build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
                                       block_size=BLOCK_SIZE), model_files)
     runner.overlap_steps = overlap
     return runner

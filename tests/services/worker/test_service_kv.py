@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import services.worker.kv_upkeep as kv_upkeep
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from services.worker.service import WorkerService
 from shared.bus import Bus
 from shared.kv_arena import KvArena
@@ -56,7 +57,7 @@ def runner(tmp_path_factory) -> ModelRunner:
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(path, safe_serialization=True)
-    return ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB"),
+    return build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB"),
                        ModelFiles(name="tiny-llama", path=path))
 
 

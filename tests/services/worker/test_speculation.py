@@ -11,6 +11,7 @@ import torch
 
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from services.worker.sampler import filtered_probs
 from services.worker.speculation import reject_drafts
 from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
@@ -22,7 +23,7 @@ BLOCKS = [0, 1, 2, 3, 4, 5]  # block_size 16: room for 96 tokens
 
 @pytest.fixture()
 def runner(dummy_model) -> ModelRunner:
-    return ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+    return build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
                                     block_size=16), dummy_model)
 
 
@@ -38,7 +39,7 @@ def plain_greedy(runner: ModelRunner, num_tokens: int) -> list[int]:
 
 def test_kept_drafts_and_the_token_after_them_are_plain_greedy_decodings(runner, dummy_model):
     expected = plain_greedy(runner, 16)
-    fresh = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+    fresh = build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
                                      block_size=16), dummy_model)
     draws, sample = [], fresh.sampler.sample
 
@@ -57,7 +58,7 @@ def test_kept_drafts_and_the_token_after_them_are_plain_greedy_decodings(runner,
                                   (3, [(expected[6] + 1) % 100], 0),
                                   (4, [expected[8], expected[9], expected[10]], 3)):
         result = fresh.execute(StepPlan(step_id, [], [ScheduledRequest(
-            "r", 1 + len(drafts), [], drafts)]))
+            "r", 1 + len(drafts), [], len(drafts), drafts)]))
         assert result.num_accepted_drafts == [kept]
         tokens += drafts[:kept] + result.sampled_token_ids
         state = fresh._requests["r"]
@@ -70,35 +71,11 @@ def test_kept_drafts_and_the_token_after_them_are_plain_greedy_decodings(runner,
     assert result.sampled_token_ids == [expected[12]] and result.num_accepted_drafts == []
 
 
-def test_synthetic_acceptance_keeps_the_forced_drafts_and_samples_after_them(runner,
-                                                                            dummy_model):
-    """A benchmark's synthetic acceptance: the worker keeps num_forced_accept drafts whatever
-    the model computes, and the token after them is the model's argmax at that row."""
-    expected = plain_greedy(runner, 4)
-    fresh = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
-                                     block_size=16), dummy_model)
-    fresh.execute(StepPlan(0, [NewRequestData("r", PROMPT, GREEDY, BLOCKS)],
-                           [ScheduledRequest("r", len(PROMPT))]))
-    wrong = [(expected[1] + 1) % 100, (expected[2] + 1) % 100, 7]
-    result = fresh.execute(StepPlan(1, [], [ScheduledRequest("r", 4, [], wrong, 2)]))
-    assert result.num_accepted_drafts == [2]  # kept though the model disagrees
-    state = fresh._requests["r"]
-    assert state.token_ids == PROMPT + [expected[0]] + wrong[:2] + result.sampled_token_ids
-    assert state.num_computed_tokens == len(PROMPT) + 3
-    # the token after them: what plain decoding of those tokens gives
-    check = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
-                                     block_size=16), dummy_model)
-    prompt = PROMPT + [expected[0]] + wrong[:2]
-    assert check.execute(StepPlan(0, [NewRequestData("r", prompt, GREEDY, BLOCKS)],
-                                  [ScheduledRequest("r", len(prompt))])
-                         ).sampled_token_ids == result.sampled_token_ids
-
-
 def test_drafts_must_follow_the_last_known_token(runner):
     runner.execute(StepPlan(0, [NewRequestData("r", PROMPT, GREEDY, BLOCKS)],
                             [ScheduledRequest("r", len(PROMPT))]))
     with pytest.raises(ValueError, match="2 drafts"):
-        runner.execute(StepPlan(1, [], [ScheduledRequest("r", 2, [], [5, 6])]))
+        runner.execute(StepPlan(1, [], [ScheduledRequest("r", 2, [], 2, [5, 6])]))
 
 
 # ---- rejection sampling (a request that samples)
@@ -143,7 +120,7 @@ def test_seeded_sampling_with_drafts_is_reproducible_and_keeps_drafts(dummy_mode
     sampled = SamplingParams(temperature=0.7, seed=123, max_tokens=64, ignore_eos=True)
 
     def run(other: bool) -> tuple[list[int], list[int]]:
-        fresh = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+        fresh = build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
                                          block_size=16), dummy_model)
         new = [NewRequestData("r", PROMPT, sampled, BLOCKS)]
         scheduled = [ScheduledRequest("r", len(PROMPT))]
@@ -154,7 +131,7 @@ def test_seeded_sampling_with_drafts_is_reproducible_and_keeps_drafts(dummy_mode
         tokens, kept = [result.sampled_token_ids[0]], []
         for step_id in range(1, 6):
             drafts = [tokens[-1], tokens[-1], 5]  # proposals the model may keep or not
-            entries = [ScheduledRequest("r", 1 + len(drafts), [], drafts)]
+            entries = [ScheduledRequest("r", 1 + len(drafts), [], len(drafts), drafts)]
             entries += [ScheduledRequest("g", 1)] if other else []
             result = fresh.execute(StepPlan(step_id, [], entries))
             kept.append(result.num_accepted_drafts[0])
@@ -180,14 +157,14 @@ def test_verify_rows_are_adjusted_as_the_row_sampled_from_is(runner, dummy_model
         expected += runner.execute(StepPlan(step_id, [], [ScheduledRequest("r", 1)])
                                    ).sampled_token_ids
     assert 42 not in expected[:3] and expected[3:] == [42, 42, 42]
-    fresh = ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
+    fresh = build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="4MiB",
                                      block_size=16), dummy_model)
     tokens = list(fresh.execute(plan).sampled_token_ids)
-    early = fresh.execute(StepPlan(1, [], [ScheduledRequest("r", 3, [], [42, 42])]))
+    early = fresh.execute(StepPlan(1, [], [ScheduledRequest("r", 3, [], 2, [42, 42])]))
     assert early.num_accepted_drafts == [0]  # output 1: 42 still forbidden
     tokens += early.sampled_token_ids
     # outputs 2, 3, 4 drafted: the first as plain decoding gives it, then 42 twice
-    crossing = fresh.execute(StepPlan(2, [], [ScheduledRequest("r", 4, [], expected[2:5])]))
+    crossing = fresh.execute(StepPlan(2, [], [ScheduledRequest("r", 4, [], 3, expected[2:5])]))
     assert crossing.num_accepted_drafts == [3]
     tokens += expected[2:5] + crossing.sampled_token_ids
     assert tokens == expected

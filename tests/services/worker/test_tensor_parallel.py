@@ -131,12 +131,12 @@ def test_two_ranks_over_gloo_generate_one_ranks_text(model_files):
     drafted, _, scheduler = _generate(model_files, prompts, 2,
                                       '{"method": "ngram", "num_speculative_tokens": 4}')
     assert drafted[:-1] == whole[:-1]
-    assert scheduler.drafter.num_accepted_drafts > 0
+    assert scheduler.draft_books.num_accepted_drafts > 0
     # a draft model (the served one, drafting for itself): a whole copy on each rank
     drafted, _, scheduler = _generate(model_files, prompts, 2, json.dumps(
         {"method": "draft_model", "model": str(model_files.path), "num_speculative_tokens": 3}))
     assert drafted[:-1] == whole[:-1]
-    assert scheduler.drafter.num_accepted_drafts > scheduler.drafter.num_draft_tokens // 2
+    assert scheduler.draft_books.num_accepted_drafts > scheduler.draft_books.num_draft_tokens // 2
 
 
 def test_a_rank_that_dies_fails_the_group_within_seconds(model_files):

@@ -8,6 +8,7 @@ import torch
 from kernels.paged_attention_ref import allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from services.worker.warmup import warm_up_attention, warm_up_steps
 from services.worker.weights import load_model
 from shared.models import resolve_model
@@ -30,7 +31,7 @@ def test_warm_up_steps_leave_the_runner_as_they_found_it(dummy_model):
     """Its two requests are forgotten, and a request given the very blocks they wrote gets
     the greedy text it gets on a runner that never warmed up (it writes before it reads)."""
     def runner() -> ModelRunner:
-        return ModelRunner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="1MiB",
+        return build_runner(WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="1MiB",
                                         block_size=4), dummy_model)
 
     def greedy_text(runner: ModelRunner) -> list[int]:

@@ -13,7 +13,7 @@ import triton
 
 import kernels
 from services.worker.config import WorkerConfig
-from services.worker.runner import ModelRunner
+from services.worker.runner_build import build_runner
 from tests.services.worker.model_checks import runner_greedy
 
 pytestmark = [pytest.mark.gpu,
@@ -33,7 +33,7 @@ def compiled_variants() -> dict[str, int]:
 
 
 def test_first_requests_compile_nothing(dummy_model):
-    runner = ModelRunner(WorkerConfig(device="cuda", dtype="bfloat16", kv_cache_memory="256MiB",
+    runner = build_runner(WorkerConfig(device="cuda", dtype="bfloat16", kv_cache_memory="256MiB",
                                       max_model_len=2048, max_num_seqs=16,
                                       max_num_batched_tokens=2048), dummy_model)
     before = compiled_variants()
