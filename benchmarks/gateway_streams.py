@@ -65,13 +65,14 @@ class FakeScheduler:
         return Empty()
 
     async def stats_loop(self, model_name: str) -> None:
-        from shared.messages import SchedulerStats
+        from shared.scheduler_stats import EngineStats, RoutingStats, SchedulerStats
 
         while True:
             await self.bus.publish(self.subjects.scheduler_stats, SchedulerStats(
                 scheduler_id=FAKE_ID, replica_id="0", timestamp=time.time(),
-                num_running=len(self.open), num_waiting=0, num_blocks_used=0,
-                num_blocks_total=100_000, block_size=16, model_name=model_name))
+                num_running=len(self.open), num_waiting=0,
+                routing=RoutingStats(block_size=16, model_name=model_name),
+                engine=EngineStats(num_blocks_total=100_000)))
             await asyncio.sleep(0.5)
 
     async def step_loop(self) -> None:

@@ -52,7 +52,7 @@ from pathlib import Path
 from cli.stack import free_port, nats_server_binary
 from services.scheduler import kv_client
 from services.scheduler.kv_client import KvClient
-from services.scheduler.scheduler import PrefixQuery
+from services.scheduler.intake import PrefixQuery
 from services.scheduler.tiering import TierSpeeds
 from shared.bus import Bus
 from shared.messages import Empty

@@ -61,7 +61,8 @@ import httpx
 
 
 from cli.stack import Stack, StackOptions, flags, free_port
-from shared.messages import Empty, HealthReply, SchedulerStats, decode, encode
+from shared.messages import Empty, HealthReply, decode, encode
+from shared.scheduler_stats import SchedulerStats
 from shared.kv_messages import KvStatsReply
 from shared.models import resolve_model
 from shared.subjects import Subjects
@@ -152,9 +153,9 @@ def tier_delta(before: SchedulerStats | None, after: SchedulerStats | None) -> d
     re-attaches a worker)."""
     if after is None:
         return {}
-    was = before.num_kv_tier_hits_by_tier if before is not None else {}
-    now = after.num_kv_tier_hits_by_tier
-    reset = before is not None and after.num_kv_tier_hits < before.num_kv_tier_hits
+    was = before.engine.num_kv_tier_hits_by_tier if before is not None else {}
+    now = after.engine.num_kv_tier_hits_by_tier
+    reset = before is not None and after.engine.num_kv_tier_hits < before.engine.num_kv_tier_hits
     return {tier: n - (0 if reset else was.get(tier, 0)) for tier, n in now.items()
             if n - (0 if reset else was.get(tier, 0))}
 
@@ -298,7 +299,7 @@ class CpuRun:
     async def run(self) -> dict:
         a = self.args
         stats = await self.probe.fresh_stats()
-        num_blocks = stats.num_blocks_total if stats else 0
+        num_blocks = stats.engine.num_blocks_total if stats else 0
         blocks_per_prompt = -(-(a.prefix_len + 1) // BLOCK_SIZE)
         self.num_fillers = max(2, -(-num_blocks // blocks_per_prompt))
         print(f"worker cache: {num_blocks} blocks ({num_blocks * BLOCK_SIZE} tokens); "

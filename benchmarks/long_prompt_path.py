@@ -71,7 +71,8 @@ def stages(args) -> dict:
     from services.kvstore.store import KvStore, Namespace
     from services.scheduler import kv_client
     from shared.errors import check_token_ids
-    from shared.messages import GenerateRequest, SamplingParams, SchedulerStats, decode, encode
+    from shared.messages import GenerateRequest, SamplingParams, decode, encode
+    from shared.scheduler_stats import EngineStats, RoutingStats, SchedulerStats
     from shared.kv_messages import KvLookupReply, KvLookupRequest
     from shared.prefix_hash import extra_keys, usable_block_hashes
 
@@ -106,10 +107,11 @@ def stages(args) -> dict:
     prompt = request.prompts_or_document_start(None)[0]
     stage("gateway: check_token_ids", lambda: check_token_ids(prompt, 49_152, "prompt"))
     stats = SchedulerStats(scheduler_id="s0", replica_id="0", timestamp=time.time(),
-                           num_running=0, num_waiting=0, num_blocks_used=1024,
-                           num_blocks_total=2048, num_steps=1, worker_ready=True,
-                           block_size=BLOCK_SIZE, model_name=model, kv_node_id="local",
-                           kv_namespace="ns", block_bytes=2 << 20)
+                           num_running=0, num_waiting=0, num_steps=1, worker_ready=True,
+                           routing=RoutingStats(block_size=BLOCK_SIZE, model_name=model,
+                                                kv_node_id="local", kv_namespace="ns",
+                                                block_bytes=2 << 20),
+                           engine=EngineStats(num_blocks_used=1024, num_blocks_total=2048))
     router = Router(RoutingParams("kv", 0, 0.5, 600.0, 10_000), BlockIndex())
     # two replicas: with one the router does not hash the prompt (no choice to make)
     other = msgspec.structs.replace(stats, scheduler_id="s1", replica_id="1")
@@ -162,7 +164,7 @@ def stages(args) -> dict:
 
 def scheduler_core(stage, generate, wire: bytes, reply_type, reply_wire: bytes, client) -> None:
     """The scheduler's own work on the submit (decode, validate, prefix query, the hit's
-    confirmation, add_request) and on the step that runs the request (plan built, encoded,
+    confirmation, queue) and on the step that runs the request (plan built, encoded,
     decoded at the worker), with a tier hit of every usable block, as its service calls it."""
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.kv_tier import KvTierLedger
@@ -171,9 +173,11 @@ def scheduler_core(stage, generate, wire: bytes, reply_type, reply_wire: bytes, 
     from shared.messages import GenerateRequest, StepPlan, decode, encode
 
     def new_core() -> Scheduler:
+        kv = KvTierLedger(BLOCK_SIZE)
+        kv.looks_up = True  # as the kvstore's connector: the core makes each prefix query
         return Scheduler(SchedulerConfig(max_num_batched_tokens=8192), num_blocks=2048,
                          block_size=BLOCK_SIZE, max_model_len=32_768, eos_token_ids=[2],
-                         model_name="dummy-tiny-llama-32k", kv=KvTierLedger(BLOCK_SIZE))
+                         model_name="dummy-tiny-llama-32k", kv=kv)
 
     reply = decode(reply_wire, reply_type)
     ids = iter(range(10**9))
@@ -181,14 +185,12 @@ def scheduler_core(stage, generate, wire: bytes, reply_type, reply_wire: bytes, 
     def submit(core: Scheduler) -> None:
         request = decode(wire, GenerateRequest)
         request = msgspec.structs.replace(request, request_id=f"r{next(ids)}")
-        core.validate(request)
-        query = core.prefix_query(request)
-        token_ids = [*request.prompt_token_ids, *request.output_token_ids]
-        num_confirmed = client._num_confirmed(reply, query.num_gpu_blocks, token_ids)
+        arrival = core.arrive(request)  # validated, its place in line, its prefix query
+        query = arrival.query
+        num_confirmed = client._num_confirmed(reply, query.num_gpu_blocks, arrival.token_ids)
         hit = TierHit("pin", "store", query.num_gpu_blocks, tuple(reply.slot_ids[:num_confirmed]),
                       tuple(reply.tiers[:num_confirmed]))
-        core.add_request(request, tier_hit=hit, arrival_seq=core.next_arrival_seq(),
-                         block_hashes=query.block_hashes)
+        core.queue(arrival, hit)
 
     import msgspec
 
@@ -264,7 +266,7 @@ async def _kvhit(args, result: dict, nats_url: str, node_id: str, kvstore_pid: i
     from benchmarks.kvstore_requests import cpu_seconds, wait_ready
 
     from services.scheduler.kv_client import KvClient
-    from services.scheduler.scheduler import PrefixQuery
+    from services.scheduler.intake import PrefixQuery
     from services.scheduler.tiering import TierSpeeds
     from shared.bus import Bus
     from shared.logging import setup_logging

@@ -63,7 +63,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from cli.stack import free_port
 from services.gateway.config import RoutingPolicy
-from shared.messages import SchedulerBlockEvent, SchedulerStats, decode
+from shared.messages import SchedulerBlockEvent, decode
+from shared.scheduler_stats import SchedulerStats
 from shared.subjects import Subjects
 
 POLICIES = tuple(RoutingPolicy)
@@ -375,7 +376,7 @@ class BusObserver:
         async def on_stats(msg) -> None:
             stats = decode(msg.data, SchedulerStats)
             self.decode_costs.setdefault(stats.replica_id, []).append(
-                stats.decode_seq_cost_tokens)
+                stats.routing.decode_seq_cost_tokens)
 
         await client.subscribe(self.subjects.scheduler_blocks, cb=on_blocks)
         await client.subscribe(self.subjects.scheduler_stats, cb=on_stats)

@@ -35,7 +35,8 @@ from typing import Annotated
 import msgspec
 
 from shared.config import Section, compose, knob, load_config
-from shared.messages import Empty, HealthReply, SchedulerStats, decode, encode
+from shared.messages import Empty, HealthReply, decode, encode
+from shared.scheduler_stats import SchedulerStats
 from shared.sections.gateway import Listen
 from shared.sections.kvstore import KvNode
 from shared.sections.runtime import COMMON, Replica

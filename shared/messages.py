@@ -1,7 +1,8 @@
 """The wire contract: every message exchanged between flotilla services.
 
-The kvstore's own protocol is in shared/kv_messages.py (encoded by ``encode``/``decode``
-here). All messages are frozen msgspec Structs encoded as MessagePack. From the first
+The kvstore's own protocol is in shared/kv_messages.py, the schedulers' stats in
+shared/scheduler_stats.py (both encoded by ``encode``/``decode`` here). All messages are
+frozen msgspec Structs encoded as MessagePack. From the first
 release on, evolve them only by adding fields with defaults, so an old peer still decodes a
 new message; until then the protocol changes freely. Hot-path
 messages (step plans, results, token outputs) use ``array_like=True`` (positional
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 from msgspec import Struct
 
-from shared import kv_messages
+from shared import kv_messages, scheduler_stats
 
 T = TypeVar("T")
 
@@ -230,59 +231,6 @@ class OutputBatch(Struct, frozen=True, array_like=True, gc=False):
     published_at: float = 0.0
 
 
-class SchedulerStats(Struct, frozen=True, kw_only=True):
-    """Published by each scheduler after steps (throttled) and as a heartbeat."""
-
-    scheduler_id: str
-    replica_id: str
-    timestamp: float
-    num_running: int
-    num_waiting: int
-    num_blocks_used: int
-    num_blocks_total: int
-    num_steps: int = 0
-    num_preemptions: int = 0
-    worker_ready: bool = True
-    # cumulative since the scheduler started
-    num_prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
-    num_prefix_hits: int = 0  # of those, tokens found
-    worker_busy_s: float = 0.0  # time the worker spent computing steps
-    # idle share of the worker's wall time over the last interval with work throughout;
-    # -1 when there was no such interval
-    worker_idle_ratio: float = -1.0
-    # steps since the previous stats event (bounded sample)
-    recent_step_tokens: list[int] = []
-    recent_step_times_s: list[float] = []
-    # cumulative: prompt tokens loaded from the kvstore instead of computed (also counted
-    # in each request's num_cached_tokens, not in num_prefix_hits), in all and by the tier
-    # each block was found in ("host", "disk")
-    num_kv_tier_hits: int = 0
-    num_kv_tier_hits_by_tier: dict[str, int] = {}
-    # What the gateway's KV-aware routing needs (docs/routing.md): how this replica keys
-    # its blocks (block_size, the served model name of the "model:" key), where its tiers
-    # below the GPU are (its worker's kvstore; "" for none), the prefill it has queued and
-    # its measured speeds (0: not measured yet)
-    block_size: int = 0
-    model_name: str = ""
-    kv_node_id: str = ""
-    kv_namespace: str = ""
-    num_queued_prefill_tokens: int = 0  # prompt tokens of waiting and still-prefilling requests
-    prefill_tokens_per_s: float = 0.0
-    host_load_bytes_per_s: float = 0.0
-    disk_read_bytes_per_s: float = 0.0
-    block_bytes: int = 0  # KV bytes of one block
-    block_event_seq: int = 0  # the last SchedulerBlockEvent seq published (0: none yet)
-    # what one more decoding sequence adds to each step, in prompt tokens' compute (the
-    # slope of decode-only step time over batch size x prefill speed; 0: not measured yet)
-    decode_seq_cost_tokens: float = 0.0
-    # cumulative, speculative decoding: drafts sent to be verified, and of those kept
-    num_draft_tokens: int = 0
-    num_accepted_drafts: int = 0
-    num_drafted_steps: int = 0  # a request's verify passes
-    num_accepted_per_position: list[int] = []  # [i]: drafts kept at position i
-    draft_cap: int = -1  # the drafts a request could get in the last step planned; -1: none
-
-
 class SchedulerBlockEvent(Struct, frozen=True, kw_only=True):
     """scheduler -> gateways (routing): block hashes that became findable in its GPU
     prefix cache, or left it, since the last event (the last change of a hash wins).
@@ -436,9 +384,9 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
     ErrorInfo, HealthReply, Empty, StructuredSpec, SamplingParams, TokenLogprobs, FunctionCall,
     ToolCall, ChatMessage, EncodeRequest, EncodeReply, DecodeRequest, DecodeReply,
     GenerationDefaults, TokenizerInfo, GenerateRequest, SubmitReply, AbortRequest, RequestOutput,
-    OutputBatch, SchedulerStats, SchedulerBlockEvent, BlockSnapshotRequest, BlockSnapshotPart,
+    OutputBatch, SchedulerBlockEvent, BlockSnapshotRequest, BlockSnapshotPart,
     BlockSnapshotReply, NewRequestData, ScheduledRequest, StepPlan, StepResult, WorkerInfo,
-    KvLoad, KvStoreRun, *kv_messages.KV_MESSAGES,
+    KvLoad, KvStoreRun, *kv_messages.KV_MESSAGES, *scheduler_stats.STATS_MESSAGES,
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -30,7 +30,8 @@ def module_names(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
 
 
 def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """The import statements run when the module loads: not in functions, not under TYPE_CHECKING."""
+    """The import statements run when the module loads (not in functions, not under
+    TYPE_CHECKING)."""
     found = []
 
     def visit(statements):

@@ -22,8 +22,8 @@ from shared.bus import Bus
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
     BlockSnapshotPart, BlockSnapshotReply, BlockSnapshotRequest, SchedulerBlockEvent,
-    SchedulerStats,
 )
+from shared.scheduler_stats import SchedulerStats
 from shared.kv_messages import KvBlockEvent
 from shared.subjects import Subjects
 
@@ -48,11 +48,11 @@ class BlockFeed:
         await self.bus.subscribe(self.subjects.kvstore_blocks, KvBlockEvent, self._on_kv_event)
 
     def on_stats(self, stats: SchedulerStats) -> None:
-        now = time.monotonic()
-        if self.index.on_scheduler_stats(stats.scheduler_id, stats.block_event_seq, now):
+        now, routing = time.monotonic(), stats.routing
+        if self.index.on_scheduler_stats(stats.scheduler_id, routing.block_event_seq, now):
             self._spawn(self.fetch_snapshot(stats.scheduler_id))
-        if stats.kv_node_id and self.index.on_kv_node_seen(stats.kv_node_id, now):
-            self._spawn(self.fetch_kv_snapshot(stats.kv_node_id))
+        if routing.kv_node_id and self.index.on_kv_node_seen(routing.kv_node_id, now):
+            self._spawn(self.fetch_kv_snapshot(routing.kv_node_id))
 
     def on_link(self, up: bool) -> None:
         """Events sent while our link was down are lost: rebuild every source."""

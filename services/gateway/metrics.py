@@ -14,7 +14,7 @@ from prometheus_client.utils import floatToGoString
 
 from services.gateway.block_index import BlockIndex
 from services.gateway.routing import Decision
-from shared.messages import SchedulerStats
+from shared.scheduler_stats import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -177,35 +177,39 @@ class GatewayMetrics:
         return Histogram(name, text, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
+        """A scheduler's stats: its heartbeat's load, and the parts made for /metrics
+        (``engine``, ``speculation``)."""
         labels = (stats.replica_id, stats.scheduler_id)
+        engine, speculation = stats.engine, stats.speculation
         self.num_running.labels(*labels).set(stats.num_running)
         self.num_waiting.labels(*labels).set(stats.num_waiting)
-        self.kv_blocks_used.labels(*labels).set(stats.num_blocks_used)
-        self.kv_blocks_total.labels(*labels).set(stats.num_blocks_total)
-        if stats.worker_idle_ratio >= 0:
-            self.worker_idle_ratio.labels(*labels).set(stats.worker_idle_ratio)
-        if stats.draft_cap >= 0:
-            self.draft_cap.labels(*labels).set(stats.draft_cap)
+        self.kv_blocks_used.labels(*labels).set(engine.num_blocks_used)
+        self.kv_blocks_total.labels(*labels).set(engine.num_blocks_total)
+        if engine.worker_idle_ratio >= 0:
+            self.worker_idle_ratio.labels(*labels).set(engine.worker_idle_ratio)
+        if speculation.draft_cap >= 0:
+            self.draft_cap.labels(*labels).set(speculation.draft_cap)
         last = self._last.get(stats.scheduler_id)
-        for counter, field in ((self.preemptions, "num_preemptions"),
-                               (self.prefix_queries, "num_prefix_queries"),
-                               (self.prefix_hits, "num_prefix_hits"),
-                               (self.kv_tier_hits, "num_kv_tier_hits"),
-                               (self.draft_tokens, "num_draft_tokens"),
-                               (self.accepted_drafts, "num_accepted_drafts"),
-                               (self.drafted_steps, "num_drafted_steps"),
-                               (self.worker_busy, "worker_busy_s")):
-            value = getattr(stats, field)
-            before = getattr(last, field) if last is not None else 0
+        for counter, part, field in (
+                (self.preemptions, "engine", "num_preemptions"),
+                (self.prefix_queries, "engine", "num_prefix_queries"),
+                (self.prefix_hits, "engine", "num_prefix_hits"),
+                (self.kv_tier_hits, "engine", "num_kv_tier_hits"),
+                (self.worker_busy, "engine", "worker_busy_s"),
+                (self.draft_tokens, "speculation", "num_draft_tokens"),
+                (self.accepted_drafts, "speculation", "num_accepted_drafts"),
+                (self.drafted_steps, "speculation", "num_drafted_steps")):
+            value = getattr(getattr(stats, part), field)
+            before = getattr(getattr(last, part), field) if last is not None else 0
             # cumulative on the scheduler; it starts over when it re-attaches a worker
             counter.labels(*labels).inc(value - before if value >= before else value)
-        before = last.num_accepted_per_position if last is not None else []
-        for position, value in enumerate(stats.num_accepted_per_position):
+        before = last.speculation.num_accepted_per_position if last is not None else []
+        for position, value in enumerate(speculation.num_accepted_per_position):
             previous = before[position] if position < len(before) else 0
             self.accepted_per_position.labels(*labels, str(position)).inc(
                 value - previous if value >= previous else value)
         self._last[stats.scheduler_id] = stats
-        for num_tokens, seconds in zip(stats.recent_step_tokens, stats.recent_step_times_s):
+        for num_tokens, seconds in zip(engine.recent_step_tokens, engine.recent_step_times_s):
             self.step_tokens.observe(num_tokens)
             self.step_time.observe(seconds)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.messages import SchedulerStats
+from shared.scheduler_stats import SchedulerStats
 
 
 @dataclass

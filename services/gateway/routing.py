@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from services.gateway.block_index import DISK, HOST, BlockIndex, block_keys
 from services.gateway.config import RoutingPolicy
 from shared.config import check_choice
-from shared.messages import SchedulerStats
+from shared.scheduler_stats import RoutingStats, SchedulerStats
 from shared.prefix_hash import extra_keys, usable_block_hashes
 
 GPU = "gpu"
@@ -102,6 +102,11 @@ class Replica:
         return self.stats.scheduler_id
 
     @property
+    def routing(self) -> RoutingStats:
+        """The part of its stats made for routing."""
+        return self.stats.routing
+
+    @property
     def load(self) -> int:
         """Requests running or waiting there. Stats are up to half a second old: a request
         of ours that just ended still shows in them (a session's next turn would find its
@@ -123,7 +128,7 @@ class Replica:
 
     @property
     def queued_prefill_tokens(self) -> int:
-        return max(self.stats.num_queued_prefill_tokens, self.num_sent_prefill_tokens)
+        return max(self.routing.num_queued_prefill_tokens, self.num_sent_prefill_tokens)
 
 
 @dataclass(frozen=True)
@@ -306,7 +311,7 @@ class Router:
         on every replica (see above)."""
         keys_by_spec: dict[tuple[int, str], list[int]] = {}
         gpu_runs: dict[str, int] = {}
-        for spec in {(r.stats.block_size, r.stats.model_name) for r in replicas}:
+        for spec in {(r.routing.block_size, r.routing.model_name) for r in replicas}:
             block_size, model_name = spec
             if block_size <= 0:
                 continue
@@ -314,17 +319,17 @@ class Router:
                 token_ids, block_size, extra_keys(model_name, cache_salt)))
             gpu_runs |= self.index.gpu_prefix_blocks(
                 [r.scheduler_id for r in replicas
-                 if (r.stats.block_size, r.stats.model_name) == spec], keys_by_spec[spec])
-        prefill_speed = _mean_measured([r.stats.prefill_tokens_per_s for r in replicas],
+                 if (r.routing.block_size, r.routing.model_name) == spec], keys_by_spec[spec])
+        prefill_speed = _mean_measured([r.routing.prefill_tokens_per_s for r in replicas],
                                        DEFAULT_PREFILL_TOKENS_PER_S)
-        host_speed = _mean_measured([r.stats.host_load_bytes_per_s for r in replicas],
+        host_speed = _mean_measured([r.routing.host_load_bytes_per_s for r in replicas],
                                     DEFAULT_HOST_LOAD_BYTES_PER_S)
-        disk_speed = _mean_measured([r.stats.disk_read_bytes_per_s for r in replicas],
+        disk_speed = _mean_measured([r.routing.disk_read_bytes_per_s for r in replicas],
                                     DEFAULT_DISK_READ_BYTES_PER_S)
         decode_cost = self.decode_cost_tokens(replicas)
         estimates = {}
         for replica in replicas:
-            stats = replica.stats
+            stats = replica.routing  # (its figures, 0 where not measured yet)
             keys = keys_by_spec.get((stats.block_size, stats.model_name), [])
             gpu_run = gpu_runs.get(replica.scheduler_id, 0)
             tiers = self.index.tier_run(stats.kv_node_id, stats.kv_namespace, keys, gpu_run) \
@@ -341,15 +346,14 @@ class Router:
     def decode_cost_tokens(replicas: Sequence[Replica]) -> float:
         """One more stream's cost per step, in prompt tokens, for every replica: the median
         of each replica's measured figure, or DECODE_COST_TOKENS where it has none."""
-        figures = [r.stats.decode_seq_cost_tokens or DECODE_COST_TOKENS for r in replicas]
+        figures = [r.routing.decode_seq_cost_tokens or DECODE_COST_TOKENS for r in replicas]
         return statistics.median(figures) if figures else DECODE_COST_TOKENS
 
 
 def _estimate(replica: Replica, num_tokens: int, output_tokens: float, gpu_blocks: int,
               tiers: list[str], prefill_speed: float, host_speed: float,
               disk_speed: float, decode_cost_tokens: float = DECODE_COST_TOKENS) -> _Estimate:
-    stats = replica.stats
-    block_size, block_bytes = stats.block_size, stats.block_bytes
+    block_size, block_bytes = replica.routing.block_size, replica.routing.block_bytes
     recompute_s = block_size / prefill_speed
     hits = {GPU: gpu_blocks * block_size, HOST: 0, DISK: 0}
     load_s = 0.0

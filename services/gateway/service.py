@@ -29,10 +29,11 @@ from shared.detokenizer import IncrementalDetokenizer, TokenBytes, fast_decoder
 from shared.errors import FlotillaError, ServiceUnavailable
 from shared.messages import (
     AbortRequest, DecodeReply, DecodeRequest, Empty, EncodeReply, EncodeRequest, ErrorInfo,
-    GenerateRequest, HealthReply, OutputBatch, SamplingParams, SchedulerStats, SubmitReply,
-    TokenizerInfo, choice_request_ids,
+    GenerateRequest, HealthReply, OutputBatch, SamplingParams, SubmitReply, TokenizerInfo,
+    choice_request_ids,
 )
 from shared.models import resolve_model
+from shared.scheduler_stats import SchedulerStats
 from shared.subjects import Subjects
 
 log = structlog.get_logger()

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import structlog
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_connector import NoKvConnector
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tiering import TierSpeeds
 from shared.block_snapshots import MAX_HASHES_PER_PAGE, MAX_SNAPSHOTS_KEPT, SNAPSHOT_TTL_S
@@ -30,6 +31,7 @@ from shared.errors import InvalidRequest, ServiceUnavailable
 from shared.messages import (
     BlockSnapshotPart, BlockSnapshotReply, BlockSnapshotRequest, SchedulerBlockEvent, WorkerInfo,
 )
+from shared.scheduler_stats import RoutingStats
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -40,7 +42,7 @@ MAX_HASHES_PER_EVENT = 2000  # ~70 KB of hashes
 
 class BlockEventPublisher:
     def __init__(self, bus: Bus, subjects: Subjects, scheduler_id: str, replica_id: str,
-                 current_manager: Callable[[], BlockManager | None]) -> None:
+                 current_manager: Callable[[], BlockManager]) -> None:
         self.bus = bus
         self.subjects = subjects
         self.scheduler_id = scheduler_id
@@ -67,11 +69,10 @@ class BlockEventPublisher:
             if self._manager is not None:  # replaced: nothing it held is findable now
                 _, removed = self._manager.take_journal()
                 changes.update((h, False) for h in removed + self._manager.cached_hashes())
-            if manager is not None:
-                manager.keep_journal()
-                changes.update((h, True) for h in manager.cached_hashes())
+            manager.keep_journal()
+            changes.update((h, True) for h in manager.cached_hashes())
             self._manager = manager
-        elif manager is not None:
+        else:
             stored, removed = manager.take_journal()
             changes.update((h, False) for h in removed)
             changes.update((h, True) for h in stored)
@@ -127,14 +128,13 @@ class BlockEventPublisher:
             parts=[BlockSnapshotPart(block_hashes=hashes[offset:offset + MAX_HASHES_PER_PAGE])])
 
 
-def routing_stats(core: Scheduler | None, speeds: TierSpeeds, worker: WorkerInfo | None,
-                  block_event_seq: int) -> dict:
-    """The SchedulerStats fields the gateway routes by (docs/routing.md), but the
-    kvstore's (the KV connector's stats)."""
-    return dict(
-        block_size=core.block_manager.block_size if core else 0,
-        model_name=core.model_name if core else "",
-        num_queued_prefill_tokens=core.num_queued_prefill_tokens if core else 0,
+def routing_stats(core: Scheduler, speeds: TierSpeeds, worker: WorkerInfo | None,
+                  kv: NoKvConnector, block_event_seq: int) -> RoutingStats:
+    """The part of the stats the gateway routes by (docs/routing.md)."""
+    return RoutingStats(
+        block_size=core.block_manager.block_size, model_name=core.model_name,
+        kv_node_id=kv.node_id, kv_namespace=kv.namespace,
+        num_queued_prefill_tokens=core.num_queued_prefill_tokens,
         prefill_tokens_per_s=speeds.prefill_tokens_per_s or 0.0,
         host_load_bytes_per_s=speeds.host_load_bytes_per_s or 0.0,
         disk_read_bytes_per_s=speeds.disk_read_bytes_per_s or 0.0,

@@ -26,8 +26,8 @@ from typing import TypeVar
 import msgspec
 import structlog
 
+from services.scheduler.intake import PrefixQuery
 from services.scheduler.request import TierHit
-from services.scheduler.scheduler import PrefixQuery
 from services.scheduler.tiering import DISK, TierSpeeds
 from shared.bus import Bus
 from shared.errors import FlotillaError, ServiceUnavailable

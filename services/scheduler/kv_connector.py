@@ -1,19 +1,21 @@
 """The scheduler's side of the KV connector seam (docs/kvstore.md; vLLM's KV connector is
 the model for the split: a scheduler side and a worker side). The kvstore enters the
-scheduler here and nowhere else:
+scheduler here and nowhere else. The scheduler asks; the connector answers:
 
-- the shell (service.py) awaits ``prepare`` before a request queues (its blocks beyond
-  the GPU prefix looked up, a hit worth loading pinned and checked to be of the kvstore
-  the worker reads), ``release_pins`` after each planning and each step result,
-  and ``keep_alive`` every couple of seconds;
+- the shell (service.py) asks ``find_hit`` for a request the core has validated and
+  given its place in line (intake.py), before the core queues it: a hit worth loading,
+  pinned, of the kvstore the worker reads; ``let_go`` of one not queued after all;
+  ``release_pins`` after each planning and each step result; ``keep_alive`` every couple
+  of seconds;
 - the core (scheduler.py) calls one synchronous hook per phase of a step (kv_tier.py):
   ``slots_to_load`` and ``on_admit`` at admission, ``on_block_cached``, ``take_plan``,
-  ``on_step_result``, ``on_finish``, ``on_fail_all``.
+  ``on_step_result``, ``on_finish``, ``on_fail_all``; and reads ``looks_up`` and
+  ``store_id``.
 
-``KvConnector`` is the null implementation: no kvstore (no ``--kv-node-id``, or a worker
-attached to none): nothing is looked up, loaded or stored. ``TieredKvConnector`` is the
+``NoKvConnector`` is the null implementation: no kvstore (no ``--kv-node-id``, or a worker
+attached to none): nothing is looked up, loaded or stored. ``KvConnector`` is the
 kvstore's: the ledger of kv_tier.py, the calls of kv_client.py (the choice in them is
-tiering.py's). The service makes one per worker attach and swaps a null one for a tiered
+tiering.py's). The service makes one per worker attach and swaps a null one for a real
 one when a ping says the worker reached its kvstore; the counts of loaded tokens carry
 over, so the stats stay cumulative.
 """
@@ -22,48 +24,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import structlog
-
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.intake import Arrival
 from services.scheduler.kv_client import KvClient
 from services.scheduler.kv_tier import KvTierHooks, KvTierLedger, max_load_blocks
 from services.scheduler.request import TierHit
-from services.scheduler.scheduler import Scheduler
 from services.scheduler.tiering import TierSpeeds
 from shared.bus import Bus
-from shared.messages import GenerateRequest, WorkerInfo, choice_request_ids
+from shared.messages import WorkerInfo
 from shared.subjects import Subjects
 
-log = structlog.get_logger()
 
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request as the kvstore leaves it, ready to queue: its pinned hit (None: a miss),
-    the place in line it arrived at (taken before the lookup; None: now) and its block
-    hashes (the lookup's, not computed twice)."""
-
-    tier_hit: TierHit | None = None
-    arrival_seq: int | None = None
-    block_hashes: list[bytes] | None = None
-
-
-class KvConnector(KvTierHooks):
+class NoKvConnector(KvTierHooks):
     """No kvstore: the null connector (its core hooks are KvTierHooks')."""
 
     node_id = ""
     namespace = ""
     worker_store_id = ""  # the kvstore process the worker's arena belongs to ("": none)
 
-    async def prepare(self, core: Scheduler, request: GenerateRequest) -> Prepared | None:
-        """Ready ``request`` to queue in ``core``; None if it was aborted meanwhile."""
-        return Prepared()
+    async def find_hit(self, arrival: Arrival) -> TierHit | None:
+        """A pinned hit of ``arrival``'s blocks worth loading; None: a miss."""
+        return None
 
-    async def let_go(self, prepared: Prepared) -> None:
-        """The prepared request was not queued after all: release its hit."""
-
-    def aborted(self, request_ids: list[str]) -> None:
-        """An abort came for these (maybe while their lookup runs)."""
+    async def let_go(self, hit: TierHit | None) -> None:
+        """A hit whose request was not queued after all: release its pin."""
 
     async def release_pins(self) -> None:
         """Release the pins the core has done with."""
@@ -71,25 +55,18 @@ class KvConnector(KvTierHooks):
     async def keep_alive(self) -> None:
         """Keep this scheduler's pins at the kvstore."""
 
-    def stats(self) -> dict:
-        """The SchedulerStats fields of the kvstore."""
-        return dict(num_kv_tier_hits=sum(self.num_tokens_loaded.values()),
-                    num_kv_tier_hits_by_tier=dict(self.num_tokens_loaded),
-                    kv_node_id=self.node_id, kv_namespace=self.namespace)
 
-
-class TieredKvConnector(KvTierLedger, KvConnector):
+class KvConnector(KvTierLedger, NoKvConnector):
     """The kvstore's connector: KvTierLedger's books behind the core's hooks, and the
     shell's calls through a KvClient of the worker's kvstore."""
+
+    looks_up = True
 
     def __init__(self, client: KvClient, load_cap_blocks: int | None, *,
                  num_tokens_loaded: dict[str, int] | None = None) -> None:
         super().__init__(client.block_size, max_load_blocks=load_cap_blocks,
                          num_tokens_loaded=num_tokens_loaded)
         self.client = client
-        self._looking_up: set[str] = set()  # request ids whose lookup runs
-        self._aborted_while_looking_up: set[str] = set()
-        self._queued_store_id = ""  # the kvstore process the queued hits were pinned by
 
     @property
     def node_id(self) -> str:
@@ -99,48 +76,26 @@ class TieredKvConnector(KvTierLedger, KvConnector):
     def namespace(self) -> str:
         return self.client.namespace
 
-    async def prepare(self, core: Scheduler, request: GenerateRequest) -> Prepared | None:
-        """Look up (and pin) a hit worth loading, in the place in line the request arrived
-        at. A hit of a kvstore other than the one the worker reads is let go, and so is
-        the hit of a request aborted during its lookup."""
-        core.validate(request)  # a bad request fails before any lookup
-        client, seq, query = self.client, core.next_arrival_seq(), core.prefix_query(request)
-        request_ids = choice_request_ids(request.request_id, request.n)
-        hit: TierHit | None = None
-        if query is not None and not self._looking_up.intersection(request_ids):
-            self._looking_up.update(request_ids)
-            try:
-                hit = await client.find_hit(query, [*request.prompt_token_ids,
-                                                    *request.output_token_ids])
-            finally:
-                self._looking_up.difference_update(request_ids)
-        aborted = not self._aborted_while_looking_up.isdisjoint(request_ids)
-        self._aborted_while_looking_up.difference_update(request_ids)
-        if hit is not None and (aborted or hit.store_id != client.store_id
+    @property
+    def store_id(self) -> str:
+        return self.client.store_id
+
+    async def find_hit(self, arrival: Arrival) -> TierHit | None:
+        """Look up (and pin) a hit worth loading. A hit of a kvstore other than the one
+        the worker reads is let go."""
+        if arrival.query is None:
+            return None
+        client = self.client
+        hit = await client.find_hit(arrival.query, arrival.token_ids)
+        if hit is not None and (hit.store_id != client.store_id
                                 or hit.store_id != self.worker_store_id):
             await client.release([hit.pin_id])
-            hit = None
-        if aborted:
             return None
-        self._drop_stale_hits(core)
-        return Prepared(hit, seq, query.block_hashes if query is not None else None)
+        return hit
 
-    def _drop_stale_hits(self, core: Scheduler) -> None:
-        """Hits pinned by a kvstore that has restarted since are gone with it."""
-        store_id = self.client.store_id
-        if store_id != self._queued_store_id:
-            if self._queued_store_id:
-                log.warning("kvstore_restarted", old_store_id=self._queued_store_id,
-                            store_id=store_id)
-                core.drop_tier_hits(store_id)
-            self._queued_store_id = store_id
-
-    async def let_go(self, prepared: Prepared) -> None:
-        if prepared.tier_hit is not None:
-            await self.client.release([prepared.tier_hit.pin_id])
-
-    def aborted(self, request_ids: list[str]) -> None:
-        self._aborted_while_looking_up.update(self._looking_up.intersection(request_ids))
+    async def let_go(self, hit: TierHit | None) -> None:
+        if hit is not None:
+            await self.client.release([hit.pin_id])
 
     async def release_pins(self) -> None:
         pin_ids = self.take_pins_to_release()
@@ -153,7 +108,7 @@ class TieredKvConnector(KvTierLedger, KvConnector):
 
 @dataclass(frozen=True)
 class KvConnectorFactory:
-    """Makes the KV connector of an attached worker: the tiered one only with
+    """Makes the KV connector of an attached worker: the kvstore's only with
     ``--kv-node-id`` and a worker attached to a kvstore."""
 
     config: SchedulerConfig
@@ -162,16 +117,16 @@ class KvConnectorFactory:
     speeds: TierSpeeds  # the scheduler's, measured across worker re-attaches
 
     def __call__(self, worker: WorkerInfo | None, namespace: str, node_id: str,
-                 previous: KvConnector) -> KvConnector:
+                 previous: NoKvConnector) -> NoKvConnector:
         """``namespace`` and ``node_id``: the worker's kvstore ("": none); the counts of
         loaded tokens carry over from ``previous``."""
         config, carried = self.config, previous.num_tokens_loaded
         if not config.kv_node_id or not namespace or worker is None or worker.num_blocks <= 0:
-            return KvConnector(carried)
+            return NoKvConnector(carried)
         block_bytes = worker.kv_cache_bytes // worker.num_blocks
         client = KvClient(self.bus, self.subjects, owner_id=config.instance_id,
                           node_id=node_id or config.kv_node_id, namespace=namespace,
                           block_bytes=block_bytes, block_size=worker.block_size,
                           speeds=self.speeds)
-        return TieredKvConnector(client, max_load_blocks(config.max_kv_load_mib_per_step,
-                                                         block_bytes), num_tokens_loaded=carried)
+        return KvConnector(client, max_load_blocks(config.max_kv_load_mib_per_step,
+                                                   block_bytes), num_tokens_loaded=carried)

@@ -14,15 +14,16 @@ kvstore: the core's default); ``KvTierLedger`` keeps the books of a kvstore:
   each block's tokens through its request, which it still holds for the plan that
   forgets it. A block the core no longer wants stored is skipped (evicted before the
   plan goes out, or no longer its request's at the worker: preempted and readmitted
-  with other blocks).
+  with other blocks: ``store_target``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from services.scheduler.request import TierHit
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import Request, TierHit
 from services.scheduler.tiering import DISK, HOST
 from shared.messages import KvLoad, KvStoreRun
 
@@ -40,9 +41,46 @@ def max_load_blocks(max_load_mib_per_step: int, block_bytes: int) -> int | None:
     return max(1, load_cap // block_bytes) if load_cap and block_bytes else None
 
 
+def store_target(requests: Mapping[str, Request], block_manager: BlockManager,
+                 forget_ids: list[str]) -> IsWanted:
+    """Whether block ``block_id`` still holds ``block_hash`` (not evicted) and the worker,
+    running the plan that forgets ``forget_ids``, finds it at ``index`` of a request: it
+    holds the running ones, and the ones it forgets until that plan's stores are made."""
+    forgotten = set(forget_ids)
+    holds = block_manager.holds
+
+    def is_wanted(request_id: str, index: int, block_id: int, block_hash: bytes) -> bool:
+        if not holds(block_id, block_hash):
+            return False
+        req = requests.get(request_id)
+        if req is not None and req.known_to_worker:
+            return index < len(req.block_table) and req.block_table[index] == block_id
+        return request_id in forgotten
+
+    return is_wanted
+
+
+def cache_loaded_blocks(block_manager: BlockManager, req: Request, first: int,
+                        block_ids: list[int]) -> None:
+    """Blocks loaded from the kvstore, ``first``.. of the request, enter the prefix index
+    marked as loaded (never stored back)."""
+    if not block_ids:
+        return
+    size, end = block_manager.block_size, first + len(block_ids)
+    # each block's tokens as a tuple, cut lazily (a 16k-token hit: 1,023 blocks)
+    block_tokens = zip(*[iter(req.all_token_ids[first * size:end * size])] * size)
+    cache_block = block_manager.cache_block
+    for block_id, block_hash, tokens in zip(block_ids, req.block_hashes[first:end],
+                                            block_tokens):
+        cache_block(block_id, block_hash, tokens, from_kvstore=True)
+
+
 class KvTierHooks:
     """The core's hooks with no kvstore: nothing is loaded or stored (and with no
     kvstore no request comes with a tier hit)."""
+
+    looks_up = False  # the connector looks each arrival up in a kvstore before it queues
+    store_id = ""  # the kvstore process its hits are pinned by ("": none)
 
     def __init__(self, num_tokens_loaded: dict[str, int] | None = None) -> None:
         # tokens loaded, by the tier they were found in; carried over from the connector

@@ -1,12 +1,12 @@
-"""What a step's tokens make of a request: its outputs, when it ends, and the RequestOutput
-its gateway gets. Pure."""
+"""What a step's tokens make of a request: its outputs, when it ends, the RequestOutput its
+gateway gets, and the prompt logprobs the first one carries. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Mapping, Set
 
 from services.scheduler.request import Request
-from shared.messages import RequestOutput, TokenLogprobs
+from shared.messages import RequestOutput, StepPlan, StepResult, TokenLogprobs
 
 
 def finish_reason(req: Request, token_id: int, eos_token_ids: Set[int],
@@ -48,3 +48,14 @@ def request_output(req: Request, token_ids: list[int], reason: str | None,
                          num_cached_tokens=req.num_cached_tokens if first else 0,
                          queue_time_s=max(0.0, queue_time) if first else 0.0,
                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def add_prompt_logprobs(requests: Mapping[str, Request], plan: StepPlan,
+                        result: StepResult) -> None:
+    """Collect prompt logprobs chunk by chunk until the first output carries them; a step
+    planned before the request was last sent to the worker (it was preempted since, and
+    recomputes from 0) brings stale ones."""
+    for request_id, entries in result.prompt_logprobs.items():
+        req = requests.get(request_id)
+        if req is not None and req.num_outputs_sent == 0 and plan.step_id >= req.sent_at_step:
+            req.prompt_logprobs.extend(entries)

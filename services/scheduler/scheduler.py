@@ -27,32 +27,28 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections import ChainMap
 from dataclasses import dataclass
+
+import structlog
 
 from services.scheduler.admission import AdmissionReserve, KeptRoom
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer, StepClock, decode_stall_target_ms
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
-from services.scheduler.kv_tier import IsWanted, KvTierHooks
-from services.scheduler.outputs import append_outputs, request_output
+from services.scheduler.intake import Arrival, Arrivals, prefix_query, queue_entries
+from services.scheduler.kv_tier import KvTierHooks, cache_loaded_blocks, store_target
+from services.scheduler.outputs import add_prompt_logprobs, append_outputs, request_output
 from services.scheduler.speculation import NO_DRAFTS, DraftBooks, Drafts, drafter, settle_drafts
-from shared.prefix_hash import extend_block_hashes, extra_keys, usable_block_hashes
+from shared.prefix_hash import extend_block_hashes
 from services.scheduler.request import Request, TierHit
-from services.scheduler.siblings import shares_prompt, sibling_requests
 from services.scheduler.validation import validate_request
 from shared.messages import (
     ErrorInfo, GenerateRequest, NewRequestData, RequestOutput, ScheduledRequest, StepPlan,
     StepResult,
 )
 
-
-@dataclass(frozen=True)
-class PrefixQuery:
-    """What to ask the kvstore about a request: its usable full blocks' hashes (all but
-    the block of its last token), of which the first ``num_gpu_blocks`` are cached here."""
-
-    block_hashes: list[bytes]
-    num_gpu_blocks: int
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -92,68 +88,70 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_prefix_hits = 0  # of those, tokens found
-        self._arrivals = itertools.count()
+        self._arrival_seqs = itertools.count()
+        self.arriving = Arrivals()  # validated, not queued yet (intake.py)
+        self._tier_store_id = ""  # the kvstore process the queued tier hits were pinned by
         self._next_step_id = 0
         self._forget_ids: list[str] = []  # the worker should drop these at the next step
         self._in_plan: set[str] = set()  # ids in the plan being built: never preempted
 
+    @classmethod
+    def without_worker(cls, config: SchedulerConfig, kv: KvTierHooks) -> Scheduler:
+        """The core while no worker is attached: no blocks, no drafts, no request (the
+        service refuses submits until a worker attaches and the real core replaces it)."""
+        core = cls(config, num_blocks=0, block_size=0, max_model_len=0, eos_token_ids=[], kv=kv)
+        core.drafter = drafter(None)  # (the stats report no draft cap)
+        return core
+
     # ------------------------------------------------------------ intake
-    def add_request(self, request: GenerateRequest, *, tier_hit: TierHit | None = None,
-                    arrival_seq: int | None = None,
-                    block_hashes: list[bytes] | None = None) -> None:
-        """Queue a request; n > 1 queues n siblings (siblings.py), the leader first.
-        ``arrival_seq`` (from ``next_arrival_seq``) keeps its place in line when it was
-        taken before a kvstore lookup; ``block_hashes`` are the query's; the leader keeps
-        ``tier_hit`` (its siblings then find those blocks in the GPU prefix cache)."""
-        self._validate(request)
-        priority = request.priority if self.config.scheduling_policy == SchedulingPolicy.PRIORITY else 0
-        arrival_time = request.arrival_time or time.time()
-        shares = shares_prompt(request, self.config.prefix_caching)
-        leader = None
-        for sibling in sibling_requests(request):
-            seq = arrival_seq if arrival_seq is not None and leader is None else next(self._arrivals)
-            req = Request(sibling.request_id, list(request.prompt_token_ids), sibling.sampling,
-                          request.output_subject, (priority, seq),
-                          extra_keys(self.model_name, request.cache_salt),
-                          arrival_time, leader=leader if shares else None,
-                          output_token_ids=list(request.output_token_ids),
-                          num_outputs_sent=1 if request.output_token_ids else 0,
-                          block_hashes=list(block_hashes or ()),
-                          tier_hit=tier_hit if leader is None else None)
-            leader = leader or req
+    def add_request(self, request: GenerateRequest, *, tier_hit: TierHit | None = None) -> None:
+        """Validate and queue a request at once (no kvstore lookup in between)."""
+        self.queue(self.arrive(request), tier_hit)
+
+    def arrive(self, request: GenerateRequest) -> Arrival:
+        """Validate a request (InvalidRequest), the one time, and give it its place in line;
+        with a connector that looks requests up, the blocks to ask the kvstore about."""
+        validate_request(request, ChainMap(self.requests, self.arriving), self.max_model_len,
+                         self.block_manager, self.config.prefix_caching)
+        arrival = Arrival(request, next(self._arrival_seqs),
+                          prefix_query(request, self.block_manager, self.model_name,
+                                       self.config.prefix_caching) if self.kv.looks_up else None)
+        self.arriving.add(arrival)
+        return arrival
+
+    def queue(self, arrival: Arrival, tier_hit: TierHit | None = None) -> None:
+        """Queue an arrived request (not aborted since); n > 1 queues n siblings
+        (siblings.py), the leader first with the arrival's place in line and ``tier_hit``
+        (its siblings then find those blocks in the GPU prefix cache)."""
+        self.arriving.remove(arrival)
+        self._drop_stale_tier_hits()
+        priority_policy = self.config.scheduling_policy == SchedulingPolicy.PRIORITY
+        for req in queue_entries(arrival, tier_hit, self._arrival_seqs, self.model_name,
+                                 priority_policy, self.config.prefix_caching):
             self.requests[req.request_id] = req
             self._enqueue(req)
 
-    def next_arrival_seq(self) -> int:
-        return next(self._arrivals)
+    def withdraw(self, arrival: Arrival) -> None:
+        """An arrived request will not queue (its lookup failed, or the service refused it)."""
+        self.arriving.remove(arrival)
 
-    def validate(self, request: GenerateRequest) -> None:
-        """Raise InvalidRequest if ``add_request`` would refuse it."""
-        self._validate(request)
+    def use_connector(self, kv: KvTierHooks) -> None:
+        """The service swapped its KV connector (the worker reached a kvstore)."""
+        self.kv, self._tier_store_id = kv, ""
 
-    def prefix_query(self, request: GenerateRequest) -> PrefixQuery | None:
-        """The blocks of a request to look up in the kvstore, or None when it cannot use
-        cached blocks (no prefix caching, or every prompt token's logprobs wanted)."""
-        if not self.config.prefix_caching or request.sampling.prompt_logprobs is not None:
-            return None
-        token_ids = list(request.prompt_token_ids) + list(request.output_token_ids)
-        block_hashes = usable_block_hashes(token_ids, self.block_manager.block_size,
-                                           extra_keys(self.model_name, request.cache_salt))
-        num_gpu = len(self.block_manager.cached_prefix(block_hashes, token_ids))
-        return PrefixQuery(block_hashes, num_gpu)
-
-    def drop_tier_hits(self, keep_store_id: str) -> None:
-        """Forget the pinned hits of another kvstore process (it restarted: its pins and
-        slots are gone)."""
-        for req in self.waiting:
-            if req.tier_hit is not None and req.tier_hit.store_id != keep_store_id:
-                req.tier_hit = None
-
-    def _validate(self, request: GenerateRequest) -> None:
-        validate_request(request, self.requests, self.max_model_len, self.block_manager,
-                         self.config.prefix_caching)
+    def _drop_stale_tier_hits(self) -> None:
+        """Forget the queued hits of a kvstore process that has restarted since (the
+        connector's store id changed): its pins and slots are gone with it."""
+        old, store_id = self._tier_store_id, self.kv.store_id
+        self._tier_store_id = store_id
+        if old and store_id != old:
+            log.warning("kvstore_restarted", old_store_id=old, store_id=store_id)
+            for req in self.waiting:
+                if req.tier_hit is not None and req.tier_hit.store_id != store_id:
+                    req.tier_hit = None
 
     def abort(self, request_ids: list[str]) -> None:
+        self.arriving.abort(request_ids)  # (those being looked up queue nothing)
         for request_id in request_ids:
             req = self.requests.get(request_id)
             if req is not None:
@@ -223,7 +221,8 @@ class Scheduler:
             num_chunk_tokens += num_new
         if not scheduled and not new_requests:
             return None
-        kv_loads, kv_stores = self.kv.take_plan(self._store_target(self._forget_ids))
+        kv_loads, kv_stores = self.kv.take_plan(
+            store_target(self.requests, self.block_manager, self._forget_ids))
         plan = StepPlan(self._next_step_id, new_requests, scheduled, self._forget_ids,
                         kv_loads=kv_loads, kv_stores=kv_stores)
         self._next_step_id, self._forget_ids = self._next_step_id + 1, []
@@ -239,7 +238,7 @@ class Scheduler:
         if plan.scheduled:  # (a step of loads alone says nothing of compute times)
             self.chunk_pacer.observe(plan, period_s)
         self.drafter.step_done(plan, result)
-        self._add_prompt_logprobs(plan, result)
+        add_prompt_logprobs(self.requests, plan, result)
         emitted: list[Emitted] = []
         logprobs = result.logprobs or [None] * len(result.request_ids)  # [] from an older worker
         accepted = result.accepted_draft_ids or [[]] * len(result.request_ids)
@@ -260,15 +259,6 @@ class Scheduler:
                 self.reserve.on_finished(req)
                 self._finish(req)
         return emitted
-
-    def _add_prompt_logprobs(self, plan: StepPlan, result: StepResult) -> None:
-        """Collect prompt logprobs chunk by chunk until the first output carries them; a
-        step planned before the request was last sent to the worker (it was preempted
-        since, and recomputes from 0) brings stale ones."""
-        for request_id, entries in result.prompt_logprobs.items():
-            req = self.requests.get(request_id)
-            if req is not None and req.num_outputs_sent == 0 and plan.step_id >= req.sent_at_step:
-                req.prompt_logprobs.extend(entries)
 
     def fail_all(self, error: ErrorInfo) -> list[Emitted]:
         """The worker is gone: end every request with ``error``."""
@@ -321,7 +311,7 @@ class Scheduler:
         req.block_table = hit_ids + new_ids
         hit, req.tier_hit = req.tier_hit, None  # spent either way
         self.kv.on_admit(hit, loaded, new_ids[:len(loaded)], self._next_step_id)
-        self._cache_loaded_blocks(req, len(hit_ids), new_ids[:len(loaded)])
+        cache_loaded_blocks(self.block_manager, req, len(hit_ids), new_ids[:len(loaded)])
         # its GPU hits and loaded blocks are in the prefix index already: not offered again
         # (1,023 calls for a 16k-token hit)
         req.num_registered_blocks = max(req.num_registered_blocks, len(hit_ids) + len(loaded))
@@ -343,37 +333,6 @@ class Scheduler:
         if not self.config.prefix_caching or req.wants_prompt_logprobs:
             return 0
         return (req.num_tokens - 1) // self.block_manager.block_size
-
-    def _cache_loaded_blocks(self, req: Request, first: int, block_ids: list[int]) -> None:
-        """Blocks loaded from the kvstore, ``first``.. of the request, enter the prefix
-        index marked as loaded (never stored back)."""
-        if not block_ids:
-            return
-        size, end = self.block_manager.block_size, first + len(block_ids)
-        # each block's tokens as a tuple, cut lazily (a 16k-token hit: 1,023 blocks)
-        block_tokens = zip(*[iter(req.all_token_ids[first * size:end * size])] * size)
-        cache_block = self.block_manager.cache_block
-        for block_id, block_hash, tokens in zip(block_ids, req.block_hashes[first:end],
-                                                block_tokens):
-            cache_block(block_id, block_hash, tokens, from_kvstore=True)
-
-    def _store_target(self, forget_ids: list[str]) -> IsWanted:
-        """Whether block ``block_id`` still holds ``block_hash`` (not evicted) and the
-        worker, running the plan that forgets ``forget_ids``, finds it at ``index`` of a
-        request: it holds the running ones, and the ones it forgets until that plan's
-        stores are made."""
-        forgotten = set(forget_ids)
-        holds = self.block_manager.holds
-
-        def is_wanted(request_id: str, index: int, block_id: int, block_hash: bytes) -> bool:
-            if not holds(block_id, block_hash):
-                return False
-            req = self.requests.get(request_id)
-            if req is not None and req.known_to_worker:
-                return index < len(req.block_table) and req.block_table[index] == block_id
-            return request_id in forgotten
-
-        return is_wanted
 
     def _waiting_head(self) -> Request | None:
         """The first waiting request, skipping siblings whose leader is still scheduling

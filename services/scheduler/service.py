@@ -7,8 +7,12 @@ with a 503, the worker is re-attached (its cache reset) once the link is back, a
 error outputs wait in the outbox (outbox.py) to be sent again once the link returns.
 
 The kvstore enters through the KV connector (kv_connector.py, null without a kvstore):
-its ``prepare`` may await a lookup before a request queues, so with ``--kv-node-id``
-submits are handled concurrently (each keeps the place in line it arrived at).
+the core validates a request and gives it its place in line, then the connector's
+``find_hit`` may await a lookup before the core queues it, so with ``--kv-node-id`` submits
+are handled concurrently (each keeps the place in line it arrived at).
+
+The core is always there: until a worker attaches (and while one re-attaches) it is a
+core over no blocks, and submits are refused as "not ready".
 
 For the gateways' KV-aware routing, the prefix cache's blocks are published as they come
 and go, with a snapshot on request (block_events.py), and the stats name the prices.
@@ -30,15 +34,16 @@ import structlog
 from services.scheduler.block_events import BlockEventPublisher, routing_stats
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_client import KEEPALIVE_INTERVAL_S
-from services.scheduler.kv_connector import KvConnector, KvConnectorFactory
-from services.scheduler.outbox import REDELIVERY_TICK_S, Outbox, bus_lost_error, by_subject
-from services.scheduler.scheduler import Emitted, Scheduler
+from services.scheduler.kv_connector import KvConnectorFactory, NoKvConnector
+from services.scheduler.outbox import Outbox, bus_lost_error
+from services.scheduler.output_publisher import OutputPublisher
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.step_stats import StepStats
 from services.scheduler.tiering import TierSpeeds
 from shared.bus import PING_INTERVAL_S, Bus
 from shared.errors import FlotillaError, ServiceUnavailable, TooManyRequests
 from shared.messages import (
-    AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch,
+    AbortRequest, Empty, GenerateRequest, HealthReply,
     StepPlan, StepResult, SubmitReply, WorkerInfo,
 )
 from shared.runtime import freeze_startup_objects
@@ -59,24 +64,30 @@ class SchedulerService:
         self.config = config
         self.bus = bus
         self.subjects = Subjects(config.namespace)
-        self.core: Scheduler | None = None  # built once the worker says how big its cache is
-        self._worker_id = ""  # the worker instance attached: its cache is what core tracks
+        # the KV connector of the attached worker (the core's hooks are this one's)
+        self.kv = NoKvConnector()
+        # replaced once a worker attaches and says how big its cache is
+        self.core = Scheduler.without_worker(config, self.kv)
+        self._worker_id = ""  # the worker attached ("": none): its cache is what core tracks
         self._worker_link: int | None = None  # its count of NATS disconnects, from its pings
         self._wakeup = asyncio.Event()
         self._stats_now = asyncio.Event()
         self._bus_epoch = bus.num_disconnects  # link drops already acted on
         self.outbox = Outbox(RECENT_FINAL_S)
+        self.outputs = OutputPublisher(bus, self.outbox)  # to the gateways waiting for them
         self.draining = False
-        # the KV connector of the attached worker (core.kv is this one while core is set)
-        self.kv = KvConnector()
         self.tier_speeds = TierSpeeds()  # measured across worker re-attaches
         self.step_stats = StepStats(self.tier_speeds)
         self._new_kv_connector = KvConnectorFactory(config, bus, self.subjects, self.tier_speeds)
         self._worker_info: WorkerInfo | None = None
         self.block_events = BlockEventPublisher(  # the GPU tier, for the gateways' routing
             bus, self.subjects, config.instance_id, config.replica_id,
-            lambda: self.core.block_manager if self.core is not None else None)
+            lambda: self.core.block_manager)
         bus.add_listener(self._on_link)
+
+    @property
+    def worker_attached(self) -> bool:
+        return bool(self._worker_id)
 
     async def start(self) -> None:
         queue = self.subjects.queue_group("scheduler")
@@ -95,7 +106,7 @@ class SchedulerService:
         (raised here) rather than leaving a scheduler that answers but never steps."""
         step_loop = asyncio.create_task(self._step_loop())
         helpers = [asyncio.create_task(self._stats_loop()),
-                   asyncio.create_task(self._redelivery_loop()),
+                   asyncio.create_task(self.outputs.redeliver()),
                    asyncio.create_task(self._keepalive_loop()),
                    asyncio.create_task(self.block_events.run())]
         stopped = asyncio.create_task(stop.wait())
@@ -115,8 +126,8 @@ class SchedulerService:
         then fail the rest with 503 (the gateway moves them to another replica)."""
         core = self.core
         self.draining = True
-        log.info("scheduler_draining", num_running=len(core.running) if core else 0,
-                 num_waiting=len(core.waiting) if core else 0,
+        log.info("scheduler_draining", num_running=len(core.running),
+                 num_waiting=len(core.waiting),
                  timeout_s=self.config.shutdown_timeout)
         await self.bus.unsubscribe(self.subjects.scheduler_submit,
                                    queue=self.subjects.queue_group("scheduler"))
@@ -129,13 +140,13 @@ class SchedulerService:
         if isinstance(outcome, Exception):
             log.error("step_loop_failed", error=repr(outcome))
         num_failed = 0
-        if self.core is not None and self.core.requests:
+        if self.core.requests:
             emitted = self.core.fail_all(ServiceUnavailable(
                 f"the scheduler shut down before the request finished (it drained for "
                 f"{self.config.shutdown_timeout:g}s)", code="shutdown").to_info())
             num_failed = len(emitted)
-            await self._publish(emitted)
-        await self._send_held(final=True)
+            await self.outputs.publish(emitted)
+        await self.outputs.send_held(final=True)
         try:
             await self.bus.flush()
         except Exception:  # noqa: BLE001 - NATS may be gone; nothing more to do
@@ -147,48 +158,47 @@ class SchedulerService:
         if self.draining:
             raise ServiceUnavailable(f"scheduler {self.config.instance_id} is draining (shutting "
                                      "down) and takes no new requests", code="draining")
-        if self.core is None:
+        if not self.worker_attached:
             raise ServiceUnavailable("the worker is not ready yet")
         # Queued: what would still wait if every free batch slot were filled now (a request
         # submitted a moment ago sits in `waiting` until the next step admits it).
-        core = self.core
+        core, kv = self.core, self.kv
         num_queued = len(core.running) + len(core.waiting) - self.config.max_num_seqs
         if num_queued >= self.config.max_queued_requests:
             raise TooManyRequests(f"the server is busy: {num_queued} requests are queued to "
                                   "run; try again later")
-        kv = self.kv
-        prepared = await kv.prepare(core, request)  # None: aborted meanwhile
-        if prepared is not None:
-            try:
-                if self.core is not core or self.draining:
-                    raise ServiceUnavailable("the scheduler re-attached its worker or began "
-                                             "draining while the request arrived",
-                                             code="draining" if self.draining else None)
-                core.add_request(request, tier_hit=prepared.tier_hit,
-                                 arrival_seq=prepared.arrival_seq,
-                                 block_hashes=prepared.block_hashes)
-            except FlotillaError:
-                await kv.let_go(prepared)
-                raise
+        arrival = core.arrive(request)  # validated here, the one time: before any lookup
+        try:
+            hit = await kv.find_hit(arrival)  # None: a miss (or no kvstore)
+        except BaseException:
+            core.withdraw(arrival)
+            raise
+        if arrival.aborted or self.core is not core or self.draining:
+            core.withdraw(arrival)
+            await kv.let_go(hit)
+            if not arrival.aborted:  # (aborted: the gateway wants it no more)
+                raise ServiceUnavailable("the scheduler re-attached its worker or began "
+                                         "draining while the request arrived",
+                                         code="draining" if self.draining else None)
+        else:
+            core.queue(arrival, hit)
         self._wakeup.set()
         return SubmitReply(scheduler_id=self.config.instance_id)
 
     async def _on_abort(self, request: AbortRequest) -> Empty:
-        self.kv.aborted(request.request_ids)
-        if self.core is not None:
-            self.core.abort(request.request_ids)
-            await self.kv.release_pins()
+        self.core.abort(request.request_ids)  # (also those being looked up: intake.py)
+        await self.kv.release_pins()
         return Empty()
 
     async def _on_health(self, _: Empty) -> HealthReply:
-        core = self.core
-        detail = {"replica_id": self.config.replica_id, "worker_ready": core is not None,
+        core, attached = self.core, self.worker_attached
+        detail = {"replica_id": self.config.replica_id, "worker_ready": attached,
                   "draining": self.draining}
-        if core is not None:  # worker_id: the worker instance attached (tests wait on it)
+        if attached:  # worker_id: the worker instance attached (tests wait on it)
             detail |= {"num_running": len(core.running), "num_waiting": len(core.waiting),
                        "worker_id": self._worker_id,
                        "worker_kv_store_id": self.kv.worker_store_id}
-        status = "draining" if self.draining else "ok" if core is not None else "starting"
+        status = "draining" if self.draining else "ok" if attached else "starting"
         return HealthReply(service="scheduler", instance_id=self.config.instance_id,
                            status=status, detail=detail)
 
@@ -236,9 +246,10 @@ class SchedulerService:
         it: its WorkerInfo then named no kvstore, and only its pings tell us."""
         store_id = str(detail.get("kv_store_id", ""))
         namespace = str(detail.get("kv_namespace", ""))
-        if self.core is not None and namespace and namespace != self.kv.namespace:
-            self.core.kv = self.kv = self._new_kv_connector(
+        if namespace and namespace != self.kv.namespace:  # (pinged: a worker is attached)
+            self.kv = self._new_kv_connector(
                 self._worker_info, namespace, str(detail.get("kv_node_id", "")), self.kv)
+            self.core.use_connector(self.kv)
             log.info("worker_kvstore_learned", kv_namespace=namespace, kv_store_id=store_id)
         # only this kvstore's slots can be loaded (the worker computes any other load)
         self.kv.worker_store_id = store_id
@@ -250,7 +261,7 @@ class SchedulerService:
         in_flight: deque[tuple[StepPlan, asyncio.Task]] = deque()
         try:
             while True:
-                if self.core is None:
+                if not self.worker_attached:
                     if self.draining:
                         return
                     await self._connect_worker()
@@ -294,7 +305,7 @@ class SchedulerService:
                     await self._worker_failed(plan, exc, in_flight)
                     continue
                 self.step_stats.record_step(plan, result)
-                await self._publish(core.update(plan, result))
+                await self.outputs.publish(core.update(plan, result))
                 await self.kv.release_pins()  # the step's loads are done
         finally:
             _cancel(in_flight)
@@ -313,14 +324,15 @@ class SchedulerService:
         """End every request with ``error``; the step loop then attaches the worker again
         (a fresh cache). The core goes first, so a submit arriving meanwhile is refused,
         not lost. After a lost link the errors wait for the link and the gateways."""
-        old_core, self.core = self.core, None
+        old_core, self.core = self.core, Scheduler.without_worker(self.config, self.kv)
+        self._worker_id = ""
         emitted = old_core.fail_all(error.to_info())
         await self.kv.release_pins()
         log.warning("requests_failed", num_requests=len(emitted), reason=error.message)
         if bus_lost:
             self.outbox.hold(emitted, error, time.monotonic())
         else:
-            await self._publish(emitted)
+            await self.outputs.publish(emitted)
 
     async def _ping_worker(self) -> HealthReply | None:
         """Ping this replica's worker; remember how often its link to NATS dropped."""
@@ -340,7 +352,7 @@ class SchedulerService:
         """A worker restarted while we were idle has an empty cache that the prefix cache
         still points into: drop our state and attach to it, before a step reads stale KV."""
         reply = await self._ping_worker()
-        if reply is None or self.core is None:
+        if reply is None or not self.worker_attached:
             return  # down: the next step fails and re-attaches
         if reply.instance_id != self._worker_id:
             log.warning("worker_replaced", old_worker_id=self._worker_id,
@@ -372,60 +384,24 @@ class SchedulerService:
         finally:
             step.cancel()
 
-    # ------------------------------------------------------------ outputs
-    async def _publish(self, emitted: list[Emitted]) -> None:
-        """Send outputs to their gateways. Never raises: with the link down, the final
-        outputs are held as errors (earlier outputs of those requests may be lost too:
-        the gateway resumes them from what it has) and the running requests fail at the
-        step loop's next turn."""
-        now, published_at = time.monotonic(), time.time()
-        for subject, outputs in by_subject(emitted).items():
-            try:
-                await self.bus.publish(subject, OutputBatch(outputs, published_at))
-            except ServiceUnavailable:
-                self.outbox.hold([Emitted(subject, o) for o in outputs
-                                  if o.finish_reason is not None], bus_lost_error(), now)
-                continue
-            self.outbox.published(subject, outputs, now)
-
-    async def _redelivery_loop(self) -> None:
-        while True:
-            await asyncio.sleep(REDELIVERY_TICK_S)
-            await self._send_held()
-
-    async def _send_held(self, *, final: bool = False) -> None:
-        """Send the held error outputs that are due (``final``: all of them, once)."""
-        if not self.outbox.num_held or not self.bus.is_connected:
-            return
-        due = self.outbox.due(time.monotonic(), self.bus.connected_at, final=final)
-        try:
-            for subject, items in due.items():
-                await self.bus.publish(subject, OutputBatch([h.emitted.output for h in items]))
-                self.outbox.sent(items)
-        except ServiceUnavailable:
-            pass  # down again: the rest wait for the next reconnect
-        finally:
-            self.outbox.settle(final=final)
-        if due:
-            log.info("error_outputs_sent", num_outputs=sum(map(len, due.values())), final=final)
-
     async def _keepalive_loop(self) -> None:
         """Keep this scheduler's pins at the kvstore (and send releases NATS held up); ask
         the worker which kvstore it is attached to now (a busy step loop rarely pings)."""
         while True:
             await asyncio.sleep(KEEPALIVE_INTERVAL_S)
             await self.kv.keep_alive()
-            if self.config.kv_node_id and self.core is not None:
+            if self.config.kv_node_id and self.worker_attached:
                 await self._ping_worker()
 
     # ------------------------------------------------------------ stats
     async def _stats_loop(self) -> None:
         while True:
-            core = self.core
+            core, kv = self.core, self.kv
+            routing = routing_stats(core, self.tier_speeds, self._worker_info, kv,
+                                    self.block_events.seq)
             stats = self.step_stats.report(
-                self.config, core, draining=self.draining, now=time.monotonic(),
-                **self.kv.stats(), **routing_stats(core, self.tier_speeds, self._worker_info,
-                                                   self.block_events.seq))
+                self.config, core, kv, routing, now=time.monotonic(),
+                worker_ready=self.worker_attached and not self.draining)  # (else routed around)
             try:
                 await self.bus.publish(self.subjects.scheduler_stats, stats)
             except ServiceUnavailable:

@@ -1,7 +1,8 @@
-"""What the scheduler's stats events report (SchedulerStats), pure: the worker's busy
-time and its idle share over an interval with work throughout, the recent steps' sizes
-and times, and the speeds measured from each step (tiering.py: the kvstore's choice and
-the gateways' routing). service.py publishes them."""
+"""What the scheduler's stats events report (SchedulerStats, shared/scheduler_stats.py),
+pure: the heartbeat; the engine's figures (the worker's busy time and its idle share over
+an interval with work throughout, the recent steps' sizes and times); speculation's; and
+the speeds measured from each step (tiering.py: the kvstore's choice and the gateways'
+routing, whose part block_events.py makes). service.py publishes them."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import time
 import structlog
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_tier import KvTierHooks
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tiering import TierSpeeds
-from shared.messages import SchedulerStats, StepPlan, StepResult
+from shared.messages import StepPlan, StepResult
+from shared.scheduler_stats import EngineStats, RoutingStats, SchedulerStats, SpeculationStats
 
 log = structlog.get_logger()
 
@@ -41,36 +44,40 @@ class StepStats:
                   kv_load_bytes=result.kv_load_bytes,
                   kv_load_gb_per_s=round(result.kv_load_bytes_per_s / 1e9, 1))
 
-    def report(self, config: SchedulerConfig, core: Scheduler | None, *, draining: bool,
-               now: float, **fields) -> SchedulerStats:
-        """The stats event for the interval since the last one; ``fields``: the KV
-        connector's and routing's."""
+    def report(self, config: SchedulerConfig, core: Scheduler, kv: KvTierHooks,
+               routing: RoutingStats, *, worker_ready: bool, now: float) -> SchedulerStats:
+        """The stats event for the interval since the last one: the heartbeat, ``routing``
+        (block_events.py), the engine's figures and speculation's."""
+        return SchedulerStats(
+            scheduler_id=config.instance_id, replica_id=config.replica_id,
+            timestamp=time.time(), worker_ready=worker_ready, num_running=len(core.running),
+            num_waiting=len(core.waiting), num_steps=core.num_steps, routing=routing,
+            engine=self._engine_stats(core, kv, now), speculation=speculation_stats(core))
+
+    def _engine_stats(self, core: Scheduler, kv: KvTierHooks, now: float) -> EngineStats:
         last_wall, last_busy, was_busy = self._last
-        is_busy = bool(core and core.running)
+        is_busy = bool(core.running)
         # Idle share of the worker's time over an interval with work throughout.
         idle_ratio = (max(0.0, 1.0 - (self.worker_busy_s - last_busy) / (now - last_wall))
                       if was_busy and is_busy and now > last_wall else -1.0)
         self._last = (now, self.worker_busy_s, is_busy)
         samples, self._samples = self._samples, []
-        manager = core.block_manager if core else None
-        return SchedulerStats(
-            scheduler_id=config.instance_id, replica_id=config.replica_id,
-            timestamp=time.time(), num_running=len(core.running) if core else 0,
-            num_waiting=len(core.waiting) if core else 0,
-            num_blocks_used=manager.num_used_blocks if manager else 0,
-            num_blocks_total=manager.num_blocks if manager else 0,
-            num_steps=core.num_steps if core else 0,
-            num_preemptions=core.num_preemptions if core else 0,
-            # draining: not ready for new requests (gateways route around it)
-            worker_ready=core is not None and not draining,
-            num_prefix_queries=core.num_prefix_queries if core else 0,
-            num_prefix_hits=core.num_prefix_hits if core else 0,
-            num_draft_tokens=core.draft_books.num_draft_tokens if core else 0,
-            num_accepted_drafts=core.draft_books.num_accepted_drafts if core else 0,
-            num_drafted_steps=core.draft_books.num_drafted_steps if core else 0,
-            num_accepted_per_position=list(core.draft_books.num_accepted_per_position)
-            if core else [],
-            draft_cap=core.drafter.step_cap if core and core.drafter.enabled else -1,
+        return EngineStats(
+            num_blocks_used=core.block_manager.num_used_blocks,
+            num_blocks_total=core.block_manager.num_blocks,
+            num_preemptions=core.num_preemptions, num_prefix_queries=core.num_prefix_queries,
+            num_prefix_hits=core.num_prefix_hits,
+            num_kv_tier_hits=sum(kv.num_tokens_loaded.values()),
+            num_kv_tier_hits_by_tier=dict(kv.num_tokens_loaded),
             worker_busy_s=self.worker_busy_s, worker_idle_ratio=idle_ratio,
             recent_step_tokens=[tokens for tokens, _ in samples],
-            recent_step_times_s=[seconds for _, seconds in samples], **fields)
+            recent_step_times_s=[seconds for _, seconds in samples])
+
+
+def speculation_stats(core: Scheduler) -> SpeculationStats:
+    books, drafter = core.draft_books, core.drafter
+    return SpeculationStats(
+        num_draft_tokens=books.num_draft_tokens, num_accepted_drafts=books.num_accepted_drafts,
+        num_drafted_steps=books.num_drafted_steps,
+        num_accepted_per_position=list(books.num_accepted_per_position),
+        draft_cap=drafter.step_cap if drafter.enabled else -1)

@@ -167,15 +167,15 @@ def test_the_hit_rate_and_per_turn_figures():
 def gateway_metrics_text(queries: dict[str, int], hits: dict[str, int], tier_hits: int) -> str:
     """The real gateway's /metrics after stats events from one scheduler per replica."""
     from services.gateway.metrics import GatewayMetrics
-    from shared.messages import SchedulerStats
+    from shared.scheduler_stats import EngineStats, SchedulerStats
 
     metrics = GatewayMetrics()
     for replica, num_queries in queries.items():
         metrics.observe_scheduler(SchedulerStats(
-            scheduler_id=f"sched-{replica}", replica_id=replica, timestamp=0.0, num_running=0,
-            num_waiting=0, num_blocks_used=0, num_blocks_total=10,
-            num_prefix_queries=num_queries, num_prefix_hits=hits[replica],
-            num_kv_tier_hits=tier_hits if replica == "0" else 0))
+            scheduler_id=f"sched-{replica}", replica_id=replica, timestamp=0.0,
+            engine=EngineStats(num_blocks_total=10, num_prefix_queries=num_queries,
+                               num_prefix_hits=hits[replica],
+                               num_kv_tier_hits=tier_hits if replica == "0" else 0)))
     return metrics.render().decode()
 
 

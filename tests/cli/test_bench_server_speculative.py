@@ -7,7 +7,7 @@ import pytest
 
 from cli.bench import report, server_metrics
 from services.gateway.metrics import GatewayMetrics
-from shared.messages import SchedulerStats
+from shared.scheduler_stats import EngineStats, SchedulerStats, SpeculationStats
 
 
 def gateway_counters(replicas: dict[str, tuple[int, int, int, list[int]]]
@@ -17,10 +17,10 @@ def gateway_counters(replicas: dict[str, tuple[int, int, int, list[int]]]
     metrics = GatewayMetrics()
     for replica, (drafts, kept, passes, per_position) in replicas.items():
         metrics.observe_scheduler(SchedulerStats(
-            scheduler_id=f"sched-{replica}", replica_id=replica, timestamp=0.0, num_running=0,
-            num_waiting=0, num_blocks_used=0, num_blocks_total=10, num_draft_tokens=drafts,
-            num_accepted_drafts=kept, num_drafted_steps=passes,
-            num_accepted_per_position=per_position))
+            scheduler_id=f"sched-{replica}", replica_id=replica, timestamp=0.0,
+            engine=EngineStats(num_blocks_total=10), speculation=SpeculationStats(
+                num_draft_tokens=drafts, num_accepted_drafts=kept, num_drafted_steps=passes,
+                num_accepted_per_position=per_position)))
     return server_metrics.parse_counters(metrics.render().decode())
 
 

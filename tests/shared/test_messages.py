@@ -7,6 +7,7 @@ import pytest
 
 from shared import messages as m
 from shared import kv_messages as km
+from shared import scheduler_stats as ss
 
 STRUCTURED = m.StructuredSpec(kind="json_schema", json_schema='{"type": "object"}')
 SAMPLING = m.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3,
@@ -23,6 +24,15 @@ TIER_STATS = km.KvTierStats(tier="host", num_blocks=1, num_bytes=128, capacity_b
 SNAPSHOT_PART = m.BlockSnapshotPart(namespace="ns", tier="host", block_hashes=[b"\x05" * 32])
 STORE_RUN = m.KvStoreRun("r1", 2, [4, 5], [b"\x01" * 32, b"\x02" * 32])
 
+ROUTING = ss.RoutingStats(block_size=16, model_name="x", kv_node_id="local", kv_namespace="ns",
+                          num_queued_prefill_tokens=900, prefill_tokens_per_s=5e3,
+                          host_load_bytes_per_s=1e9, disk_read_bytes_per_s=2e8,
+                          block_bytes=1 << 16, block_event_seq=12)
+ENGINE = ss.EngineStats(num_blocks_used=3, num_blocks_total=9, num_kv_tier_hits=32,
+                        num_kv_tier_hits_by_tier={"host": 32}, recent_step_tokens=[7],
+                        recent_step_times_s=[0.01])
+SPECULATION = ss.SpeculationStats(num_draft_tokens=8, num_accepted_drafts=5,
+                                  num_accepted_per_position=[3, 2], draft_cap=4)
 SAMPLES: dict[type, object] = {
     m.ErrorInfo: ERROR,
     m.HealthReply: m.HealthReply(service="worker", instance_id="abc", detail={"num_blocks": 3, "ok": True}),
@@ -58,13 +68,12 @@ SAMPLES: dict[type, object] = {
     m.OutputBatch: m.OutputBatch([m.RequestOutput(request_id="r1", new_token_ids=[42]),
                                   m.RequestOutput(request_id="r2", new_token_ids=[],
                                                   finish_reason="abort")]),
-    m.SchedulerStats: m.SchedulerStats(scheduler_id="s", replica_id="0", timestamp=1.0, num_running=2,
-                                       num_waiting=1, num_blocks_used=3, num_blocks_total=9,
-                                       block_size=16, model_name="x", kv_node_id="local",
-                                       kv_namespace="ns", num_queued_prefill_tokens=900,
-                                       prefill_tokens_per_s=5e3, host_load_bytes_per_s=1e9,
-                                       disk_read_bytes_per_s=2e8, block_bytes=1 << 16,
-                                       block_event_seq=12),
+    ss.RoutingStats: ROUTING,
+    ss.EngineStats: ENGINE,
+    ss.SpeculationStats: SPECULATION,
+    ss.SchedulerStats: ss.SchedulerStats(scheduler_id="s", replica_id="0", timestamp=1.0,
+                                         num_running=2, num_waiting=1, num_steps=4,
+                                         routing=ROUTING, engine=ENGINE, speculation=SPECULATION),
     m.NewRequestData: m.NewRequestData("r1", [1, 2, 3], SAMPLING, [0, 1], 0),
     m.ScheduledRequest: m.ScheduledRequest("r1", 1, [7]),
     m.StepPlan: m.StepPlan(3, [m.NewRequestData("r1", [1], SAMPLING, [0])],

@@ -18,7 +18,7 @@ from services.scheduler import block_events
 from services.scheduler.block_events import BlockEventPublisher
 from services.scheduler.block_manager import BlockManager
 from shared.bus import Bus
-from shared.messages import SchedulerStats
+from shared.scheduler_stats import RoutingStats, SchedulerStats
 from shared.subjects import Subjects
 from tests.nats_server import started_nats_server
 
@@ -42,9 +42,8 @@ def cache(manager: BlockManager, first: int, count: int) -> None:
 
 
 def stats(scheduler_id: str, block_event_seq: int) -> SchedulerStats:
-    return SchedulerStats(scheduler_id=scheduler_id, replica_id="0", timestamp=0.0, num_running=0,
-                          num_waiting=0, num_blocks_used=0, num_blocks_total=0,
-                          block_event_seq=block_event_seq)
+    return SchedulerStats(scheduler_id=scheduler_id, replica_id="0", timestamp=0.0,
+                          routing=RoutingStats(block_event_seq=block_event_seq))
 
 
 def mirrors(index: BlockIndex, scheduler_id: str, manager: BlockManager) -> bool:

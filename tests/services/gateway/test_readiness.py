@@ -12,7 +12,8 @@ from services.gateway import service as gateway_service
 from services.gateway.config import GatewayConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.service import GatewayService
-from shared.messages import GenerateRequest, SamplingParams, SchedulerStats
+from shared.messages import GenerateRequest, SamplingParams
+from shared.scheduler_stats import SchedulerStats
 
 
 class Clock:
@@ -32,8 +33,7 @@ def clock(monkeypatch) -> Clock:
 
 def stats(scheduler_id: str, replica_id: str, num_steps: int, num_running: int = 1) -> SchedulerStats:
     return SchedulerStats(scheduler_id=scheduler_id, replica_id=replica_id, timestamp=0.0,
-                          num_running=num_running, num_waiting=0, num_blocks_used=0,
-                          num_blocks_total=10, num_steps=num_steps, num_preemptions=0,
+                          num_running=num_running, num_waiting=0, num_steps=num_steps,
                           worker_ready=True)
 
 

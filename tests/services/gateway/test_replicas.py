@@ -6,14 +6,13 @@ from __future__ import annotations
 import msgspec
 
 from services.gateway.replicas import ReplicaTable, Stall
-from shared.messages import SchedulerStats
+from shared.scheduler_stats import SchedulerStats
 
 
 def stats(scheduler_id: str, replica_id: str = "0", num_steps: int = 0, num_running: int = 0,
           worker_ready: bool = True) -> SchedulerStats:
     return SchedulerStats(scheduler_id=scheduler_id, replica_id=replica_id, timestamp=0.0,
-                          num_running=num_running, num_waiting=0, num_blocks_used=0,
-                          num_blocks_total=10, num_steps=num_steps, num_preemptions=0,
+                          num_running=num_running, num_waiting=0, num_steps=num_steps,
                           worker_ready=worker_ready)
 
 

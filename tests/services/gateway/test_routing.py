@@ -12,7 +12,8 @@ from services.gateway.block_index import BlockIndex
 from services.gateway.routing import (
     CACHE, LOAD, SATURATED, SESSION, TURN, PendingPrefill, Replica, Router, RoutingParams,
 )
-from shared.messages import SchedulerBlockEvent, SchedulerStats
+from shared.messages import SchedulerBlockEvent
+from shared.scheduler_stats import RoutingStats, SchedulerStats
 from shared.kv_messages import KvBlockEvent
 from shared.prefix_hash import extra_keys, usable_block_hashes
 
@@ -26,10 +27,11 @@ def stats(scheduler_id: str, *, running: int = 0, waiting: int = 0, queued: int 
           **fields) -> SchedulerStats:
     return SchedulerStats(
         scheduler_id=scheduler_id, replica_id=replica_id or scheduler_id, timestamp=0.0,
-        num_running=running, num_waiting=waiting, num_blocks_used=0, num_blocks_total=100,
-        block_size=BLOCK_SIZE, model_name="m", kv_node_id=node, kv_namespace="ns" if node else "",
-        num_queued_prefill_tokens=queued, prefill_tokens_per_s=prefill,
-        host_load_bytes_per_s=host, block_bytes=1000, **fields)
+        num_running=running, num_waiting=waiting, routing=RoutingStats(
+            block_size=BLOCK_SIZE, model_name="m", kv_node_id=node,
+            kv_namespace="ns" if node else "", num_queued_prefill_tokens=queued,
+            prefill_tokens_per_s=prefill, host_load_bytes_per_s=host, block_bytes=1000,
+            **fields))
 
 
 def dear_streams(scheduler_id: str, **fields) -> SchedulerStats:

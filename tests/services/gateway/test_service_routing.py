@@ -13,10 +13,12 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.service import GatewayService
 from shared.messages import GenerateRequest, SamplingParams, SchedulerBlockEvent
 from shared.prefix_hash import extra_keys, usable_block_hashes
+from shared.scheduler_stats import RoutingStats
 from tests.services.gateway.test_readiness import _NoTokenizer, clock, stats  # noqa: F401
 
 PROMPT = list(range(500, 500 + 20 * 16 + 3))
 HASHES = usable_block_hashes(PROMPT, 16, extra_keys("m"))
+ROUTING = RoutingStats(block_size=16, model_name="m")
 
 
 def gateway(routing: str = "kv") -> GatewayService:
@@ -26,7 +28,7 @@ def gateway(routing: str = "kv") -> GatewayService:
 
 def heard(service: GatewayService, scheduler_id: str, replica_id: str, num_steps: int = 0) -> None:
     event = msgspec.structs.replace(stats(scheduler_id, replica_id, num_steps, num_running=0),
-                                    block_size=16, model_name="m")
+                                    routing=ROUTING)
     asyncio.run(service._on_stats(event))
 
 
@@ -93,8 +95,7 @@ def test_a_request_of_ours_that_ended_frees_its_slot_before_the_stats_do(clock):
     """Stats are half a second old: a session's next turn must not find its replica a
     request busier than it is (the valve would move it for nothing)."""
     service = gateway()  # kv, nothing cached: its least loaded
-    busy = msgspec.structs.replace(stats("b", "1", 0, num_running=1), block_size=16,
-                                   model_name="m")
+    busy = msgspec.structs.replace(stats("b", "1", 0, num_running=1), routing=ROUTING)
     asyncio.run(service._on_stats(busy))  # another gateway's request
     service.replicas.record("a").num_outstanding = 1
     asyncio.run(service._on_stats(msgspec.structs.replace(busy, scheduler_id="a",

@@ -4,16 +4,17 @@ kept drafts, verify passes, and drafts kept per position, per replica."""
 from __future__ import annotations
 
 from services.gateway.metrics import GatewayMetrics
-from shared.messages import SchedulerStats
+from shared.scheduler_stats import EngineStats, SchedulerStats, SpeculationStats
 
 
 def stats(replica: str, drafts: int, kept: int, steps: int, per_position: list[int],
           draft_cap: int = -1) -> SchedulerStats:
     return SchedulerStats(scheduler_id=f"sched-{replica}", replica_id=replica, timestamp=0.0,
-                          num_running=0, num_waiting=0, num_blocks_used=0, num_blocks_total=10,
-                          num_draft_tokens=drafts, num_accepted_drafts=kept,
-                          num_drafted_steps=steps, num_accepted_per_position=per_position,
-                          draft_cap=draft_cap)
+                          engine=EngineStats(num_blocks_total=10),
+                          speculation=SpeculationStats(
+                              num_draft_tokens=drafts, num_accepted_drafts=kept,
+                              num_drafted_steps=steps, num_accepted_per_position=per_position,
+                              draft_cap=draft_cap))
 
 
 def value(metrics: GatewayMetrics, name: str, **labels: str) -> float:

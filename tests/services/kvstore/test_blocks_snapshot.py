@@ -23,7 +23,8 @@ from services.kvstore.service import KvStoreService
 from shared import block_snapshots
 from shared.bus import Bus
 from shared.errors import FlotillaError
-from shared.messages import BlockSnapshotReply, BlockSnapshotRequest, Empty, SchedulerStats
+from shared.messages import BlockSnapshotReply, BlockSnapshotRequest, Empty
+from shared.scheduler_stats import RoutingStats, SchedulerStats
 from shared.kv_messages import (
     KvAttachReply, KvAttachRequest, KvBlockEvent, KvCommitRequest, KvLayout, KvReserveReply,
     KvReserveRequest, KvStatsReply,
@@ -98,9 +99,9 @@ async def snapshot(bus: Bus) -> tuple[list[BlockSnapshotReply], dict[tuple[str, 
 
 
 def stats(kv_node_id: str) -> SchedulerStats:
-    return SchedulerStats(scheduler_id="s1", replica_id="0", timestamp=0.0, num_running=0,
-                          num_waiting=0, num_blocks_used=0, num_blocks_total=0,
-                          kv_node_id=kv_node_id, kv_namespace=LAYOUT.namespace)
+    return SchedulerStats(scheduler_id="s1", replica_id="0", timestamp=0.0,
+                          routing=RoutingStats(kv_node_id=kv_node_id,
+                                               kv_namespace=LAYOUT.namespace))
 
 
 def tiers_of(index: BlockIndex, namespace: str, hashes: list[bytes]) -> list[str]:

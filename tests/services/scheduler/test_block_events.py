@@ -9,11 +9,13 @@ import pytest
 from services.scheduler import block_events
 from services.scheduler.block_events import BlockEventPublisher, routing_stats
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.kv_connector import KvConnector
+from services.scheduler.kv_connector import NoKvConnector
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.tiering import TierSpeeds
 from shared.errors import InvalidRequest
 from shared.messages import WorkerInfo
 from shared.prefix_hash import extra_keys, usable_block_hashes
+from shared.scheduler_stats import RoutingStats
 from tests.services.scheduler.test_scheduler import (
     BLOCK_SIZE, FakeWorker, make_scheduler, request, run_to_completion,
 )
@@ -88,7 +90,7 @@ def test_a_replaced_core_removes_everything_it_held():
     events.collect(1.0)
     old.allocate(1)  # h(2) evicted, not published yet
     cache(old, [h(3)])
-    current["manager"] = None  # between cores
+    current["manager"] = BlockManager(num_blocks=0, block_size=0)  # the core without a worker
     (gone,) = events.collect(2.0)
     assert sorted(gone.removed_hashes) == [h(1), h(2), h(3)] and not gone.stored_hashes
     current["manager"] = new
@@ -140,13 +142,11 @@ def test_routing_stats_count_queued_prefill_and_name_the_keys():
                       block_size=BLOCK_SIZE, max_model_len=512, eos_token_ids=[0],
                       kv_cache_bytes=64 * 1000, device="cpu", dtype="float32")
     speeds = TierSpeeds(prefill_tokens_per_s=500.0)
-    fields = routing_stats(scheduler, speeds, info, block_event_seq=7)
-    assert fields["num_queued_prefill_tokens"] == (20 - 8) + 30
-    assert fields | {"num_queued_prefill_tokens": 0} == dict(
-        block_size=BLOCK_SIZE, model_name="m", num_queued_prefill_tokens=0, prefill_tokens_per_s=500.0, host_load_bytes_per_s=0.0,
-        disk_read_bytes_per_s=0.0, block_bytes=1000, block_event_seq=7,
+    routing = routing_stats(scheduler, speeds, info, NoKvConnector(), block_event_seq=7)
+    assert routing == RoutingStats(  # the kvstore's keys are the KV connector's: none here
+        block_size=BLOCK_SIZE, model_name="m", num_queued_prefill_tokens=(20 - 8) + 30,
+        prefill_tokens_per_s=500.0, host_load_bytes_per_s=0.0, disk_read_bytes_per_s=0.0,
+        block_bytes=1000, block_event_seq=7,
         decode_seq_cost_tokens=0.0)  # no decode steps seen yet
-    assert routing_stats(None, TierSpeeds(), None, 0)["block_size"] == 0
-    # the kvstore's keys are the KV connector's: none without a kvstore
-    assert KvConnector().stats() == dict(num_kv_tier_hits=0, kv_node_id="", kv_namespace="",
-                                         num_kv_tier_hits_by_tier={"host": 0, "disk": 0})
+    without_worker = Scheduler.without_worker(scheduler.config, NoKvConnector())
+    assert routing_stats(without_worker, TierSpeeds(), None, NoKvConnector(), 0) == RoutingStats()

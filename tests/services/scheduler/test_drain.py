@@ -12,9 +12,8 @@ from services.scheduler import outbox
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.service import SchedulerService
 from shared.errors import FlotillaError, ServiceUnavailable
-from shared.messages import (
-    Empty, HealthReply, OutputBatch, SchedulerStats, StepPlan, WorkerInfo,
-)
+from shared.messages import Empty, HealthReply, OutputBatch, StepPlan, WorkerInfo
+from shared.scheduler_stats import SchedulerStats
 from shared.subjects import Subjects
 from tests.services.scheduler.test_scheduler import (
     BLOCK_SIZE, EOS, FakeWorker, expected_tokens, request,
@@ -126,7 +125,7 @@ async def started(bus: FakeBus, **config) -> tuple[SchedulerService, asyncio.Eve
     await service.start()
     stop = asyncio.Event()
     run = asyncio.create_task(service.run(stop))
-    await eventually(lambda: service.core is not None)
+    await eventually(lambda: service.worker_attached)
     return service, stop, run
 
 
@@ -197,7 +196,7 @@ async def test_a_drain_before_the_worker_attached_ends_at_once():
     await asyncio.sleep(0.1)
     stop.set()
     await asyncio.wait_for(run, 2)
-    assert service.core is None
+    assert not service.worker_attached
 
 
 async def test_a_lost_link_fails_running_requests_after_it_is_back_and_reattaches(monkeypatch):
@@ -213,14 +212,14 @@ async def test_a_lost_link_fails_running_requests_after_it_is_back_and_reattache
     num_published = len(bus.published)
 
     bus.drop_link()
-    await eventually(lambda: service.core is None)  # the running requests failed
+    await eventually(lambda: not service.worker_attached)  # the running requests failed
     with pytest.raises(FlotillaError):
         await service._on_submit(request("meanwhile", 10, 5))  # refused, not lost
     await asyncio.sleep(0.1)
     assert len(bus.published) == num_published  # nothing can go out while it is down
 
     bus.restore_link()
-    await eventually(lambda: service.core is not None)
+    await eventually(lambda: service.worker_attached)
     assert bus.num_attaches == 2  # the worker's cache was reset
     await eventually(lambda: sum(o.finish_reason == "error" for o in bus.outputs()["long"]) == 2)
     errors = [o for o in bus.outputs()["long"] if o.finish_reason == "error"]

@@ -17,7 +17,8 @@ import pytest
 from cli.stack import free_port, nats_server_binary
 from shared.bus import Bus
 from shared.errors import ServiceUnavailable
-from shared.messages import GenerateRequest, OutputBatch, SamplingParams, SchedulerStats, SubmitReply
+from shared.messages import GenerateRequest, OutputBatch, SamplingParams, SubmitReply
+from shared.scheduler_stats import SchedulerStats
 from shared.subjects import Subjects
 
 pytestmark = pytest.mark.integration

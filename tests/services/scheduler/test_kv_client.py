@@ -16,7 +16,7 @@ from services.kvstore.metrics import KvStoreMetrics
 from services.kvstore.service import KvStoreService
 from services.scheduler import kv_client as kv_client_module
 from services.scheduler.kv_client import KvClient
-from services.scheduler.scheduler import PrefixQuery
+from services.scheduler.intake import PrefixQuery
 from services.scheduler.tiering import TierSpeeds
 from shared.bus import Bus
 from shared.kv_messages import (

@@ -12,18 +12,19 @@ import pytest
 
 from services.scheduler.config import SchedulerConfig
 from services.scheduler import kv_client
-from services.scheduler.kv_connector import KvConnector, TieredKvConnector
+from services.scheduler.kv_connector import KvConnector, NoKvConnector
 from shared.prefix_hash import extend_block_hashes
 from services.scheduler.service import SchedulerService
 from shared.bus import Bus
 from shared.errors import ServiceUnavailable
 from shared.messages import (
-    AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch, SamplingParams,
-    SchedulerStats, StepPlan, StepResult, SubmitReply, WorkerInfo,
+    AbortRequest, Empty, GenerateRequest, HealthReply, OutputBatch, SamplingParams, StepPlan,
+    StepResult, SubmitReply, WorkerInfo,
 )
 from shared.kv_messages import (
     KvKeepAlive, KvLookupReply, KvLookupRequest, KvPinReply, KvPinRequest, KvReleaseRequest,
 )
+from shared.scheduler_stats import SchedulerStats
 from shared.subjects import Subjects
 from tests.services.scheduler.test_kv_client import eventually
 from tests.services.scheduler.test_kv_tier import TierWorker
@@ -175,7 +176,7 @@ async def running(nats_url: str, kvstore: str, _peers: dict | None = None, **con
     await service.start()
     stop_event = asyncio.Event()
     task = asyncio.create_task(service.run(stop_event))
-    await eventually(lambda: service.core is not None)
+    await eventually(lambda: service.worker_attached)
 
     async def shutdown() -> None:
         stop_event.set()
@@ -238,8 +239,8 @@ async def test_a_host_hit_is_pinned_by_its_lookup_loaded_and_released(nats_url):
         assert loads[0].store_id == "store-1"  # the worker loads only that kvstore's slots
         assert peers.outputs["a"][0].num_cached_tokens == 24
         await eventually(lambda: peers.released == [lookup.pin_id])  # after the load
-        await eventually(lambda: peers.stats and peers.stats[-1].num_kv_tier_hits == 24)
-        assert peers.stats[-1].num_kv_tier_hits_by_tier == {"host": 24, "disk": 0}
+        await eventually(lambda: peers.stats and peers.stats[-1].engine.num_kv_tier_hits == 24)
+        assert peers.stats[-1].engine.num_kv_tier_hits_by_tier == {"host": 24, "disk": 0}
         # the tokens computed here went to the kvstore: the 7th block (2 prompt tokens
         # and 2 outputs), with the next plan (the last step of "a" completed it); the
         # loaded ones never go back
@@ -259,12 +260,12 @@ async def test_tier_hits_stay_counted_across_a_worker_re_attach(nats_url):
         prompt = prompt_of(52_000)
         peers.hold(prompt)
         await submit(peers.bus, "a", prompt)
-        await eventually(lambda: peers.stats and peers.stats[-1].num_kv_tier_hits == 24)
+        await eventually(lambda: peers.stats and peers.stats[-1].engine.num_kv_tier_hits == 24)
         await service._reattach(ServiceUnavailable("the worker restarted"))
-        await eventually(lambda: service.core is not None)
+        await eventually(lambda: service.worker_attached)
         await submit(peers.bus, "b", prompt)
-        await eventually(lambda: peers.stats and peers.stats[-1].num_kv_tier_hits == 48)
-        assert peers.stats[-1].num_kv_tier_hits_by_tier == {"host": 48, "disk": 0}
+        await eventually(lambda: peers.stats and peers.stats[-1].engine.num_kv_tier_hits == 48)
+        assert peers.stats[-1].engine.num_kv_tier_hits_by_tier == {"host": 48, "disk": 0}
     finally:
         await shutdown()
 
@@ -278,7 +279,7 @@ async def test_without_a_kv_node_id_the_null_connector_looks_up_and_stores_nothi
         await submit(peers.bus, "n", prompt)
         await eventually(lambda: len(tokens_of(peers, "n")) == 3)
         assert tokens_of(peers, "n") == expected_tokens("n", len(prompt), 3)
-        assert type(service.kv) is KvConnector and service.core.kv is service.kv
+        assert type(service.kv) is NoKvConnector and service.core.kv is service.kv
         assert not peers.lookups and peers.plans
         assert all(not plan.kv_loads and not plan.kv_stores for plan in peers.plans)
     finally:
@@ -380,7 +381,7 @@ async def test_a_worker_that_attaches_to_its_kvstore_later_is_learned_from_its_p
         await eventually(lambda: len(tokens_of(peers, "m")) == 3)
         assert peers.outputs["m"][0].num_cached_tokens == 24
         assert tokens_of(peers, "m") == expected_tokens("m", len(prompt), 3)
-        assert isinstance(service.core.kv, TieredKvConnector) and service.core.kv is service.kv
+        assert isinstance(service.core.kv, KvConnector) and service.core.kv is service.kv
     finally:
         await shutdown()
 

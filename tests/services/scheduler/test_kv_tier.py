@@ -11,8 +11,12 @@ import pytest
 from shared.prefix_hash import extend_block_hashes
 from services.scheduler.request import TierHit
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.kv_tier import KvTierLedger, max_load_blocks
+from services.scheduler import scheduler as scheduler_module
+from services.scheduler.intake import prefix_query
+from services.scheduler.kv_tier import KvTierLedger, max_load_blocks, store_target
 from services.scheduler.scheduler import Scheduler
+from services.scheduler.validation import validate_request
+from shared.errors import InvalidRequest
 from shared.messages import ErrorInfo, StepPlan, StepResult
 from tests.services.scheduler.test_scheduler import (
     BLOCK_SIZE, EOS, FakeWorker, expected_tokens, request, run_to_completion,
@@ -27,6 +31,11 @@ def make_scheduler(num_blocks=64, max_num_seqs=8, max_num_batched_tokens=64, kvs
         config.max_kv_load_mib_per_step, block_bytes)) if kvstore else None
     return Scheduler(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_model_len=512,
                      eos_token_ids=[EOS], model_name="m", kv=kv)
+
+
+def query_of(scheduler: Scheduler, req):
+    return prefix_query(req, scheduler.block_manager, scheduler.model_name,
+                        scheduler.config.prefix_caching)
 
 
 class TierWorker(FakeWorker):
@@ -371,9 +380,9 @@ def test_block_of_a_preempted_request_readmitted_elsewhere_is_not_stored():
     block_ids = plan.new_requests[0].block_ids
     block_hash = hashes_of(scheduler.requests["a"].prompt_token_ids)[0]
     stores.on_block_cached("a", 0, block_ids[0], block_hash)
-    assert len(stores.take_plan_stores(scheduler._store_target([]))) == 1
+    assert len(stores.take_plan_stores(store_target(scheduler.requests, scheduler.block_manager, []))) == 1
     stores.on_block_cached("a", 0, block_ids[1], block_hash)  # not a's block 0 at the worker
-    assert stores.take_plan_stores(scheduler._store_target([])) == []
+    assert stores.take_plan_stores(store_target(scheduler.requests, scheduler.block_manager, [])) == []
 
 
 def test_evicted_block_is_not_stored():
@@ -382,7 +391,7 @@ def test_evicted_block_is_not_stored():
     scheduler.add_request(request("a", 0, 1, prompt=prompt, ignore_eos=True))
     plan, result = first_plan(scheduler, worker)
     scheduler.kv.on_block_cached("a", 0, plan.new_requests[0].block_ids[0], b"other")
-    assert scheduler.kv.take_plan_stores(scheduler._store_target([])) == []
+    assert scheduler.kv.take_plan_stores(store_target(scheduler.requests, scheduler.block_manager, [])) == []
 
 
 @pytest.mark.parametrize("kvstore", [False, True])
@@ -402,37 +411,71 @@ def test_prefix_query_covers_blocks_before_the_last_token():
     prompt = prompt_tokens(17)
     scheduler.add_request(request("warm", 0, 1, prompt=prompt[:9], ignore_eos=True))
     run_to_completion(scheduler, worker)
-    query = scheduler.prefix_query(request("a", 0, 1, prompt=prompt))
+    query = query_of(scheduler, request("a", 0, 1, prompt=prompt))
     assert query.block_hashes == hashes_of(prompt)[:4]
     assert query.num_gpu_blocks == 2
-    assert scheduler.prefix_query(request("b", 0, 1, prompt=prompt, prompt_logprobs=0)) is None
-    assert make_scheduler(prefix_caching=False).prefix_query(request("c", 0, 1, prompt=prompt)) is None
+    assert query_of(scheduler, request("b", 0, 1, prompt=prompt, prompt_logprobs=0)) is None
+    assert query_of(make_scheduler(prefix_caching=False), request("c", 0, 1, prompt=prompt)) is None
 
 
-def test_hashes_given_with_the_request_are_used():
+def test_the_arrivals_hashes_are_used():
     scheduler, worker = make_scheduler(kvstore=True), TierWorker(64)
+    scheduler.kv.looks_up = True  # as the kvstore's connector: the core makes the query
     prompt = prompt_tokens(18)
-    query = scheduler.prefix_query(request("a", 0, 1, prompt=prompt))
-    scheduler.add_request(request("a", 0, 3, prompt=prompt, ignore_eos=True),
-                          tier_hit=worker.pin(prompt, 0, 4), block_hashes=query.block_hashes)
+    arrival = scheduler.arrive(request("a", 0, 3, prompt=prompt, ignore_eos=True))
+    assert arrival.query.block_hashes == hashes_of(prompt)[:4]
+    scheduler.queue(arrival, worker.pin(prompt, 0, 4))
+    assert scheduler.requests["a"].block_hashes == arrival.query.block_hashes  # not again
     outputs, _, _ = run_to_completion(scheduler, worker)
     assert outputs["a"] == expected_tokens("a", 18, 3)
 
 
-def test_arrival_seq_keeps_the_place_in_line():
+def test_an_arrival_keeps_its_place_in_line():
     scheduler = make_scheduler(max_num_seqs=1)
-    seq = scheduler.next_arrival_seq()  # taken before a kvstore lookup
+    first = scheduler.arrive(request("first", 5, 1))  # then a kvstore lookup
     scheduler.add_request(request("later", 5, 1))
-    scheduler.add_request(request("first", 5, 1), arrival_seq=seq)
+    scheduler.queue(first)
     assert [r.request_id for r in scheduler.waiting] == ["first", "later"]
 
 
-def test_stale_store_hits_are_dropped():
+def test_a_request_is_validated_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(scheduler_module, "validate_request",
+                        lambda *args: calls.append(args) or validate_request(*args))
+    scheduler = make_scheduler(kvstore=True)
+    scheduler.kv.looks_up = True
+    scheduler.queue(scheduler.arrive(request("a", 9, 2)))
+    scheduler.add_request(request("b", 9, 2))
+    assert len(calls) == 2 and len(scheduler.waiting) == 2
+
+
+def test_an_arriving_request_holds_its_ids_until_it_queues_or_is_withdrawn():
+    scheduler = make_scheduler()
+    arrival = scheduler.arrive(request("a", 5, 1, n=2))
+    with pytest.raises(InvalidRequest, match="duplicate request id a-1"):
+        scheduler.arrive(request("a-1", 5, 1))  # while the first is looked up
+    scheduler.withdraw(arrival)
+    scheduler.queue(scheduler.arrive(request("a", 5, 1, n=2)))
+    assert sorted(scheduler.requests) == ["a-0", "a-1"] and not scheduler.arriving
+
+
+def test_an_abort_while_arriving_is_kept_for_the_service():
+    scheduler = make_scheduler()
+    arrival, other = scheduler.arrive(request("a", 5, 1)), scheduler.arrive(request("b", 5, 1))
+    scheduler.abort(["a"])
+    assert arrival.aborted and not other.aborted
+
+
+def test_hits_of_a_kvstore_restarted_since_are_dropped_when_the_next_request_queues():
     scheduler, worker = make_scheduler(kvstore=True), TierWorker(64)
     prompt = prompt_tokens(18)
+    scheduler.kv.store_id = "store-1"  # the connector's: the kvstore process last heard from
     scheduler.add_request(request("a", 0, 2, prompt=prompt, ignore_eos=True),
                           tier_hit=worker.pin(prompt, 0, 4))
-    scheduler.drop_tier_hits("store-2")  # the kvstore restarted
+    assert scheduler.requests["a"].tier_hit is not None
+    scheduler.kv.store_id = "store-2"  # it restarted
+    scheduler.add_request(request("b", 5, 1))
+    assert scheduler.requests["a"].tier_hit is None
     outputs, _, plans = run_to_completion(scheduler, worker)
     assert all(not p.kv_loads for p in plans)
     assert scheduler.kv.take_pins_to_release() == []  # its pins died with it
