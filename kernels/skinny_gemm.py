@@ -32,8 +32,9 @@ tail of one launch. This kernel is a plain weight stream.
   worker takes it wherever ``serves_add_rms_norm`` holds (on one H200, batch-1 decode of
   Llama-3.1-8B 4.62 -> 4.55 ms/token in two alternating pairs).
 - FP8 weights (``--quantization fp8``, kernels/fp8.py): each tile is read as FP8 and widened to
-  fp16 for the product (``_fp16_dot``; with fp16 or fp32 x, to x's dtype), and a column's sum
+  fp16 for the product (``fp16_dot``; with fp16 or fp32 x, to x's dtype), and a column's sum
   is multiplied by its weight scale: half the bytes a decode step streams, x unrounded.
+- the kernel's steps on a tile are device functions in kernels/skinny_tiles.py.
 - CUDA-graph capturable: the grid and the scratch depend on shapes only.
 - with PDL on (kernels/pdl.py), each launch (the reduce's too) is a programmatic dependent
   launch: a program loads its first weight tile, then waits for the previous kernel, so in a
@@ -55,7 +56,8 @@ import triton.language as tl
 from kernels import pdl, split_reduce
 from kernels.fp8 import FP8_DTYPE, dequantize_per_channel
 from kernels.rms_norm import MAX_SINGLE_PASS
-from kernels.split_reduce import store_rounded
+from kernels.skinny_tiles import (first_tile_then_wait, row_and_column_tile, tile_dot,
+                                  tile_masks, write_tile)
 from kernels.skinny_configs import (CONFIGS, FP8_CONFIGS, FP8_GATED_CONFIGS,  # noqa: F401
                                     GATED_CONFIGS, SkinnyConfig, config_for, default_config,
                                     gated_config_for, gated_table, table)
@@ -84,66 +86,6 @@ def _serves(num_rows: int, weight: torch.Tensor, configs: dict) -> bool:
     return config is not None and 0 < num_rows <= config.max_m
 
 
-@triton.jit
-def _silu_times(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up of fp32 tiles, rounded as the two kernels (GEMM, then
-    kernels/activation.py) round it: gate and up to ``dtype``, silu to ``dtype``, the product."""
-    gate = gate.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)
-    return silu.to(tl.float32) * up.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _dot(x, w, acc, FP32_IEEE: tl.constexpr, FP16_DOT: tl.constexpr):
-    """acc + x [BLOCK_M, BLOCK_K] @ w [BLOCK_N, BLOCK_K]^T on the tensor cores (fp32 in full
-    precision, as cuBLAS's default; not tf32). An FP8 w is widened to x's dtype first, or with
-    FP16_DOT (bf16 x) multiplied in fp16 (``_fp16_dot``)."""
-    if FP16_DOT:
-        acc = _fp16_dot(x, w, acc)
-    else:
-        w = w.to(x.dtype)
-        if FP32_IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-    return acc
-
-
-@triton.jit
-def _fp16_dot(x, w, acc):
-    """acc + x @ w^T for bf16 x and an FP8 w, on the fp16 tensor cores: e4m3 widens to fp16 in
-    one conversion per pair of values, to bf16 in three, and at decode sizes those conversions
-    bound the kernel, not memory. Each row of the x tile is divided by the power of two that
-    puts its absolute max in [2^14, 2^15): exact, and inside fp16's range, so the fp16
-    products are bf16's; the tile's partial is multiplied back (also exact)."""
-    x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)  # [BLOCK_M]
-    biased_exp = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    scale_exp = tl.minimum(tl.maximum(biased_exp - 14, 1), 253)  # a zero row: any scale
-    row_scale = (scale_exp << 23).to(tl.float32, bitcast=True)  # 2^(scale_exp - 127)
-    inv_row_scale = ((254 - scale_exp) << 23).to(tl.float32, bitcast=True)
-    x16 = (x * inv_row_scale[:, None]).to(tl.float16)
-    return acc + tl.dot(x16, tl.trans(w.to(tl.float16))) * row_scale[:, None]
-
-
-@triton.jit
-def _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE: tl.constexpr):
-    """With HAS_SCALE (an FP8 weight), each column's sum times its weight scale.
-    Per output channel, so scaling each split's partial scales their sum."""
-    if HAS_SCALE:
-        acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    return acc
-
-
-@triton.jit
-def _row_and_column_tile(M, BLOCK_M: tl.constexpr):
-    """(row tile, column tile) of this program: the programs of one column tile, one a
-    BLOCK_M-row tile of x, run side by side (row tiles vary fastest), so a weight tile read
-    once from memory serves them all from L2. At most BLOCK_M rows: (0, program id)."""
-    num_m_tiles = tl.cdiv(M, BLOCK_M)
-    return tl.program_id(0) % num_m_tiles, tl.program_id(0) // num_m_tiles
-
-
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr,
@@ -157,7 +99,7 @@ def _skinny_gemm_kernel(
     """Program (column tile, K split). GATED: W holds 2N rows (gate, then up), out silu(gate) *
     up. HAS_SCALE: W is FP8, each row's sum times its scale (kernels/fp8.py). PDL: it waits
     for the previous kernel after its first weight tile (kernels/pdl.py)."""
-    pid_m, pid_n = _row_and_column_tile(M, BLOCK_M)
+    pid_m, pid_n = row_and_column_tile(M, BLOCK_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,58 +115,26 @@ def _skinny_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_loop = k_start
-    if PDL:  # the first tile, its weights loaded before the wait (no kernel writes weights)
-        if EVEN_K:
-            w_mask = n_mask[:, None]
-            x_mask = m_mask[:, None]
-        else:
-            k_mask = (k_start + offs_k) < k_end
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            x_mask = m_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if GATED:
-            w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-        pdl.wait_then_launch_dependents(PDL)
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
-        acc = _dot(x, w, acc, FP32_IEEE, FP16_DOT)
-        if GATED:
-            acc_up = _dot(x, w_up, acc_up, FP32_IEEE, FP16_DOT)
+    if PDL:
+        acc, acc_up = first_tile_then_wait(w_ptrs, x_ptrs, up_offset, k_start, offs_k, k_end,
+                                            m_mask, n_mask, acc, acc_up, EVEN_K, FP32_IEEE,
+                                            FP16_DOT, GATED, PDL)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         k_loop += BLOCK_K
     for k in range(k_loop, k_end, BLOCK_K):
-        if EVEN_K:
-            w_mask = n_mask[:, None]
-            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
-        else:
-            k_mask = (k + offs_k) < k_end
-            w_mask = n_mask[:, None] & k_mask[None, :]
-            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask, x_mask = tile_masks(k, offs_k, k_end, m_mask, n_mask, EVEN_K)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        acc = _dot(x, w, acc, FP32_IEEE, FP16_DOT)
+        acc = tile_dot(x, w, acc, FP32_IEEE, FP16_DOT)
         if GATED:
             w_up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            acc_up = _dot(x, w_up, acc_up, FP32_IEEE, FP16_DOT)
+            acc_up = tile_dot(x, w_up, acc_up, FP32_IEEE, FP16_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    acc = _times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE)
-    if GATED:  # the up rows' scales follow the gate rows'
-        acc_up = _times_weight_scale(acc_up, scale_ptr + N, offs_n, n_mask, HAS_SCALE)
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * out_stride_m + offs_n[None, :]
-    if SPLIT_K > 1:  # an fp32 partial per split; kernels/split_reduce.py adds them
-        partial_ptrs = (partial_ptr + pid_k * partial_stride_split
-                        + offs_m[:, None] * partial_stride_m + offs_n[None, :])
-        tl.store(partial_ptrs, acc, mask=out_mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            if GATED:
-                acc_up += tl.load(bias_ptr + N + offs_n, mask=n_mask,
-                                  other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            acc = _silu_times(acc, acc_up, x_ptr.dtype.element_ty)
-        store_rounded(out_ptrs, acc, x_ptr, out_ptr, out_mask)
+    write_tile(acc, acc_up, x_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr, pid_k, offs_m,
+                offs_n, m_mask, n_mask, N, out_stride_m, partial_stride_split, partial_stride_m,
+                HAS_BIAS, HAS_SCALE, SPLIT_K, GATED)
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

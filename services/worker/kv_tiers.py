@@ -198,18 +198,32 @@ class KvTiers:
         if not slot_ids:
             return timing
         if self.device.type != "cuda":
-            started = time.perf_counter()
-            for slot_id, block_id, length in paired_runs(slot_ids, block_ids):
-                self.blocks[block_id:block_id + length].copy_(self.slots[slot_id:slot_id + length])
-            timing.seconds = time.perf_counter() - started
+            self._load_now(slot_ids, block_ids, timing)
             return timing
-        stream = self._load_stream
+        grouped = len(self.load_groups) > 1 and in_layer_groups
+        self._queue_load(slot_ids, block_ids, timing, grouped)
+        self.pending_loads.append(LoadCopy(frozenset(block_ids), timing.end, timing.group_ends,
+                                           self._group_of_layer if grouped else ()))
+        return timing
+
+    def _load_now(self, slot_ids: Sequence[int], block_ids: Sequence[int],
+                  timing: LoadTiming) -> None:
+        """CPU: copy the slots into the blocks at once, timed on the host."""
+        started = time.perf_counter()
+        for slot_id, block_id, length in paired_runs(slot_ids, block_ids):
+            self.blocks[block_id:block_id + length].copy_(self.slots[slot_id:slot_id + length])
+        timing.seconds = time.perf_counter() - started
+
+    def _queue_load(self, slot_ids: Sequence[int], block_ids: Sequence[int],
+                    timing: LoadTiming, grouped: bool) -> None:
+        """CUDA: queue the load on the load stream, chunk by chunk (each group's, when
+        ``grouped``), each chunk staged then scattered into its blocks; ``timing`` gets its
+        start, end and group-end events."""
+        stream, scatter_stream = self._load_stream, self._scatter_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # a step in flight may use them
         self._wait_for_stores_on(stream, block_ids)  # and copies out may still read them
         timing.start, timing.end = (torch.cuda.Event(enable_timing=True),
                                     torch.cuda.Event(enable_timing=True))
-        scatter_stream, groups = self._scatter_stream, self.load_groups
-        grouped = len(groups) > 1 and in_layer_groups
         chunks = self.load_chunks(slot_ids, grouped)
         # Chunk k is copied (copy engine, load stream) into buffer k % 2 once chunk k - 2's
         # scatter (a kernel, scatter stream) is done with it, so the link never waits for a
@@ -224,32 +238,45 @@ class KvTiers:
             for number, part in enumerate(chunks):
                 if scattered[part.buffer] is not None:
                     stream.wait_event(scattered[part.buffer])
-                if grouped:
-                    staging = self._copy_group(part, stream)  # [n, group's layers, 2, ...]
-                else:
-                    staging = self._load_staging[part.buffer][:part.num_blocks]  # [n, *slot_shape]
-                    for index, slot_id, length in part.slot_runs:
-                        staging[index:index + length].copy_(self.slots[slot_id:slot_id + length],
-                                                            non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(stream)
-                scatter_stream.wait_event(copied)
-                with torch.cuda.stream(scatter_stream):
-                    scatter_blocks(self.kv_cache,
-                                   device_block_ids[part.first:part.first + part.num_blocks],
-                                   staging, layers=groups[part.group] if grouped else None)
-                    scattered[part.buffer] = torch.cuda.Event()
-                    scattered[part.buffer].record(scatter_stream)
-                    if grouped and (number + 1 == len(chunks)
-                                    or chunks[number + 1].group != part.group):
-                        group_ends.append(torch.cuda.Event(enable_timing=True))  # (benchmarks)
-                        group_ends[-1].record(scatter_stream)
+                staging = self._stage_chunk(part, grouped, stream)
+                scattered[part.buffer] = self._scatter_chunk(
+                    part, staging, device_block_ids, grouped, stream)
+                last_of_group = number + 1 == len(chunks) or chunks[number + 1].group != part.group
+                if grouped and last_of_group:
+                    group_ends.append(torch.cuda.Event(enable_timing=True))  # (benchmarks)
+                    group_ends[-1].record(scatter_stream)
             stream.wait_stream(scatter_stream)  # the load ends with its last scatter
             timing.end.record(stream)
         timing.group_ends = tuple(group_ends)
-        self.pending_loads.append(LoadCopy(frozenset(block_ids), timing.end, timing.group_ends,
-                                           self._group_of_layer if grouped else ()))
-        return timing
+
+    def _stage_chunk(self, part: LoadChunk, grouped: bool,
+                     stream: torch.cuda.Stream) -> torch.Tensor:
+        """Queue the copy of ``part``'s slots into its staging buffer (on ``stream``) -> the
+        staged rows: [n, the group's layers, 2, ...] when ``grouped``, else [n, *slot_shape]."""
+        if grouped:
+            return self._copy_group(part, stream)
+        staging = self._load_staging[part.buffer][:part.num_blocks]
+        for index, slot_id, length in part.slot_runs:
+            staging[index:index + length].copy_(self.slots[slot_id:slot_id + length],
+                                                non_blocking=True)
+        return staging
+
+    def _scatter_chunk(self, part: LoadChunk, staging: torch.Tensor,
+                       device_block_ids: torch.Tensor, grouped: bool,
+                       stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """Queue the scatter of a staged chunk into its blocks on the scatter stream, once
+        its copy on ``stream`` is done -> the event its staging buffer is free again at."""
+        copied = torch.cuda.Event()
+        copied.record(stream)
+        scatter_stream = self._scatter_stream
+        scatter_stream.wait_event(copied)
+        with torch.cuda.stream(scatter_stream):
+            scatter_blocks(self.kv_cache,
+                           device_block_ids[part.first:part.first + part.num_blocks],
+                           staging, layers=self.load_groups[part.group] if grouped else None)
+            scattered = torch.cuda.Event()
+            scattered.record(scatter_stream)
+        return scattered
 
     def load_chunks(self, slot_ids: Sequence[int], grouped: bool) -> list[LoadChunk]:
         """A load's staging chunks in issue order: each group's (all layers of a block in
