@@ -13,7 +13,13 @@ earlier tokens on the host (logprobs, grammar, penalties, prompt logprobs) or ve
 
 The kvstore enters through one hook per phase of a step (``self.kv``, kv_connector.py):
 ``prepare`` the plan, ``before_forward``, ``after_forward``, ``end_submit``; without a
-kvstore it is ``NoKvConnector``, which computes a plan's loads instead.
+kvstore it is ``NoKvConnector``, which computes a plan's loads instead. Speculative
+decoding enters the same way: the worker's proposer (``self.proposer``, draft_model.py:
+``propose``, ``fill``, ``read_back``, ``settle``; ``NoDraftModel`` without a draft model)
+and the acceptance rule (``self.verify``, speculation.py).
+
+``build_runner`` (runner_build.py) assembles the runner's parts; a plan's entries are
+checked and turned into chunks by step_chunks.py.
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ from services.worker.model import AttentionMetadata, Transformer
 from services.worker.sampler import Sampler, chunk_prompt_logprobs, make_generator
 from services.worker.speculation import VerifyRule, keep_accepted, verify_drafts
 from services.worker.staging import HostStaging
+from services.worker.step_chunks import CacheShape, chunk_of
 from services.worker.step_inputs import (
     LogitsLayout, SequenceChunk, build_step_inputs, fill_pending_inputs, logits_layout,
     select_rows,
 )
 from services.worker.step_state import RequestState, StepInFlight, plan_needs_host_tokens
 from services.worker.tp_ranks import SingleRank
-from shared.messages import NewRequestData, ScheduledRequest, StepPlan, StepResult, TokenLogprobs
+from shared.messages import NewRequestData, StepPlan, StepResult, TokenLogprobs
 from shared.kv_messages import KvLayout
 from shared.models import ModelFiles
 
@@ -75,6 +82,7 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.kv_cache, self.kv_cache_bytes = kv_cache, kv_cache_bytes
         self.num_blocks: int = kv_cache.shape[2]
+        self._cache = CacheShape(self.num_blocks, block_size, max_model_len)  # (plan checks)
         self._staging, self.proposer, self.verify = staging, proposer, verify
         self.sampler = sampler
         self._graphs, self._verify_graphs, self._mixed_graphs = graphs
@@ -203,7 +211,8 @@ class ModelRunner:
             self._staging.behind_step = self._in_flight is not None
         plan = self.kv.prepare(plan)
         finished = self._take_arrivals(plan)
-        chunks = [self._chunk(scheduled) for scheduled in plan.scheduled]
+        chunks = [chunk_of(scheduled, self._requests.get(scheduled.request_id), self._cache,
+                           self._in_flight, self.proposer) for scheduled in plan.scheduled]
         kv_step = self.kv.before_forward(plan, chunks, self._requests, finished)
         sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
         states = [self._requests[request_id] for request_id in sampled_ids]
@@ -356,7 +365,7 @@ class ModelRunner:
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):
             raise ValueError(f"request {new.request_id}: num_computed_tokens "
                              f"{new.num_computed_tokens} outside [0, {len(new.token_ids)}]")
-        self._check_block_ids(new.request_id, new.block_ids)
+        self._cache.check_block_ids(new.request_id, new.block_ids)
         num_prompt_tokens = new.num_prompt_tokens or len(new.token_ids)
         self._forget(new.request_id)
         self.sampler.add(new.request_id, new.sampling, list(new.token_ids), num_prompt_tokens)
@@ -367,60 +376,6 @@ class ModelRunner:
             num_prompt_tokens=num_prompt_tokens,
             wants_prompt_logprobs=new.sampling.prompt_logprobs is not None
             and num_prompt_tokens == len(new.token_ids))
-
-    def _chunk(self, scheduled: ScheduledRequest) -> SequenceChunk:
-        """Validate one scheduled entry and describe its work; no state changes yet."""
-        request_id, num_new_tokens = scheduled.request_id, scheduled.num_new_tokens
-        state = self._requests.get(request_id)
-        if state is None:
-            raise ValueError(f"unknown request id {request_id!r}")
-        drafts = self._drafts(scheduled)
-        start, end = state.num_computed_tokens, state.num_computed_tokens + num_new_tokens
-        known_end = end - len(drafts)  # drafts follow the last known token
-        if num_new_tokens <= len(drafts) or known_end > state.num_tokens \
-                or (drafts and known_end != len(state.token_ids)):
-            raise ValueError(f"request {request_id}: {num_new_tokens} new tokens after {start} "
-                             f"computed ({len(drafts)} drafts); it has {state.num_tokens} tokens")
-        if end > self.max_model_len:
-            raise ValueError(f"request {request_id}: {end} tokens exceed max_model_len "
-                             f"{self.max_model_len}")
-        self._check_block_ids(request_id, scheduled.new_block_ids)
-        block_table = state.block_table + list(scheduled.new_block_ids)
-        if len(block_table) * self.block_size < end:
-            raise ValueError(f"request {request_id}: too few blocks, {len(block_table)} of "
-                             f"{self.block_size} tokens for {end} tokens")
-        # positions start.. predicting prompt tokens (the last prompt position predicts an output)
-        num_logprob_rows = max(0, min(end, state.num_prompt_tokens - 1) - start) \
-            if state.wants_prompt_logprobs else 0
-        token_ids = state.token_ids[start:known_end]
-        pending_row = None
-        if known_end > len(state.token_ids):  # its last token: sampled by the step in flight
-            in_flight = self._in_flight
-            if in_flight is None or known_end - len(state.token_ids) != 1 \
-                    or in_flight.row_of(request_id, state) is None:
-                raise ValueError(f"request {request_id}: token {end - 1} is not known yet")
-            pending_row = in_flight.row_of(request_id, state)
-            token_ids.append(0)  # placeholder: filled on the device (fill_pending_inputs)
-        return SequenceChunk(token_ids=token_ids + list(drafts), start=start,
-                             block_table=block_table, sample=known_end == state.num_tokens,
-                             num_logprob_rows=num_logprob_rows, pending_row=pending_row,
-                             num_drafts=len(drafts),
-                             draft_slots=bool(drafts and not scheduled.draft_token_ids))
-
-    def _drafts(self, scheduled: ScheduledRequest) -> list[int]:
-        """A scheduled entry's drafts: the scheduler's tokens, or placeholders for the slots
-        the worker's proposer fills (its draft model, draft_model.py; the null one refuses)."""
-        given = scheduled.draft_token_ids
-        if given and len(given) != scheduled.num_drafts:
-            raise ValueError(f"request {scheduled.request_id}: {len(given)} draft tokens for "
-                             f"{scheduled.num_drafts} drafts")
-        self.proposer.check(scheduled.request_id, scheduled)
-        return list(given) or [0] * scheduled.num_drafts
-
-    def _check_block_ids(self, request_id: str, block_ids: list[int]) -> None:
-        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
-        if bad:
-            raise ValueError(f"request {request_id}: block ids {bad} outside [0, {self.num_blocks})")
 
 
 class _Sampled(NamedTuple):
