@@ -22,11 +22,13 @@ tokenizer's vocabulary decode to no text.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -158,6 +160,32 @@ def _write_dummy(config: dict, tokenizer_files: ModelFiles, staging: Path) -> No
     (staging / DUMMY_MARKER).write_text(f"random weights; tokenizer from {tokenizer_dir}\n")
 
 
+@contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """While transformers converts a GGUF file: one gguf reader per file and one tensor-name
+    table per (architecture, layers). transformers parses the file for the config, again for
+    the tokenizer and again for the weights, and builds the table again for each of the
+    model's modules (397 for SmolLM2): of the default model's ~18 s conversion on two cores,
+    ~40% went to the three parses and ~20% to the tables. Both are read-only, so sharing
+    them changes no value."""
+    import gguf
+
+    make_reader, make_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple, object] = {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = make_reader(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(make_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_name_map
+
+
 def _convert_gguf(gguf_path: Path, staging: Path) -> None:
     import torch
     from safetensors.torch import save_file
@@ -165,8 +193,10 @@ def _convert_gguf(gguf_path: Path, staging: Path) -> None:
 
     log.info("model_converting", gguf=str(gguf_path))
     folder, filename = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    with _gguf_read_once():  # (transformers imports both names from gguf when it calls them)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename,
+                                                     dtype=torch.float32)
     # transformers refuses save_pretrained on a GGUF-loaded model: write the parts.
     state_dict = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:
