@@ -11,8 +11,8 @@ from pathlib import Path
 from tests.test_boundaries import ROOT
 
 PRODUCT = ("services", "shared", "cli", "kernels")
-MAX_LINES = 80  # the aim is 60
-MAX_MODULE_LINES = 500  # the aim is 400
+MAX_LINES = 60
+MAX_MODULE_LINES = 450  # the aim is 400
 
 # "module::Class.function" still over MAX_LINES, left to the work that splits them. Shrink
 # it as they land: a listed function that fits (or is gone) fails the test below.

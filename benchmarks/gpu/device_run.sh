@@ -18,6 +18,9 @@ for stage in "$@"; do
     env) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
          python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)";;
     tests) python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider -W ignore --tb=line 2>&1 | grep -v "^  \|^$" | tail -30;;
+    # every GPU test (all live in these folders) in one process (issue 48)
+    gpu-suite) python3 -m pytest -q -m gpu tests/kernels tests/services/worker tests/cli -p no:cacheprovider -W ignore --tb=short \
+        ${SUITE_ARGS:-} 2>&1 | tee "$OUT/gpu-suite.log" | grep -v "^  \|^$" | tail -40;;
     worker-tests) python3 -m pytest -q -m gpu tests/services/worker tests/cli -p no:cacheprovider -W ignore \
         --ignore=tests/services/worker/test_structured.py --tb=short 2>&1 | tail -30;;
     # issue 15: the skinny GEMM against cuBLAS at decode batch sizes (SKINNY_ARGS: --sweep ...)
