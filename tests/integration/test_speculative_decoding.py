@@ -55,14 +55,14 @@ def test_greedy_chats_equal_the_reference_and_drafts_are_counted(
 def test_a_draft_model_through_the_stack_gives_the_reference_text(
         tmp_path, model_name, hf_model, hf_tokenizer):
     """``method: "draft_model"``: the worker (overlapping steps, as on a GPU) loads the draft
-    (here the served model itself) from the flags flotilla serve gives it, fills each verify
-    step's draft slots, and the text is Hugging Face's greedy text with nearly every draft
-    kept."""
+    (here the served model itself) from the --speculative-config flotilla serve gives it too,
+    fills each verify step's draft slots, and the text is Hugging Face's greedy text with
+    nearly every draft kept."""
     spec = json.dumps({"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4})
     stack = start_stack(tmp_path, kvstore=False, service_args={
         "scheduler": ["--speculative-config", spec],
-        "worker": ["--kv-cache-memory", "256MiB", "--draft-model", "smollm2",
-                   "--num-speculative-tokens", "4", "--overlap-steps", "on"]})
+        "worker": ["--kv-cache-memory", "256MiB", "--speculative-config", spec,
+                   "--overlap-steps", "on"]})
     try:
         client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0)
         messages = [{"role": "user", "content": CHATS[0]}]
