@@ -34,7 +34,7 @@ import torch
 
 from cli.engine import Engine
 from services.scheduler.request import Request
-from services.scheduler.speculation import Drafts, Speculation, host_drafts
+from services.scheduler.speculation import DraftPolicy, Drafts, host_drafts
 from services.worker.speculation import Adjust, Verified
 from services.worker.staging import HostStaging
 from services.worker.step_inputs import LogitsLayout, SequenceChunk
@@ -81,7 +81,7 @@ def install(engine: Engine, modes: BenchmarkModes) -> Engine:
     """Put ``modes`` into ``engine`` (before its first request) -> the engine."""
     if modes.replay_path:
         drafter = engine.scheduler.drafter
-        if not isinstance(drafter, Speculation):
+        if not isinstance(drafter, DraftPolicy):
             raise ValueError("replay needs speculative decoding on (method replay)")
         drafter.proposer = ReplayProposer(load_replay(modes.replay_path))
     if modes.synthetic_acceptance_length:

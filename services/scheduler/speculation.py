@@ -2,8 +2,8 @@
 verifies beside its own, and what the step's result does to the request.
 
 The seam. The core calls a ``Drafter``, chosen once (``drafter``): ``NoDrafts`` (off: every
-decode computes its one token; it keeps nothing) or ``Speculation``, the policy (which
-requests get drafts, and how many a step: ``disable_by_batch_size`` and the adaptive cap of
+decode computes its one token; it keeps nothing) or ``DraftPolicy`` (which requests get
+drafts, and how many a step: ``disable_by_batch_size`` and the adaptive cap of
 draft_budget.py) around a ``Proposer``, which says what the drafts are:
 
 - ``NgramProposer`` (``method: "ngram"``): prompt lookup. The request's last n tokens (n
@@ -24,7 +24,7 @@ One wire shape: a drafted ``ScheduledRequest`` carries ``num_drafts`` (counted i
 returns the drafts each request kept (``StepResult.accepted_draft_ids``), so a step is
 settled the same way whichever side drafted (``settle_drafts``), and counted in the
 ``DraftBooks`` (what /metrics, the benchmarks and the tests read). A benchmark installs its
-own proposer in process (``Speculation.proposer``; benchmarks/speculation_plugins.py).
+own proposer in process (``DraftPolicy.proposer``; benchmarks/speculation_plugins.py).
 
 The worker computes the request's last token and its drafts in one query; under greedy
 decoding it keeps each draft while it equals the model's argmax at the position before, then
@@ -212,7 +212,7 @@ def settle_drafts(req: Request, accepted: Sequence[int], books: DraftBooks) -> l
 
 
 class Drafter(Protocol):
-    """What the scheduler core calls, step by step (``NoDrafts``, ``Speculation``)."""
+    """What the scheduler core calls, step by step (``NoDrafts``, ``DraftPolicy``)."""
 
     enabled: bool
     step_cap: int  # the most drafts a request may get in the step being planned
@@ -252,7 +252,7 @@ class NoDrafts:
         pass
 
 
-class Speculation:
+class DraftPolicy:
     """Drafts for the requests that can take them, from ``proposer``, within each step's
     draft cap (draft_budget.py)."""
 
@@ -340,4 +340,4 @@ def drafter(config: SpeculativeConfig | None, worker_drafts: bool = True) -> Dra
     drafts nothing (host-side methods need no worker model)."""
     if config is None or (config.method == "draft_model" and not worker_drafts):
         return NoDrafts()
-    return Speculation(config, PROPOSERS[config.method](config))
+    return DraftPolicy(config, PROPOSERS[config.method](config))

@@ -13,7 +13,7 @@ from services.scheduler.config import SchedulerConfig
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
 from services.scheduler.speculation import (
-    NO_DRAFTS, NgramIndex, NoDrafts, Speculation, can_speculate, drafter, host_drafts,
+    NO_DRAFTS, DraftPolicy, NgramIndex, NoDrafts, can_speculate, drafter, host_drafts,
 )
 from shared.messages import GenerateRequest, SamplingParams, StepPlan, StepResult, StructuredSpec
 from shared.sections.speculative import SpeculativeConfig, parse_speculative_config
@@ -225,7 +225,7 @@ def test_the_drafts_are_the_proposers_and_the_books_the_schedulers():
     assert off.schedule().scheduled[0].num_drafts == 0
     assert off.draft_books.num_drafted_steps == 0
     core = scheduler()
-    assert isinstance(core.drafter, Speculation)
+    assert isinstance(core.drafter, DraftPolicy)
     core.drafter.proposer = proposer = FixedProposer()
     submit(core, [9, 8, 7], max_tokens=4)
     step(core, sampled=5)

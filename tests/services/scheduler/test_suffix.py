@@ -8,7 +8,7 @@ import random
 import pytest
 
 from services.scheduler.request import Request
-from services.scheduler.speculation import Speculation, drafter
+from services.scheduler.speculation import DraftPolicy, drafter
 from services.scheduler.suffix import ResponseCache, SuffixIndex
 from shared.messages import SamplingParams
 from shared.sections.speculative import SpeculativeConfig, parse_speculative_config
@@ -17,7 +17,7 @@ from tests.services.scheduler.test_speculation import ngram_drafts
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
 
-def suffix_drafter(**fields) -> Speculation:
+def suffix_drafter(**fields) -> DraftPolicy:
     config = SpeculativeConfig(method="suffix", num_speculative_tokens=8, **fields)
     return drafter(config)
 
