@@ -49,7 +49,8 @@ class ServiceConfig(msgspec.Struct, frozen=True, kw_only=True):
     __sections__: ClassVar[tuple[type[Section], ...]] = ()
 
     def with_instance_id(self: C) -> C:
-        if getattr(self, "instance_id", "x"):
+        """This config with a generated instance id, if it has the knob and it is empty."""
+        if "instance_id" not in self.__struct_fields__ or self.instance_id:
             return self
         return msgspec.structs.replace(self, instance_id=uuid.uuid4().hex[:8])
 
