@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from shared.config import compose
 from shared.sections.engine import (  # noqa: F401 (the worker's modules import them from here)
     BatchLimits, Compute, ContextLimit, Dtype, KvCache, KvCacheDtype, OverlapSteps, Parallel,
@@ -48,9 +50,7 @@ def host_error(config: WorkerConfig, num_replicas: int = 1) -> str | None:
 
 
 def _gpu_count_error(config: WorkerConfig, num_replicas: int) -> str | None:
-    import os
-
-    import torch
+    import torch  # only here: checking a CPU worker's flags loads no torch
 
     # each replica's worker gets its own GPUs unless --device names the one they share
     shared_gpu = ":" in config.device
