@@ -31,18 +31,18 @@ MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] (any float dtype) -> (weight_fp8 [N, K], scale [N] fp32), rounded to
-    nearest."""
-    amax = weight.abs().amax(dim=1).float()  # [N]
+    """weight [..., N, K] (any float dtype; stacked experts: [E, N, K]) -> (weight_fp8
+    [..., N, K], scale [..., N] fp32), rounded to nearest."""
+    amax = weight.abs().amax(dim=-1).float()  # [..., N]
     scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
-    weight_fp8 = (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    weight_fp8 = (weight.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return weight_fp8, scale
 
 
 def dequantize_per_channel(weight_fp8: torch.Tensor, scale: torch.Tensor,
                            dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(weight_fp8 [N, K], scale [N]) -> weight [N, K] in dtype."""
-    return (weight_fp8.float() * scale.float()[:, None]).to(dtype)
+    """(weight_fp8 [..., N, K], scale [..., N]) -> weight [..., N, K] in dtype."""
+    return (weight_fp8.float() * scale.float()[..., None]).to(dtype)
 
 
 @triton.jit

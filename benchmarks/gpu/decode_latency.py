@@ -10,7 +10,8 @@ graphs; on by default where the GPU has it), each set before the engine is built
 One request with a ``--context``-token prompt decodes ``--num-tokens`` tokens through the
 in-process engine (scheduler policy + worker runner, CUDA graphs unless --enforce-eager); the
 time per token is (last token - first token) / (n - 1). The floor is the bytes every decode step
-must read (all weights but the embedding table, plus the context's K/V) over the device copy
+must read (all weights but the embedding table, of an MoE layer's experts only the top_k, plus the
+context's K/V) over the device copy
 bandwidth measured in the same run. With --hf, transformers' generate() on random weights of the
 same architecture is timed the same way (time for 1 + n tokens minus time for 1, over n).
 """
@@ -47,6 +48,17 @@ def graph_replay_ms(engine) -> float:
         torch.cuda.synchronize()
     print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60))
     return start.elapsed_time(end) / 50
+
+
+def unread_expert_bytes(model) -> int:
+    """The bytes of the experts one token's step does not read: an MoE layer reads its
+    top_k of num_experts experts (0 for a dense model)."""
+    spec = model.config.moe
+    if spec is None:
+        return 0
+    expert_bytes = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                       if ".mlp.experts." in name)
+    return expert_bytes * (spec.local_experts - spec.top_k) // spec.local_experts
 
 
 def trace_steps(engine, prompt: list[int], num_tokens: int) -> dict:
@@ -127,7 +139,8 @@ def main() -> None:
     config = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
-    read_bytes = weight_bytes - (0 if config.tie_word_embeddings else embed_bytes)
+    read_bytes = (weight_bytes - (0 if config.tie_word_embeddings else embed_bytes)
+                  - unread_expert_bytes(model))
     # this rank's part of the weights and KV cache (tensor parallel: each rank reads its own)
     kv_bytes = (2 * config.num_layers * args.context * config.num_kv_heads * config.head_dim
                 * engine.runner.kv_cache.element_size())

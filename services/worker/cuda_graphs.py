@@ -37,7 +37,7 @@ import torch
 from kernels.sampling import greedy_token_ids
 from kernels.step_inputs import fill_graph_inputs, fill_pending_tokens
 from services.worker.config import WorkerConfig
-from services.worker.model import AttentionMetadata, Transformer, wait_events
+from services.worker.model import AttentionMetadata, Transformer, sparse_rows, wait_events
 
 log = structlog.get_logger()
 
@@ -243,15 +243,19 @@ class PiecewiseGraphs:
             keep(*layers[0].before_attention(x, None, positions, model.cos_sin_cache,
                                              slot_mapping))
 
+        def after(layer):  # padding rows of a sparse block route to no expert
+            valid_rows = sparse_rows(slot_mapping) if layer.sparse else None
+            return layer.after_attention(attention_out, residual, valid_rows=valid_rows)
+
         def between(index: int):
             def piece() -> None:  # layer index - 1 after its attention, layer index before
-                x, new_residual = layers[index - 1].after_attention(attention_out, residual)
+                x, new_residual = after(layers[index - 1])
                 keep(*layers[index].before_attention(x, new_residual, positions,
                                                      model.cos_sin_cache, slot_mapping))
             return piece
 
         def last() -> None:
-            x, new_residual = layers[-1].after_attention(attention_out, residual)
+            x, new_residual = after(layers[-1])
             self.hidden[:num_tokens].copy_(x)
             if new_residual.data_ptr() != residual.data_ptr():
                 residual.copy_(new_residual)

@@ -8,6 +8,8 @@ a module global (--batch-invariant travels in the model's config to the ops that
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import structlog
@@ -38,10 +40,11 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
     """The runner of ``model_files`` as ``config`` says; ``ranks``: its tensor-parallel group
     (tp_group.py; every rank builds its own, rank 0 sends each call to the others)."""
     device, dtype = _device_and_dtype(config)
+    tp = dataclasses.replace(ranks.tp, expert_parallel=config.enable_expert_parallel)
     model = load_model(model_files.path, device, dtype, seed=config.seed,
                        quantization=check_quantization(model_files.path, config.quantization,
                                                        device),
-                       tp=ranks.tp, batch_invariant=config.batch_invariant)
+                       tp=tp, batch_invariant=config.batch_invariant)
     max_model_len = model.config.usable_context_len(config.max_model_len)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     if kv_dtype == FP8_KV_DTYPE:  # before the profile and graphs: they use the scales

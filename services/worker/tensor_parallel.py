@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker import ops
+from services.worker.moe_parallel import check_moe_parallel, local_spec, shard_moe
 
 # fused projections: rows of qkv_proj and gate_up_proj are split, columns of o_proj and down
 _ROW_SPLIT = ("self_attn.qkv_proj", "mlp.gate_up_proj")
@@ -45,6 +46,9 @@ class TensorParallel:
     group: Any = None  # the ranks' torch.distributed group (NCCL or gloo); None: size 1
     # small sums over GPU peer memory (one_shot_reduce.OneShotReduce); None: all by NCCL/gloo
     one_shot: Any = None
+    # --enable-expert-parallel: an MoE block's experts split whole between the ranks
+    # (moe_parallel.py), not each expert sliced
+    expert_parallel: bool = False
 
     def check(self, config) -> None:
         """A clear error when ``config`` (ModelConfig) cannot be split over ``size`` ranks."""
@@ -54,6 +58,11 @@ class TensorParallel:
                              f"one (KV-head replication is not implemented)")
         if self.size > config.intermediate_size:
             raise ValueError(f"tensor_parallel_size {self.size} exceeds the intermediate size")
+        check_moe_parallel(config.moe, self.size, self.expert_parallel)
+
+    def part(self, total: int) -> tuple[int, int]:
+        """[start, end) of this rank's part of ``total`` items (``split_range``)."""
+        return split_range(total, self.size, self.rank)
 
     # ---- this rank's parts
     def kv_heads(self, config) -> tuple[int, int]:
@@ -80,9 +89,10 @@ class TensorParallel:
         self.check(config)
         (q_start, q_end), (kv_start, kv_end) = self.q_heads(config), self.kv_heads(config)
         i_start, i_end = self.intermediate(config)
-        return dataclasses.replace(config, num_heads=q_end - q_start,
-                                   num_kv_heads=kv_end - kv_start,
-                                   intermediate_size=i_end - i_start)
+        return dataclasses.replace(
+            config, num_heads=q_end - q_start, num_kv_heads=kv_end - kv_start,
+            intermediate_size=i_end - i_start,
+            moe=None if config.moe is None else local_spec(config.moe, self))
 
     # ---- collectives
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +139,10 @@ class TensorParallel:
         rank's part of it."""
         if self.size == 1:
             return tensor
+        if config.moe is not None:
+            part = shard_moe(name, tensor, config.moe, self)
+            if part is not None:
+                return part
         prefix, _, suffix = name.rpartition(".")  # suffix: weight, bias or weight_scale
         if prefix.endswith(_ROW_SPLIT):
             return torch.cat([tensor[start:end] for start, end in self._row_ranges(prefix, config)])

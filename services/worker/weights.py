@@ -22,6 +22,8 @@ from kernels.rotary import build_cos_sin_cache
 from services.worker.fp8_checkpoints import (checkpoint_fp8, per_channel_weights,
                                              pop_checkpoint_kv_scales)
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
+from services.worker.moe_parallel import check_moe_parallel
+from services.worker.moe_weights import hub_moe_names, stack_experts
 from services.worker.tensor_parallel import TensorParallel
 from shared.models import DUMMY_MARKER
 
@@ -40,6 +42,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int =
     random ones included, split. ``batch_invariant``: its ops so (ModelConfig, ops.py).
     """
     config = dataclasses.replace(ModelConfig.from_path(path), batch_invariant=batch_invariant)
+    check_moe_parallel(config.moe, tp.size, tp.expert_parallel)
     if quantization == "fp8":
         config = dataclasses.replace(config, quantization=quantization)
     with torch.device("meta"):
@@ -115,6 +118,7 @@ def place(model: Transformer, weights: Iterator[tuple[str, torch.Tensor]] | dict
 
 def read_safetensors(path: Path, device: torch.device, dtype: torch.dtype
                       ) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint (HF names; Mixtral's MoE names as Qwen's)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {path}")
@@ -128,12 +132,15 @@ def read_safetensors(path: Path, device: torch.device, dtype: torch.dtype
                 # an FP8 checkpoint's weights and scales keep their dtypes (fp8_checkpoints.py)
                 keep = tensor.dtype == FP8_DTYPE or "_scale" in name.rpartition(".")[2]
                 tensors[name] = tensor.to(device=device, dtype=None if keep else dtype)
-    return tensors
+    return hub_moe_names(tensors)
 
 
 def fuse_hf_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF names (``model.layers.0.self_attn.q_proj.weight``, ...) -> this module's names."""
+    """HF names (``model.layers.0.self_attn.q_proj.weight``, ...) -> this module's names
+    (an MoE model's experts stacked: moe_weights.py)."""
     hf = {name.removeprefix("model."): tensor for name, tensor in hf.items()}
+    if config.moe is not None:
+        hf = stack_experts(hf, config)
     if config.tie_word_embeddings:
         hf.pop("lm_head.weight", None)
     elif "lm_head.weight" not in hf:

@@ -152,6 +152,10 @@ class Parallel(Section, frozen=True, kw_only=True):
     tensor_parallel_step_timeout: Annotated[float, knob(
         "seconds a step may take on a tensor-parallel group before the group is taken for "
         "hung and exits (its supervisor restarts it; requests migrate)")] = 30.0
+    enable_expert_parallel: Annotated[bool, knob(
+        "split a Mixture-of-Experts model's experts whole between the tensor-parallel ranks "
+        "(each rank computes the tokens routed to its experts) instead of slicing every "
+        "expert; refused for a dense model (docs/moe.md)")] = False
     disable_custom_all_reduce: Annotated[bool, knob(
         "sum every tensor-parallel all-reduce with NCCL; by default decode-sized ones are one "
         "kernel over GPU peer memory (docs/tensor-parallel.md)")] = False

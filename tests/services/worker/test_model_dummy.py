@@ -24,6 +24,7 @@ CPU = torch.device("cpu")
 PRESETS = {"llama-3.1-8b": ("llama", 8.03), "llama-3.2-1b": ("llama", 1.24),
            "llama-3.3-70b": ("llama", 70.55),
            "qwen2.5-7b": ("qwen2", 7.62), "qwen3-0.6b": ("qwen3", 0.60),
+           "qwen3-30b-a3b": ("qwen3_moe", 30.53), "mixtral-8x7b": ("mixtral", 46.70),
            "tiny-llama": ("llama", 0.00)}
 
 

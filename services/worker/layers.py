@@ -1,0 +1,76 @@
+"""The decoder's dense building blocks: RMSNorm, the projection (``Linear``, bf16 or FP8 with
+per-channel scales, summed over tensor-parallel ranks where it is row-parallel), a projection
+into the residual stream with the norm after it (``add_rms_norm``), and the SwiGLU MLP. model.py
+builds attention and layers from them; moe.py its sparse blocks (Qwen2-MoE's shared expert is an
+``MLP``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from services.worker import ops
+from services.worker.model_config import ModelConfig
+from services.worker.tensor_parallel import TensorParallel
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [..., dim] -> normed x; with a residual, (norm(x + residual), x + residual)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose weight may be FP8 (e4m3) with ``weight_scale`` [out_features] fp32, one
+    scale per output channel (kernels/fp8.py); without FP8 that buffer is None. With ``reduce``
+    (tensor parallel o_proj and down: a slice of the input features) the ranks' partial
+    outputs are summed."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelConfig,
+                 reduce: TensorParallel | None = None):
+        super().__init__(in_features, out_features, bias=bias)
+        fp8 = config.quantization == "fp8"
+        self.register_buffer("weight_scale", torch.empty(out_features) if fp8 else None)
+        self.reduce = reduce if reduce is not None and reduce.size > 1 else None
+        self.batch_invariant = config.batch_invariant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = ops.linear(x, self.weight, self.bias, self.weight_scale,
+                         batch_invariant=self.batch_invariant)
+        return out if self.reduce is None else self.reduce.all_reduce(out)
+
+
+def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RMSNorm
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(proj(x) + residual), proj(x) + residual), the sum written into residual: in the
+    projection's reduce where ``ops.linear_add_rms_norm`` can, after the ranks' sum when
+    tensor parallel."""
+    if proj.reduce is not None:
+        return proj.reduce.linear_add_rms_norm(x, proj, residual, norm)
+    return ops.linear_add_rms_norm(x, proj.weight, proj.bias, residual, norm.weight, norm.eps,
+                                   proj.weight_scale, proj.batch_invariant)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel,
+                 intermediate_size: int | None = None):
+        """``intermediate_size``: None, the model's (a shared expert's is its own)."""
+        super().__init__()
+        intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = Linear(config.hidden_size, 2 * intermediate_size, config.mlp_bias,
+                                   config)
+        self.down_proj = Linear(intermediate_size, config.hidden_size, config.mlp_bias, config,
+                                tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden_size]
+        return self.down_proj(self.gated(x))
+
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of gate_up: [num_tokens, hidden_size] -> [num_tokens, intermediate_size]."""
+        up = self.gate_up_proj
+        return ops.linear_silu_and_mul(x, up.weight, up.bias, up.weight_scale, up.batch_invariant)
