@@ -332,6 +332,10 @@ class StepResult(Struct, frozen=True, array_like=True, gc=False):
     # last known one (a request new to drafts: its context), a one-off cost the scheduler's
     # draft cap leaves out of its step times
     num_draft_catch_up_tokens: int = 0
+    # a MoE model's routing since the worker's previous report (about once a second, on
+    # some results only): [sparse layer, in layer order][global expert id] -> tokens routed
+    # there; [] when the model is dense or this result carries no report
+    expert_token_counts: list[list[int]] = []
 
     @property
     def num_accepted_drafts(self) -> list[int]:

@@ -1,7 +1,8 @@
 """What each scheduler publishes about itself (``SchedulerStats``, after steps, throttled,
 and as a heartbeat), split by who reads it: the heartbeat at the top (the gateways'
 replica table and readiness, the container probe), ``routing`` (the gateways' KV-aware
-routing, docs/routing.md), ``engine`` and ``speculation`` (the gateway's /metrics).
+routing, docs/routing.md), ``engine``, ``speculation`` and ``moe`` (the gateway's
+/metrics).
 Messages like the rest of the wire contract (shared/messages.py encodes them).
 """
 
@@ -66,6 +67,14 @@ class SpeculationStats(Struct, frozen=True, kw_only=True):
     draft_cap: int = -1  # the drafts a request could get in the last step planned; -1: none
 
 
+class MoeStats(Struct, frozen=True, kw_only=True):
+    """A Mixture-of-Experts model's routing for /metrics (expert load balance), cumulative
+    since the scheduler attached its worker: [sparse layer][global expert id] -> tokens
+    routed there; [] for a dense model or before the worker's first report."""
+
+    expert_token_counts: list[list[int]] = []
+
+
 class SchedulerStats(Struct, frozen=True, kw_only=True):
     """Published by each scheduler after steps (throttled) and as a heartbeat: the fields
     at the top are the heartbeat's, each part has its reader."""
@@ -80,7 +89,8 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     routing: RoutingStats = msgspec.field(default_factory=RoutingStats)
     engine: EngineStats = msgspec.field(default_factory=EngineStats)
     speculation: SpeculationStats = msgspec.field(default_factory=SpeculationStats)
+    moe: MoeStats = msgspec.field(default_factory=MoeStats)
 
 
 STATS_MESSAGES: tuple[type[Struct], ...] = (
-    RoutingStats, EngineStats, SpeculationStats, SchedulerStats)
+    RoutingStats, EngineStats, SpeculationStats, MoeStats, SchedulerStats)

@@ -33,6 +33,7 @@ ENGINE = ss.EngineStats(num_blocks_used=3, num_blocks_total=9, num_kv_tier_hits=
                         recent_step_times_s=[0.01])
 SPECULATION = ss.SpeculationStats(num_draft_tokens=8, num_accepted_drafts=5,
                                   num_accepted_per_position=[3, 2], draft_cap=4)
+MOE = ss.MoeStats(expert_token_counts=[[3, 0, 5, 1 << 40], [9, 0, 0, 0]])
 SAMPLES: dict[type, object] = {
     m.ErrorInfo: ERROR,
     m.HealthReply: m.HealthReply(service="worker", instance_id="abc", detail={"num_blocks": 3, "ok": True}),
@@ -71,16 +72,18 @@ SAMPLES: dict[type, object] = {
     ss.RoutingStats: ROUTING,
     ss.EngineStats: ENGINE,
     ss.SpeculationStats: SPECULATION,
+    ss.MoeStats: MOE,
     ss.SchedulerStats: ss.SchedulerStats(scheduler_id="s", replica_id="0", timestamp=1.0,
                                          num_running=2, num_waiting=1, num_steps=4,
-                                         routing=ROUTING, engine=ENGINE, speculation=SPECULATION),
+                                         routing=ROUTING, engine=ENGINE, speculation=SPECULATION,
+                                         moe=MOE),
     m.NewRequestData: m.NewRequestData("r1", [1, 2, 3], SAMPLING, [0, 1], 0),
     m.ScheduledRequest: m.ScheduledRequest("r1", 1, [7]),
     m.StepPlan: m.StepPlan(3, [m.NewRequestData("r1", [1], SAMPLING, [0])],
                            [m.ScheduledRequest("r1", 1)], ["r0"], "w",
                            [m.KvLoad([1], [7], "store-1")], [STORE_RUN]),
     m.StepResult: m.StepResult(3, ["r1", "r2"], [99, 5], 0.01, [None, LOGPROBS], {"r1": [LOGPROBS]},
-                               1 << 20, 2e9),
+                               1 << 20, 2e9, [[4], []], 7, [[2, 0, 6], [1, 1, 6]]),
     m.WorkerInfo: m.WorkerInfo(worker_id="w", replica_id="0", model_name="x", num_blocks=10,
                                block_size=16, max_model_len=8192, eos_token_ids=[2],
                                kv_cache_bytes=1 << 20, device="cpu", dtype="float32",
@@ -152,6 +155,32 @@ def test_a_new_field_with_a_default_is_read_by_an_old_peer_and_vice_versa():
         request_id="r", new_token_ids=[1], num_prompt_tokens=2)
     old = m.RequestOutput(request_id="r", new_token_ids=[1])
     assert msgspec.msgpack.decode(m.encode(old), type=OutputV2).future == []
+
+
+def test_a_worker_or_scheduler_without_expert_counts_is_read_with_empty_ones():
+    """Old senders (or a dense model's) carry no MoE routing: the fields take their defaults."""
+    class StepResultV1(msgspec.Struct, array_like=True, frozen=True):  # before expert counts
+        step_id: int
+        request_ids: list[str]
+        sampled_token_ids: list[int]
+        step_time_s: float = 0.0
+        logprobs: list[m.TokenLogprobs | None] = []
+        prompt_logprobs: dict[str, list[m.TokenLogprobs]] = {}
+        kv_load_bytes: int = 0
+        kv_load_bytes_per_s: float = 0.0
+        accepted_draft_ids: list[list[int]] = []
+        num_draft_catch_up_tokens: int = 0
+
+    old = StepResultV1(3, ["r1"], [99], 0.5, [None], {}, 0, 0.0, [[4]], 2)
+    result = m.decode(msgspec.msgpack.encode(old), m.StepResult)
+    assert result.expert_token_counts == [] and result.num_draft_catch_up_tokens == 2
+    new = m.StepResult(3, ["r1"], [99], expert_token_counts=[[1, 2]])
+    assert msgspec.msgpack.decode(m.encode(new), type=StepResultV1).sampled_token_ids == [99]
+
+    stats = {"scheduler_id": "s", "replica_id": "0", "timestamp": 1.0, "num_running": 2}
+    decoded = m.decode(msgspec.msgpack.encode(stats), ss.SchedulerStats)
+    assert decoded.moe == ss.MoeStats() and decoded.moe.expert_token_counts == []
+    assert decoded.num_running == 2
 
 
 def test_wrong_types_are_rejected():
