@@ -43,14 +43,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 SMEM_BYTES = 200 * 1024  # of the H200's 227 KiB a block may take, with room for the epilogue
 
 
-def make_layer(shape: tuple, dtype: torch.dtype, seed: int = 0) -> dict:
-    """Random expert weights of the shape (FP8: per-output-channel quantized, with scales)."""
+def make_layer(shape: tuple, dtype: torch.dtype, seed: int = 0, fill: bool = True) -> dict:
+    """Random expert weights of the shape (FP8: per-output-channel quantized, with scales);
+    ``fill`` False: zeros (enough to compile)."""
     num_experts, _, hidden, inter = shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
     layer = {}
     for name, rows, cols in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
-        weight = torch.empty(num_experts, rows, cols, dtype=torch.bfloat16, device="cuda")
-        for e in range(num_experts):  # an expert at a time: no fp32 copy of the whole layer
+        weight = torch.zeros(num_experts, rows, cols, dtype=torch.bfloat16, device="cuda")
+        for e in range(num_experts if fill else 0):  # an expert at a time: no fp32 copy
             weight[e] = torch.randn(rows, cols, generator=gen, device="cuda") / cols ** 0.5
         if dtype == FP8_DTYPE:
             scale = weight.abs().amax(dim=2).float().clamp(min=1e-12) / 448.0  # [E, rows]
@@ -103,10 +104,11 @@ def graph_us(fn, calls: int, replays: int) -> float:
 class Bench:
     """One shape and dtype: its layer, and per row count an x and a routing per call."""
 
-    def __init__(self, name: str, dtype_name: str, calls: int, replays: int):
+    def __init__(self, name: str, dtype_name: str, calls: int, replays: int,
+                 fill: bool = True):
         self.name, self.dtype_name = name, dtype_name
         self.shape, self.dtype = SHAPES[name], DTYPES[dtype_name]
-        self.layer = make_layer(self.shape, self.dtype)
+        self.layer = make_layer(self.shape, self.dtype, fill=fill)
         self.calls, self.replays = calls, replays
         self.inputs: dict[int, tuple] = {}
 
@@ -177,7 +179,7 @@ def _compile(job) -> None:
     """Sweep helper, in a spawned process: run each plan once at one row (fills Triton's disk
     cache; the kernels do not specialize on the row count)."""
     name, dtype_name, plans = job
-    bench = Bench(name, dtype_name, calls=1, replays=1)
+    bench = Bench(name, dtype_name, calls=1, replays=1, fill=False)
     for plan in plans:
         try:
             bench.run(1, plan)

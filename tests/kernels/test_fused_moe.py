@@ -329,3 +329,16 @@ def test_gpu_cuda_graph_capture():
         logits.copy_(torch.randn(4, num_experts, generator=gen, device="cuda"))
         graph.replay()
         assert torch.equal(out, step()) and (out[3] == 0).all()
+
+
+def test_shipped_table_parses_and_names_its_tuning():
+    """kernels/moe_configs.json (the sweep's output): every entry a valid plan, every bucket
+    and the invariant plan present, and its device and Triton version recorded."""
+    table = moe_configs.load_table()
+    assert table["device"] and table["triton"]
+    for key in (moe_configs.shape_key(*shape, dtype) for shape in ((128, 768, 2048),
+                (8, 14336, 4096)) for dtype in (torch.bfloat16, torch.float8_e4m3fn)):
+        entry = table["shapes"][key]
+        assert set(entry) == {str(b) for b in moe_configs.BUCKETS} | {moe_configs.INVARIANT}
+        assert all(isinstance(plan, MoePlan) for plan in entry.values())
+    assert config_source(128, 768, 2048, torch.bfloat16).startswith("tuned on NVIDIA H200")
