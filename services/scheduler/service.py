@@ -232,6 +232,7 @@ class SchedulerService:
                           detail="--speculative-config names a draft model but the worker was "
                                  "started without --draft-model: nothing is drafted")
             self._worker_id = info.worker_id
+            self.step_stats.worker_attached()  # its expert counts start from zero
             self._bus_epoch = self.bus.num_disconnects  # attached over the link as it is now
             self._worker_link = None
             await self._ping_worker()  # learn its link count, to tell when it drops

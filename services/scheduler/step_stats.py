@@ -1,8 +1,9 @@
 """What the scheduler's stats events report (SchedulerStats, shared/scheduler_stats.py),
 pure: the heartbeat; the engine's figures (the worker's busy time and its idle share over
-an interval with work throughout, the recent steps' sizes and times); speculation's; and
-the speeds measured from each step (tiering.py: the kvstore's choice and the gateways'
-routing, whose part block_events.py makes). service.py publishes them."""
+an interval with work throughout, the recent steps' sizes and times); speculation's; a MoE
+model's expert routing (expert_counts.py); and the speeds measured from each step
+(tiering.py: the kvstore's choice and the gateways' routing, whose part block_events.py
+makes). service.py publishes them."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import time
 import structlog
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.expert_counts import ExpertCounts
 from services.scheduler.kv_tier import KvTierHooks
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.tiering import TierSpeeds
 from shared.messages import StepPlan, StepResult
-from shared.scheduler_stats import EngineStats, RoutingStats, SchedulerStats, SpeculationStats
+from shared.scheduler_stats import (
+    EngineStats, MoeStats, RoutingStats, SchedulerStats, SpeculationStats,
+)
 
 log = structlog.get_logger()
 
@@ -29,6 +33,11 @@ class StepStats:
         self._samples: list[tuple[int, float]] = []  # (tokens, seconds) since the last event
         # the last interval's end: monotonic time, busy seconds, and whether work was held
         self._last = (time.monotonic(), 0.0, False)
+        self.expert_counts = ExpertCounts()  # since the worker attached
+
+    def worker_attached(self) -> None:
+        """A (new) worker attached: its expert counts start from zero."""
+        self.expert_counts.reset()
 
     def record_step(self, plan: StepPlan, result: StepResult) -> None:
         num_tokens = sum(s.num_new_tokens for s in plan.scheduled)
@@ -38,6 +47,11 @@ class StepStats:
                                  result.kv_load_bytes, result.kv_load_bytes_per_s)
         if len(self._samples) < MAX_STEP_SAMPLES:
             self._samples.append((num_tokens, result.step_time_s))
+        if result.expert_token_counts:  # a MoE worker's report (about once a second)
+            try:
+                self.expert_counts.add(result.expert_token_counts)
+            except ValueError as exc:
+                log.warning("expert_counts_ignored", step_id=plan.step_id, reason=str(exc))
         log.debug("step_done", step_id=plan.step_id, num_scheduled=len(plan.scheduled),
                   num_tokens=num_tokens, num_prompt_tokens=num_prompt,
                   num_stores=len(plan.kv_stores), worker_time_s=round(result.step_time_s, 4),
@@ -47,12 +61,13 @@ class StepStats:
     def report(self, config: SchedulerConfig, core: Scheduler, kv: KvTierHooks,
                routing: RoutingStats, *, worker_ready: bool, now: float) -> SchedulerStats:
         """The stats event for the interval since the last one: the heartbeat, ``routing``
-        (block_events.py), the engine's figures and speculation's."""
+        (block_events.py), the engine's figures, speculation's and the experts'."""
         return SchedulerStats(
             scheduler_id=config.instance_id, replica_id=config.replica_id,
             timestamp=time.time(), worker_ready=worker_ready, num_running=len(core.running),
             num_waiting=len(core.waiting), num_steps=core.num_steps, routing=routing,
-            engine=self._engine_stats(core, kv, now), speculation=speculation_stats(core))
+            engine=self._engine_stats(core, kv, now), speculation=speculation_stats(core),
+            moe=MoeStats(expert_token_counts=self.expert_counts.counts()))
 
     def _engine_stats(self, core: Scheduler, kv: KvTierHooks, now: float) -> EngineStats:
         last_wall, last_busy, was_busy = self._last
