@@ -13,6 +13,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from services.gateway.block_index import BlockIndex
+from services.gateway.expert_load import ExpertLoadCollector
 from services.gateway.routing import Decision
 from shared.scheduler_stats import SchedulerStats
 
@@ -157,6 +158,10 @@ class GatewayMetrics:
         self.step_tokens = Histogram("flotilla_scheduled_tokens_per_step", "Tokens computed per step",
                                      buckets=_TOKEN_BUCKETS, registry=r)
         self.step_time = self._latency("flotilla_step_time_seconds", "Worker time per step")
+        self.moe_routed_tokens = Counter(
+            "flotilla_moe_routed_tokens", "Token-expert pairs a MoE replica routed, all "
+            "layers (a token picks top-k experts in each MoE layer)", labels, registry=r)
+        self.expert_load = ExpertLoadCollector(r)  # flotilla_moe_expert_load{,_max}
 
     def observe_chunk(self, num_tokens: int, published_at: float) -> None:
         """A streamed chunk is being written: its size, and its lag behind the scheduler."""
@@ -178,7 +183,7 @@ class GatewayMetrics:
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
         """A scheduler's stats: its heartbeat's load, and the parts made for /metrics
-        (``engine``, ``speculation``)."""
+        (``engine``, ``speculation``, ``moe``)."""
         labels = (stats.replica_id, stats.scheduler_id)
         engine, speculation = stats.engine, stats.speculation
         self.num_running.labels(*labels).set(stats.num_running)
@@ -208,10 +213,21 @@ class GatewayMetrics:
             previous = before[position] if position < len(before) else 0
             self.accepted_per_position.labels(*labels, str(position)).inc(
                 value - previous if value >= previous else value)
+        self._observe_moe(stats, last)
         self._last[stats.scheduler_id] = stats
         for num_tokens, seconds in zip(engine.recent_step_tokens, engine.recent_step_times_s):
             self.step_tokens.observe(num_tokens)
             self.step_time.observe(seconds)
+
+    def _observe_moe(self, stats: SchedulerStats, last: SchedulerStats | None) -> None:
+        """A MoE replica's routing: the routed pairs counted on, the balance replaced."""
+        self.expert_load.observe(stats)
+        routed = sum(map(sum, stats.moe.expert_token_counts))
+        before = sum(map(sum, last.moe.expert_token_counts)) if last is not None else 0
+        if routed:  # (a dense replica gets no series)
+            # cumulative on the scheduler; it starts over when it re-attaches a worker
+            self.moe_routed_tokens.labels(stats.replica_id, stats.scheduler_id).inc(
+                routed - before if routed >= before else routed)
 
     def render(self, restarts: dict[str, int] | None = None) -> bytes:
         for service, count in (restarts or {}).items():
