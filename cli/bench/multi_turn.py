@@ -58,7 +58,8 @@ async def run_one(args: argparse.Namespace, client, base_url: str,
                                      max_duration_s=remaining_s)
     if before is not None:
         await asyncio.sleep(server_metrics.STATS_SETTLE_S)
-    after = await server_metrics.read_counters(base_url, args.api_key)
+    text = await server_metrics.read_metrics(base_url, args.api_key)
+    after = None if text is None else server_metrics.parse_counters(text)
     deltas = server_metrics.counter_deltas(before, after) if before and after else None
     if result.deadline_reached:
         report.notice(f"--max-duration {args.max_duration:g} s passed: {len(result.records)} "
@@ -69,6 +70,7 @@ async def run_one(args: argparse.Namespace, client, base_url: str,
             "server_prefix_cache": (server_metrics.scheduler_prefix_cache(deltas)
                                     if deltas and server_metrics.QUERIES in deltas else None),
             "server_counters": deltas,
+            "server_expert_load": server_metrics.expert_load(text, deltas) if text else None,
             "dataset": dataset_settings(args, shape_of(args), result),
             "requests": [report.record_dict(r) for r in result.records],
             "unfinished_requests": [report.record_dict(r) for r in result.in_flight]}
@@ -124,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         print(report.serve_table(run_["summary"], title))
         print(report.turn_table(run_["turns"]))
         print(report.prefix_cache_table(run_["summary"], run_["server_prefix_cache"]))
+        if run_["server_expert_load"]:
+            print(report.expert_load_line(run_["server_expert_load"]))
     if args.result_json:
         report.write_json(args.result_json, {
             "benchmark": "serve",

@@ -175,6 +175,15 @@ def speculative_line(figures: dict) -> str:
             f"{by_position}")
 
 
+def expert_load_line(figures: dict) -> str:
+    """A MoE server's expert load balance (server_metrics.expert_load): shares of an even
+    split over every (layer, expert) cell, as counted since its workers attached."""
+    return (f"MoE expert load (server, since its workers attached): hottest expert "
+            f"{figures['max_share']:.2f}x an even split; of {figures['num_cells']:,.0f} "
+            f"(layer, expert) cells {_percent(figures['share_above_2x'])} above 2x, "
+            f"{_percent(figures['share_at_most_half'])} at most 0.5x")
+
+
 def _percent(rate: float) -> str:
     return "n/a" if rate is None or not math.isfinite(rate) else f"{rate:.1%}"
 

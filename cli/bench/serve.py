@@ -92,25 +92,28 @@ async def sweep(args: argparse.Namespace, base_url: str, workloads: list[list[Be
                               f"{result.num_not_sent} never sent")
             runs.append({"max_concurrency": max_concurrency, "request_rate": rate,
                          "label": label, "summary": result.summary(args.slo),
-                         "server_speculative": await speculative_figures(base_url, args,
-                                                                         before),
+                         **await server_figures(base_url, args, before),
                          "dataset": workload.dataset_settings(args, requests),
                          "requests": [report.record_dict(r) for r in result.records],
                          "unfinished_requests": [report.record_dict(r) for r in result.in_flight]})
     return runs
 
 
-async def speculative_figures(base_url: str, args: argparse.Namespace,
-                              before: server_metrics.Counters | None) -> dict | None:
-    """Speculative decoding over a run from the server's counters (server_metrics.py), read
-    once the schedulers' stats have caught up; None without drafts or without flotilla's
-    /metrics."""
+async def server_figures(base_url: str, args: argparse.Namespace,
+                         before: server_metrics.Counters | None) -> dict:
+    """Speculative decoding over a run and a MoE model's expert load balance from the
+    server's /metrics (server_metrics.py), read once the schedulers' stats have caught up;
+    each None without drafts, without experts or without flotilla's /metrics."""
+    figures = {"server_speculative": None, "server_expert_load": None}
     if before is None:
-        return None
+        return figures
     await asyncio.sleep(server_metrics.STATS_SETTLE_S)
-    after = await server_metrics.read_counters(base_url, args.api_key)
-    return server_metrics.speculative_decoding(
-        server_metrics.counter_deltas(before, after)) if after else None
+    text = await server_metrics.read_metrics(base_url, args.api_key)
+    if text is None:
+        return figures
+    deltas = server_metrics.counter_deltas(before, server_metrics.parse_counters(text))
+    return {"server_speculative": server_metrics.speculative_decoding(deltas),
+            "server_expert_load": server_metrics.expert_load(text, deltas)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         print(report.serve_table(run_["summary"], title))
         if run_["server_speculative"]:
             print(report.speculative_line(run_["server_speculative"]))
+        if run_["server_expert_load"]:
+            print(report.expert_load_line(run_["server_expert_load"]))
     if len(runs) > 1:
         print(report.sweep_table(runs))
     if args.result_json:
