@@ -26,7 +26,8 @@ ALIGN_BLOCKS = 64  # blocks per step of its block -> expert map ([blocks, expert
 
 
 def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-              valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              valid_rows: torch.Tensor | None = None, counts: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route`` in torch (the CPU path): a stable descending sort keeps equal logits in id
     order, so the lower id wins a tie."""
     num_tokens, num_experts = _check_route(router_logits, top_k, valid_rows)
@@ -41,13 +42,17 @@ def route_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         valid = valid_rows.bool()[:, None]
         ids = torch.where(valid, ids, torch.full_like(ids, num_experts))
         weights = torch.where(valid, weights, torch.zeros_like(weights))
+    if counts is not None:  # the sentinel (num_experts) falls in a slot past the end
+        flat = ids.reshape(-1).long()
+        counts.add_(torch.bincount(flat, minlength=num_experts + 1)[:num_experts].to(counts.dtype))
     return weights, ids
 
 
 @triton.jit
-def _route_kernel(logits_ptr, valid_ptr, weights_ptr, ids_ptr, num_experts, logits_stride,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  HAS_VALID: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+def _route_kernel(logits_ptr, valid_ptr, weights_ptr, ids_ptr, counts_ptr, num_experts,
+                  logits_stride, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, HAS_VALID: tl.constexpr, COUNT: tl.constexpr,
+                  BLOCK_E: tl.constexpr, PDL: tl.constexpr):
     """One program a row: softmax, then TOP_K rounds of (largest untaken logit, lowest id
     among equals)."""
     row = tl.program_id(0).to(tl.int64)
@@ -78,6 +83,9 @@ def _route_kernel(logits_ptr, valid_ptr, weights_ptr, ids_ptr, num_experts, logi
         top_probs = tl.where(valid, top_probs, 0.0)
     tl.store(weights_ptr + row * TOP_K + ks, top_probs, mask=ks < TOP_K)
     tl.store(ids_ptr + row * TOP_K + ks, top_ids, mask=ks < TOP_K)
+    if COUNT:  # tokens per expert (integer adds: the same sums in any order)
+        tl.atomic_add(counts_ptr + top_ids, tl.full([K_PAD], 1, tl.int32),
+                      mask=(ks < TOP_K) & (top_ids < num_experts))
 
 
 def _check_route(router_logits: torch.Tensor, top_k: int,
@@ -94,7 +102,8 @@ def _check_route(router_logits: torch.Tensor, top_k: int,
 
 
 def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                 valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 valid_rows: torch.Tensor | None = None, counts: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``route`` in one Triton launch (CUDA, or the interpreter on CPU tensors)."""
     num_tokens, num_experts = _check_route(router_logits, top_k, valid_rows)
     device = router_logits.device
@@ -105,26 +114,32 @@ def route_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if router_logits.stride(1) != 1:
         router_logits = router_logits.contiguous()
     valid = valid_rows.to(torch.uint8) if valid_rows is not None else ids  # ids: unused
+    if counts is not None and (counts.dtype != torch.int32 or counts.shape != (num_experts,)):
+        raise ValueError(f"counts must be [{num_experts}] int32, not {tuple(counts.shape)} "
+                         f"{counts.dtype}")
     block_e = triton.next_power_of_2(num_experts)
     _route_kernel[(num_tokens,)](
-        router_logits, valid, weights, ids, num_experts, router_logits.stride(0),
-        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), RENORMALIZE=renormalize,
-        HAS_VALID=valid_rows is not None, BLOCK_E=block_e,
+        router_logits, valid, weights, ids, counts if counts is not None else ids, num_experts,
+        router_logits.stride(0), TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize, HAS_VALID=valid_rows is not None, COUNT=counts is not None,
+        BLOCK_E=block_e,
         num_warps=1 if block_e <= 256 else 4, **pdl.launch_options())
     return weights, ids
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          valid_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          valid_rows: torch.Tensor | None = None, counts: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [num_tokens, num_experts] (any float dtype) -> (topk_weights
     [num_tokens, top_k] fp32, topk_ids [num_tokens, top_k] int32), descending. Softmax in fp32
     over all experts; the top_k largest, ties to the lower expert id; ``renormalize``: the k
     weights divided by their sum (Mixtral, Qwen3-MoE's norm_topk_prob). ``valid_rows``
     [num_tokens] bool (None: all valid): an invalid row gets ids ``num_experts`` (routes
-    nowhere) and weights 0. CUDA: one Triton launch; CPU: torch."""
+    nowhere) and weights 0. ``counts`` [num_experts] int32: each expert's routed pairs
+    added to it (padding's not). CUDA: one Triton launch; CPU: torch."""
     if router_logits.is_cuda:
-        return route_triton(router_logits, top_k, renormalize, valid_rows)
-    return route_ref(router_logits, top_k, renormalize, valid_rows)
+        return route_triton(router_logits, top_k, renormalize, valid_rows, counts)
+    return route_ref(router_logits, top_k, renormalize, valid_rows, counts)
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:

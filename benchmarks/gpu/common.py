@@ -100,6 +100,28 @@ def hf_static_batches(hf_model, prompts: list[list[int]], output_lens: list[int]
             "output_tok_s": num_out / elapsed, "total_tok_s": (num_in + num_out) / elapsed}
 
 
+def add_moe_configs_flag(parser) -> None:
+    parser.add_argument("--moe-configs", choices=("tuned", "default"), default="tuned",
+                        help="an MoE model's fused-GEMM plans: kernels/moe_configs.json's, or "
+                             "the untuned default for every shape (to measure the tuning)")
+
+
+def apply_moe_configs(choice: str, model_files: ModelFiles) -> str | None:
+    """Set the MoE plans as --moe-configs says (before the engine is built); where an MoE
+    model's plans come from (None: a dense model)."""
+    from kernels import moe_configs
+    from services.worker.model_config import ModelConfig
+
+    if choice == "default":
+        moe_configs.load_table = lambda path=None: {"device": None, "triton": None, "shapes": {}}
+    config = ModelConfig.from_path(model_files.path)
+    if config.moe is None:
+        return None
+    dtype = torch.bfloat16  # (the table's fp8 entries: the same lookup by weight dtype)
+    return moe_configs.config_source(config.moe.num_experts, config.moe.intermediate_size,
+                                     config.hidden_size, dtype)
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 

@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from benchmarks.gpu.common import build_engine, copy_bandwidth, device_name, hf_random_model, save
+from benchmarks.gpu.common import (add_moe_configs_flag, apply_moe_configs, build_engine,
+                                   copy_bandwidth, device_name, hf_random_model, save)
 from kernels import pdl
 from services.worker import ops
 from shared.messages import SamplingParams
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--pdl", choices=["on", "off"],
                         help="kernels.pdl.PDL, programmatic dependent launch (default: on "
                         "where the GPU has it)")
+    add_moe_configs_flag(parser)
     args = parser.parse_args()
     if args.norm_in_reduce == "off":
         ops.norm_in_reduce = lambda *_: False
@@ -125,6 +127,8 @@ def main() -> None:
         pdl.PDL = args.pdl == "on"
     norm_in_reduce = args.norm_in_reduce != "off"
 
+    moe_configs = apply_moe_configs(args.moe_configs, resolve_model(args.model))
+    print("moe configs:", moe_configs)
     bandwidth = copy_bandwidth()
     engine = build_engine(args.model, max_model_len=args.context + args.num_tokens + 16,
                           max_num_seqs=8, max_num_batched_tokens=2048,
@@ -160,6 +164,7 @@ def main() -> None:
     gpu_ms = graph_replay_ms(engine) \
         if not args.enforce_eager and args.tensor_parallel_size == 1 else None
     result = {"benchmark": "decode_latency", "device": device_name(), "model": args.model,
+              "moe_configs": moe_configs,
               "context": args.context, "num_tokens": args.num_tokens,
               "cuda_graphs": not args.enforce_eager, "ms_per_token": ms_per_token,
               "runs_ms": runs, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms_per_token,

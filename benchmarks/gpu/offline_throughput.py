@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.common import (build_engine, device_name, done_percentiles, hf_random_model,
-                    hf_static_batches, save)
+from benchmarks.gpu.common import (add_moe_configs_flag, apply_moe_configs, build_engine,
+                                   device_name, done_percentiles, hf_random_model,
+                                   hf_static_batches, save)
 from benchmarks.step_periods import period_by_seqs
 from shared.messages import SamplingParams
 from shared.models import resolve_model
@@ -169,6 +170,7 @@ def main() -> None:
                              "what vllm_offline.py reads) and exit")
     parser.add_argument("--hf-batch-sizes", default="", help="e.g. 64,128 (empty: no HF run)")
     parser.add_argument("--hf-prompts", type=int, default=256, help="HF runs on this many")
+    add_moe_configs_flag(parser)
     args = parser.parse_args()
 
     prompts, output_lens = workload(args)
@@ -178,6 +180,8 @@ def main() -> None:
         Path(args.dump_workload).write_text(json.dumps({"prompts": prompts,
                                                         "output_lens": output_lens}))
         return
+    moe_configs = apply_moe_configs(args.moe_configs, resolve_model(args.model))
+    print("moe configs:", moe_configs)
     engine = build_engine(args.model, max_model_len=args.max_model_len,
                           max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
@@ -205,6 +209,7 @@ def main() -> None:
     last_finish = max(c.finish_time for c in completions)
     result = {
         "benchmark": "offline_throughput", "workload": args.workload, "model": args.model,
+        "moe_configs": moe_configs,
         "device": device_name(), "num_prompts": len(prompts), "input_tokens": num_in,
         "output_tokens": num_out, "elapsed_s": stats.elapsed_s,
         "request_s": len(prompts) / stats.elapsed_s, "output_tok_s": num_out / stats.elapsed_s,
@@ -251,7 +256,8 @@ def main() -> None:
     quantized += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     quantized += "_fp8kv" if args.kv_cache_dtype == "fp8" else ""
     quantized += "_spec" if args.speculative_config else ""
-    save(f"throughput_{args.workload}_{args.model.replace(':', '_')}{quantized}", result)
+    untuned = "_untuned" if args.moe_configs == "default" else ""
+    save(f"throughput_{args.workload}_{args.model.replace(':', '_')}{quantized}{untuned}", result)
     print(f"\n{args.workload} {args.model} {args.quantization} KV {args.kv_cache_dtype} "
           f"TP{args.tensor_parallel_size} (seqs {args.max_num_seqs}, tokens "
           f"{args.max_num_batched_tokens}, overlap {args.overlap_steps}): "

@@ -5,11 +5,15 @@ The router stays in the checkpoint's dtype (never FP8: a quantized router picks 
 its logits' softmax and top-k run in fp32 with ties to the lower expert id
 (``kernels.fused_moe.route``), so a token's experts do not depend on its batch. Rows that are
 padding (a CUDA graph's rows past the real batch: slot -1) are routed to no expert, so they read
-no expert's weights. ``ExpertLoads`` counts the tokens each expert got, per layer, for /metrics.
+no expert's weights. Each block counts the tokens routed to each expert (in the routing
+launch); ``take_expert_counts`` reads them for /metrics about once a second.
 """
 
 from __future__ import annotations
 
+import time
+
+import msgspec
 import torch
 from torch import nn
 
@@ -20,6 +24,7 @@ from services.worker.layers import MLP
 from services.worker.model_config import ModelConfig, MoeSpec
 from services.worker.moe_parallel import local_expert_ids
 from services.worker.tensor_parallel import TensorParallel
+from shared.messages import StepResult
 
 
 class Experts(nn.Module):
@@ -53,16 +58,16 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
-        self.loads: ExpertLoads | None = None  # set by the runner where /metrics wants them
+        # [num_experts] int32 on the model's device: the tokens routed to each expert since
+        # the last ``take_expert_counts`` (route adds to it; None until the model is placed)
+        self.token_counts: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]; ``valid_rows`` [num_tokens] bool
         (None: all): the rest route to no expert and come out 0 (or the shared expert's)."""
         router_logits = ops.linear(x, self.gate.weight, batch_invariant=self.batch_invariant)
-        topk_weights, topk_ids = route(router_logits, self.spec.top_k,
-                                                 self.spec.renormalize, valid_rows)
-        if self.loads is not None:
-            self.loads.add(topk_ids)
+        topk_weights, topk_ids = route(router_logits, self.spec.top_k, self.spec.renormalize,
+                                       valid_rows, self.token_counts)
         if self.spec.num_local_experts:  # expert parallel: the pairs of this rank's experts
             topk_ids = local_expert_ids(topk_ids, self.spec)
         experts = self.experts
@@ -77,19 +82,41 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-class ExpertLoads:
-    """Tokens routed to each expert of one layer since the last ``take``, counted on the
-    device (no sync in the step): [num_experts + 1] int64, the last slot padding's."""
+def start_expert_counts(model: nn.Module, device: torch.device) -> None:
+    """Give every sparse block of ``model`` its (zeroed) token counters on ``device``."""
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            block.token_counts = torch.zeros(block.spec.num_experts, dtype=torch.int32,
+                                             device=device)
 
-    def __init__(self, num_experts: int, device: torch.device):
-        self.counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
 
-    def add(self, topk_ids: torch.Tensor) -> None:
-        flat = topk_ids.reshape(-1).long()
-        self.counts.scatter_add_(0, flat, torch.ones_like(flat))
+def take_expert_counts(model: nn.Module) -> list[list[int]]:
+    """Per sparse layer (in order), per expert, the tokens routed there since the last take,
+    then zeroed; [] for a dense model. Reads the device (a sync): call it between steps."""
+    counters = [block.token_counts for block in model.modules()
+                if isinstance(block, SparseMoeBlock) and block.token_counts is not None]
+    if not counters:
+        return []
+    stacked = torch.stack(counters)  # [num_sparse_layers, num_experts]
+    for counter in counters:
+        counter.zero_()
+    return stacked.tolist()
 
-    def take(self) -> list[int]:
-        """The counts of the real experts since the last take (a host copy), then zeroed."""
-        counts = self.counts[:-1].tolist()
-        self.counts.zero_()
-        return counts
+
+class ExpertCountReports:
+    """The model's expert counts on a step's result about once per ``period_s`` (the
+    scheduler sums them for /metrics); nothing for a dense model."""
+
+    def __init__(self, model: nn.Module, period_s: float = 1.0):
+        self.model, self.period_s = model, period_s
+        self.sparse = any(isinstance(m, SparseMoeBlock) for m in model.modules())
+        self.last_report = time.monotonic()
+
+    def attach(self, results: list[StepResult]) -> list[StepResult]:
+        """``results`` with the counts since the last report on the last one, when due."""
+        now = time.monotonic()
+        if not self.sparse or not results or now - self.last_report < self.period_s:
+            return results
+        self.last_report = now
+        counts = take_expert_counts(self.model)
+        return results[:-1] + [msgspec.structs.replace(results[-1], expert_token_counts=counts)]

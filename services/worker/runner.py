@@ -38,6 +38,7 @@ from services.worker.kv_offload import KvOffload
 from services.worker.kv_step import LayerWaits
 from services.worker.kv_quant import kv_scales_tag
 from services.worker.model import AttentionMetadata, Transformer
+from services.worker.moe import ExpertCountReports, take_expert_counts
 from services.worker.sampler import Sampler, chunk_prompt_logprobs, make_generator
 from services.worker.speculation import VerifyRule, keep_accepted, verify_drafts
 from services.worker.staging import HostStaging
@@ -91,10 +92,12 @@ class ModelRunner:
         self._requests: dict[str, RequestState] = {}
         self._in_flight: StepInFlight | None = None
         self.num_overlapped_steps = 0  # steps queued while the one before was in flight
+        self.expert_counts = ExpertCountReports(model)  # an MoE model's, for /metrics
 
     def zero_step_counts(self) -> None:
         """The step counts start again (after the start-up warm-up: they are serving's)."""
         self.num_overlapped_steps = 0
+        take_expert_counts(self.model)  # (the warm-up's routing is not serving's)
         if self._mixed_graphs is not None:
             self._mixed_graphs.num_steps = 0
 
@@ -166,7 +169,7 @@ class ModelRunner:
         order: the step in flight before it, and ``plan`` itself unless it is left in flight
         (CUDA, and its sampling needs no host tokens) for ``flush`` or the next ``submit``."""
         with self.ranks.watch():
-            return self._submit(self.ranks.lead_step(plan))
+            return self.expert_counts.attach(self._submit(self.ranks.lead_step(plan)))
 
     def _submit(self, plan: StepPlan) -> list[StepResult]:
         results: list[StepResult] = []
@@ -190,7 +193,7 @@ class ModelRunner:
             return []
         with self.ranks.watch():
             self.ranks.lead_flush()
-            return self._flush()
+            return self.expert_counts.attach(self._flush())
 
     def _flush(self) -> list[StepResult]:
         step, self._in_flight = self._in_flight, None

@@ -22,6 +22,7 @@ from kernels.rotary import build_cos_sin_cache
 from services.worker.fp8_checkpoints import (checkpoint_fp8, per_channel_weights,
                                              pop_checkpoint_kv_scales)
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
+from services.worker.moe import start_expert_counts
 from services.worker.moe_parallel import check_moe_parallel
 from services.worker.moe_weights import hub_moe_names, stack_experts
 from services.worker.tensor_parallel import TensorParallel
@@ -70,6 +71,7 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int =
     model.load_state_dict(state_dict, strict=True, assign=True)
     model.inv_freq = compute_inv_freq(config).to(device)  # the meta-built buffers are empty
     model.cos_sin_cache = build_cos_sin_cache(model.inv_freq, config.max_position_embeddings)
+    start_expert_counts(model, device)
     return model.eval()
 
 

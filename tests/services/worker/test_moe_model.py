@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.worker.model import ModelConfig
+from services.worker.moe import take_expert_counts
 from services.worker.weights import load_model
 from shared.models import resolve_model
 from tests.services.worker.model_checks import (assert_chunked_logits_match_hf, hf_greedy,
@@ -56,9 +57,18 @@ def test_every_token_logits_match_transformers(checkpoint):
 
 
 def test_greedy_batch_of_mixed_sizes_matches_transformers(checkpoint):
-    _, path = checkpoint
+    """... and every sparse layer counted each token's top-k experts once (for /metrics)."""
+    family, path = checkpoint
     expected = hf_greedy(hf_model_of(path), PROMPTS, 12)
-    assert runner_greedy(make_runner(path, "2MiB"), PROMPTS, 12) == expected
+    runner = make_runner(path, "2MiB")
+    take_expert_counts(runner.model)
+    assert runner_greedy(runner, PROMPTS, 12) == expected
+    config = runner.model.config
+    counts = take_expert_counts(runner.model)
+    num_rows = sum(map(len, PROMPTS)) + len(PROMPTS) * 11
+    assert [sum(layer) for layer in counts] == [num_rows * config.moe.top_k] * len(
+        config.moe.sparse_layers)
+    assert take_expert_counts(runner.model) == [[0] * 4] * len(config.moe.sparse_layers)
 
 
 def test_upcycled_experts_give_smollm2_greedy_text(tmp_path):
