@@ -151,7 +151,9 @@ def main() -> None:
     floor_ms = (read_bytes + kv_bytes) / bandwidth * 1e3
 
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(100, 40_000, (args.context,), generator=generator).tolist()
+    # ids the vocabulary holds (Mixtral has 32,000)
+    prompt = torch.randint(100, min(40_000, config.vocab_size), (args.context,),
+                           generator=generator).tolist()
     params = [SamplingParams(max_tokens=args.num_tokens, temperature=0.0, ignore_eos=True)]
     engine.generate([prompt], params)  # warm-up
     runs = []
