@@ -51,6 +51,12 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     (4096, 7168): SkinnyConfig(32, 256, num_stages=4, max_m=8),  # down: 22.8 / 23.1 vs 25.5 / 25.8
     # lm_head (vocab-parallel half): 172.7 / 175.2 vs 191.2 / 193.2
     (64128, 4096): SkinnyConfig(64, 256, num_stages=4, max_m=8),
+    # Qwen3-30B-A3B's dense projections (qkv, o_proj, lm_head), 2026-12-02: configs of the
+    # nearest swept shapes, not swept themselves; kept for the end-to-end batch-1 decode
+    # they gave against cuBLAS in one lease (BENCHMARKS.md, moe-qwen3 rows). TUNE
+    (5120, 2048): SkinnyConfig(32, 256, num_stages=4, max_m=8),
+    (2048, 4096): SkinnyConfig(32, 256, split_k=2, num_stages=4, max_m=8),
+    (151936, 2048): SkinnyConfig(128, 128, num_stages=4, max_m=8),
 }
 
 
@@ -92,6 +98,10 @@ FP8_CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     # gate_up: 119.6 / 120.7 vs 147.5 / 147.8
     (57344, 8192): SkinnyConfig(128, 256, max_m=16),
     (8192, 28672): SkinnyConfig(128, 256, split_k=4, max_m=16),  # down: 60.8 / 62.8 vs 78.9 / 79.8
+    # Qwen3-30B-A3B's qkv and o_proj (the experts take kernels/fused_moe.py), 2026-12-02: the
+    # nearest swept shapes' configs, not swept (as its bf16 entries above). TUNE
+    (5120, 2048): SkinnyConfig(64, 128, split_k=2, max_m=16),
+    (2048, 4096): SkinnyConfig(64, 128, split_k=4, max_m=16),
 }
 
 

@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.gpu.common import (add_moe_configs_flag, apply_moe_configs, build_engine,
                                    copy_bandwidth, device_name, hf_random_model, save)
-from kernels import pdl
+from kernels import pdl, skinny_gemm
 from services.worker import ops
 from shared.messages import SamplingParams
 from shared.models import resolve_model
@@ -119,8 +119,13 @@ def main() -> None:
     parser.add_argument("--pdl", choices=["on", "off"],
                         help="kernels.pdl.PDL, programmatic dependent launch (default: on "
                         "where the GPU has it)")
+    parser.add_argument("--skinny", choices=["on", "off"], default="on",
+                        help="off: every projection on cuBLAS (or the scaled FP8 GEMM), to "
+                             "measure the skinny GEMM's table against it")
     add_moe_configs_flag(parser)
     args = parser.parse_args()
+    if args.skinny == "off":
+        skinny_gemm.serves = skinny_gemm.serves_gated = lambda *_: False
     if args.norm_in_reduce == "off":
         ops.norm_in_reduce = lambda *_: False
     if args.pdl:
@@ -166,7 +171,7 @@ def main() -> None:
     gpu_ms = graph_replay_ms(engine) \
         if not args.enforce_eager and args.tensor_parallel_size == 1 else None
     result = {"benchmark": "decode_latency", "device": device_name(), "model": args.model,
-              "moe_configs": moe_configs,
+              "moe_configs": moe_configs, "skinny": args.skinny,
               "context": args.context, "num_tokens": args.num_tokens,
               "cuda_graphs": not args.enforce_eager, "ms_per_token": ms_per_token,
               "runs_ms": runs, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms_per_token,
@@ -206,6 +211,7 @@ def main() -> None:
     suffix += "_fp8kv" if args.kv_cache_dtype == "fp8" else ""
     suffix += "_spec" if args.speculative_config else ""
     suffix += "_batch_invariant" if args.batch_invariant else ""
+    suffix += "_skinny_off" if args.skinny == "off" else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
     print(f"\nbatch-1 decode, ctx {args.context}, quantization {args.quantization}, "
           f"KV {args.kv_cache_dtype}, "
