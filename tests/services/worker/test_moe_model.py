@@ -12,15 +12,23 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from cli.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.worker.config import WorkerConfig
 from services.worker.model import ModelConfig
 from services.worker.moe import take_expert_counts
 from services.worker.weights import load_model
-from shared.models import resolve_model
+from shared.messages import SamplingParams
+from shared.models import ModelFiles, resolve_model
+from shared.sections.speculative import parse_speculative_config
 from tests.services.worker.model_checks import (assert_chunked_logits_match_hf, hf_greedy,
                                                 make_runner, runner_greedy)
 from tests.services.worker.moe_checkpoints import build_moe_checkpoint
 
 NUM_LAYERS = 6  # enough to mix attention, experts and a dense layer; fast on two cores
+SHARED = [1, 504, 3458, 282, 1834, 314, 216, 1973, 28, 4418, 30, 216, 4589, 28]
+ENGINE_PROMPTS = [SHARED + [253, 2118], SHARED + [351, 1834, 29], list(range(400, 419)),
+                  SHARED + [9, 9, 9]]
 PROMPTS = [[1, 504, 3458, 282, 1834, 314, 216], [1, 1973], list(range(100, 133)),
            [1, 9, 4418, 30, 216, 4589, 28, 253, 2118, 351, 1834, 29]]
 
@@ -79,6 +87,38 @@ def test_upcycled_experts_give_smollm2_greedy_text(tmp_path):
     prompts = PROMPTS[:2]
     smol = runner_greedy(make_runner(resolve_model("smollm2").path, "8MiB"), prompts, 16)
     assert runner_greedy(make_runner(path, "8MiB"), prompts, 16) == smol
+
+
+def _engine_tokens(path, batched_tokens: int, kv_cache_memory: str, spec: str = ""):
+    engine = Engine(SchedulerConfig(max_num_batched_tokens=batched_tokens, max_num_seqs=4,
+                                    admission_reserve=False,  # (so requests are preempted)
+                                    speculative_config=parse_speculative_config(spec)),
+                    WorkerConfig(device="cpu", kv_cache_memory=kv_cache_memory, block_size=8),
+                    ModelFiles(name="moe", path=path))
+    try:
+        completions, stats = engine.generate(ENGINE_PROMPTS, [SamplingParams(
+            temperature=0.0, max_tokens=16, ignore_eos=True)] * len(ENGINE_PROMPTS))
+        return [c.output_token_ids for c in completions], stats, engine.scheduler
+    finally:
+        engine.close()
+
+
+def test_chunks_prefix_hits_preemption_and_drafts_keep_the_greedy_text(checkpoint):
+    """The scheduler's paths over an MoE model: 16-token chunks, a 512 KiB cache (preemption),
+    prompts sharing a prefix (prefix-cache hits), n-gram drafts and the model drafting for
+    itself give the tokens of one roomy run."""
+    _, path = checkpoint
+    roomy, _, _ = _engine_tokens(path, 512, "8MiB")
+    tight, stats, scheduler = _engine_tokens(path, 16, "512KiB")
+    assert stats.num_preemptions > 0 and scheduler.num_prefix_hits > 0
+    assert tight == roomy
+    ngram, _, _ = _engine_tokens(path, 16, "512KiB",
+                                 '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert ngram == roomy
+    drafted, _, scheduler = _engine_tokens(path, 64, "4MiB", json.dumps(
+        {"method": "draft_model", "model": str(path), "num_speculative_tokens": 3}))
+    assert drafted == roomy
+    assert scheduler.draft_books.num_accepted_drafts > 0
 
 
 @pytest.fixture(scope="module")
