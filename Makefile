@@ -10,7 +10,7 @@ SERVE_STAMP := $(VENV)/.installed-serve
 BENCH_STAMP := $(VENV)/.installed-bench
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install serve test test-unit test-deploy bench
+.PHONY: install serve test test-slow test-unit test-deploy bench
 
 # pip byte-compiles what it installs (--no-compile would leave that to each process's imports,
 # and where PYTHONDONTWRITEBYTECODE is set, as on the 2-core machine, every process then
@@ -43,8 +43,13 @@ serve: $(SERVE_STAMP)
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -ra --durations=30 $(PYTEST_ARGS)
 
+# The tests of minutes (marked slow: load, many requests, process groups); CI runs them after
+# make test (.ci/run), so make test stays within 20 minutes on 2 cores, installs included.
+test-slow: $(TEST_STAMP)
+	$(BIN)/python -m pytest -ra --durations=10 -m 'slow and not gpu' $(PYTEST_ARGS)
+
 test-unit: $(TEST_STAMP)
-	$(BIN)/python -m pytest -ra -m 'not integration and not gpu' $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -ra -m 'not integration and not gpu and not slow' $(PYTEST_ARGS)
 
 # The chart, compose file and Dockerfile checks alone (tests/deploy; tools from the test extra).
 test-deploy: $(TEST_STAMP)

@@ -132,6 +132,7 @@ def refused(base_url: str) -> bool:
         return True
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_gateway_workers_one_killed_the_others_keep_serving(tmp_path_factory, model_name):
     """--gateway-workers 2 (SO_REUSEPORT): kill -9 one gateway mid-stream. Each stream either
     ends with its solo text (on the gateway that lives) or loses its connection (on the one

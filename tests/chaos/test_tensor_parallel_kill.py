@@ -28,6 +28,7 @@ def split_replica(tmp_path_factory):
     stack.stop()
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_killing_one_rank_fails_the_group_and_streams_resume(split_replica, model_name):
     stack = split_replica
     reference = solo_texts(stack, model_name)

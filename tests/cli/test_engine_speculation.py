@@ -63,6 +63,7 @@ def run(model, spec: str, batches: list[list[list[int]]]) -> tuple[list[list[int
     return outputs, engine
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_two_hundred_prompts_give_the_same_tokens_with_and_without_drafts(model):
     from transformers import AutoTokenizer
 
@@ -145,6 +146,7 @@ def test_replayed_outputs_are_kept_whole_and_give_the_same_tokens(model, tmp_pat
     assert books.num_accepted_drafts == books.num_draft_tokens >= 5 * 8  # 11 of 12 each
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_a_draft_model_gives_the_same_tokens_and_itself_drafts_what_it_decodes(model):
     """method draft_model: SmolLM2 drafting for itself proposes what it decodes (nearly every
     draft kept); a random 2-layer model with its tokenizer proposes little that is kept. The

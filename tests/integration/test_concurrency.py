@@ -28,6 +28,7 @@ async def stream_text(client, model_name, messages, max_tokens) -> tuple[str, st
     return "".join(parts), finish
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_concurrent_streams_equal_their_solo_runs(stack, model_name):
     client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
                                 timeout=300)
@@ -74,6 +75,7 @@ async def sse_text(client, body: dict) -> tuple[str, str | None, int]:
     return "".join(parts), finish, num_tokens
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_a_thousand_streams_equal_their_solo_runs(stack, model_name):
     """1,024 streams at once (far more than --max-num-seqs: most queue), up to 16 tokens
     each (the suite's time goes into tokens, not streams); every text equals the prompt's

@@ -74,6 +74,7 @@ async def complete_all(base_url: str, model: str, prompts, max_tokens: int) -> l
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_preemption_under_a_tiny_kv_cache_loses_nothing(tiny_kv_stack, model_name):
     # 12 requests x 64 tokens; the cache holds 288 tokens (13 MiB, 46 KiB a token)
     prompts = distinct_prompts(12, 40)

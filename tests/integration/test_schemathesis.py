@@ -30,6 +30,7 @@ def api_schema(stack):
     return schemathesis.openapi.from_url(stack.base_url + "/openapi.json")
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_fuzz_the_api_from_its_own_schema(stack, api_schema, model_name):
     operations = [result.ok() for result in api_schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions",

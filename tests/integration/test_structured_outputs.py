@@ -54,6 +54,7 @@ SCHEMAS = {
 }
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_a_hundred_requests_over_five_schemas_all_validate(stack, model_name):
     client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0,
                                 timeout=600)

@@ -112,6 +112,7 @@ def _generate(model_files, prompts, tensor_parallel_size: int, speculative_confi
         engine.close()
 
 
+@pytest.mark.slow  # (make test-slow: CI runs it after make test)
 def test_two_ranks_over_gloo_generate_one_ranks_text(model_files):
     """Chunks of at most 24 tokens, a 3 MiB cache (preemption) and prompts sharing a prefix:
     both runs preempt and hit the prefix cache, and every token is the same."""
