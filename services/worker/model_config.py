@@ -18,6 +18,7 @@ import structlog
 import torch
 
 from services.worker.fp8_checkpoints import checkpoint_fp8
+from services.worker.int_checkpoints import checkpoint_int
 
 log = structlog.get_logger()
 
@@ -125,7 +126,9 @@ class ModelConfig:
             qkv_bias=attention_bias or family in QWEN2_FAMILIES, o_proj_bias=attention_bias,
             mlp_bias=family == "llama" and config.get("mlp_bias", False),
             qk_norm=family in QWEN3_FAMILIES, sliding_window=_sliding_window(config, family),
-            quantization="fp8" if checkpoint_fp8(config) else "none",
+            # an integer checkpoint is dequantized at load (int_checkpoints.py): "none"
+            quantization=("fp8" if checkpoint_int(config) is None and checkpoint_fp8(config)
+                          else "none"),
             moe=MoeSpec.from_dict(config, family))
         if model_config.sliding_window is not None:
             log.warning("sliding_window_caps_context", sliding_window=model_config.sliding_window,

@@ -21,6 +21,7 @@ from kernels.fp8 import FP8_DTYPE, quantize_per_channel
 from kernels.rotary import build_cos_sin_cache
 from services.worker.fp8_checkpoints import (checkpoint_fp8, per_channel_weights,
                                              pop_checkpoint_kv_scales)
+from services.worker.int_checkpoints import PACKED_SUFFIXES, checkpoint_int, dequantized_weights
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
 from services.worker.moe import start_expert_counts
 from services.worker.moe_parallel import check_moe_parallel
@@ -60,7 +61,9 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int =
     elif config.quantization != "none" or tp.size > 1:  # on the host, each to the device in turn
         hf_weights = read_safetensors(path, torch.device("cpu"), dtype)
         model.checkpoint_kv_scales = pop_checkpoint_kv_scales(hf_weights)
-        checkpoint = checkpoint_fp8(json.loads((path / "config.json").read_text()))
+        raw_config = json.loads((path / "config.json").read_text())
+        # an integer checkpoint came dequantized from read_safetensors: plain weights by now
+        checkpoint = None if checkpoint_int(raw_config) else checkpoint_fp8(raw_config)
         if checkpoint is not None:
             hf_weights = per_channel_weights(hf_weights, checkpoint)
         state_dict = dict(place(model, fuse_hf_weights(hf_weights, config), device, shard))
@@ -120,7 +123,8 @@ def place(model: Transformer, weights: Iterator[tuple[str, torch.Tensor]] | dict
 
 def read_safetensors(path: Path, device: torch.device, dtype: torch.dtype
                       ) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint (HF names; Mixtral's MoE names as Qwen's)."""
+    """Every tensor of the checkpoint (HF names; Mixtral's MoE names as Qwen's); an integer
+    checkpoint's packed projections dequantized to ``dtype`` (int_checkpoints.py)."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors in {path}")
@@ -132,8 +136,13 @@ def read_safetensors(path: Path, device: torch.device, dtype: torch.dtype
                     continue
                 tensor = f.get_tensor(name)
                 # an FP8 checkpoint's weights and scales keep their dtypes (fp8_checkpoints.py)
-                keep = tensor.dtype == FP8_DTYPE or "_scale" in name.rpartition(".")[2]
+                # and an integer one's packed tensors and scales theirs (int_checkpoints.py)
+                suffix = name.rpartition(".")[2]
+                keep = tensor.dtype == FP8_DTYPE or "_scale" in suffix or suffix in PACKED_SUFFIXES
                 tensors[name] = tensor.to(device=device, dtype=None if keep else dtype)
+    checkpoint = checkpoint_int(json.loads((path / "config.json").read_text()))
+    if checkpoint is not None:
+        tensors = dequantized_weights(tensors, checkpoint, dtype)
     return hub_moe_names(tensors)
 
 
