@@ -100,16 +100,19 @@ def gptq_tensors(weight: torch.Tensor, bits: int, group_size: int, act_order: bo
 
 
 def compressed_tensors_tensors(weight: torch.Tensor, bits: int, group_size: int,
-                               symmetric: bool):
-    """compressed-tensors pack-quantized tensors of one projection (group_size -1: channel),
-    packed by the library itself, and its dequantized weight."""
+                               symmetric: bool, act_order: bool = False):
+    """compressed-tensors pack-quantized tensors of one projection (group_size -1: channel;
+    act_order: actorder "group", with weight_g_idx), packed by the library itself, and its
+    dequantized weight."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     offset = 1 << (bits - 1)
-    g_idx = group_index(weight.shape[1], group_size, act_order=False)
+    g_idx = group_index(weight.shape[1], group_size, act_order)
     q, zeros, scales = quantize_rtn(weight, bits, g_idx, symmetric, torch.bfloat16)
     packed = {"weight_packed": pack_to_int32((q - offset).to(torch.int8), bits),
               "weight_scale": scales, "weight_shape": torch.tensor(list(weight.shape))}
+    if act_order:
+        packed["weight_g_idx"] = g_idx.to(torch.int32)
     if not symmetric:
         packed["weight_zero_point"] = pack_to_int32((zeros - offset).to(torch.int8), bits,
                                                     packed_dim=0)
@@ -133,7 +136,10 @@ def quantization_config(method: str, bits: int, group_size: int, act_order: bool
                                group_size=None if group_size == -1 else group_size)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
         targets=["Linear"], weights=weights)}, format="pack-quantized", ignore=["lm_head"])
-    return config.model_dump(mode="json")
+    config = config.model_dump(mode="json")
+    if act_order:  # what compressed-tensors before 0.20 wrote (0.20 refuses to make it)
+        config["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    return config
 
 
 def write_int_checkpoint(out: Path, method: str, bits: int = 4, group_size: int = 64,
@@ -160,7 +166,8 @@ def write_int_checkpoint(out: Path, method: str, bits: int = 4, group_size: int 
         elif method == "gptq":
             packed, plain[name] = gptq_tensors(tensor, bits, group_size, act_order, symmetric)
         else:
-            packed, plain[name] = compressed_tensors_tensors(tensor, bits, group_size, symmetric)
+            packed, plain[name] = compressed_tensors_tensors(tensor, bits, group_size, symmetric,
+                                                             act_order)
         stored.update({f"{module}.{suffix}": t for suffix, t in packed.items()})
     _write(out, stored, config)
     return plain

@@ -28,6 +28,7 @@ FORMATS = {  # name: write_int_checkpoint's arguments
     "gptq-g64-asym": dict(method="gptq", symmetric=False),
     "ct-w4a16-g64-sym": dict(method="compressed-tensors"),
     "ct-w4a16-g64-asym": dict(method="compressed-tensors", symmetric=False),
+    "ct-w4a16-g64-actorder-group": dict(method="compressed-tensors", act_order=True),
     "ct-w8a16-channel-sym": dict(method="compressed-tensors", bits=8, group_size=-1),
     "ct-w8a16-g64-asym": dict(method="compressed-tensors", bits=8, symmetric=False),
 }
