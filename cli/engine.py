@@ -72,9 +72,13 @@ class Engine:
         """Stop the tensor-parallel ranks, if any."""
         self.runner.ranks.close()
 
-    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams]
-                 ) -> tuple[list[Completion], EngineStats]:
-        """Run every prompt to completion; completions come back in prompt order."""
+    def generate(self, prompts: list[list[int]], sampling: list[SamplingParams],
+                 lora_names: list[str] | None = None) -> tuple[list[Completion], EngineStats]:
+        """Run every prompt to completion; completions come back in prompt order.
+        ``lora_names``: per prompt, the LoRA adapter it runs with ("": the base model); the
+        scheduler does not key its prefix cache by adapter yet, so it needs prefix caching
+        off (docs/lora.md)."""
+        adapters = self._adapters_of(len(prompts), lora_names)
         completions: dict[str, Completion] = {}
         for index, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
             request_id = f"offline-{index}"
@@ -91,6 +95,7 @@ class Engine:
         while self.scheduler.has_work or self.runner.has_in_flight:
             plan = self.scheduler.schedule() if self.scheduler.has_work else None
             if plan is not None:
+                plan = _with_adapters(plan, adapters)
                 plans[plan.step_id] = plan
                 results = self.runner.submit(plan)
             elif self.runner.has_in_flight:  # every request waits for a token in flight
@@ -102,6 +107,16 @@ class Engine:
         stats = EngineStats(self.scheduler.num_preemptions - preemptions_before,
                             time.perf_counter() - start, steps)
         return list(completions.values()), stats
+
+    def _adapters_of(self, num_prompts: int, lora_names: list[str] | None) -> dict[str, str]:
+        """request id -> adapter name, for the requests that name one."""
+        names = lora_names or [""] * num_prompts
+        if len(names) != num_prompts:
+            raise ValueError(f"{len(names)} lora_names for {num_prompts} prompts")
+        if any(names) and self.scheduler.config.prefix_caching:
+            raise ValueError("lora_names need prefix_caching off: the prefix cache does not "
+                             "key blocks by adapter yet")
+        return {f"offline-{index}": name for index, name in enumerate(names) if name}
 
     def _apply(self, plan: StepPlan, result: StepResult, completions: dict[str, Completion],
                steps: list[tuple[int, int, float]]) -> None:
@@ -118,3 +133,12 @@ class Engine:
             completion.output_token_ids.extend(output.new_token_ids)
             if output.finish_reason is not None:
                 completion.finish_reason, completion.finish_time = output.finish_reason, now
+
+
+def _with_adapters(plan: StepPlan, adapters: dict[str, str]) -> StepPlan:
+    """``plan`` with each new request's adapter name (the scheduler does not carry them yet)."""
+    if not adapters or not plan.new_requests:
+        return plan
+    return msgspec.structs.replace(plan, new_requests=[
+        msgspec.structs.replace(new, lora_name=adapters.get(new.request_id, ""))
+        for new in plan.new_requests])

@@ -283,6 +283,8 @@ class NewRequestData(Struct, frozen=True, array_like=True, gc=False):
     # how many of token_ids are the prompt (0: all of them); a resumed request's seeded
     # draws continue from its output index
     num_prompt_tokens: int = 0
+    # the LoRA adapter the request runs with, by its registered name ("": the base model)
+    lora_name: str = ""
 
 
 class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):

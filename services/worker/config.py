@@ -6,7 +6,7 @@ import os
 
 from shared.config import compose
 from shared.sections.engine import (  # noqa: F401 (the worker's modules import them from here)
-    BatchLimits, Compute, ContextLimit, Dtype, KvCache, KvCacheDtype, OverlapSteps, Parallel,
+    BatchLimits, Compute, ContextLimit, Dtype, KvCache, KvCacheDtype, Lora, OverlapSteps, Parallel,
     Quantization, Weights)
 from shared.sections.kvstore import KvClient, KvLoads
 from shared.sections.runtime import COMMON, Drain, Replica
@@ -20,6 +20,9 @@ def _check_across(config) -> None:
     if config.batch_invariant and config.tensor_parallel_size > 1:
         raise ValueError("batch_invariant runs on one GPU: a tensor-parallel worker's sums "
                          "take other paths at other sizes")
+    if config.enable_lora and config.tensor_parallel_size > 1:
+        raise ValueError("enable_lora runs on one worker process: LoRA with "
+                         "tensor_parallel_size > 1 is not built yet (docs/lora.md)")
     if not 0 <= config.num_speculative_tokens <= 16:
         raise ValueError(f"num_speculative_tokens must be between 0 and 16, not "
                          f"{config.num_speculative_tokens}")
@@ -28,7 +31,7 @@ def _check_across(config) -> None:
 WorkerConfig = compose(
     "WorkerConfig", "flotilla worker: owns the model weights and the paged KV cache; runs steps.",
     (*COMMON, Replica, Weights, ContextLimit, BatchLimits, KvCache, Compute, Parallel,
-     Speculation, KvClient, KvLoads, Drain),
+     Lora, Speculation, KvClient, KvLoads, Drain),
     module=__name__, checks=(_check_across,))
 
 

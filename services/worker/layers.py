@@ -2,7 +2,9 @@
 per-channel scales, summed over tensor-parallel ranks where it is row-parallel), a projection
 into the residual stream with the norm after it (``add_rms_norm``), and the SwiGLU MLP. model.py
 builds attention and layers from them; moe.py its sparse blocks (Qwen2-MoE's shared expert is an
-``MLP``)."""
+``MLP``). A LoRA-targeted ``Linear`` adds its adapters' deltas (``lora``, lora_slots.py);
+in a step with adapter rows the fused projection-and-norm / projection-and-SiLU paths run
+as the projection, then the op after it, so the deltas are in before it."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from services.worker import ops
+from services.worker.lora_slots import LinearLora
 from services.worker.model_config import ModelConfig
 from services.worker.tensor_parallel import TensorParallel
 
@@ -29,7 +32,8 @@ class Linear(nn.Linear):
     """nn.Linear whose weight may be FP8 (e4m3) with ``weight_scale`` [out_features] fp32, one
     scale per output channel (kernels/fp8.py); without FP8 that buffer is None. With ``reduce``
     (tensor parallel o_proj and down: a slice of the input features) the ranks' partial
-    outputs are summed."""
+    outputs are summed. ``lora``: its LoRA slots (lora_slots.py; None: LoRA off, nothing
+    added, no op more)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelConfig,
                  reduce: TensorParallel | None = None):
@@ -38,10 +42,13 @@ class Linear(nn.Linear):
         self.register_buffer("weight_scale", torch.empty(out_features) if fp8 else None)
         self.reduce = reduce if reduce is not None and reduce.size > 1 else None
         self.batch_invariant = config.batch_invariant
+        self.lora: LinearLora | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = ops.linear(x, self.weight, self.bias, self.weight_scale,
                          batch_invariant=self.batch_invariant)
+        if self.lora is not None:
+            out = self.lora.add(x, out)
         return out if self.reduce is None else self.reduce.all_reduce(out)
 
 
@@ -52,6 +59,8 @@ def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RM
     tensor parallel."""
     if proj.reduce is not None:
         return proj.reduce.linear_add_rms_norm(x, proj, residual, norm)
+    if proj.lora is not None and proj.lora.active:  # the deltas go in before the norm
+        return norm(proj(x), residual)
     return ops.linear_add_rms_norm(x, proj.weight, proj.bias, residual, norm.weight, norm.eps,
                                    proj.weight_scale, proj.batch_invariant)
 
@@ -73,4 +82,6 @@ class MLP(nn.Module):
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of gate_up: [num_tokens, hidden_size] -> [num_tokens, intermediate_size]."""
         up = self.gate_up_proj
+        if up.lora is not None and up.lora.active:  # the deltas go in before SiLU-and-mul
+            return ops.silu_and_mul(up(x))
         return ops.linear_silu_and_mul(x, up.weight, up.bias, up.weight_scale, up.batch_invariant)

@@ -16,7 +16,10 @@ The kvstore enters through one hook per phase of a step (``self.kv``, kv_connect
 kvstore it is ``NoKvConnector``, which computes a plan's loads instead. Speculative
 decoding enters the same way: the worker's proposer (``self.proposer``, draft_model.py:
 ``propose``, ``fill``, ``read_back``, ``settle``; ``NoDraftModel`` without a draft model)
-and the acceptance rule (``self.verify``, speculation.py).
+and the acceptance rule (``self.verify``, speculation.py). LoRA adapters too (``self.lora``,
+lora_slots.py: ``resolve`` a request's adapter at arrival, ``begin`` a step's segments and
+slots before its forward, ``end`` them after; ``NoLora`` with LoRA off); a step with adapter
+rows runs eagerly, never in a CUDA graph.
 
 ``build_runner`` (runner_build.py) assembles the runner's parts; a plan's entries are
 checked and turned into chunks by step_chunks.py.
@@ -37,6 +40,7 @@ from services.worker.kv_connector import KvConnector, NoKvConnector
 from services.worker.kv_offload import KvOffload
 from services.worker.kv_step import LayerWaits
 from services.worker.kv_quant import kv_scales_tag
+from services.worker.lora_slots import LoraSlots, NoLora
 from services.worker.model import AttentionMetadata, Transformer
 from services.worker.moe import ExpertCountReports, take_expert_counts
 from services.worker.sampler import Sampler, chunk_prompt_logprobs, make_generator
@@ -67,14 +71,16 @@ class ModelRunner:
                  max_model_len: int, eos_token_ids: list[int], kv_cache: torch.Tensor,
                  kv_cache_bytes: int, staging: HostStaging | None, proposer: WorkerProposer,
                  sampler: Sampler, graphs: StepGraphs, overlap_steps: bool,
-                 kv_load_groups: int, verify: VerifyRule = verify_drafts) -> None:
+                 kv_load_groups: int, verify: VerifyRule = verify_drafts,
+                 lora: LoraSlots | NoLora = NoLora()) -> None:
         """The parts ``build_runner`` (runner_build.py) assembles. ``ranks``: this runner's
         tensor-parallel group (tp_group.py); rank 0 sends each call to the others, which run
         it too. ``proposer``: what fills draft slots (draft_model.py); ``verify``: which
         drafts a step keeps (speculation.py; a benchmark may install another).
         ``overlap_steps``: leave steps in flight (``submit``): on CUDA, where it hides the
         host's work behind the GPU's; tests turn it on on CPU to check the path.
-        ``kv_load_groups``: the layer groups loads from the kvstore copy in."""
+        ``kv_load_groups``: the layer groups loads from the kvstore copy in. ``lora``: the
+        LoRA adapters' slots (lora_slots.py; ``NoLora``: off)."""
         self.ranks, self.model, self.seed = ranks, model, seed
         self.model_name: str = model_files.name
         self.model_path: Path = model_files.path
@@ -85,7 +91,7 @@ class ModelRunner:
         self.num_blocks: int = kv_cache.shape[2]
         self._cache = CacheShape(self.num_blocks, block_size, max_model_len)  # (plan checks)
         self._staging, self.proposer, self.verify = staging, proposer, verify
-        self.sampler = sampler
+        self.sampler, self.lora = sampler, lora
         self._graphs, self._verify_graphs, self._mixed_graphs = graphs
         self.overlap_steps, self.kv_load_groups = overlap_steps, kv_load_groups
         self.kv: NoKvConnector = NoKvConnector(block_size)  # the kvstore's hooks
@@ -216,15 +222,19 @@ class ModelRunner:
         finished = self._take_arrivals(plan)
         chunks = [chunk_of(scheduled, self._requests.get(scheduled.request_id), self._cache,
                            self._in_flight, self.proposer) for scheduled in plan.scheduled]
+        chunk_states = [self._requests[s.request_id] for s in plan.scheduled]
+        self.lora.begin([s.lora_name for s in chunk_states],  # (before any graph choice)
+                        [len(chunk.token_ids) for chunk in chunks],
+                        [s.lora_name for s in self._requests.values()])
         kv_step = self.kv.before_forward(plan, chunks, self._requests, finished)
         sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
         states = [self._requests[request_id] for request_id in sampled_ids]
-        chunk_states = [self._requests[s.request_id] for s in plan.scheduled]
         with torch.inference_mode():
             proposal = self.proposer.propose(chunks, chunk_states)  # draft_model.py
             layout = logits_layout(chunks) if chunks else None
             logits = self._run_model(chunks, layout, kv_step.layer_waits,
                                      proposal) if chunks else None
+            self.lora.end()
             self.kv.after_forward(kv_step)
             self.proposer.read_back(proposal, chunks)  # (its drafts into their chunks)
             sampled = self._sample(plan, chunks, layout, logits, sampled_ids, states, defer)
@@ -333,7 +343,7 @@ class ModelRunner:
             assert layer_waits is None, "a whole-step graph cannot wait between its layers"
             return graphs.run(input_ids, positions, metadata, pending)
         assert pending is None, "pending tokens go in place before any other forward"
-        if self._mixed_graphs is not None \
+        if self._mixed_graphs is not None and not self.lora.active \
                 and self._mixed_graphs.bucket_for(len(input_ids)) is not None:
             return self._mixed_graphs.run(input_ids, positions, metadata, layer_waits)
         return self.model(input_ids, positions, metadata, layer_waits)
@@ -341,7 +351,10 @@ class ModelRunner:
     def _whole_graph(self, num_tokens: int, num_seqs: int, max_query_len: int,
                      num_logits: int) -> DecodeGraphs | None:
         """The graph that runs a whole step of this shape: a decode graph (one query a
-        sequence) or a verify graph (a token and K drafts a sequence); None: none does."""
+        sequence) or a verify graph (a token and K drafts a sequence); None: none does (nor
+        for a step with LoRA rows)."""
+        if self.lora.active:
+            return None
         return next((graphs for graphs in (self._graphs, self._verify_graphs) if graphs
                      is not None and graphs.runs(num_tokens, num_seqs, max_query_len,
                                                  num_logits)), None)
@@ -370,13 +383,14 @@ class ModelRunner:
                              f"{new.num_computed_tokens} outside [0, {len(new.token_ids)}]")
         self._cache.check_block_ids(new.request_id, new.block_ids)
         num_prompt_tokens = new.num_prompt_tokens or len(new.token_ids)
+        lora_name = self.lora.resolve(new.request_id, new.lora_name)
         self._forget(new.request_id)
         self.sampler.add(new.request_id, new.sampling, list(new.token_ids), num_prompt_tokens)
         self._requests[new.request_id] = RequestState(
             token_ids=list(new.token_ids), sampling=new.sampling, block_table=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
             generator=make_generator(new.sampling, self._device),
-            num_prompt_tokens=num_prompt_tokens,
+            num_prompt_tokens=num_prompt_tokens, lora_name=lora_name,
             wants_prompt_logprobs=new.sampling.prompt_logprobs is not None
             and num_prompt_tokens == len(new.token_ids))
 

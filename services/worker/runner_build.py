@@ -1,5 +1,6 @@
 """A ModelRunner (runner.py) assembled from a WorkerConfig, one part after another, each
-needing the ones before it: the device, the model (and speculative decoding's draft model),
+needing the ones before it: the device, the model (its LoRA slots, lora_slots.py, and
+speculative decoding's draft model),
 the KV cache the memory profile leaves room for, the worker's proposer, the sampler, the
 CUDA graphs, and on one GPU the start-up warm-up of whole steps (warmup.py), which needs the
 runner itself. The runner's constructor only stores what this hands it; nothing here sets
@@ -21,6 +22,7 @@ from services.worker.cuda_graphs import capture_step_graphs, mixed_graph_tokens
 from services.worker.draft_model import DraftModel, NoDraftModel, load_draft_model
 from services.worker.kv_connector import usable_load_groups
 from services.worker.kv_quant import resolve_kv_cache_dtype, set_fp8_kv_scales
+from services.worker.lora_slots import LoraSlots, NoLora
 from services.worker.memory import kv_bytes_per_block, profile_kv_cache_bytes
 from services.worker.model import Transformer
 from services.worker.runner import ModelRunner, StepGraphs
@@ -45,6 +47,7 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
                        quantization=check_quantization(model_files.path, config.quantization,
                                                        device),
                        tp=tp, batch_invariant=config.batch_invariant)
+    lora = _lora(config, model, device, dtype)  # (its slots before the memory profile)
     max_model_len = model.config.usable_context_len(config.max_model_len)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     if kv_dtype == FP8_KV_DTYPE:  # before the profile and graphs: they use the scales
@@ -79,7 +82,7 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
         graphs=_compile(config, model, proposer, max_model_len, device),
         overlap_steps=config.overlap_steps == "on" or (
             config.overlap_steps == "auto" and device.type == "cuda"),
-        kv_load_groups=usable_load_groups(config, model.config.num_layers, device))
+        kv_load_groups=usable_load_groups(config, model.config.num_layers, device), lora=lora)
     if device.type == "cuda" and ranks.tp.size == 1:
         warm_up_steps(runner)  # (a group's ranks take steps only once all are up)
         runner.zero_step_counts()  # the counts are serving's
@@ -100,6 +103,16 @@ def _device_and_dtype(config: WorkerConfig) -> tuple[torch.device, torch.dtype]:
     if config.batch_invariant and device.type != "cuda":
         raise ValueError("batch_invariant needs a CUDA device (the CPU's GEMMs are torch's)")
     return device, resolve_dtype(config.dtype, device)
+
+
+def _lora(config: WorkerConfig, model: Transformer, device: torch.device,
+          dtype: torch.dtype) -> LoraSlots | NoLora:
+    """The LoRA seam: the registered adapters (each checked against the model) and their
+    device slots with --enable-lora, else the null one."""
+    if not config.enable_lora:
+        return NoLora()
+    return LoraSlots(model, config.lora_module_list, config.max_loras, config.max_lora_rank,
+                     config.max_cpu_loras, device, dtype)
 
 
 def _allocate_cache(model: Transformer, num_blocks: int, block_size: int, dtype: torch.dtype,

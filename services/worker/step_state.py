@@ -28,6 +28,8 @@ class RequestState:
     num_pending_tokens: int = 0
     # positions whose KV the draft model has written (draft_model.py)
     num_draft_computed: int = 0
+    # its LoRA adapter's registered name ("": the base model; lora_slots.py)
+    lora_name: str = ""
 
     @property
     def num_tokens(self) -> int:

@@ -167,3 +167,53 @@ class Parallel(Section, frozen=True, kw_only=True):
         if self.tensor_parallel_step_timeout <= 0:
             raise ValueError(f"tensor_parallel_step_timeout must be positive, not "
                              f"{self.tensor_parallel_step_timeout}")
+
+
+class Lora(Section, frozen=True, kw_only=True):
+    """LoRA adapters on the base model (docs/lora.md): registered at start, kept in host
+    memory, copied into device slots as requests need them."""
+
+    enable_lora: Annotated[bool, knob(
+        "serve LoRA adapters (PEFT format) on top of the base model; base requests run as "
+        "without it (docs/lora.md)")] = False
+    lora_modules: Annotated[str, knob(
+        "the adapters, name=path,name2=path2 (each path a PEFT directory: adapter_config.json "
+        "and adapter_model.safetensors); needs --enable-lora")] = ""
+    max_loras: Annotated[int, knob(
+        "device slots: the most adapters one step computes with")] = 4
+    max_lora_rank: Annotated[int, knob(
+        "the largest adapter rank; each slot holds this rank (smaller ranks zero-padded)")] = 16
+    max_cpu_loras: Annotated[int, knob(
+        "adapters kept loaded in host memory (0: every registered one); the rest are read "
+        "from disk again when a request needs them")] = 0
+
+    def __post_init__(self) -> None:
+        modules = self.lora_module_list  # (parsed: a bad entry names itself)
+        if modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        for name, value, minimum in (("max_loras", self.max_loras, 1),
+                                     ("max_lora_rank", self.max_lora_rank, 1),
+                                     ("max_cpu_loras", self.max_cpu_loras, 0)):
+            if value < minimum:
+                raise ValueError(f"{name} must be at least {minimum}, not {value}")
+        if 0 < self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras {self.max_cpu_loras} is below max_loras "
+                             f"{self.max_loras}: every device slot's adapter is in host memory")
+
+    @property
+    def lora_module_list(self) -> list[tuple[str, str]]:
+        """``lora_modules`` as (name, path) pairs, in order; a ValueError names a bad entry."""
+        return parse_lora_modules(self.lora_modules)
+
+
+def parse_lora_modules(text: str) -> list[tuple[str, str]]:
+    """"name=path,name2=path2" -> [(name, path), ...]: names unique and non-empty."""
+    pairs: list[tuple[str, str]] = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, path = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules entry {entry!r} is not name=path")
+        if name in (seen for seen, _ in pairs):
+            raise ValueError(f"lora_modules names {name!r} twice")
+        pairs.append((name, path))
+    return pairs

@@ -1,0 +1,236 @@
+"""LoRA in the step: adapters placed in device slots, and each step's segments handed to the
+projections that add their deltas.
+
+Design. Every LoRA-targeted projection of the model (each layer's ``qkv_proj``, ``o_proj``,
+``gate_up_proj``, ``down_proj``: layers.py ``Linear``) gets a ``LinearLora``: its slots
+(``a`` [max_loras, parts * max_rank, in_features], ``b`` [max_loras, out_features,
+parts * max_rank]) and a reference to one ``LoraBatch``, a holder all of them share. The
+runner sets the holder's ``step`` (a ``LoraStep``: (slot, first row, end row) segments of the
+step's flattened tokens, made on the host from its chunks) before the forward and clears it
+after; a projection adds ``x[rows] @ a[slot]^T @ b[slot]^T`` for each segment. No module
+global: the holder is an object the model's modules were handed when LoRA was enabled, and a
+model without LoRA has no ``LinearLora`` at all (``Linear.lora`` is None: not one extra op).
+
+A fused projection's parts are blocks of its slot: part p's A in rows [p*max_rank,
+p*max_rank + r) of ``a``, its B in ``b``'s rows of p (q, then k, then v; gate, then up) and
+columns [p*max_rank, p*max_rank + r); everything else is exact zeros, so a smaller rank or an
+untargeted part adds exactly nothing. The scaling is folded into B.
+
+Slots are filled on the device's stream, ordered after the kernels of a step still in flight
+that read the slot's old adapter. A step with adapter rows runs eagerly (no CUDA graphs hold
+the deltas yet); a step without any uses the graphs as before.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from services.worker.lora import FUSED_PARTS, LoraAdapter, load_adapter, part_shapes
+from services.worker.model_config import ModelConfig
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class LoraStep:
+    # (slot, first row, end row) over the step's tokens, ascending, rows of one slot merged
+    segments: tuple[tuple[int, int, int], ...]
+
+
+class LoraBatch:
+    """The holder the model's ``LinearLora``s share: the step's segments, None between
+    steps and in steps without adapter rows."""
+
+    def __init__(self) -> None:
+        self.step: LoraStep | None = None
+
+
+class LinearLora:
+    """One projection's device slots; ``add`` puts the step's deltas into its output."""
+
+    def __init__(self, batch: LoraBatch, part_sizes: tuple[int, ...], in_features: int,
+                 max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype):
+        self.batch, self.part_sizes, self.max_rank = batch, part_sizes, max_rank
+        width = len(part_sizes) * max_rank
+        self.a = torch.zeros(max_loras, width, in_features, device=device, dtype=dtype)
+        self.b = torch.zeros(max_loras, sum(part_sizes), width, device=device, dtype=dtype)
+
+    @property
+    def active(self) -> bool:
+        """The step in progress has adapter rows."""
+        return self.batch.step is not None
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x [num_tokens, in_features], out [num_tokens, out_features]: out plus each
+        segment's delta (in place); out unchanged without a LoRA step."""
+        step = self.batch.step
+        if step is None:
+            return out
+        for slot, start, end in step.segments:
+            shrunk = x[start:end] @ self.a[slot].T  # [rows, parts * max_rank]
+            out[start:end] += shrunk @ self.b[slot].T  # [rows, out_features]
+        return out
+
+    def write(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None],
+              scaling: float) -> None:
+        """Slot ``slot`` holds ``parts`` (per part (A [r, in], B [out, r]) or None: none)."""
+        a = torch.zeros(self.a.shape[1:])  # [parts * max_rank, in_features] fp32, host
+        b = torch.zeros(self.b.shape[1:])  # [out_features, parts * max_rank]
+        row = 0
+        for index, (size, pair) in enumerate(zip(self.part_sizes, parts, strict=True)):
+            if pair is not None:
+                lora_a, lora_b = pair
+                col, rank = index * self.max_rank, lora_a.shape[0]
+                a[col:col + rank] = lora_a
+                b[row:row + size, col:col + rank] = lora_b * scaling
+            row += size
+        self.a[slot].copy_(a)
+        self.b[slot].copy_(b)
+
+
+class NoLora:
+    """The null seam: LoRA off. A request naming an adapter is refused; no step has rows."""
+
+    active = False
+
+    def resolve(self, request_id: str, lora_name: str) -> str:
+        if lora_name:
+            raise ValueError(f"request {request_id}: lora_name {lora_name!r} but LoRA is not "
+                             f"enabled (--enable-lora)")
+        return ""
+
+    def begin(self, names: list[str], num_rows: list[int], running: Iterable[str]) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+def attach_linear_loras(model: torch.nn.Module, batch: LoraBatch, max_loras: int,
+                        max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Give each targeted projection of ``model`` (a Transformer) its slots; a sparse
+    (MoE) layer's MLP gets none."""
+    shapes = part_shapes(model.config)
+    for layer in model.layers:
+        for fused, linear in _layer_linears(layer):
+            parts = FUSED_PARTS[fused]
+            linear.lora = LinearLora(batch, tuple(shapes[p][0] for p in parts),
+                                     shapes[parts[0]][1], max_loras, max_rank, device, dtype)
+
+
+class LoraSlots:
+    """The runner's LoRA seam when enabled: registered adapters, those kept in host memory
+    (LRU, ``max_cpu_loras``), the device slots' tenants (LRU among adapters no request in
+    the step uses, preferring ones no running request uses), and each step's segments."""
+
+    def __init__(self, model: torch.nn.Module, modules: list[tuple[str, str]], max_loras: int,
+                 max_rank: int, max_cpu_loras: int, device: torch.device, dtype: torch.dtype):
+        self.config: ModelConfig = model.config
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.batch = LoraBatch()
+        attach_linear_loras(model, self.batch, max_loras, max_rank, device, dtype)
+        self.layers = list(model.layers)
+        self.paths: dict[str, str] = {}
+        self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # oldest use first
+        self.tenants: list[str | None] = [None] * max_loras  # slot -> adapter name
+        self.last_use = [0] * max_loras
+        self.clock = 0
+        for name, path in modules:
+            self.register(name, path)
+
+    @property
+    def active(self) -> bool:
+        return self.batch.step is not None
+
+    def register(self, name: str, path: str) -> LoraAdapter:
+        """Load and check adapter ``name``; a ValueError names what is wrong."""
+        if name in self.paths:
+            raise ValueError(f"LoRA adapter {name!r} is registered already")
+        adapter = load_adapter(name, path, self.config, self.max_rank)
+        self.paths[name] = path
+        self._keep_on_host(adapter)
+        log.info("lora_adapter_registered", lora_name=name, path=str(path), rank=adapter.rank,
+                 target_modules=list(adapter.target_modules))
+        return adapter
+
+    def resolve(self, request_id: str, lora_name: str) -> str:
+        if lora_name and lora_name not in self.paths:
+            raise ValueError(f"request {request_id}: unknown LoRA adapter {lora_name!r} "
+                             f"(registered: {', '.join(sorted(self.paths)) or 'none'})")
+        return lora_name
+
+    def begin(self, names: list[str], num_rows: list[int], running: Iterable[str]) -> None:
+        """The step's segments from its chunks' adapter names ("" base) and row counts;
+        its adapters placed in slots first. ``running``: every running request's adapter."""
+        wanted = set(names) - {""}
+        if len(wanted) > self.max_loras:
+            raise ValueError(f"a step uses {len(wanted)} LoRA adapters, more than max_loras "
+                             f"{self.max_loras}")
+        slot_of = {name: self._ensure_slot(name, wanted, set(running)) for name in wanted}
+        segments: list[tuple[int, int, int]] = []
+        start = 0
+        for name, rows in zip(names, num_rows, strict=True):
+            if name:
+                slot = slot_of[name]
+                if segments and segments[-1][0] == slot and segments[-1][2] == start:
+                    segments[-1] = (slot, segments[-1][1], start + rows)
+                else:
+                    segments.append((slot, start, start + rows))
+            start += rows
+        self.batch.step = LoraStep(tuple(segments)) if segments else None
+
+    def end(self) -> None:
+        self.batch.step = None
+
+    def _ensure_slot(self, name: str, wanted: set[str], running: set[str]) -> int:
+        """The slot holding ``name``, placing it first where it is not resident."""
+        self.clock += 1
+        if name in self.tenants:
+            slot = self.tenants.index(name)
+        else:
+            slot = self._free_slot(wanted, running)
+            self._place(slot, self._host_adapter(name))
+        self.last_use[slot] = self.clock
+        return slot
+
+    def _free_slot(self, wanted: set[str], running: set[str]) -> int:
+        if None in self.tenants:
+            return self.tenants.index(None)
+        # not this step's adapters; those no running request uses first, then the oldest use
+        candidates = [s for s, tenant in enumerate(self.tenants) if tenant not in wanted]
+        return min(candidates, key=lambda s: (self.tenants[s] in running, self.last_use[s]))
+
+    def _place(self, slot: int, adapter: LoraAdapter) -> None:
+        for index, layer in enumerate(self.layers):
+            for fused, linear in _layer_linears(layer):
+                linear.lora.write(slot, [adapter.part(index, part) for part in FUSED_PARTS[fused]],
+                                  adapter.scaling)
+        log.debug("lora_slot_filled", lora_name=adapter.name, slot=slot,
+                  evicted=self.tenants[slot])
+        self.tenants[slot] = adapter.name
+
+    def _host_adapter(self, name: str) -> LoraAdapter:
+        adapter = self.host.get(name)
+        if adapter is None:  # dropped from host memory (max_cpu_loras): read it again
+            adapter = load_adapter(name, self.paths[name], self.config, self.max_rank)
+            self._keep_on_host(adapter)
+        self.host.move_to_end(name)
+        return adapter
+
+    def _keep_on_host(self, adapter: LoraAdapter) -> None:
+        self.host[adapter.name] = adapter
+        while self.max_cpu_loras and len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+
+
+def _layer_linears(layer: torch.nn.Module):
+    """(fused name, Linear) of a decoder layer's projections that have slots."""
+    pairs = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj)]
+    if not layer.sparse:
+        pairs += [("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)]
+    return pairs
