@@ -78,14 +78,17 @@ def prompts(model_files) -> list[list[int]]:
             ("The history of the Roman Empire", "def fibonacci(n):", "Paris is the capital of")]
 
 
-@pytest.fixture(scope="module")
-def engine(model_files, hf_lora):
-    _, dirs = hf_lora
+def lora_engine(model_files, dirs, **worker_knobs) -> Engine:
     modules = ",".join(f"{name}={path}" for name, path in dirs.items())
     worker = WorkerConfig(device="cpu", kv_cache_memory="24MiB", block_size=BLOCK_SIZE,
-                          enable_lora=True, lora_modules=modules, max_loras=2)
+                          enable_lora=True, lora_modules=modules, max_loras=2, **worker_knobs)
     return Engine(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64,
                                   prefix_caching=False), worker, model_files)
+
+
+@pytest.fixture(scope="module")
+def engine(model_files, hf_lora):
+    return lora_engine(model_files, hf_lora[1])
 
 
 def flotilla_logits(runner, prompt: list[int], lora_name: str) -> torch.Tensor:
@@ -137,6 +140,19 @@ def test_a_batch_mixing_adapters_and_the_base_gives_each_its_reference(engine, h
     expected = greedy_references(hf_model, requests, prompts)
     assert len({tuple(e) for e in expected[:3]}) == 3, "adapters must change the text"
     assert run_engine(engine, requests, prompts) == expected
+
+
+def test_overlapped_steps_and_host_memory_for_one_adapter_keep_the_references(
+        model_files, hf_lora, prompts):
+    """Steps queued before the one before is read back (CUDA's default, here on the CPU), and
+    adapters read from disk again when host memory holds only two (--max-cpu-loras)."""
+    hf_model, dirs = hf_lora
+    engine = lora_engine(model_files, dirs, overlap_steps="on", max_cpu_loras=2)
+    assert len(engine.runner.lora.host) == 2
+    for requests in ([(1, "all8"), (2, ""), (0, "mlp8")], [(2, "sub16"), (0, "all8")]):
+        assert run_engine(engine, requests, prompts) == \
+            greedy_references(hf_model, requests, prompts)
+    assert engine.runner.num_overlapped_steps > 0
 
 
 def test_more_adapters_than_slots_evict_and_still_give_their_references(engine, hf_lora,
