@@ -177,7 +177,7 @@ def test_a_base_only_step_with_lora_enabled_is_bitwise_the_step_without(engine, 
                            flotilla_logits(plain, prompt, ""))
 
 
-def test_a_request_naming_an_unknown_adapter_is_refused(engine):
+def test_an_unknown_adapter_or_too_many_in_a_step_are_refused(engine):
     greedy = SamplingParams(temperature=0.0, max_tokens=2)
     plan = StepPlan(step_id=1, new_requests=[NewRequestData("r", [1, 2, 3], greedy, [0],
                                                             lora_name="nope")],
@@ -185,6 +185,8 @@ def test_a_request_naming_an_unknown_adapter_is_refused(engine):
     with pytest.raises(ValueError, match="request r: unknown LoRA adapter 'nope'"):
         engine.runner.execute(plan)
     engine.runner.reset()
+    with pytest.raises(ValueError, match="a step uses 3 LoRA adapters, more than max_loras 2"):
+        engine.runner.lora.begin(list(ADAPTERS), [1, 1, 1], [])
     with pytest.raises(ValueError, match="lora_name 'x' but LoRA is not enabled"):
         NoLora().resolve("r", "x")
 
