@@ -15,10 +15,13 @@ from prometheus_client.utils import floatToGoString
 from services.gateway.block_index import BlockIndex
 from services.gateway.expert_load import ExpertLoadCollector
 from services.gateway.routing import Decision
+from services.gateway.vllm_metrics import VllmCollector
 from shared.scheduler_stats import SchedulerStats
 
+# 1 ms to 16 min: a request queued behind long ones, or a long generation, still lands
+# below +Inf (vLLM's users hit caps at 60 s, vllm#15202, and everything in one bucket, #6337)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
-                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+                    0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 480.0, 960.0)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -58,6 +61,18 @@ class GatewayMetrics:
         self._add_request_metrics(self.registry)
         self._add_scheduler_metrics(self.registry)
         self._last: dict[str, SchedulerStats] = {}
+        self.served_model_name = ""  # the tokenizer's, once the gateway has asked it
+        VllmCollector(self, self.registry)  # vllm:* copies of the figures above, last
+
+    def model_name(self, scheduler_id: str | None = None) -> str:
+        """vLLM's ``model_name`` label: a replica's served model name as its stats say,
+        else the gateway's (one model per fleet: the two agree)."""
+        last = self._last.get(scheduler_id) if scheduler_id is not None else None
+        if last is not None and last.routing.model_name:
+            return last.routing.model_name
+        if self.served_model_name or not self._last:
+            return self.served_model_name
+        return next(iter(self._last.values())).routing.model_name
 
     def _add_fleet_metrics(self, r: CollectorRegistry) -> None:
         """Requests by outcome, restarts and migrations, and routing."""
@@ -96,6 +111,9 @@ class GatewayMetrics:
         """Token counts and the latencies of this gateway's requests."""
         self.prompt_tokens = Counter("flotilla_prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("flotilla_generation_tokens", "Tokens generated", registry=r)
+        self.requests_finished = Counter(
+            "flotilla_requests_finished", "Sequences ended, by finish reason (stop, length, "
+            "abort, error; a request with n > 1 ends n)", ["finished_reason"], registry=r)
         self.time_to_first_token = self._latency("flotilla_time_to_first_token_seconds",
                                                  "Time from request to first token")
         # once per streamed chunk: the cheaper histograms

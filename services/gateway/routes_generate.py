@@ -161,7 +161,8 @@ async def _submit_all(service: GatewayService, req,
 async def _timed(deltas: AsyncIterator[Delta], stream: RequestStream, metrics: GatewayMetrics,
                  started: float) -> AsyncIterator[Delta]:
     """Pass deltas through, recording TTFT, inter-token latency, tokens per chunk and
-    delivery lag (the last three for streams, read delta by delta) and token counts."""
+    delivery lag (the last three for streams, read delta by delta), token counts, and
+    the end (its latency and finish reason)."""
     last = None
     async for delta in deltas:
         now = time.perf_counter()
@@ -176,6 +177,7 @@ async def _timed(deltas: AsyncIterator[Delta], stream: RequestStream, metrics: G
             metrics.generation_tokens.inc(delta.num_new_tokens)
         if delta.finish_reason is not None:
             metrics.e2e_latency.observe(now - started)
+            metrics.requests_finished.labels(delta.finish_reason).inc()
         yield delta
 
 

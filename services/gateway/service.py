@@ -115,6 +115,7 @@ class GatewayService:
             self._tokenizer_info = await self.bus.request(
                 self.subjects.tokenizer_info, Empty(), TokenizerInfo,
                 timeout=self.config.request_timeout_s)
+            self.metrics.served_model_name = self._tokenizer_info.model_name  # vllm:* label
         return self._tokenizer_info
 
     async def encode(self, request: EncodeRequest) -> list[int]:
