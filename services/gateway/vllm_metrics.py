@@ -77,10 +77,12 @@ def _samples(source) -> list:
 
 def _renamed(source, name: str, model_of: Callable[[dict], str]) -> Iterable[Metric]:
     """``source``'s families under ``name``: each sample's name and labels rewritten
-    (its suffix kept: _total, _bucket, _count, _sum, _created)."""
+    (its suffix kept: _total, _bucket, _count, _sum; no _created, which vLLM turns off)."""
     for family in source.collect():
         copy = Metric(name, family.documentation, family.type)
         for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
             copy.add_sample(name + sample.name[len(family.name):],
                             {**sample.labels, "model_name": model_of(sample.labels)},
                             sample.value)

@@ -109,6 +109,17 @@ def test_metrics_are_exposed(stack, client, model_name):
                  "flotilla_inter_token_latency_seconds_bucket", "flotilla_num_requests_running",
                  "flotilla_kv_cache_blocks_used", "flotilla_num_requests_waiting"):
         assert name in text, name
+    # vLLM's names too, labelled with the served model (what llm-d and dashboards read)
+    vllm = {sample.name: sample for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name.startswith("vllm:")}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
+                 "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+                 "vllm:request_queue_time_seconds_count", "vllm:prefix_cache_queries_total",
+                 "vllm:num_preemptions_total"):
+        assert vllm[name].labels["model_name"] == model_name, name
+    assert 0 <= vllm["vllm:kv_cache_usage_perc"].value <= 1
 
 
 def test_streamed_chunks_are_measured(stack, client, model_name):
