@@ -24,14 +24,19 @@ the deltas yet); a step without any uses the graphs as before.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
 from services.worker.lora import FUSED_PARTS, LoraAdapter, load_adapter, part_shapes
 from services.worker.model_config import ModelConfig
+
+if TYPE_CHECKING:  # (step_inputs imports the model, whose layers import this module)
+    from services.worker.step_inputs import SequenceChunk
+    from services.worker.step_state import RequestState
 
 log = structlog.get_logger()
 
@@ -104,7 +109,8 @@ class NoLora:
                              f"enabled (--enable-lora)")
         return ""
 
-    def begin(self, names: list[str], num_rows: list[int], running: Iterable[str]) -> None:
+    def begin(self, states: Sequence[RequestState], chunks: Sequence[SequenceChunk],
+              running: Iterable[RequestState]) -> None:
         pass
 
     def end(self) -> None:
@@ -164,14 +170,23 @@ class LoraSlots:
                              f"(registered: {', '.join(sorted(self.paths)) or 'none'})")
         return lora_name
 
-    def begin(self, names: list[str], num_rows: list[int], running: Iterable[str]) -> None:
+    def begin(self, states: Sequence[RequestState], chunks: Sequence[SequenceChunk],
+              running: Iterable[RequestState]) -> None:
+        """Before a step's forward: its chunks' (and their requests' ``states``') segments,
+        their adapters placed in slots first. ``running``: every running request's state."""
+        self.set_step([state.lora_name for state in states],
+                      [len(chunk.token_ids) for chunk in chunks],
+                      lambda: {state.lora_name for state in running})
+
+    def set_step(self, names: list[str], num_rows: list[int],
+                 running: Callable[[], set[str]] = set) -> None:
         """The step's segments from its chunks' adapter names ("" base) and row counts;
-        its adapters placed in slots first. ``running``: every running request's adapter."""
+        ``running()``: the adapters running requests use (asked only to evict)."""
         wanted = set(names) - {""}
         if len(wanted) > self.max_loras:
             raise ValueError(f"a step uses {len(wanted)} LoRA adapters, more than max_loras "
                              f"{self.max_loras}")
-        slot_of = {name: self._ensure_slot(name, wanted, set(running)) for name in wanted}
+        slot_of = {name: self._ensure_slot(name, wanted, running) for name in wanted}
         segments: list[tuple[int, int, int]] = []
         start = 0
         for name, rows in zip(names, num_rows, strict=True):
@@ -187,7 +202,8 @@ class LoraSlots:
     def end(self) -> None:
         self.batch.step = None
 
-    def _ensure_slot(self, name: str, wanted: set[str], running: set[str]) -> int:
+    def _ensure_slot(self, name: str, wanted: set[str], running: Callable[[], set[str]]
+                     ) -> int:
         """The slot holding ``name``, placing it first where it is not resident."""
         self.clock += 1
         if name in self.tenants:
@@ -198,9 +214,10 @@ class LoraSlots:
         self.last_use[slot] = self.clock
         return slot
 
-    def _free_slot(self, wanted: set[str], running: set[str]) -> int:
+    def _free_slot(self, wanted: set[str], running: Callable[[], set[str]]) -> int:
         if None in self.tenants:
             return self.tenants.index(None)
+        running = running()
         # not this step's adapters; those no running request uses first, then the oldest use
         candidates = [s for s, tenant in enumerate(self.tenants) if tenant not in wanted]
         return min(candidates, key=lambda s: (self.tenants[s] in running, self.last_use[s]))

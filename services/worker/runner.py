@@ -223,9 +223,7 @@ class ModelRunner:
         chunks = [chunk_of(scheduled, self._requests.get(scheduled.request_id), self._cache,
                            self._in_flight, self.proposer) for scheduled in plan.scheduled]
         chunk_states = [self._requests[s.request_id] for s in plan.scheduled]
-        self.lora.begin([s.lora_name for s in chunk_states],  # (before any graph choice)
-                        [len(chunk.token_ids) for chunk in chunks],
-                        [s.lora_name for s in self._requests.values()])
+        self.lora.begin(chunk_states, chunks, self._requests.values())  # (before graph choices)
         kv_step = self.kv.before_forward(plan, chunks, self._requests, finished)
         sampled_ids = [s.request_id for s, chunk in zip(plan.scheduled, chunks) if chunk.sample]
         states = [self._requests[request_id] for request_id in sampled_ids]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -99,7 +100,7 @@ def flotilla_logits(runner, prompt: list[int], lora_name: str) -> torch.Tensor:
     layout = logits_layout([chunk])
     input_ids, positions, metadata = build_step_inputs([chunk], BLOCK_SIZE, torch.device("cpu"),
                                                        layout)
-    runner.lora.begin([lora_name], [len(prompt)], [])
+    runner.lora.begin([SimpleNamespace(lora_name=lora_name)], [chunk], [])  # (as a step)
     try:
         with torch.inference_mode():
             return runner.model(input_ids, positions, metadata)
@@ -186,7 +187,7 @@ def test_an_unknown_adapter_or_too_many_in_a_step_are_refused(engine):
         engine.runner.execute(plan)
     engine.runner.reset()
     with pytest.raises(ValueError, match="a step uses 3 LoRA adapters, more than max_loras 2"):
-        engine.runner.lora.begin(list(ADAPTERS), [1, 1, 1], [])
+        engine.runner.lora.set_step(list(ADAPTERS), [1, 1, 1])
     with pytest.raises(ValueError, match="lora_name 'x' but LoRA is not enabled"):
         NoLora().resolve("r", "x")
 
