@@ -285,6 +285,9 @@ class NewRequestData(Struct, frozen=True, array_like=True, gc=False):
     num_prompt_tokens: int = 0
     # the LoRA adapter the request runs with, by its registered name ("": the base model)
     lora_name: str = ""
+    # the request's W3C trace context, set only where the scheduler makes spans: the
+    # worker's span of the step that first computes it joins its trace (docs/tracing.md)
+    traceparent: str = ""
 
 
 class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):
