@@ -31,6 +31,7 @@ from services.worker.kv_upkeep import KvUpkeep, NoKvUpkeep
 from services.worker.main_thread import MainThreadExecutor
 from services.worker.runner import ModelRunner
 from services.worker.runner_build import build_runner
+from services.worker.step_spans import record_prefill_spans
 from services.worker.tp_group import start_group
 from services.worker.tp_ranks import SingleRank
 from shared.bus import EXIT_NATS_LOST, Bus
@@ -39,6 +40,7 @@ from shared.messages import Empty, HealthReply, StepPlan, StepResult, WorkerInfo
 from shared.models import resolve_model
 from shared.runtime import freeze_startup_objects
 from shared.subjects import Subjects
+from shared.tracing import spans_enabled
 
 log = structlog.get_logger()
 
@@ -101,10 +103,13 @@ class WorkerService:
         self.last_step_at = time.monotonic()
         loop = asyncio.get_running_loop()
         reply = self._results[plan.step_id] = loop.create_future()
+        started_ns = time.time_ns() if spans_enabled() else 0  # 0: no span (tracing off)
         try:
             # Off the event loop, so pings still answer during long steps.
             await loop.run_in_executor(self.forward, self._submit, plan)
             result = await reply
+            if started_ns and plan.new_requests:
+                record_prefill_spans(plan, started_ns, time.time_ns())
         finally:
             if reply.done() and not reply.cancelled():
                 reply.exception()  # failed along with the step that raised: seen there
