@@ -23,7 +23,7 @@ def setup_process(name: str, config_cls: type[C], argv: Sequence[str] | None = N
     """Build the config once; set up logging and tracing for this process."""
     config = load_config(config_cls, argv)
     setup_logging(name, level=config.log_level, json=config.log_json)
-    setup_tracing(name, config.otel_exporter)
+    setup_tracing(name, config.otel_exporter, config.otlp_traces_endpoint)
     structlog.contextvars.bind_contextvars(service=name, instance=config.instance_id)
     return config
 

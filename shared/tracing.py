@@ -1,6 +1,7 @@
 """OpenTelemetry setup and trace-context propagation through NATS headers.
 
-Spans are made only where they are exported (``--otel-exporter console``): the SDK's
+Spans are made only where they are exported (``--otlp-traces-endpoint URL``: OTLP over
+HTTP to a collector; ``--otel-exporter console``: printed): the SDK's
 tracer provider is installed then, and every handled message gets a span (``message_span``)
 whose context the messages its handler sends carry on (``traceparent``). With the default
 ``none`` no provider is installed and no span is made (the span was half of the kvstore's
@@ -8,7 +9,12 @@ CPU per lookup: 0.062 -> 0.030 ms, BENCHMARKS.md, issue 14): a message's trace h
 when it carries any, are passed on as they came by what its handler sends, so a process
 that exports nothing keeps a trace intact between processes that do; it parses none of them.
 The SDK reads the standard ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG`` (default:
-parent-based, always on).
+parent-based, always on) and ``OTEL_BSP_*`` (batching: ``OTEL_BSP_SCHEDULE_DELAY`` ms).
+
+One trace per request (docs/tracing.md): the gateway's HTTP span is the root; a request's
+own spans made away from its messages (the scheduler's, at its end; the worker's, for the
+step that first computes it) take its context from ``request_traceparent()`` as it was when
+the request came, through ``start_request_span`` and ``record_span``.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from contextlib import AbstractContextManager, nullcontext
 from contextvars import ContextVar
 
 from opentelemetry import context, propagate, trace
-from opentelemetry.trace import SpanKind, Tracer, TracerProvider
+from opentelemetry.trace import Link, Span, SpanKind, Tracer, TracerProvider
 
 from shared.config import check_choice
 from shared.sections.runtime import OtelExporter
@@ -31,25 +37,45 @@ _passed_on: ContextVar[dict[str, str] | None] = ContextVar("flotilla_trace_heade
                                                            default=None)
 
 
-def setup_tracing(service: str, exporter: OtelExporter = OtelExporter.NONE) -> None:
-    """Export spans named after the service, to ``exporter``."""
+def setup_tracing(service: str, exporter: OtelExporter = OtelExporter.NONE,
+                  otlp_traces_endpoint: str = "") -> None:
+    """Export spans named after the service (``flotilla-<service>``): over OTLP/HTTP to
+    ``otlp_traces_endpoint`` when set, else to ``exporter``."""
     check_choice(exporter, OtelExporter, "otel_exporter")
-    if exporter == OtelExporter.NONE:
+    if exporter == OtelExporter.NONE and not otlp_traces_endpoint:
         return
     from opentelemetry.sdk.resources import Resource  # the SDK only where spans are exported
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
+    if otlp_traces_endpoint:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        span_exporter = OTLPSpanExporter(endpoint=traces_url(otlp_traces_endpoint))
+    else:
+        span_exporter = ConsoleSpanExporter()
     provider = SdkTracerProvider(resource=Resource.create({"service.name": f"flotilla-{service}"}))
-    provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    provider.add_span_processor(BatchSpanProcessor(span_exporter))
     trace.set_tracer_provider(provider)
     make_spans(provider)
+
+
+def traces_url(endpoint: str) -> str:
+    """The collector's OTLP/HTTP traces URL: ``/v1/traces`` added to a URL with no path."""
+    scheme, _, rest = endpoint.partition("://")
+    if "/" not in rest.rstrip("/"):
+        return f"{scheme}://{rest.rstrip('/')}/v1/traces"
+    return endpoint
 
 
 def make_spans(provider: TracerProvider | None) -> None:
     """Make a span per handled message with ``provider`` from now on (None: none)."""
     global _span_tracer
     _span_tracer = provider.get_tracer("flotilla") if provider is not None else None
+
+
+def spans_enabled() -> bool:
+    """Whether this process makes spans (an exporter is set): guard any span work with it."""
+    return _span_tracer is not None
 
 
 def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str] | None:
@@ -82,6 +108,40 @@ def message_span(name: str, headers: dict[str, str] | None,
         if carried:
             return _PassedOn(carried)
     return _NO_CONTEXT
+
+
+def request_traceparent() -> str:
+    """The ``traceparent`` a message sent now would carry ("": none): the current span's,
+    else the one passed on. Kept with a request to parent the spans made for it later."""
+    if _span_tracer is None:
+        passed_on = _passed_on.get()
+        return passed_on.get("traceparent", "") if passed_on is not None else ""
+    return (inject_headers() or {}).get("traceparent", "")
+
+
+def start_request_span(name: str, start_time_ns: int, attributes: dict) -> Span:
+    """A span of the request being handled (child of the current span), begun at
+    ``start_time_ns``; the caller ends it. Only where ``spans_enabled()``."""
+    return _span_tracer.start_span(name, start_time=start_time_ns, attributes=attributes)
+
+
+def traceparent_of(span: Span) -> str:
+    """The ``traceparent`` that makes a remote span ``span``'s child."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
+def record_span(name: str, traceparent: str, start_time_ns: int, end_time_ns: int,
+                attributes: dict) -> None:
+    """A finished span in the trace of ``traceparent`` (its child), linked to the current
+    span (the batch it ran in). Only where ``spans_enabled()``."""
+    parent = extract_context({"traceparent": traceparent})
+    current = trace.get_current_span().get_span_context()
+    links = [Link(current)] if current.is_valid else None
+    span = _span_tracer.start_span(name, context=parent, start_time=start_time_ns,
+                                   attributes=attributes, links=links)
+    span.end(end_time=end_time_ns)
 
 
 class _PassedOn:

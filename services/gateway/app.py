@@ -19,10 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.gateway import routes_generate, routes_info
 from services.gateway.access import AuthAndCount, error_response
 from services.gateway.config import GatewayConfig
+from services.gateway.http_spans import HttpSpans
 from services.gateway.limits import BodySizeLimit
 from services.gateway.openapi import install as install_openapi
 from services.gateway.service import GatewayService
 from shared.errors import FlotillaError
+from shared.tracing import spans_enabled
 
 log = structlog.get_logger()
 
@@ -41,6 +43,8 @@ def create_app(config: GatewayConfig, service: GatewayService) -> FastAPI:
     # switch per streamed chunk, which was a third of the gateway's time at 500 streams.
     app.add_middleware(BodySizeLimit, max_body_bytes=config.max_body_bytes)
     app.add_middleware(AuthAndCount, api_key=config.api_key, metrics=service.metrics)
+    if spans_enabled():  # outermost: the root span of each request's trace
+        app.add_middleware(HttpSpans)
     install_openapi(app)
     app.add_exception_handler(FlotillaError, _flotilla_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -11,6 +11,7 @@ import time
 import structlog
 
 from services.scheduler.outbox import REDELIVERY_TICK_S, Outbox, bus_lost_error, by_subject
+from services.scheduler.request_spans import NoRequestSpans, RequestSpans
 from services.scheduler.scheduler import Emitted
 from shared.bus import Bus
 from shared.errors import ServiceUnavailable
@@ -20,15 +21,18 @@ log = structlog.get_logger()
 
 
 class OutputPublisher:
-    def __init__(self, bus: Bus, outbox: Outbox) -> None:
+    def __init__(self, bus: Bus, outbox: Outbox,
+                 spans: NoRequestSpans | RequestSpans | None = None) -> None:
         self.bus = bus
         self.outbox = outbox
+        self.spans = spans or NoRequestSpans()  # each output seen by its request's span
 
     async def publish(self, emitted: list[Emitted]) -> None:
         """Send outputs to their gateways. Never raises: with the link down, the final
         outputs are held as errors (earlier outputs of those requests may be lost too:
         the gateway resumes them from what it has) and the running requests fail at the
         step loop's next turn."""
+        self.spans.outputs(emitted)
         now, published_at = time.monotonic(), time.time()
         for subject, outputs in by_subject(emitted).items():
             try:

@@ -37,6 +37,7 @@ from services.scheduler.kv_client import KEEPALIVE_INTERVAL_S
 from services.scheduler.kv_connector import KvConnectorFactory, NoKvConnector
 from services.scheduler.outbox import Outbox, bus_lost_error
 from services.scheduler.output_publisher import OutputPublisher
+from services.scheduler.request_spans import request_spans
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.step_stats import StepStats
 from services.scheduler.tiering import TierSpeeds
@@ -74,7 +75,8 @@ class SchedulerService:
         self._stats_now = asyncio.Event()
         self._bus_epoch = bus.num_disconnects  # link drops already acted on
         self.outbox = Outbox(RECENT_FINAL_S)
-        self.outputs = OutputPublisher(bus, self.outbox)  # to the gateways waiting for them
+        self.spans = request_spans()  # each request's span (none with tracing off)
+        self.outputs = OutputPublisher(bus, self.outbox, self.spans)  # to the waiting gateways
         self.draining = False
         self.tier_speeds = TierSpeeds()  # measured across worker re-attaches
         self.step_stats = StepStats(self.tier_speeds)
@@ -182,6 +184,7 @@ class SchedulerService:
                                          code="draining" if self.draining else None)
         else:
             core.queue(arrival, hit)
+            self.spans.submitted(request, core.model_name)
         self._wakeup.set()
         return SubmitReply(scheduler_id=self.config.instance_id)
 
@@ -331,6 +334,7 @@ class SchedulerService:
         await self.kv.release_pins()
         log.warning("requests_failed", num_requests=len(emitted), reason=error.message)
         if bus_lost:
+            self.spans.outputs(emitted)  # (held, not published: their spans end now)
             self.outbox.hold(emitted, error, time.monotonic())
         else:
             await self.outputs.publish(emitted)
@@ -367,7 +371,8 @@ class SchedulerService:
         link_at_send = self._worker_link
         step = asyncio.create_task(self.bus.request(
             self.subjects.worker_step(self.config.replica_id),
-            msgspec.structs.replace(plan, worker_id=self._worker_id), StepResult,
+            self.spans.traced(msgspec.structs.replace(plan, worker_id=self._worker_id)),
+            StepResult,
             timeout=self.config.step_timeout_s))
         try:
             while True:

@@ -30,9 +30,18 @@ class Observability(Section, frozen=True, kw_only=True):
     otel_exporter: Annotated[OtelExporter, knob(
         "OpenTelemetry span exporter: none (no SDK, no spans; trace headers passed on) or "
         "console (a span per handled message)")] = OtelExporter.NONE
+    otlp_traces_endpoint: Annotated[str, knob(
+        "send spans over OTLP/HTTP (protobuf) to this collector URL, e.g. "
+        "http://collector:4318 (/v1/traces is added when the URL has no path); vLLM's flag. "
+        "Set: a span per handled message and one trace per request (docs/tracing.md), "
+        "whatever --otel-exporter says")] = ""
 
     def __post_init__(self) -> None:
         check_choice(self.otel_exporter, OtelExporter, "otel_exporter")
+        if self.otlp_traces_endpoint and not self.otlp_traces_endpoint.startswith(
+                ("http://", "https://")):
+            raise ValueError("otlp_traces_endpoint must be an http:// or https:// URL (OTLP "
+                             f"over HTTP), not {self.otlp_traces_endpoint!r}")
 
 
 class ModelSource(Section, frozen=True, kw_only=True):
