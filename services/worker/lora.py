@@ -31,7 +31,7 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
 # PEFT options that change the math in ways flotilla does not compute: refused by name
 _UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none",
                 "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
-                "alpha_pattern": {}}
+                "alpha_pattern": {}, "layer_replication": None}
 
 
 @dataclass(frozen=True)

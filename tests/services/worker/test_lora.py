@@ -11,6 +11,7 @@ import json
 import shutil
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -236,3 +237,13 @@ def test_lora_knobs_are_checked_once():
         WorkerConfig(enable_lora=True, lora_modules="a=/x,a=/y")
     assert WorkerConfig(enable_lora=True, lora_modules="a=/x, b=/y").lora_module_list == [
         ("a", "/x"), ("b", "/y")]
+
+
+def test_a_plan_from_before_lora_decodes_to_the_base_model():
+    """lora_name was added after NewRequestData's older fields, with a default: an older
+    sender's message (without it) still decodes, to the base model."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    old = msgspec.msgpack.encode(["r", [1, 2], greedy, [0], 0, 0])
+    assert msgspec.msgpack.decode(old, type=NewRequestData).lora_name == ""
+    new = NewRequestData("r", [1, 2], greedy, [0], lora_name="all8")
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=NewRequestData) == new
