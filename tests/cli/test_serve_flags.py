@@ -188,3 +188,8 @@ def test_docs_flags_md_is_made_from_the_sections():
 
     assert (Path(__file__).parents[2] / "docs" / "flags.md").read_text() == render()
     assert "| `--kv-load-layer-groups` | `8` | worker |" in render()
+
+
+def test_serve_refuses_lora_until_requests_can_name_an_adapter():
+    with pytest.raises(ConfigError, match="--enable-lora: flotilla serve cannot route"):
+        stack_configs({"enable_lora": True})
