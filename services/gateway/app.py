@@ -9,6 +9,7 @@ give the app a stand-in and drive it over HTTP with no NATS.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import asynccontextmanager
 
 import structlog
@@ -27,6 +28,12 @@ from shared.errors import FlotillaError
 from shared.tracing import spans_enabled
 
 log = structlog.get_logger()
+# FastAPI (0.16x) makes HTTP and per-dependency spans of its own once a tracer provider is
+# installed: a second root beside HttpSpans' in each request (and a cost per dependency).
+# flotilla makes its own (docs/tracing.md); older FastAPI has no such knob and no such spans.
+_NO_NATIVE_TELEMETRY = ({"telemetry": {"tracing": False, "operation_spans": False,
+                                       "metrics": False, "logs": False}}
+                        if "telemetry" in inspect.signature(FastAPI).parameters else {})
 
 
 def create_app(config: GatewayConfig, service: GatewayService) -> FastAPI:
@@ -37,7 +44,7 @@ def create_app(config: GatewayConfig, service: GatewayService) -> FastAPI:
         yield
         await service.stop()
 
-    app = FastAPI(title="flotilla", lifespan=lifespan)
+    app = FastAPI(title="flotilla", lifespan=lifespan, **_NO_NATIVE_TELEMETRY)
     app.state.config, app.state.service = config, service
     # Pure ASGI middleware only: a BaseHTTPMiddleware (@app.middleware) costs a task
     # switch per streamed chunk, which was a third of the gateway's time at 500 streams.
