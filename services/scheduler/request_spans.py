@@ -57,7 +57,7 @@ class RequestSpans:
         start_ns = time.time_ns()
         sampling = request.sampling
         span = start_request_span("scheduler.request", start_ns, {
-            "gen_ai.operation.name": "chat", "gen_ai.request.model": model_name,
+            "gen_ai.request.model": model_name,
             "gen_ai.response.model": model_name, "gen_ai.request.id": request.request_id,
             "gen_ai.request.max_tokens": sampling.max_tokens,
             "gen_ai.request.temperature": sampling.temperature,
