@@ -3,7 +3,7 @@ stacked for the fused kernels, and Qwen2-MoE's gated shared expert.
 
 The router stays in the checkpoint's dtype (never FP8: a quantized router picks other experts);
 its logits' softmax and top-k run in fp32 with ties to the lower expert id
-(``kernels.fused_moe.route``), so a token's experts do not depend on its batch. Rows that are
+(``kernels.moe_routing.route``), so a token's experts do not depend on its batch. Rows that are
 padding (a CUDA graph's rows past the real batch: slot -1) are routed to no expert, so they read
 no expert's weights. Each block counts the tokens routed to each expert (in the routing
 launch); ``take_expert_counts`` reads them for /metrics about once a second.
