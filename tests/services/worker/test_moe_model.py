@@ -18,7 +18,7 @@ from services.worker.config import WorkerConfig
 from services.worker.model import ModelConfig
 from services.worker.moe import take_expert_counts
 from services.worker.weights import load_model
-from shared.messages import SamplingParams
+from shared.messages import NewRequestData, SamplingParams, ScheduledRequest, StepPlan
 from shared.models import ModelFiles, resolve_model
 from shared.sections.speculative import parse_speculative_config
 from tests.services.worker.model_checks import (assert_chunked_logits_match_hf, hf_greedy,
@@ -69,6 +69,7 @@ def test_greedy_batch_of_mixed_sizes_matches_transformers(checkpoint):
     family, path = checkpoint
     expected = hf_greedy(hf_model_of(path), PROMPTS, 12)
     runner = make_runner(path, "2MiB")
+    runner.expert_counts.period_s = float("inf")  # (no report takes the counts meanwhile)
     take_expert_counts(runner.model)
     assert runner_greedy(runner, PROMPTS, 12) == expected
     config = runner.model.config
@@ -87,6 +88,21 @@ def test_upcycled_experts_give_smollm2_greedy_text(tmp_path):
     prompts = PROMPTS[:2]
     smol = runner_greedy(make_runner(resolve_model("smollm2").path, "8MiB"), prompts, 16)
     assert runner_greedy(make_runner(path, "8MiB"), prompts, 16) == smol
+
+
+def test_a_step_result_carries_the_counts_when_a_report_is_due(small_mixtral):
+    runner = make_runner(small_mixtral, "2MiB")
+    runner.expert_counts.period_s = 0.0  # every result is due
+    take_expert_counts(runner.model)
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    result = runner.execute(StepPlan(0, [NewRequestData("r", prompt, params, [0, 1])],
+                                     [ScheduledRequest("r", len(prompt))]))
+    assert [sum(layer) for layer in result.expert_token_counts] == [len(prompt) * 2] * 2
+    runner.expert_counts.period_s = float("inf")  # none due: nothing attached, nothing taken
+    result = runner.execute(StepPlan(1, [], [ScheduledRequest("r", 1)]))
+    assert result.expert_token_counts == []
+    assert [sum(layer) for layer in take_expert_counts(runner.model)] == [2, 2]
 
 
 def _engine_tokens(path, batched_tokens: int, kv_cache_memory: str, spec: str = ""):
