@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -98,6 +99,33 @@ def hf_static_batches(hf_model, prompts: list[list[int]], output_lens: list[int]
     num_in, num_out = sum(map(len, prompts)), sum(output_lens)
     return {"batch_size": batch_size, "num_prompts": len(prompts), "elapsed_s": elapsed,
             "output_tok_s": num_out / elapsed, "total_tok_s": (num_in + num_out) / elapsed}
+
+
+def graph_us(fn, calls: int, replays: int, warm_calls: int = 1) -> float:
+    """Median over replays of one CUDA graph of ``fn(i)`` for i in range(calls), per call, in
+    µs; ``fn(i)`` for i < warm_calls first, outside the capture (Triton compiles, or loads
+    from its disk cache)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(warm_calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return statistics.median(times)
 
 
 def add_moe_configs_flag(parser) -> None:

@@ -29,6 +29,7 @@ import time
 import torch
 import triton
 
+from benchmarks.gpu.common import graph_us
 from kernels.fp8 import FP8_DTYPE
 from kernels.fused_moe import fused_moe_ref, fused_moe_triton
 from kernels.moe_configs import (BUCKETS, INVARIANT, MoeConfig, MoePlan, config_source,
@@ -75,30 +76,6 @@ def touched_mb(layer: dict, shape: tuple, routes: list[tuple]) -> float:
     per_expert = sum(layer[n][0].numel() * layer[n].element_size() for n in ("w13", "w2"))
     touched = [torch.unique(ids[ids < num_experts]).numel() for _, ids in routes]
     return statistics.mean(touched) * per_expert / 1e6
-
-
-def graph_us(fn, calls: int, replays: int) -> float:
-    """Median over replays of one graph of ``fn(i)`` for i in range(calls), per call."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn(0)  # compile (or load from the disk cache) outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
 
 
 class Bench:

@@ -24,13 +24,13 @@ import itertools
 import json
 import multiprocessing
 import os
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 
+from benchmarks.gpu.common import graph_us
 from kernels.activation import silu_and_mul
 from kernels.skinny_gemm import (MAX_M, SkinnyConfig, config_for, gated_config_for,
                                  skinny_gemm, skinny_gemm_silu_and_mul)
@@ -77,27 +77,7 @@ def weights(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
 
 def graph_time_us(fn, ws: list[torch.Tensor], x: torch.Tensor, calls: int, replays: int) -> float:
     """Median over replays of one graph of ``calls`` calls (rotating weights), per call."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in ws[:2]:
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(x, ws[i % len(ws)])
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return statistics.median(times)
+    return graph_us(lambda i: fn(x, ws[i % len(ws)]), calls, replays, warm_calls=2)
 
 
 def check(config: SkinnyConfig | None, w: torch.Tensor, m: int, gated: bool = False
