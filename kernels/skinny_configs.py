@@ -52,8 +52,9 @@ CONFIGS: dict[tuple[int, int], SkinnyConfig] = {
     # lm_head (vocab-parallel half): 172.7 / 175.2 vs 191.2 / 193.2
     (64128, 4096): SkinnyConfig(64, 256, num_stages=4, max_m=8),
     # Qwen3-30B-A3B's dense projections (qkv, o_proj, lm_head), 2026-12-02: configs of the
-    # nearest swept shapes, not swept themselves; kept for the end-to-end batch-1 decode
-    # they gave against cuBLAS in one lease (BENCHMARKS.md, moe-qwen3 rows). TUNE
+    # nearest swept shapes, not swept themselves; kept for the end-to-end batch-1 decode in
+    # one lease: 3.611 ms against 3.692 with cuBLAS (`decode_latency --model
+    # .devmodels/dummy-qwen3-30b-a3b [--skinny off]`, H200). TUNE
     (5120, 2048): SkinnyConfig(32, 256, num_stages=4, max_m=8),
     (2048, 4096): SkinnyConfig(32, 256, split_k=2, num_stages=4, max_m=8),
     (151936, 2048): SkinnyConfig(128, 128, num_stages=4, max_m=8),
