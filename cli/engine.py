@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.scheduler import Scheduler
 from services.worker.config import WorkerConfig
 from services.worker.runner_build import build_runner
@@ -66,7 +67,9 @@ class Engine:
         self.scheduler = Scheduler(
             scheduler_config, num_blocks=self.runner.num_blocks, block_size=self.runner.block_size,
             max_model_len=self.runner.max_model_len, eos_token_ids=self.runner.eos_token_ids,
-            model_name=self.runner.model_name)
+            model_name=self.runner.model_name,
+            loras=LoraRegistry(worker_config.enable_lora, worker_config.max_loras,
+                               worker_config.lora_module_list))
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks, if any."""
@@ -75,16 +78,18 @@ class Engine:
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams],
                  lora_names: list[str] | None = None) -> tuple[list[Completion], EngineStats]:
         """Run every prompt to completion; completions come back in prompt order.
-        ``lora_names``: per prompt, the LoRA adapter it runs with ("": the base model); the
-        scheduler does not key its prefix cache by adapter yet, so it needs prefix caching
-        off (docs/lora.md)."""
-        adapters = self._adapters_of(len(prompts), lora_names)
+        ``lora_names``: per prompt, the LoRA adapter it runs with ("": the base model;
+        the worker config's --lora-modules, docs/lora.md)."""
+        lora_names = lora_names or [""] * len(prompts)
+        if len(lora_names) != len(prompts):
+            raise ValueError(f"{len(lora_names)} lora_names for {len(prompts)} prompts")
         completions: dict[str, Completion] = {}
-        for index, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
+        for index, (prompt, params, lora_name) in enumerate(
+                zip(prompts, sampling, lora_names, strict=True)):
             request_id = f"offline-{index}"
             self.scheduler.add_request(GenerateRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=params,
-                output_subject="", arrival_time=time.time()))
+                output_subject="", arrival_time=time.time(), lora_name=lora_name))
             completions[request_id] = Completion(request_id, len(prompt))
         start = time.perf_counter()
         steps: list[tuple[int, int, float]] = []
@@ -95,7 +100,6 @@ class Engine:
         while self.scheduler.has_work or self.runner.has_in_flight:
             plan = self.scheduler.schedule() if self.scheduler.has_work else None
             if plan is not None:
-                plan = _with_adapters(plan, adapters)
                 plans[plan.step_id] = plan
                 results = self.runner.submit(plan)
             elif self.runner.has_in_flight:  # every request waits for a token in flight
@@ -107,16 +111,6 @@ class Engine:
         stats = EngineStats(self.scheduler.num_preemptions - preemptions_before,
                             time.perf_counter() - start, steps)
         return list(completions.values()), stats
-
-    def _adapters_of(self, num_prompts: int, lora_names: list[str] | None) -> dict[str, str]:
-        """request id -> adapter name, for the requests that name one."""
-        names = lora_names or [""] * num_prompts
-        if len(names) != num_prompts:
-            raise ValueError(f"{len(names)} lora_names for {num_prompts} prompts")
-        if any(names) and self.scheduler.config.prefix_caching:
-            raise ValueError("lora_names need prefix_caching off: the prefix cache does not "
-                             "key blocks by adapter yet")
-        return {f"offline-{index}": name for index, name in enumerate(names) if name}
 
     def _apply(self, plan: StepPlan, result: StepResult, completions: dict[str, Completion],
                steps: list[tuple[int, int, float]]) -> None:
@@ -134,11 +128,3 @@ class Engine:
             if output.finish_reason is not None:
                 completion.finish_reason, completion.finish_time = output.finish_reason, now
 
-
-def _with_adapters(plan: StepPlan, adapters: dict[str, str]) -> StepPlan:
-    """``plan`` with each new request's adapter name (the scheduler does not carry them yet)."""
-    if not adapters or not plan.new_requests:
-        return plan
-    return msgspec.structs.replace(plan, new_requests=[
-        msgspec.structs.replace(new, lora_name=adapters.get(new.request_id, ""))
-        for new in plan.new_requests])

@@ -125,9 +125,6 @@ def stack_configs(values: Mapping[str, Any], environ: Mapping[str, str] | None =
     error = host_error(worker, stack.replicas)
     if error:
         raise ConfigError(error)
-    if worker.enable_lora:  # (the worker's half exists; requests cannot name an adapter yet)
-        raise ConfigError("--enable-lora: flotilla serve cannot route requests to adapters "
-                          "yet (the gateway and scheduler half of issue 50; docs/lora.md)")
     return {"serve": stack, "worker": worker, **configs}
 
 

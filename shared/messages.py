@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Struct
 
 from shared import kv_messages, scheduler_stats
+from shared.lora_adapters import BaseShapes, LoraRef
 
 T = TypeVar("T")
 
@@ -185,6 +186,8 @@ class GenerateRequest(Struct, frozen=True, kw_only=True):
     # a migrated request (its replica died): the tokens it had generated, which the client
     # already has; the scheduler resumes after them as after a preemption (n must be 1)
     output_token_ids: list[int] = []
+    # the LoRA adapter it runs with, by its registered name ("": the base model)
+    lora_name: str = ""
 
 
 def choice_request_ids(request_id: str, n: int) -> list[str]:
@@ -288,6 +291,10 @@ class NewRequestData(Struct, frozen=True, array_like=True, gc=False):
     # the request's W3C trace context, set only where the scheduler makes spans: the
     # worker's span of the step that first computes it joins its trace (docs/tracing.md)
     traceparent: str = ""
+    # the adapter's directory and content hash (shared/lora_adapters.py), so a worker
+    # registers an adapter loaded at run time on first use, and a reloaded one anew
+    lora_path: str = ""
+    lora_hash: str = ""
 
 
 class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):
@@ -364,6 +371,9 @@ class WorkerInfo(Struct, frozen=True, kw_only=True):
     kv_node_id: str = ""
     # the draft model that fills draft slots (speculative decoding's draft_model; "": none)
     draft_model: str = ""
+    # with LoRA enabled: what an adapter must fit (the scheduler checks adapters loaded at
+    # run time against it); None: LoRA off
+    lora_base: BaseShapes | None = None
 
 
 # ----------------------------------------------------------------- step plans' KV parts
@@ -388,6 +398,28 @@ class KvStoreRun(Struct, frozen=True, array_like=True, gc=False):
     block_hashes: list[bytes]
 
 
+# ----------------------------------------------------------------- LoRA adapters
+class LoraLoadRequest(Struct, frozen=True, kw_only=True):
+    """gateway -> each scheduler: register a PEFT adapter at run time (vLLM's
+    /v1/load_lora_adapter); ``replace``: a name registered already takes the new files."""
+
+    lora_name: str
+    lora_path: str
+    replace: bool = False
+
+
+class LoraUnloadRequest(Struct, frozen=True, kw_only=True):
+    lora_name: str
+
+
+class LoraReply(Struct, frozen=True, kw_only=True):
+    """A scheduler's adapters after a load or unload, at ``timestamp`` (its wall clock,
+    as its stats events', so a gateway keeps whichever of the two is newer)."""
+
+    adapters: list[LoraRef] = []
+    timestamp: float = 0.0
+
+
 # Every message type, for tests and tooling.
 ALL_MESSAGES: tuple[type[Struct], ...] = (
     ErrorInfo, HealthReply, Empty, StructuredSpec, SamplingParams, TokenLogprobs, FunctionCall,
@@ -395,7 +427,8 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
     GenerationDefaults, TokenizerInfo, GenerateRequest, SubmitReply, AbortRequest, RequestOutput,
     OutputBatch, SchedulerBlockEvent, BlockSnapshotRequest, BlockSnapshotPart,
     BlockSnapshotReply, NewRequestData, ScheduledRequest, StepPlan, StepResult, WorkerInfo,
-    KvLoad, KvStoreRun, *kv_messages.KV_MESSAGES, *scheduler_stats.STATS_MESSAGES,
+    KvLoad, KvStoreRun, LoraRef, BaseShapes, LoraLoadRequest, LoraUnloadRequest, LoraReply,
+    *kv_messages.KV_MESSAGES, *scheduler_stats.STATS_MESSAGES,
 )
 
 _encoder = msgspec.msgpack.Encoder()

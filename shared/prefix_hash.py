@@ -1,7 +1,8 @@
 """Prefix-cache block hashes: a versioned, deterministic spec (docs/prefix-hash.md).
 
 A full block's key is SHA-256 over a canonical byte string chaining the parent block's
-key, the block's token ids and the request's extra keys (model identity, cache salt).
+key, the block's token ids and the request's extra keys (model identity, LoRA adapter,
+cache salt).
 No per-process seed: the same tokens give the same key in every process, on every
 machine, after every restart, in any language that follows the spec. The scheduler keys
 its prefix cache with it; the gateway computes the same keys of a prompt to route it to
@@ -19,10 +20,14 @@ SPEC_VERSION = b"flotilla-prefix-v1"
 ROOT_PARENT = bytes(32)  # the parent of a sequence's first block
 
 
-def extra_keys(model_name: str, cache_salt: str | None = None) -> tuple[str, ...]:
-    """The extra keys of a request's blocks, in spec order: the served model name, then
-    the cache salt when the request has one (different salts never share blocks)."""
-    return (f"model:{model_name}",) + ((f"salt:{cache_salt}",) if cache_salt else ())
+def extra_keys(model_name: str, cache_salt: str | None = None,
+               lora_key: str = "") -> tuple[str, ...]:
+    """The extra keys of a request's blocks, in spec order: the served model name, the
+    LoRA adapter's name and content hash when it runs with one (``LoraRef.cache_key``:
+    adapters, and two versions of one, never share blocks), then the cache salt when the
+    request has one (different salts never share blocks)."""
+    return (f"model:{model_name}",) + ((f"lora:{lora_key}",) if lora_key else ()) \
+        + ((f"salt:{cache_salt}",) if cache_salt else ())
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> bytes:

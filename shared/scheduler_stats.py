@@ -11,6 +11,8 @@ from __future__ import annotations
 import msgspec
 from msgspec import Struct
 
+from shared.lora_adapters import LoraRef
+
 
 class RoutingStats(Struct, frozen=True, kw_only=True):
     """What the gateway's KV-aware routing needs: how this replica keys its blocks
@@ -75,6 +77,18 @@ class MoeStats(Struct, frozen=True, kw_only=True):
     expert_token_counts: list[list[int]] = []
 
 
+class LoraStats(Struct, frozen=True, kw_only=True):
+    """LoRA adapters (docs/lora.md): those registered on this replica (what a request's
+    ``model`` may name; the gateway's /v1/models and prefix-cache keys), the adapters of
+    its running and waiting requests (vLLM's lora_requests_info) and its slot count
+    (0: LoRA off)."""
+
+    adapters: list[LoraRef] = []
+    running: list[str] = []
+    waiting: list[str] = []
+    max_loras: int = 0
+
+
 class SchedulerStats(Struct, frozen=True, kw_only=True):
     """Published by each scheduler after steps (throttled) and as a heartbeat: the fields
     at the top are the heartbeat's, each part has its reader."""
@@ -90,7 +104,8 @@ class SchedulerStats(Struct, frozen=True, kw_only=True):
     engine: EngineStats = msgspec.field(default_factory=EngineStats)
     speculation: SpeculationStats = msgspec.field(default_factory=SpeculationStats)
     moe: MoeStats = msgspec.field(default_factory=MoeStats)
+    lora: LoraStats = msgspec.field(default_factory=LoraStats)
 
 
 STATS_MESSAGES: tuple[type[Struct], ...] = (
-    RoutingStats, EngineStats, SpeculationStats, MoeStats, SchedulerStats)
+    RoutingStats, EngineStats, SpeculationStats, MoeStats, LoraStats, SchedulerStats)

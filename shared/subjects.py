@@ -52,6 +52,10 @@ class Subjects:
     def scheduler_abort(self, scheduler_id: str) -> str:
         return self._addressed("scheduler", scheduler_id, "abort")
 
+    def scheduler_lora(self, scheduler_id: str, verb: str) -> str:
+        """Load or unload a LoRA adapter on one scheduler (verb: lora_load, lora_unload)."""
+        return self._addressed("scheduler", scheduler_id, verb)
+
     def scheduler_blocks_snapshot(self, scheduler_id: str) -> str:
         """Every block hash in one scheduler's GPU prefix cache (BlockSnapshotRequest)."""
         return self._addressed("scheduler", scheduler_id, "blocks_snapshot")

@@ -32,12 +32,19 @@ async def parse_body(request: Request, model_cls):
 
 
 async def check_model(request: Request, model: str | None) -> TokenizerInfo:
-    """The served model's facts; 404 when the request names another model."""
+    """The served model's facts; 404 when the request names neither it nor one of its
+    LoRA adapters (docs/lora.md)."""
     info = await service_of(request).tokenizer_info()
-    if model is not None and model != info.model_name:
+    if model is not None and model != info.model_name and \
+            service_of(request).lora_ref(model) is None:
         raise NotFound(f"The model `{model}` does not exist.", param="model",
                        code="model_not_found")
     return info
+
+
+def lora_name_of(model: str | None, info: TokenizerInfo) -> str:
+    """The LoRA adapter a request's (checked) ``model`` names; "" for the base model."""
+    return model if model is not None and model != info.model_name else ""
 
 
 async def read_json(request: Request):

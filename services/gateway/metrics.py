@@ -60,6 +60,7 @@ class GatewayMetrics:
         self._add_fleet_metrics(self.registry)
         self._add_request_metrics(self.registry)
         self._add_scheduler_metrics(self.registry)
+        self._add_lora_metrics(self.registry)
         self._last: dict[str, SchedulerStats] = {}
         self.served_model_name = ""  # the tokenizer's, once the gateway has asked it
         VllmCollector(self, self.registry)  # vllm:* copies of the figures above, last
@@ -181,6 +182,37 @@ class GatewayMetrics:
             "layers (a token picks top-k experts in each MoE layer)", labels, registry=r)
         self.expert_load = ExpertLoadCollector(r)  # flotilla_moe_expert_load{,_max}
 
+    def _add_lora_metrics(self, r: CollectorRegistry) -> None:
+        """LoRA adapters (docs/lora.md): requests and tokens by adapter (this gateway's),
+        adapters registered on each replica, and vLLM's lora_requests_info."""
+        self.lora_requests = Counter("flotilla_lora_requests",
+                                     "Requests for each LoRA adapter", ["lora_name"], registry=r)
+        self.lora_prompt_tokens = Counter("flotilla_lora_prompt_tokens",
+                                          "Prompt tokens of requests for each LoRA adapter",
+                                          ["lora_name"], registry=r)
+        self.lora_generation_tokens = Counter(
+            "flotilla_lora_generation_tokens", "Tokens generated with each LoRA adapter",
+            ["lora_name"], registry=r)
+        self.lora_adapters = Gauge("flotilla_lora_adapters",
+                                   "LoRA adapters registered on a replica",
+                                   ["replica_id", "scheduler_id"], registry=r)
+        # vLLM's shape: one sample, the adapters in its labels, the time as its value
+        self.lora_requests_info = Gauge(
+            "vllm:lora_requests_info", "Running stats on LoRA requests",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+
+    def _observe_lora(self, stats: SchedulerStats) -> None:
+        lora = stats.lora
+        if not lora.max_loras:
+            return  # (LoRA off on that replica: no series)
+        self.lora_adapters.labels(stats.replica_id, stats.scheduler_id).set(len(lora.adapters))
+        replicas = [*(s for sid, s in self._last.items() if sid != stats.scheduler_id), stats]
+        running = sorted({name for s in replicas for name in s.lora.running})
+        waiting = sorted({name for s in replicas for name in s.lora.waiting})
+        self.lora_requests_info.clear()
+        self.lora_requests_info.labels(str(lora.max_loras), ",".join(running),
+                                       ",".join(waiting)).set(stats.timestamp)
+
     def observe_chunk(self, num_tokens: int, published_at: float) -> None:
         """A streamed chunk is being written: its size, and its lag behind the scheduler."""
         self.tokens_per_chunk.observe(num_tokens)
@@ -232,6 +264,7 @@ class GatewayMetrics:
             self.accepted_per_position.labels(*labels, str(position)).inc(
                 value - previous if value >= previous else value)
         self._observe_moe(stats, last)
+        self._observe_lora(stats)
         self._last[stats.scheduler_id] = stats
         for num_tokens, seconds in zip(engine.recent_step_tokens, engine.recent_step_times_s):
             self.step_tokens.observe(num_tokens)

@@ -335,6 +335,19 @@ class DetokenizeHTTPRequest(OpenAIModel):
     tokens: list[TokenId]
 
 
+class LoadLoraAdapterRequest(OpenAIModel):
+    """vLLM's /v1/load_lora_adapter body (docs/lora.md)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # replace an adapter registered under this name
+
+
+class UnloadLoraAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; accepted, adapters are named here
+
+
 def parse_request(model_cls: type[OpenAIModel], payload: Any,
                   accept_unknown_fields: bool = False):
     """Validate ``payload``; any problem becomes an InvalidRequest naming the parameter.

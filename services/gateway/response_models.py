@@ -143,6 +143,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int = Field(description="the context length, in tokens")
+    root: str | None = Field(default=None, description="a LoRA adapter's directory")
+    parent: str | None = Field(default=None, description="a LoRA adapter's base model")
 
 
 class ModelList(BaseModel):

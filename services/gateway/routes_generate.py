@@ -17,7 +17,7 @@ from services.gateway import protocol, response_models as bodies
 from services.gateway.choices import ChatChoice, CompletionChoice
 from services.gateway.generation import CHOICES, Generation, OutputShape, merge_deltas
 from services.gateway.http_input import (
-    check_model, config_of, parse_body, read_json, resolve_max_tokens, service_of,
+    check_model, config_of, lora_name_of, parse_body, read_json, resolve_max_tokens, service_of,
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import json_responses, request_body
@@ -31,7 +31,7 @@ from services.gateway.streams import Delta, RequestStream
 from services.gateway.structured import response_format_spec
 from services.gateway.tool_calls import plan_tools
 from shared.errors import FlotillaError, check_token_ids
-from shared.messages import EncodeRequest, SamplingParams
+from shared.messages import EncodeRequest, SamplingParams, TokenizerInfo
 
 log = structlog.get_logger()
 router = APIRouter()
@@ -64,8 +64,7 @@ async def completions(request: Request) -> Response:
             echo_text = prompt if isinstance(prompt, str) else await service.decode(prompt_ids)
         choices += [CompletionChoice(len(choices) + i, req.logprobs, echo_text)
                     for i in range(num_sequences)]
-    return await generate(request, "completions", req, info.model_name, submissions,
-                          choices, req.n)
+    return await generate(request, "completions", req, info, submissions, choices, req.n)
 
 
 @router.post("/v1/chat/completions", openapi_extra=request_body(protocol.ChatCompletionRequest),
@@ -87,8 +86,8 @@ async def chat_completions(request: Request) -> Response:
                                    defaults=info.generation_defaults,
                                    logprobs=req.num_logprobs, structured=structured)
     choices = [ChatChoice(i, req.num_logprobs, tool_plan, _call_id) for i in range(req.n)]
-    return await generate(request, "chat", req, info.model_name, [(prompt_ids, sampling)],
-                          choices, req.n)
+    return await generate(request, "chat", req, info, [(prompt_ids, sampling)], choices,
+                          req.n)
 
 
 @router.post("/v1/responses", openapi_extra=request_body(ResponsesRequest),
@@ -108,20 +107,28 @@ async def create_response(request: Request) -> Response:
             info.generation_defaults, config.max_tokens_default))
     sampling = responses_sampling(req, plan, max_tokens, info.generation_defaults)
     choice = ChatChoice(0, plan.num_logprobs, plan.tool_plan, _call_id)
-    return await generate(request, "responses", req, info.model_name,
-                          [(prompt_ids, sampling)], [choice], 1,
+    return await generate(request, "responses", req, info, [(prompt_ids, sampling)],
+                          [choice], 1,
                           output=responses_shape(echo_fields(req, sampling)))
 
 
-async def generate(request: Request, kind: str, req, model: str,
+async def generate(request: Request, kind: str, req, info: TokenizerInfo,
                    submissions: list[tuple[list[int], SamplingParams]], choices: list,
                    num_returned: int, output: OutputShape = CHOICES) -> Response:
     """Submit each prompt for len(choices) / len(submissions) sequences and answer with
-    all of them (num_returned per prompt), in ``output``'s shape."""
+    all of them (num_returned per prompt), in ``output``'s shape; the response names the
+    model the request named (the base model or one of its LoRA adapters)."""
     started = time.perf_counter()
     service = service_of(request)
     num_per_prompt = len(choices) // len(submissions)
-    request_ids, streams = await _submit_all(service, req, submissions, num_per_prompt)
+    lora_name = lora_name_of(req.model, info)
+    model = lora_name or info.model_name
+    request_ids, streams = await _submit_all(service, req, submissions, num_per_prompt,
+                                             lora_name)
+    if lora_name:
+        service.metrics.lora_requests.labels(lora_name).inc()
+        service.metrics.lora_prompt_tokens.labels(lora_name).inc(
+            sum(len(prompt_ids) for prompt_ids, _ in submissions))
     num_prompt_tokens = sum(len(prompt_ids) for prompt_ids, _ in submissions)
     service.metrics.prompt_tokens.inc(num_prompt_tokens)
     generation = Generation(kind, _ID_PREFIXES[kind] + request_ids[0],
@@ -130,8 +137,8 @@ async def generate(request: Request, kind: str, req, model: str,
                             num_per_prompt=num_per_prompt)
     for stream in streams:
         stream.wake_at_end = not req.stream
-    deltas = merge_deltas([_timed(service.deltas(stream), stream, service.metrics, started)
-                           for stream in streams])
+    deltas = merge_deltas([_timed(service.deltas(stream), stream, service.metrics, started,
+                                  lora_name) for stream in streams])
     if req.stream:
         return StreamingResponse(output.events(generation, deltas),
                                  media_type="text/event-stream")
@@ -141,14 +148,16 @@ async def generate(request: Request, kind: str, req, model: str,
 
 async def _submit_all(service: GatewayService, req,
                       submissions: list[tuple[list[int], SamplingParams]],
-                      num_per_prompt: int) -> tuple[list[str], list[RequestStream]]:
+                      num_per_prompt: int, lora_name: str = ""
+                      ) -> tuple[list[str], list[RequestStream]]:
     """Submit every prompt: (their request ids, every sequence's stream in order)."""
     request_ids, streams = [], []
     try:
         for prompt_ids, sampling in submissions:
             request_id, prompt_streams = await service.submit(
                 prompt_ids, sampling, req.stop_strings, priority=req.priority,
-                cache_salt=req.cache_salt, n=num_per_prompt, session=req.session_key)
+                cache_salt=req.cache_salt, n=num_per_prompt, session=req.session_key,
+                lora_name=lora_name)
             request_ids.append(request_id)
             streams += prompt_streams
     except BaseException:
@@ -159,10 +168,10 @@ async def _submit_all(service: GatewayService, req,
 
 
 async def _timed(deltas: AsyncIterator[Delta], stream: RequestStream, metrics: GatewayMetrics,
-                 started: float) -> AsyncIterator[Delta]:
+                 started: float, lora_name: str = "") -> AsyncIterator[Delta]:
     """Pass deltas through, recording TTFT, inter-token latency, tokens per chunk and
-    delivery lag (the last three for streams, read delta by delta), token counts, and
-    the end (its latency and finish reason)."""
+    delivery lag (the last three for streams, read delta by delta), token counts (also by
+    LoRA adapter), and the end (its latency and finish reason)."""
     last = None
     async for delta in deltas:
         now = time.perf_counter()
@@ -175,6 +184,8 @@ async def _timed(deltas: AsyncIterator[Delta], stream: RequestStream, metrics: G
                 metrics.observe_chunk(delta.num_new_tokens, delta.published_at)
             last = now
             metrics.generation_tokens.inc(delta.num_new_tokens)
+            if lora_name:
+                metrics.lora_generation_tokens.labels(lora_name).inc(delta.num_new_tokens)
         if delta.finish_reason is not None:
             metrics.e2e_latency.observe(now - started)
             metrics.requests_finished.labels(delta.finish_reason).inc()

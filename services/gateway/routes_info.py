@@ -14,28 +14,38 @@ from services.gateway.http_input import check_model, config_of, parse_body, serv
 from services.gateway.openapi import json_responses, request_body
 from services.gateway.tool_calls import plan_tools
 from shared.errors import InvalidRequest
+from shared.lora_adapters import LoraRef
 from shared.messages import EncodeRequest, TokenizerInfo
 
 models = APIRouter()  # registered before the generating routes, the rest after
 router = APIRouter()
 
 
-def _model_card(info: TokenizerInfo) -> dict:
-    return {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flotilla",
+def _model_card(info: TokenizerInfo, lora: LoraRef | None = None) -> dict:
+    """The base model's card, or (``lora``) one of its LoRA adapters' with its parent."""
+    card = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flotilla",
             "max_model_len": info.max_model_len}
+    if lora is not None:
+        card |= {"id": lora.name, "root": lora.path, "parent": info.model_name}
+    return card
 
 
 @models.get("/v1/models", response_model=None,
             responses=json_responses(bodies.ModelList, errors=(401, 503)))
 async def list_models(request: Request) -> dict:
-    return {"object": "list",
-            "data": [_model_card(await service_of(request).tokenizer_info())]}
+    """The base model, then its LoRA adapters (by name)."""
+    service = service_of(request)
+    info = await service.tokenizer_info()
+    adapters = sorted(service.lora_adapters().values(), key=lambda ref: ref.name)
+    return {"object": "list", "data": [_model_card(info)] + [
+        _model_card(info, lora) for lora in adapters]}
 
 
 @models.get("/v1/models/{model:path}", response_model=None,
             responses=json_responses(bodies.ModelCard, errors=(401, 404, 503)))
 async def retrieve_model(request: Request, model: str) -> dict:
-    return _model_card(await check_model(request, model))
+    info = await check_model(request, model)
+    return _model_card(info, service_of(request).lora_ref(model))
 
 
 @router.post("/tokenize", openapi_extra=request_body(protocol.TokenizeRequest),

@@ -227,9 +227,11 @@ class Router:
 
     def choose(self, replicas: Sequence[Replica], token_ids: Sequence[int], *,
                cache_salt: str | None = None, session: str | None = None,
-               now: float = 0.0, max_tokens: int | None = None) -> Decision | None:
+               now: float = 0.0, max_tokens: int | None = None,
+               lora_key: str = "") -> Decision | None:
         """The replica for a prompt of ``token_ids`` among the ready ``replicas`` (None
-        when there is none); ``max_tokens``: its output limit."""
+        when there is none); ``max_tokens``: its output limit; ``lora_key``: its LoRA
+        adapter's part of the block keys (``LoraRef.cache_key``; "": the base model)."""
         if not replicas:
             return None
         policy = self.params.policy
@@ -246,15 +248,15 @@ class Router:
             output_tokens = min(max_tokens, self.mean_output_tokens) if max_tokens \
                 else self.mean_output_tokens
             decision = self._choose_kv(replicas, least_loaded, token_ids, cache_salt, session,
-                                       now, output_tokens)
+                                       now, output_tokens, lora_key)
         if session and policy == RoutingPolicy.KV:
             self.sessions.put((cache_salt or "", session), decision.scheduler_id, now)
         return decision
 
     def _choose_kv(self, replicas: Sequence[Replica], least_loaded: Replica,
                    token_ids: Sequence[int], cache_salt: str | None, session: str | None,
-                   now: float, output_tokens: float) -> Decision:
-        estimates = self.estimates(replicas, token_ids, cache_salt, output_tokens)
+                   now: float, output_tokens: float, lora_key: str = "") -> Decision:
+        estimates = self.estimates(replicas, token_ids, cache_salt, output_tokens, lora_key)
         threshold = self.saturation_threshold(replicas)
         hits = {sid: e.num_hit_tokens for sid, e in estimates.items()}
         # Slack W: the requests a replica's hit over the least loaded one's is worth (each
@@ -305,8 +307,8 @@ class Router:
         return max(self.params.saturation_margin, self.params.saturation_ratio * mean_load, 1)
 
     def estimates(self, replicas: Sequence[Replica], token_ids: Sequence[int],
-                  cache_salt: str | None,
-                  output_tokens: float = DEFAULT_OUTPUT_TOKENS) -> dict[str, _Estimate]:
+                  cache_salt: str | None, output_tokens: float = DEFAULT_OUTPUT_TOKENS,
+                  lora_key: str = "") -> dict[str, _Estimate]:
         """Each replica's expected seconds to serve this request, less what is the same
         on every replica (see above)."""
         keys_by_spec: dict[tuple[int, str], list[int]] = {}
@@ -316,7 +318,7 @@ class Router:
             if block_size <= 0:
                 continue
             keys_by_spec[spec] = block_keys(usable_block_hashes(
-                token_ids, block_size, extra_keys(model_name, cache_salt)))
+                token_ids, block_size, extra_keys(model_name, cache_salt, lora_key)))
             gpu_runs |= self.index.gpu_prefix_blocks(
                 [r.scheduler_id for r in replicas
                  if (r.routing.block_size, r.routing.model_name) == spec], keys_by_spec[spec])

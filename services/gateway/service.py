@@ -19,6 +19,7 @@ import structlog
 from services.gateway.block_feed import BlockFeed
 from services.gateway.block_index import BlockIndex
 from services.gateway.config import GatewayConfig, RoutingPolicy
+from services.gateway.lora_directory import LoraControl, LoraDirectory
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import can_migrate, resumed_request
 from services.gateway.replicas import ReplicaTable
@@ -27,6 +28,7 @@ from services.gateway.streams import Delta, RequestStream, apply_output
 from shared.bus import Bus
 from shared.detokenizer import IncrementalDetokenizer, TokenBytes, fast_decoder
 from shared.errors import FlotillaError, ServiceUnavailable
+from shared.lora_adapters import LoraRef
 from shared.messages import (
     AbortRequest, DecodeReply, DecodeRequest, Empty, EncodeReply, EncodeRequest, ErrorInfo,
     GenerateRequest, HealthReply, OutputBatch, SamplingParams, SubmitReply, TokenizerInfo,
@@ -81,6 +83,11 @@ class GatewayService:
         self.blocks = BlockFeed(bus, self.subjects, self.index, metrics, self._spawn) \
             if config.routing == RoutingPolicy.KV else None
         metrics.watch_block_index(self.index)
+        self.loras = LoraDirectory()  # the adapters each replica serves (docs/lora.md)
+        self.lora_control = LoraControl(
+            bus, self.subjects, self.loras,
+            lambda: [stats.scheduler_id for stats in self.live_schedulers()],
+            config.request_timeout_s)
 
     async def start(self) -> None:
         await self.bus.subscribe(self.output_subject, OutputBatch, self._on_outputs)
@@ -144,10 +151,11 @@ class GatewayService:
     # ------------------------------------------------------------ generation
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop: list[str], *, priority: int = 0, cache_salt: str | None = None,
-                     n: int = 1, session: str | None = None) -> tuple[str, list[RequestStream]]:
-        """Hand a request (n sequences of one prompt) to the scheduler routing picks
-        (``session``: its prompt_cache_key or user); returns its id and one stream per
-        sequence. Raises if no scheduler accepts it."""
+                     n: int = 1, session: str | None = None,
+                     lora_name: str = "") -> tuple[str, list[RequestStream]]:
+        """Hand a request (n sequences of one prompt; ``lora_name``: its LoRA adapter) to
+        the scheduler routing picks (``session``: its prompt_cache_key or user); returns
+        its id and one stream per sequence. Raises if no scheduler accepts it."""
         request_id = uuid.uuid4().hex
         streams = [RequestStream(choice_id,
                                  IncrementalDetokenizer(self.decoder, prompt_token_ids, stop))
@@ -155,7 +163,7 @@ class GatewayService:
         request = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             output_subject=self.output_subject, arrival_time=time.time(), priority=priority,
-            cache_salt=cache_salt, n=n)
+            cache_salt=cache_salt, n=n, lora_name=lora_name)
         for stream in streams:
             stream.request = request if n == 1 else None  # n > 1 is not migrated
             self._streams[stream.request_id] = stream
@@ -195,6 +203,20 @@ class GatewayService:
         return await self.bus.request(self.subjects.scheduler_submit, request, SubmitReply,
                                       timeout=self.config.request_timeout_s)
 
+    def lora_adapters(self) -> dict[str, LoraRef]:
+        """The LoRA adapters the live replicas have, by name."""
+        return self.loras.adapters([stats.scheduler_id for stats in self.live_schedulers()])
+
+    def lora_ref(self, lora_name: str, scheduler_ids: list[str] | None = None
+                 ) -> LoraRef | None:
+        """The adapter a request names (None: the base model, or no such adapter on the
+        live replicas, or on ``scheduler_ids``)."""
+        if not lora_name:
+            return None
+        if scheduler_ids is None:
+            return self.lora_adapters().get(lora_name)
+        return self.loras.adapters(scheduler_ids).get(lora_name)
+
     def live_schedulers(self) -> list[SchedulerStats]:
         return self.replicas.live(time.monotonic())
 
@@ -221,6 +243,10 @@ class GatewayService:
         is larger. ``avoid`` (one that just lost a request) is taken only when no other is
         ready."""
         ready = [stats for stats in self.live_schedulers() if self.is_ready(stats)]
+        lora = self.lora_ref(request.lora_name, [stats.scheduler_id for stats in ready])
+        if lora is not None:  # only replicas that have the adapter can run it
+            holders = self.loras.holders(lora.name, [stats.scheduler_id for stats in ready])
+            ready = [stats for stats in ready if stats.scheduler_id in holders]
         if avoid and any(stats.scheduler_id != avoid for stats in ready):
             ready = [stats for stats in ready if stats.scheduler_id != avoid]
         records = [self.replicas.record(stats.scheduler_id) for stats in ready]
@@ -231,7 +257,7 @@ class GatewayService:
         decision = self.router.choose(
             replicas, [*request.prompt_token_ids, *request.output_token_ids],
             cache_salt=request.cache_salt, session=session, now=time.monotonic(),
-            max_tokens=request.sampling.max_tokens)
+            max_tokens=request.sampling.max_tokens, lora_key=lora.cache_key if lora else "")
         if decision is not None:
             self.metrics.observe_routing(decision)
             log.debug("request_routed", request_id=request.request_id,
@@ -364,6 +390,7 @@ class GatewayService:
         for old_id in self.replicas.heard(stats, time.monotonic()):
             self._replaced(old_id, stats)
         self.metrics.observe_scheduler(stats)
+        self.loras.observe(stats.scheduler_id, stats.timestamp, stats.lora.adapters)
         if self.blocks is not None:
             self.blocks.on_stats(stats)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, TierHit
 from services.scheduler.siblings import shares_prompt, sibling_requests
+from shared.lora_adapters import LoraRef
 from shared.messages import GenerateRequest, choice_request_ids
 from shared.prefix_hash import extra_keys, usable_block_hashes
 
@@ -34,6 +35,7 @@ class Arrival:
     request: GenerateRequest
     seq: int
     query: PrefixQuery | None  # None: no lookup (no kvstore, or it cannot use cached blocks)
+    lora: LoraRef | None = None  # its adapter (None: the base model)
     request_ids: list[str] = field(init=False)  # its n choices'
     aborted: bool = False  # an abort came while it was being looked up
 
@@ -51,15 +53,21 @@ class Arrival:
         return list(self.query.block_hashes) if self.query is not None else []
 
 
+def request_keys(request: GenerateRequest, model_name: str,
+                 lora: LoraRef | None) -> tuple[str, ...]:
+    """The prefix-cache extra keys of a request's blocks (shared/prefix_hash.py)."""
+    return extra_keys(model_name, request.cache_salt, lora.cache_key if lora else "")
+
+
 def prefix_query(request: GenerateRequest, block_manager: BlockManager, model_name: str,
-                 prefix_caching: bool) -> PrefixQuery | None:
+                 prefix_caching: bool, lora: LoraRef | None = None) -> PrefixQuery | None:
     """The blocks of a request to look up in the kvstore, or None when it cannot use
     cached blocks (no prefix caching, or every prompt token's logprobs wanted)."""
     if not prefix_caching or request.sampling.prompt_logprobs is not None:
         return None
     token_ids = list(request.prompt_token_ids) + list(request.output_token_ids)
     block_hashes = usable_block_hashes(token_ids, block_manager.block_size,
-                                       extra_keys(model_name, request.cache_salt))
+                                       request_keys(request, model_name, lora))
     num_gpu = len(block_manager.cached_prefix(block_hashes, token_ids))
     return PrefixQuery(block_hashes, num_gpu)
 
@@ -79,11 +87,12 @@ def queue_entries(arrival: Arrival, tier_hit: TierHit | None, seqs: Iterator[int
         entries.append(Request(
             sibling.request_id, list(request.prompt_token_ids), sibling.sampling,
             request.output_subject, (priority, next(seqs) if leader else arrival.seq),
-            extra_keys(model_name, request.cache_salt), arrival_time,
+            request_keys(request, model_name, arrival.lora), arrival_time,
             leader=leader if shares else None,
             output_token_ids=list(request.output_token_ids),
             num_outputs_sent=1 if request.output_token_ids else 0,
-            block_hashes=arrival.block_hashes, tier_hit=None if leader else tier_hit))
+            block_hashes=arrival.block_hashes, tier_hit=None if leader else tier_hit,
+            lora=arrival.lora))
     return entries
 
 

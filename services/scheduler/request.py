@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.lora_adapters import LoraRef
 from shared.messages import SamplingParams, TokenLogprobs
 
 
@@ -27,7 +28,7 @@ class Request:
     sampling: SamplingParams
     output_subject: str
     sort_key: tuple[int, int]  # (priority, arrival order): smaller runs first, is preempted last
-    extra_keys: tuple[str, ...] = ()  # prefix-cache key parts: model, cache salt
+    extra_keys: tuple[str, ...] = ()  # prefix-cache key parts: model, LoRA, cache salt
     arrival_time: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
@@ -52,6 +53,7 @@ class Request:
     # drafts the step in flight verifies after the last token (speculation.py); until its
     # result, the request's token count after that step is not known: it is not scheduled
     num_drafts: int = 0
+    lora: LoraRef | None = None  # its LoRA adapter (None: the base model), kept to the end
 
     @property
     def num_tokens(self) -> int:

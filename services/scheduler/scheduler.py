@@ -38,6 +38,7 @@ from services.scheduler.chunk_pacer import ChunkPacer, StepClock, decode_stall_t
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.intake import Arrival, Arrivals, prefix_query, queue_entries
 from services.scheduler.kv_tier import KvTierHooks, cache_loaded_blocks, store_target
+from services.scheduler.lora_registry import LoraRegistry, running_adapters
 from services.scheduler.outputs import add_prompt_logprobs, append_outputs, request_output
 from services.scheduler.speculation import NO_DRAFTS, DraftBooks, Drafts, drafter, settle_drafts
 from shared.prefix_hash import extend_block_hashes
@@ -63,9 +64,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, *, num_blocks: int, block_size: int,
                  max_model_len: int, eos_token_ids: list[int], model_name: str = "",
                  kv: KvTierHooks | None = None, worker_drafts: bool = True,
-                 gpu_streams: bool = False) -> None:
+                 gpu_streams: bool = False, loras: LoraRegistry | None = None) -> None:
         """``worker_drafts``: the worker can fill draft slots (else draft_model drafts none);
-        ``gpu_streams``: streams served from a GPU worker (the decode stall target's default)."""
+        ``gpu_streams``: streams served from a GPU worker (the decode stall target's default);
+        ``loras``: the replica's LoRA adapters (lora_registry.py; kept across re-attaches)."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -80,6 +82,7 @@ class Scheduler:
         self.reserve = AdmissionReserve(block_size, config.admission_reserve)
         self._kept = KeptRoom()  # room admission keeps for the running (admission.py)
         self.drafter = drafter(config.speculative_config, worker_drafts)  # speculation.py
+        self.loras = loras or LoraRegistry()
         self.draft_books = DraftBooks()  # drafts verified and kept
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by sort_key
@@ -96,10 +99,12 @@ class Scheduler:
         self._in_plan: set[str] = set()  # ids in the plan being built: never preempted
 
     @classmethod
-    def without_worker(cls, config: SchedulerConfig, kv: KvTierHooks) -> Scheduler:
+    def without_worker(cls, config: SchedulerConfig, kv: KvTierHooks,
+                       loras: LoraRegistry | None = None) -> Scheduler:
         """The core while no worker is attached: no blocks, no drafts, no request (the
         service refuses submits until a worker attaches and the real core replaces it)."""
-        core = cls(config, num_blocks=0, block_size=0, max_model_len=0, eos_token_ids=[], kv=kv)
+        core = cls(config, num_blocks=0, block_size=0, max_model_len=0, eos_token_ids=[], kv=kv,
+                   loras=loras)
         core.drafter = drafter(None)  # (the stats report no draft cap)
         return core
 
@@ -113,9 +118,11 @@ class Scheduler:
         with a connector that looks requests up, the blocks to ask the kvstore about."""
         validate_request(request, ChainMap(self.requests, self.arriving), self.max_model_len,
                          self.block_manager, self.config.prefix_caching)
+        lora = self.loras.resolve(request.lora_name)  # (NotFound: no such adapter)
         arrival = Arrival(request, next(self._arrival_seqs),
                           prefix_query(request, self.block_manager, self.model_name,
-                                       self.config.prefix_caching) if self.kv.looks_up else None)
+                                       self.config.prefix_caching, lora)
+                          if self.kv.looks_up else None, lora)
         self.arriving.add(arrival)
         return arrival
 
@@ -336,8 +343,15 @@ class Scheduler:
 
     def _waiting_head(self) -> Request | None:
         """The first waiting request, skipping siblings whose leader is still scheduling
-        the prompt they will share (it runs, or waits ahead of them: no deadlock)."""
+        the prompt they will share (it runs, or waits ahead of them: no deadlock), and
+        requests whose LoRA adapter would make the running ones use more than max_loras
+        (each step computes every running request: a worker's slots hold them all)."""
+        running_loras = running_adapters(self.running) if self.loras.enabled else None
         for req in self.waiting:
+            if running_loras is not None and req.lora is not None and \
+                    req.lora.cache_key not in running_loras and \
+                    len(running_loras) >= self.loras.max_loras:
+                continue
             leader = req.leader
             if leader is not None and self.requests.get(leader.request_id) is leader \
                     and leader.num_computed_tokens < len(leader.prompt_token_ids):
@@ -376,9 +390,12 @@ class Scheduler:
         req.sent_at_step = self._next_step_id
         if req.wants_prompt_logprobs:
             req.prompt_logprobs = []  # computed (again) from the start
-        new_requests.append(NewRequestData(req.request_id, req.all_token_ids, req.sampling,
-                                           list(req.block_table), req.num_computed_tokens,
-                                           len(req.prompt_token_ids)))
+        lora = req.lora
+        new_requests.append(NewRequestData(
+            req.request_id, req.all_token_ids, req.sampling, list(req.block_table),
+            req.num_computed_tokens, len(req.prompt_token_ids),
+            lora_name=lora.name if lora else "", lora_path=lora.path if lora else "",
+            lora_hash=lora.content_hash if lora else ""))
         req.known_to_worker = True
 
     def _register_full_blocks(self, req: Request) -> None:

@@ -35,6 +35,8 @@ from services.scheduler.block_events import BlockEventPublisher, routing_stats
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.kv_client import KEEPALIVE_INTERVAL_S
 from services.scheduler.kv_connector import KvConnectorFactory, NoKvConnector
+from services.scheduler.lora_handlers import LoraHandlers
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.outbox import Outbox, bus_lost_error
 from services.scheduler.output_publisher import OutputPublisher
 from services.scheduler.request_spans import request_spans
@@ -44,7 +46,7 @@ from services.scheduler.tiering import TierSpeeds
 from shared.bus import PING_INTERVAL_S, Bus
 from shared.errors import FlotillaError, ServiceUnavailable, TooManyRequests
 from shared.messages import (
-    AbortRequest, Empty, GenerateRequest, HealthReply,
+    AbortRequest, Empty, GenerateRequest, HealthReply, LoraLoadRequest, LoraUnloadRequest,
     StepPlan, StepResult, SubmitReply, WorkerInfo,
 )
 from shared.runtime import freeze_startup_objects
@@ -67,8 +69,11 @@ class SchedulerService:
         self.subjects = Subjects(config.namespace)
         # the KV connector of the attached worker (the core's hooks are this one's)
         self.kv = NoKvConnector()
+        # the LoRA adapters (--lora-modules, then run-time loads), across re-attaches
+        self.loras = LoraRegistry(config.enable_lora, config.max_loras,
+                                  config.lora_module_list)
         # replaced once a worker attaches and says how big its cache is
-        self.core = Scheduler.without_worker(config, self.kv)
+        self.core = Scheduler.without_worker(config, self.kv, self.loras)
         self._worker_id = ""  # the worker attached ("": none): its cache is what core tracks
         self._worker_link: int | None = None  # its count of NATS disconnects, from its pings
         self._wakeup = asyncio.Event()
@@ -85,6 +90,9 @@ class SchedulerService:
         self.block_events = BlockEventPublisher(  # the GPU tier, for the gateways' routing
             bus, self.subjects, config.instance_id, config.replica_id,
             lambda: self.core.block_manager)
+        self.lora_handlers = LoraHandlers(
+            self.loras, lambda: self._worker_info.lora_base if self.worker_attached else None,
+            self._stats_now.set)
         bus.add_listener(self._on_link)
 
     @property
@@ -101,6 +109,11 @@ class SchedulerService:
         await self.bus.serve(self.subjects.scheduler_abort(self.config.instance_id), AbortRequest,
                              self._on_abort)
         await self.bus.serve(self.subjects.health("scheduler"), Empty, self._on_health, queue=queue)
+        for verb, message, handler in (("lora_load", LoraLoadRequest, self.lora_handlers.load),
+                                       ("lora_unload", LoraUnloadRequest,
+                                        self.lora_handlers.unload)):
+            await self.bus.serve(self.subjects.scheduler_lora(self.config.instance_id, verb),
+                                 message, handler)
         await self.block_events.start()
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -229,7 +242,7 @@ class SchedulerService:
                                   block_size=info.block_size, max_model_len=info.max_model_len,
                                   eos_token_ids=info.eos_token_ids, model_name=info.model_name,
                                   kv=self.kv, worker_drafts=bool(info.draft_model),
-                                  gpu_streams=info.device.startswith("cuda"))
+                                  gpu_streams=info.device.startswith("cuda"), loras=self.loras)
             if self.config.speculative_config and not self.core.drafter.enabled:
                 log.error("speculation_off", worker_id=info.worker_id,
                           detail="--speculative-config names a draft model but the worker was "
@@ -328,7 +341,8 @@ class SchedulerService:
         """End every request with ``error``; the step loop then attaches the worker again
         (a fresh cache). The core goes first, so a submit arriving meanwhile is refused,
         not lost. After a lost link the errors wait for the link and the gateways."""
-        old_core, self.core = self.core, Scheduler.without_worker(self.config, self.kv)
+        old_core = self.core
+        self.core = Scheduler.without_worker(self.config, self.kv, self.loras)
         self._worker_id = ""
         emitted = old_core.fail_all(error.to_info())
         await self.kv.release_pins()

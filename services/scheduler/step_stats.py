@@ -18,7 +18,7 @@ from services.scheduler.scheduler import Scheduler
 from services.scheduler.tiering import TierSpeeds
 from shared.messages import StepPlan, StepResult
 from shared.scheduler_stats import (
-    EngineStats, MoeStats, RoutingStats, SchedulerStats, SpeculationStats,
+    EngineStats, LoraStats, MoeStats, RoutingStats, SchedulerStats, SpeculationStats,
 )
 
 log = structlog.get_logger()
@@ -67,7 +67,8 @@ class StepStats:
             timestamp=time.time(), worker_ready=worker_ready, num_running=len(core.running),
             num_waiting=len(core.waiting), num_steps=core.num_steps, routing=routing,
             engine=self._engine_stats(core, kv, now), speculation=speculation_stats(core),
-            moe=MoeStats(expert_token_counts=self.expert_counts.counts()))
+            moe=MoeStats(expert_token_counts=self.expert_counts.counts()),
+            lora=lora_stats(core))
 
     def _engine_stats(self, core: Scheduler, kv: KvTierHooks, now: float) -> EngineStats:
         last_wall, last_busy, was_busy = self._last
@@ -87,6 +88,17 @@ class StepStats:
             worker_busy_s=self.worker_busy_s, worker_idle_ratio=idle_ratio,
             recent_step_tokens=[tokens for tokens, _ in samples],
             recent_step_times_s=[seconds for _, seconds in samples])
+
+
+def lora_stats(core: Scheduler) -> LoraStats:
+    """The replica's adapters, and those its running and waiting requests use (by name)."""
+    loras = core.loras
+    if not loras.enabled:
+        return LoraStats()
+    return LoraStats(
+        adapters=loras.refs(), max_loras=loras.max_loras,
+        running=sorted({r.lora.name for r in core.running if r.lora is not None}),
+        waiting=sorted({r.lora.name for r in core.waiting if r.lora is not None}))
 
 
 def speculation_stats(core: Scheduler) -> SpeculationStats:

@@ -1,18 +1,11 @@
-"""LoRA adapters in the PEFT format, read from disk and checked against the base model.
-
-A PEFT directory holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora``,
-``target_modules``) and ``adapter_model.safetensors`` with, per layer i and target t,
-``base_model.model.model.layers.{i}.{self_attn|mlp}.{t}.lora_A.weight`` [r, in_features] and
-``...lora_B.weight`` [out_features, r]; the delta of t is ``scaling * B @ A`` with scaling
-``alpha / r`` (rsLoRA: ``alpha / sqrt(r)``). An adapter is validated whole when it is loaded
-(rank, targets, every tensor's presence and shape against the base's ``ModelConfig``), so a
-bad one is refused by name before any request can use it. Device slots: lora_slots.py.
+"""LoRA adapters in the PEFT format, read from disk into host memory, checked against the
+base model by shared/lora_adapters.py's rules (which also describe the format); the delta of
+target t is ``scaling * B @ A``. An adapter is validated whole when it is loaded, so a bad
+one is refused by name before any request can use it. Device slots: lora_slots.py.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,18 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from services.worker.model_config import ModelConfig
+from shared.lora_adapters import (
+    MLP_TARGETS, TENSORS_FILE, BaseShapes, check_tensor_shapes, read_settings, tensor_name,
+    where_of)
 
 # flotilla's fused projections (layers.py) -> their PEFT parts, in the fused rows' order
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
     "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-TARGETS = tuple(part for parts in FUSED_PARTS.values() for part in parts)
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-           "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-# PEFT options that change the math in ways flotilla does not compute: refused by name
-_UNSUPPORTED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none",
-                "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
-                "alpha_pattern": {}, "layer_replication": None}
 
 
 @dataclass(frozen=True)
@@ -60,9 +49,12 @@ def part_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
             "down_proj": (hidden, inter)}
 
 
-def tensor_name(layer: int, part: str, matrix: str) -> str:
-    """PEFT's saved name of one matrix (``matrix``: lora_A or lora_B)."""
-    return f"base_model.model.model.layers.{layer}.{_PARENT[part]}.{part}.{matrix}.weight"
+def base_shapes(config: ModelConfig, max_rank: int) -> BaseShapes:
+    """What an adapter must fit on this model (announced to the scheduler, which checks
+    adapters loaded at run time with it): a Mixture-of-Experts model has no MLP parts."""
+    parts = {part: list(shape) for part, shape in part_shapes(config).items()
+             if config.moe is None or part not in MLP_TARGETS}
+    return BaseShapes(num_layers=config.num_layers, part_shapes=parts, max_rank=max_rank)
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig,
@@ -70,77 +62,17 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig,
     """The adapter in PEFT directory ``path``, checked against ``config`` (the base model's);
     a ValueError names the adapter and what is wrong (file, field, target, tensor)."""
     path = Path(path)
-    where = f"LoRA adapter {name!r} ({path})"
-    settings = _read_settings(path, where)
-    rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
-    if not isinstance(rank, int) or rank < 1:
-        raise ValueError(f"{where}: r must be a positive integer, not {rank!r}")
-    if rank > max_rank:
-        raise ValueError(f"{where}: rank r={rank} is above max_lora_rank {max_rank}")
-    targets = _targets(settings.get("target_modules"), config, where)
-    scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
-    tensors_path = path / "adapter_model.safetensors"
+    where = where_of(name, path)
+    base = base_shapes(config, max_rank)
+    settings = read_settings(path, where, base)
+    tensors_path = path / TENSORS_FILE
     if not tensors_path.is_file():
-        raise ValueError(f"{where}: no adapter_model.safetensors")
+        raise ValueError(f"{where}: no {TENSORS_FILE}")
     tensors = load_file(str(tensors_path))
-    weights = _check_tensors(tensors, targets, rank, config, where)
-    return LoraAdapter(name=name, path=path, rank=rank, scaling=float(scaling),
-                       target_modules=targets, weights=weights)
-
-
-def _read_settings(path: Path, where: str) -> dict:
-    config_path = path / "adapter_config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{where}: no adapter_config.json")
-    settings = json.loads(config_path.read_text())
-    if settings.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{where}: peft_type {settings['peft_type']!r} is not LORA")
-    for field, plain in _UNSUPPORTED.items():
-        value = settings.get(field, plain)
-        if value != plain and value not in (None, [], {}):
-            raise ValueError(f"{where}: {field}={value!r} is not supported")
-    return settings
-
-
-def _targets(value, config: ModelConfig, where: str) -> tuple[str, ...]:
-    """PEFT's target_modules (a list, or one name) -> the parts, in TARGETS order."""
-    names = [value] if isinstance(value, str) else list(value or [])
-    if not names:
-        raise ValueError(f"{where}: target_modules is empty")
-    for module in names:
-        if module not in TARGETS:
-            raise ValueError(f"{where}: target module {module!r} is not supported (LoRA "
-                             f"targets only {', '.join(TARGETS)})")
-    if config.moe is not None and {"gate_proj", "up_proj", "down_proj"} & set(names):
-        raise ValueError(f"{where}: MLP targets on a Mixture-of-Experts model are not "
-                         f"supported (target the attention projections)")
-    return tuple(part for part in TARGETS if part in names)
-
-
-def _check_tensors(tensors: dict[str, torch.Tensor], targets: tuple[str, ...], rank: int,
-                   config: ModelConfig, where: str
-                   ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
-    """Every target of every layer present with the base's shapes, nothing else there."""
-    shapes = part_shapes(config)
-    weights, expected = {}, set()
-    for layer in range(config.num_layers):
-        for part in targets:
-            out_features, in_features = shapes[part]
-            pair = []
-            for matrix, shape in (("lora_A", (rank, in_features)),
-                                  ("lora_B", (out_features, rank))):
-                key = tensor_name(layer, part, matrix)
-                expected.add(key)
-                if key not in tensors:
-                    raise ValueError(f"{where}: tensor {key} is missing")
-                if tuple(tensors[key].shape) != shape:
-                    raise ValueError(f"{where}: tensor {key} has shape "
-                                     f"{list(tensors[key].shape)}, the base model's "
-                                     f"{part} needs {list(shape)}")
-                pair.append(tensors[key].float())
-            weights[layer, part] = (pair[0], pair[1])
-    extra = sorted(set(tensors) - expected)
-    if extra:
-        raise ValueError(f"{where}: tensor {extra[0]} is not a LoRA matrix of a target "
-                         f"flotilla computes ({len(extra)} such)")
-    return weights
+    check_tensor_shapes({key: tuple(t.shape) for key, t in tensors.items()}, settings, base,
+                        where)
+    weights = {(layer, part): (tensors[tensor_name(layer, part, "lora_A")].float(),
+                               tensors[tensor_name(layer, part, "lora_B")].float())
+               for layer in range(config.num_layers) for part in settings.target_modules}
+    return LoraAdapter(name=name, path=path, rank=settings.rank, scaling=settings.scaling,
+                       target_modules=settings.target_modules, weights=weights)

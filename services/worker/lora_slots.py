@@ -31,7 +31,10 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
-from services.worker.lora import FUSED_PARTS, LoraAdapter, load_adapter, part_shapes
+from services.worker.lora import (
+    FUSED_PARTS, LoraAdapter, base_shapes, load_adapter, part_shapes,
+)
+from shared.lora_adapters import content_hash
 from services.worker.model_config import ModelConfig
 
 if TYPE_CHECKING:  # (step_inputs imports the model, whose layers import this module)
@@ -103,7 +106,10 @@ class NoLora:
 
     active = False
 
-    def resolve(self, request_id: str, lora_name: str) -> str:
+    base_shapes = None  # (announced: the worker computes no adapter)
+
+    def resolve(self, request_id: str, lora_name: str, lora_path: str = "",
+                lora_hash: str = "") -> str:
         if lora_name:
             raise ValueError(f"request {request_id}: lora_name {lora_name!r} but LoRA is not "
                              f"enabled (--enable-lora)")
@@ -141,7 +147,9 @@ class LoraSlots:
         self.batch = LoraBatch()
         attach_linear_loras(model, self.batch, max_loras, max_rank, device, dtype)
         self.layers = list(model.layers)
-        self.paths: dict[str, str] = {}
+        self.paths: dict[str, str] = {}  # registered key -> directory
+        self.hashes: dict[str, str] = {}  # registered key -> content hash at registration
+        self.base_shapes = base_shapes(self.config, max_rank)  # (announced to the scheduler)
         self.host: OrderedDict[str, LoraAdapter] = OrderedDict()  # oldest use first
         self.tenants: list[str | None] = [None] * max_loras  # slot -> adapter name
         self.last_use = [0] * max_loras
@@ -158,13 +166,29 @@ class LoraSlots:
         if name in self.paths:
             raise ValueError(f"LoRA adapter {name!r} is registered already")
         adapter = load_adapter(name, path, self.config, self.max_rank)
-        self.paths[name] = path
+        self.paths[name], self.hashes[name] = path, content_hash(path)
         self._keep_on_host(adapter)
         log.info("lora_adapter_registered", lora_name=name, path=str(path), rank=adapter.rank,
                  target_modules=list(adapter.target_modules))
         return adapter
 
-    def resolve(self, request_id: str, lora_name: str) -> str:
+    def resolve(self, request_id: str, lora_name: str, lora_path: str = "",
+                lora_hash: str = "") -> str:
+        """The key a request's adapter is registered under ("": the base model). With a
+        ``lora_path`` (the scheduler's registry: loaded at run time, or reloaded with new
+        files) one not registered yet is registered now, under its name and hash, so two
+        versions of a name never share a slot; a ValueError names what is wrong."""
+        if not lora_name or (lora_name in self.paths and
+                             lora_hash in ("", self.hashes[lora_name])):
+            return self._known(request_id, lora_name)
+        key = f"{lora_name}#{lora_hash}"
+        if key not in self.paths:
+            if not lora_path:
+                return self._known(request_id, lora_name)
+            self.register(key, lora_path)
+        return key
+
+    def _known(self, request_id: str, lora_name: str) -> str:
         if lora_name and lora_name not in self.paths:
             raise ValueError(f"request {request_id}: unknown LoRA adapter {lora_name!r} "
                              f"(registered: {', '.join(sorted(self.paths)) or 'none'})")

@@ -381,7 +381,8 @@ class ModelRunner:
                              f"{new.num_computed_tokens} outside [0, {len(new.token_ids)}]")
         self._cache.check_block_ids(new.request_id, new.block_ids)
         num_prompt_tokens = new.num_prompt_tokens or len(new.token_ids)
-        lora_name = self.lora.resolve(new.request_id, new.lora_name)
+        lora_name = self.lora.resolve(new.request_id, new.lora_name, new.lora_path,
+                                      new.lora_hash)
         self._forget(new.request_id)
         self.sampler.add(new.request_id, new.sampling, list(new.token_ids), num_prompt_tokens)
         self._requests[new.request_id] = RequestState(

@@ -4,6 +4,7 @@ tokenizer."""
 
 from __future__ import annotations
 
+import json
 from enum import StrEnum
 from typing import Annotated
 
@@ -207,13 +208,41 @@ class Lora(Section, frozen=True, kw_only=True):
 
 
 def parse_lora_modules(text: str) -> list[tuple[str, str]]:
-    """"name=path,name2=path2" -> [(name, path), ...]: names unique and non-empty."""
+    """"name=path,name2=path2", or vLLM's JSON form (an object or a list of objects with
+    "name", "path" and optionally "base_model_name") -> [(name, path), ...]: names unique
+    and non-empty."""
+    text = text.strip()
+    if text.startswith(("{", "[")):
+        entries = _json_lora_modules(text)
+    else:
+        entries = []
+        for entry in filter(None, (part.strip() for part in text.split(","))):
+            name, sep, path = (part.strip() for part in entry.partition("="))
+            if not sep:
+                raise ValueError(f"lora_modules entry {entry!r} is not name=path")
+            entries.append((name, path))
     pairs: list[tuple[str, str]] = []
-    for entry in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, path = (part.strip() for part in entry.partition("="))
-        if not sep or not name or not path:
-            raise ValueError(f"lora_modules entry {entry!r} is not name=path")
+    for name, path in entries:
+        if not name or not path:
+            raise ValueError(f"lora_modules entry {name}={path} is not name=path")
         if name in (seen for seen, _ in pairs):
             raise ValueError(f"lora_modules names {name!r} twice")
         pairs.append((name, path))
     return pairs
+
+
+def _json_lora_modules(text: str) -> list[tuple[str, str]]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"lora_modules is not valid JSON: {exc}") from None
+    entries = [value] if isinstance(value, dict) else value
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError("lora_modules JSON must be an object or a list of objects")
+    for entry in entries:
+        unknown = set(entry) - {"name", "path", "base_model_name"}
+        if unknown or not isinstance(entry.get("name"), str) \
+                or not isinstance(entry.get("path"), str):
+            raise ValueError(f"lora_modules entry {json.dumps(entry)} needs string \"name\" "
+                             "and \"path\" (and at most \"base_model_name\")")
+    return [(entry["name"].strip(), entry["path"].strip()) for entry in entries]

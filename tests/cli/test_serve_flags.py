@@ -190,6 +190,11 @@ def test_docs_flags_md_is_made_from_the_sections():
     assert "| `--kv-load-layer-groups` | `8` | worker |" in render()
 
 
-def test_serve_refuses_lora_until_requests_can_name_an_adapter():
-    with pytest.raises(ConfigError, match="--enable-lora: flotilla serve cannot route"):
-        stack_configs({"enable_lora": True})
+def test_serve_gives_the_lora_knobs_to_the_scheduler_and_the_worker():
+    configs = stack_configs({"enable_lora": True, "lora_modules": "a=/adapters/a",
+                             "max_loras": 2})
+    for kind in ("scheduler", "worker"):
+        assert configs[kind].enable_lora and configs[kind].max_loras == 2
+        assert configs[kind].lora_module_list == [("a", "/adapters/a")]
+    with pytest.raises(ConfigError, match="--lora-modules needs --enable-lora"):
+        stack_configs({"lora_modules": "a=/adapters/a"})

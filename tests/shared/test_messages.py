@@ -34,6 +34,10 @@ ENGINE = ss.EngineStats(num_blocks_used=3, num_blocks_total=9, num_kv_tier_hits=
 SPECULATION = ss.SpeculationStats(num_draft_tokens=8, num_accepted_drafts=5,
                                   num_accepted_per_position=[3, 2], draft_cap=4)
 MOE = ss.MoeStats(expert_token_counts=[[3, 0, 5, 1 << 40], [9, 0, 0, 0]])
+LORA_REF = m.LoraRef(name="sql", path="/adapters/sql", content_hash="0123456789abcdef", rank=8)
+BASE_SHAPES = m.BaseShapes(num_layers=2, part_shapes={"q_proj": [64, 64], "o_proj": [64, 64]},
+                           max_rank=16)
+LORA = ss.LoraStats(adapters=[LORA_REF], running=["sql"], waiting=[], max_loras=4)
 SAMPLES: dict[type, object] = {
     m.ErrorInfo: ERROR,
     m.HealthReply: m.HealthReply(service="worker", instance_id="abc", detail={"num_blocks": 3, "ok": True}),
@@ -59,7 +63,7 @@ SAMPLES: dict[type, object] = {
                                      document_start_token_id=1),
     m.GenerateRequest: m.GenerateRequest(request_id="r1", prompt_token_ids=[1, 2], sampling=SAMPLING,
                                          output_subject="ns.v1.gateway.g.outputs", arrival_time=1.5,
-                                         priority=-1, n=3),
+                                         priority=-1, n=3, lora_name="sql"),
     m.SubmitReply: m.SubmitReply(scheduler_id="s1"),
     m.AbortRequest: m.AbortRequest(request_ids=["r1", "r2"]),
     m.RequestOutput: m.RequestOutput(request_id="r1", new_token_ids=[42], finish_reason="error",
@@ -76,8 +80,16 @@ SAMPLES: dict[type, object] = {
     ss.SchedulerStats: ss.SchedulerStats(scheduler_id="s", replica_id="0", timestamp=1.0,
                                          num_running=2, num_waiting=1, num_steps=4,
                                          routing=ROUTING, engine=ENGINE, speculation=SPECULATION,
-                                         moe=MOE),
-    m.NewRequestData: m.NewRequestData("r1", [1, 2, 3], SAMPLING, [0, 1], 0),
+                                         moe=MOE, lora=LORA),
+    ss.LoraStats: LORA,
+    m.LoraRef: LORA_REF,
+    m.BaseShapes: BASE_SHAPES,
+    m.LoraLoadRequest: m.LoraLoadRequest(lora_name="sql", lora_path="/adapters/sql",
+                                         replace=True),
+    m.LoraUnloadRequest: m.LoraUnloadRequest(lora_name="sql"),
+    m.LoraReply: m.LoraReply(adapters=[LORA_REF], timestamp=2.5),
+    m.NewRequestData: m.NewRequestData("r1", [1, 2, 3], SAMPLING, [0, 1], 0, lora_name="sql",
+                                       lora_path="/adapters/sql", lora_hash="0123456789abcdef"),
     m.ScheduledRequest: m.ScheduledRequest("r1", 1, [7]),
     m.StepPlan: m.StepPlan(3, [m.NewRequestData("r1", [1], SAMPLING, [0])],
                            [m.ScheduledRequest("r1", 1)], ["r0"], "w",
@@ -87,7 +99,7 @@ SAMPLES: dict[type, object] = {
     m.WorkerInfo: m.WorkerInfo(worker_id="w", replica_id="0", model_name="x", num_blocks=10,
                                block_size=16, max_model_len=8192, eos_token_ids=[2],
                                kv_cache_bytes=1 << 20, device="cpu", dtype="float32",
-                               kv_namespace="ns", kv_node_id="local"),
+                               kv_namespace="ns", kv_node_id="local", lora_base=BASE_SHAPES),
     km.KvLayout: LAYOUT,
     km.KvAttachRequest: km.KvAttachRequest(owner_id="w", layout=LAYOUT, itemsize=2),
     km.KvAttachReply: km.KvAttachReply(store_id="s", node_id="local", namespace="ns",

@@ -64,7 +64,7 @@ class FakeService:
 
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop: list[str], *, priority: int = 0, cache_salt: str | None = None,
-                     n: int = 1, session: str | None = None
+                     n: int = 1, session: str | None = None, lora_name: str = ""
                      ) -> tuple[str, list[RequestStream]]:
         if self.refuse is not None and len(self.submitted) >= self.accept:
             raise self.refuse
@@ -72,6 +72,12 @@ class FakeService:
         self.submitted.append(Submitted(prompt_token_ids, sampling, stop, n, session))
         return request_id, [RequestStream(choice_id, detokenizer=None)
                             for choice_id in choice_request_ids(request_id, n)]
+
+    def lora_adapters(self) -> dict:
+        return {}  # (no LoRA adapters)
+
+    def lora_ref(self, lora_name: str, scheduler_ids: list[str] | None = None):
+        return None
 
     async def deltas(self, stream: RequestStream):
         for delta in self.answer:

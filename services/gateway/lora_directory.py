@@ -1,0 +1,101 @@
+"""Which LoRA adapters the fleet serves (docs/lora.md): each live replica's registered
+adapters, from its stats events or from its answer to a load or unload (whichever is
+newer), and the run-time load and unload sent to every live replica.
+
+A request's ``model`` names the base model or an adapter; an adapter no live replica has
+is a 404 here, before anything is scheduled, and a request for one goes only to replicas
+that have it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+import structlog
+
+from shared.bus import Bus
+from shared.errors import FlotillaError, NotFound, ServiceUnavailable
+from shared.lora_adapters import LoraRef
+from shared.messages import LoraLoadRequest, LoraReply, LoraUnloadRequest
+from shared.subjects import Subjects
+
+log = structlog.get_logger()
+
+
+class LoraDirectory:
+    def __init__(self) -> None:
+        # scheduler id -> (its wall-clock time of the report, its adapters by name)
+        self._by_scheduler: dict[str, tuple[float, dict[str, LoraRef]]] = {}
+
+    def observe(self, scheduler_id: str, timestamp: float, adapters: Sequence[LoraRef]) -> None:
+        """A replica's adapters as of ``timestamp`` (an older report changes nothing)."""
+        known = self._by_scheduler.get(scheduler_id)
+        if known is None or timestamp >= known[0]:
+            self._by_scheduler[scheduler_id] = (timestamp, {a.name: a for a in adapters})
+
+    def forget(self, scheduler_id: str) -> None:
+        self._by_scheduler.pop(scheduler_id, None)
+
+    def adapters(self, live_ids: Sequence[str]) -> dict[str, LoraRef]:
+        """Every adapter a live replica has, by name (where replicas disagree on an
+        adapter's version, the most recent report's)."""
+        reports = sorted((self._by_scheduler[sid] for sid in live_ids if sid in
+                          self._by_scheduler), key=lambda report: report[0])
+        found: dict[str, LoraRef] = {}
+        for _, adapters in reports:
+            found.update(adapters)
+        return found
+
+    def holders(self, lora_name: str, live_ids: Sequence[str]) -> set[str]:
+        """The live replicas that have adapter ``lora_name`` registered."""
+        return {sid for sid in live_ids
+                if lora_name in self._by_scheduler.get(sid, (0.0, {}))[1]}
+
+
+class LoraControl:
+    """Run-time loads and unloads, sent to every live replica at once."""
+
+    def __init__(self, bus: Bus, subjects: Subjects, directory: LoraDirectory,
+                 live_ids: Callable[[], list[str]], timeout_s: float) -> None:
+        self.bus, self.subjects, self.directory = bus, subjects, directory
+        self.live_ids, self.timeout_s = live_ids, timeout_s
+
+    async def load(self, lora_name: str, lora_path: str, replace: bool) -> None:
+        """Every live replica registers the adapter; the first refusal (a 400 naming what
+        is wrong with it) is raised once all have answered."""
+        await self._everywhere("lora_load", LoraLoadRequest(
+            lora_name=lora_name, lora_path=lora_path, replace=replace))
+
+    async def unload(self, lora_name: str) -> None:
+        """Every live replica that has it drops it (requests in flight finish); 404
+        when none has it."""
+        holders = self.directory.holders(lora_name, self.live_ids())
+        if not holders:
+            raise NotFound(f"LoRA adapter {lora_name!r} is not loaded", param="lora_name",
+                           code="model_not_found")
+        await self._everywhere("lora_unload", LoraUnloadRequest(lora_name=lora_name),
+                               sorted(holders))
+
+    async def _everywhere(self, verb: str, message, scheduler_ids: list[str] | None = None
+                          ) -> None:
+        scheduler_ids = scheduler_ids if scheduler_ids is not None else self.live_ids()
+        if not scheduler_ids:
+            raise ServiceUnavailable("no replica is ready to take the adapter")
+        results = await asyncio.gather(*(self.bus.request(
+            self.subjects.scheduler_lora(sid, verb), message, LoraReply,
+            timeout=self.timeout_s) for sid in scheduler_ids), return_exceptions=True)
+        errors = []
+        for sid, result in zip(scheduler_ids, results, strict=True):
+            if isinstance(result, LoraReply):
+                self.directory.observe(sid, result.timestamp, result.adapters)
+            elif isinstance(result, FlotillaError):
+                errors.append(result)
+                log.warning("lora_change_refused", verb=verb, scheduler_id=sid,
+                            error=result.message)
+            else:
+                raise result
+        if errors:
+            # a refusal of the adapter itself (4xx) outranks a replica that did not answer
+            raise min(errors, key=lambda e: (e.status >= 500, e.status))
+        log.info("lora_adapters_changed", verb=verb, num_replicas=len(scheduler_ids))
