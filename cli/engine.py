@@ -19,7 +19,7 @@ from services.worker.config import WorkerConfig
 from services.worker.runner_build import build_runner
 from services.worker.tp_group import start_group
 from services.worker.tp_ranks import SingleRank
-from shared.messages import GenerateRequest, SamplingParams, StepPlan, StepResult
+from shared.messages import GenerateRequest, ImageInput, SamplingParams, StepPlan, StepResult
 from shared.models import ModelFiles
 
 
@@ -28,6 +28,7 @@ class Completion:
     request_id: str
     num_prompt_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # each token's, where asked
     finish_reason: str | None = None
     first_token_time: float = 0.0  # perf_counter seconds
     finish_time: float = 0.0
@@ -76,10 +77,13 @@ class Engine:
         self.runner.ranks.close()
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams],
-                 lora_names: list[str] | None = None) -> tuple[list[Completion], EngineStats]:
+                 lora_names: list[str] | None = None,
+                 images: list[list[ImageInput]] | None = None
+                 ) -> tuple[list[Completion], EngineStats]:
         """Run every prompt to completion; completions come back in prompt order.
         ``lora_names``: per prompt, the LoRA adapter it runs with ("": the base model;
-        the worker config's --lora-modules, docs/lora.md)."""
+        the worker config's --lora-modules, docs/lora.md). ``images``: per prompt, its
+        preprocessed images (docs/vision.md)."""
         lora_names = lora_names or [""] * len(prompts)
         if len(lora_names) != len(prompts):
             raise ValueError(f"{len(lora_names)} lora_names for {len(prompts)} prompts")
@@ -89,7 +93,8 @@ class Engine:
             request_id = f"offline-{index}"
             self.scheduler.add_request(GenerateRequest(
                 request_id=request_id, prompt_token_ids=prompt, sampling=params,
-                output_subject="", arrival_time=time.time(), lora_name=lora_name))
+                output_subject="", arrival_time=time.time(), lora_name=lora_name,
+                images=images[index] if images else []))
             completions[request_id] = Completion(request_id, len(prompt))
         start = time.perf_counter()
         steps: list[tuple[int, int, float]] = []
@@ -125,6 +130,7 @@ class Engine:
             if not completion.output_token_ids:
                 completion.first_token_time = now
             completion.output_token_ids.extend(output.new_token_ids)
+            completion.logprobs.extend(entry.logprob for entry in output.logprobs)
             if output.finish_reason is not None:
                 completion.finish_reason, completion.finish_time = output.finish_reason, now
 

@@ -170,6 +170,23 @@ class TokenizerInfo(Struct, frozen=True, kw_only=True):
     document_start_token_id: int | None = None
 
 
+# ----------------------------------------------------------------- images
+class ImageInput(Struct, frozen=True, array_like=True, gc=False):
+    """One image of a prompt as the tokenizer tier preprocessed it, for the worker's encoder
+    (docs/vision.md). The prompt holds its placeholder tokens at [offset, offset + length)."""
+
+    hash: bytes  # blake2b-128 of the pixel tensor (shape, dtype, bytes): the encoder cache's
+    # and the prefix cache's key for the image
+    offset: int  # the prompt position of its first placeholder token
+    length: int  # positions its placeholders span (image tokens and the tile tags between)
+    pixel_shape: list[int]  # [num_tiles, channels, height, width]
+    pixel_dtype: str = "float32"
+    pixels: bytes = b""  # the tensor's bytes, C order
+    # [num_tiles, height / patch, width / patch] bool, one byte each: the patches holding
+    # pixels (b"": every patch does)
+    patch_mask: bytes = b""
+
+
 # ----------------------------------------------------------------- scheduler
 class GenerateRequest(Struct, frozen=True, kw_only=True):
     """gateway -> scheduler: a tokenized request to run."""
@@ -188,6 +205,8 @@ class GenerateRequest(Struct, frozen=True, kw_only=True):
     output_token_ids: list[int] = []
     # the LoRA adapter it runs with, by its registered name ("": the base model)
     lora_name: str = ""
+    # the prompt's images, in prompt order (vision-language models; docs/vision.md)
+    images: list[ImageInput] = []
 
 
 def choice_request_ids(request_id: str, n: int) -> list[str]:
@@ -295,6 +314,8 @@ class NewRequestData(Struct, frozen=True, array_like=True, gc=False):
     # registers an adapter loaded at run time on first use, and a reloaded one anew
     lora_path: str = ""
     lora_hash: str = ""
+    # the prompt's images whose placeholders are not computed yet (docs/vision.md)
+    images: list[ImageInput] = []
 
 
 class ScheduledRequest(Struct, frozen=True, array_like=True, gc=False):
@@ -348,6 +369,11 @@ class StepResult(Struct, frozen=True, array_like=True, gc=False):
     # some results only): [sparse layer, in layer order][global expert id] -> tokens routed
     # there; [] when the model is dense or this result carries no report
     expert_token_counts: list[list[int]] = []
+    # the vision encoder this step (docs/vision.md): images run through it, images its
+    # cache already held, and its seconds
+    num_images_encoded: int = 0
+    num_encoder_cache_hits: int = 0
+    encoder_time_s: float = 0.0
 
     @property
     def num_accepted_drafts(self) -> list[int]:

@@ -21,13 +21,16 @@ ROOT_PARENT = bytes(32)  # the parent of a sequence's first block
 
 
 def extra_keys(model_name: str, cache_salt: str | None = None,
-               lora_key: str = "") -> tuple[str, ...]:
+               lora_key: str = "", image_hashes: Sequence[bytes] = ()) -> tuple[str, ...]:
     """The extra keys of a request's blocks, in spec order: the served model name, the
     LoRA adapter's name and content hash when it runs with one (``LoraRef.cache_key``:
     adapters, and two versions of one, never share blocks), then the cache salt when the
-    request has one (different salts never share blocks)."""
+    request has one (different salts never share blocks), then each of the prompt's images
+    by its hash, in prompt order (the same placeholder tokens with other pixels never share
+    blocks)."""
     return (f"model:{model_name}",) + ((f"lora:{lora_key}",) if lora_key else ()) \
-        + ((f"salt:{cache_salt}",) if cache_salt else ())
+        + ((f"salt:{cache_salt}",) if cache_salt else ()) \
+        + tuple(f"image:{digest.hex()}" for digest in image_hashes)
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> bytes:

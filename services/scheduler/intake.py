@@ -55,8 +55,10 @@ class Arrival:
 
 def request_keys(request: GenerateRequest, model_name: str,
                  lora: LoraRef | None) -> tuple[str, ...]:
-    """The prefix-cache extra keys of a request's blocks (shared/prefix_hash.py)."""
-    return extra_keys(model_name, request.cache_salt, lora.cache_key if lora else "")
+    """The prefix-cache extra keys of a request's blocks (shared/prefix_hash.py): model,
+    adapter, salt, images."""
+    return extra_keys(model_name, request.cache_salt, lora.cache_key if lora else "",
+                      [image.hash for image in request.images])
 
 
 def prefix_query(request: GenerateRequest, block_manager: BlockManager, model_name: str,
@@ -88,6 +90,7 @@ def queue_entries(arrival: Arrival, tier_hit: TierHit | None, seqs: Iterator[int
             sibling.request_id, list(request.prompt_token_ids), sibling.sampling,
             request.output_subject, (priority, next(seqs) if leader else arrival.seq),
             request_keys(request, model_name, arrival.lora), arrival_time,
+            images=request.images,
             leader=leader if shares else None,
             output_token_ids=list(request.output_token_ids),
             num_outputs_sent=1 if request.output_token_ids else 0,

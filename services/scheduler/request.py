@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.lora_adapters import LoraRef
-from shared.messages import SamplingParams, TokenLogprobs
+from shared.messages import ImageInput, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class Request:
     # result, the request's token count after that step is not known: it is not scheduled
     num_drafts: int = 0
     lora: LoraRef | None = None  # its LoRA adapter (None: the base model), kept to the end
+    # the prompt's images (pixels included), kept until the request ends: a preempted
+    # request recomputes its prompt, and its images with it (docs/vision.md)
+    images: list[ImageInput] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

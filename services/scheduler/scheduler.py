@@ -395,7 +395,9 @@ class Scheduler:
             req.request_id, req.all_token_ids, req.sampling, list(req.block_table),
             req.num_computed_tokens, len(req.prompt_token_ids),
             lora_name=lora.name if lora else "", lora_path=lora.path if lora else "",
-            lora_hash=lora.content_hash if lora else ""))
+            lora_hash=lora.content_hash if lora else "",
+            images=[image for image in req.images  # (the ones a chunk still needs)
+                    if image.offset + image.length > req.num_computed_tokens]))
         req.known_to_worker = True
 
     def _register_full_blocks(self, req: Request) -> None:

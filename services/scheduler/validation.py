@@ -26,6 +26,11 @@ def validate_request(request: GenerateRequest, requests: Container[str], max_mod
                                      >= request.sampling.max_tokens):
         raise InvalidRequest("a resumed request needs n = 1 and fewer output tokens than "
                              "max_tokens", param="output_token_ids")
+    for image in request.images:
+        if image.offset < 0 or image.length < 1 or image.offset + image.length > num_prompt:
+            raise InvalidRequest(f"an image's placeholders [{image.offset}, "
+                                 f"{image.offset + image.length}) lie outside the prompt of "
+                                 f"{num_prompt} tokens", param="messages")
     num_total = num_prompt + request.sampling.max_tokens
     if num_total > max_model_len:
         raise InvalidRequest(

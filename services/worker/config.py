@@ -9,6 +9,7 @@ from shared.sections.engine import (  # noqa: F401 (the worker's modules import 
     BatchLimits, Compute, ContextLimit, Dtype, KvCache, KvCacheDtype, Lora, OverlapSteps, Parallel,
     Quantization, Weights)
 from shared.sections.kvstore import KvClient, KvLoads
+from shared.sections.media import EncoderCache
 from shared.sections.runtime import COMMON, Drain, Replica
 from shared.sections.speculative import Speculation
 
@@ -31,7 +32,7 @@ def _check_across(config) -> None:
 WorkerConfig = compose(
     "WorkerConfig", "flotilla worker: owns the model weights and the paged KV cache; runs steps.",
     (*COMMON, Replica, Weights, ContextLimit, BatchLimits, KvCache, Compute, Parallel,
-     Lora, Speculation, KvClient, KvLoads, Drain),
+     Lora, Speculation, KvClient, KvLoads, EncoderCache, Drain),
     module=__name__, checks=(_check_across,))
 
 

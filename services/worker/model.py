@@ -205,12 +205,16 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata,
                 layer_waits: Sequence[Sequence[torch.cuda.Event]] | None = None,
-                logits_out: torch.Tensor | None = None) -> torch.Tensor:
+                logits_out: torch.Tensor | None = None,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> logits [num_sampled, vocab_size] (fp32).
         ``layer_waits``: per layer, events its attention waits for (KV blocks loading in
         layer groups, kv_tiers.py). ``logits_out``: written and returned (a CUDA graph's
-        static buffer)."""
+        static buffer). ``image_rows``: (rows [n] int64, embeddings [n, hidden_size]) that
+        replace those tokens' embeddings (an image's placeholders: image_inputs.py)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        if image_rows is not None:
+            x = x.index_copy(0, image_rows[0], image_rows[1].to(x.dtype))
         # Each layer ends with the next one's input norm; the last one with the final norm
         # only where down's reduce carries it (elsewhere ``logits`` normalizes just the
         # sampled rows)

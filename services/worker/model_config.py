@@ -19,6 +19,7 @@ import torch
 
 from services.worker.fp8_checkpoints import checkpoint_fp8
 from services.worker.int_checkpoints import checkpoint_int
+from services.worker.vision import text_config_of
 
 log = structlog.get_logger()
 
@@ -105,6 +106,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, config: dict) -> ModelConfig:
+        """A vision-language config.json gives its language model's (vision.py)."""
+        config = text_config_of(config)
         family = _family(config)
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config['hidden_act']!r} (only silu)")

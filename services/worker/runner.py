@@ -36,6 +36,7 @@ import torch
 from kernels.paged_attention_ref import FP8_KV_DTYPE
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from services.worker.draft_model import Proposal, WorkerProposer
+from services.worker.image_inputs import ImageEncoder, NoImages
 from services.worker.kv_connector import KvConnector, NoKvConnector
 from services.worker.kv_offload import KvOffload
 from services.worker.kv_step import LayerWaits
@@ -72,7 +73,8 @@ class ModelRunner:
                  kv_cache_bytes: int, staging: HostStaging | None, proposer: WorkerProposer,
                  sampler: Sampler, graphs: StepGraphs, overlap_steps: bool,
                  kv_load_groups: int, verify: VerifyRule = verify_drafts,
-                 lora: LoraSlots | NoLora = NoLora()) -> None:
+                 lora: LoraSlots | NoLora = NoLora(),
+                 images: ImageEncoder | NoImages = NoImages()) -> None:
         """The parts ``build_runner`` (runner_build.py) assembles. ``ranks``: this runner's
         tensor-parallel group (tp_group.py); rank 0 sends each call to the others, which run
         it too. ``proposer``: what fills draft slots (draft_model.py); ``verify``: which
@@ -80,7 +82,8 @@ class ModelRunner:
         ``overlap_steps``: leave steps in flight (``submit``): on CUDA, where it hides the
         host's work behind the GPU's; tests turn it on on CPU to check the path.
         ``kv_load_groups``: the layer groups loads from the kvstore copy in. ``lora``: the
-        LoRA adapters' slots (lora_slots.py; ``NoLora``: off)."""
+        LoRA adapters' slots (lora_slots.py; ``NoLora``: off). ``images``: a vision-language
+        model's encoder and its cache (image_inputs.py; ``NoImages``: a text-only model)."""
         self.ranks, self.model, self.seed = ranks, model, seed
         self.model_name: str = model_files.name
         self.model_path: Path = model_files.path
@@ -91,7 +94,7 @@ class ModelRunner:
         self.num_blocks: int = kv_cache.shape[2]
         self._cache = CacheShape(self.num_blocks, block_size, max_model_len)  # (plan checks)
         self._staging, self.proposer, self.verify = staging, proposer, verify
-        self.sampler, self.lora = sampler, lora
+        self.sampler, self.lora, self.images = sampler, lora, images
         self._graphs, self._verify_graphs, self._mixed_graphs = graphs
         self.overlap_steps, self.kv_load_groups = overlap_steps, kv_load_groups
         self.kv: NoKvConnector = NoKvConnector(block_size)  # the kvstore's hooks
@@ -153,6 +156,7 @@ class ModelRunner:
     def _forget(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
             self.sampler.remove(request_id)
+        self.images.forget(request_id)
 
     @property
     def has_in_flight(self) -> bool:
@@ -175,7 +179,8 @@ class ModelRunner:
         order: the step in flight before it, and ``plan`` itself unless it is left in flight
         (CUDA, and its sampling needs no host tokens) for ``flush`` or the next ``submit``."""
         with self.ranks.watch():
-            return self.expert_counts.attach(self._submit(self.ranks.lead_step(plan)))
+            return self.images.attach(self.expert_counts.attach(
+                self._submit(self.ranks.lead_step(plan))))
 
     def _submit(self, plan: StepPlan) -> list[StepResult]:
         results: list[StepResult] = []
@@ -230,8 +235,8 @@ class ModelRunner:
         with torch.inference_mode():
             proposal = self.proposer.propose(chunks, chunk_states)  # draft_model.py
             layout = logits_layout(chunks) if chunks else None
-            logits = self._run_model(chunks, layout, kv_step.layer_waits,
-                                     proposal) if chunks else None
+            logits = self._run_model(chunks, layout, kv_step.layer_waits, proposal,
+                                     [s.request_id for s in plan.scheduled]) if chunks else None
             self.lora.end()
             self.kv.after_forward(kv_step)
             self.proposer.read_back(proposal, chunks)  # (its drafts into their chunks)
@@ -275,17 +280,23 @@ class ModelRunner:
         return finished
 
     def _run_model(self, chunks: list[SequenceChunk], layout: LogitsLayout,
-                   layer_waits: LayerWaits, proposal: Proposal | None) -> torch.Tensor:
+                   layer_waits: LayerWaits, proposal: Proposal | None,
+                   request_ids: list[str]) -> torch.Tensor:
         """The step's forward -> logits [num_logit_rows, vocab_size]; ``proposal``: the
-        draft model's drafts, still on the device."""
+        draft model's drafts, still on the device. A step reaching an image's placeholders
+        runs eagerly, their embeddings replaced by the encoder's (image_inputs.py)."""
         input_ids, positions, metadata = build_step_inputs(
             chunks, self.block_size, self._device, layout, self._staging)
         pending = None if metadata.pending_source_rows is None else (
             metadata.pending_source_rows, self._in_flight.token_ids)  # tokens in flight
         pending = self.proposer.fill(input_ids, proposal, pending)
-        if pending and self._no_whole_graph(chunks, layout):
+        image_rows = self.images.step_rows(chunks, request_ids, self._dtype)
+        if pending and (image_rows is not None or self._no_whole_graph(chunks, layout)):
             fill_pending_inputs(input_ids, *pending)  # (else the graph's own launch does)
             pending = None
+        if image_rows is not None:
+            return self.model(input_ids, positions, metadata, layer_waits,
+                              image_rows=image_rows)
         return self._forward(input_ids, positions, metadata, layer_waits, pending)
 
     def _sample(self, plan: StepPlan, chunks: list[SequenceChunk], layout: LogitsLayout | None,
@@ -384,6 +395,7 @@ class ModelRunner:
         lora_name = self.lora.resolve(new.request_id, new.lora_name, new.lora_path,
                                       new.lora_hash)
         self._forget(new.request_id)
+        self.images.add(new.request_id, new.images, new.token_ids)
         self.sampler.add(new.request_id, new.sampling, list(new.token_ids), num_prompt_tokens)
         self._requests[new.request_id] = RequestState(
             token_ids=list(new.token_ids), sampling=new.sampling, block_table=list(new.block_ids),

@@ -20,6 +20,7 @@ from kernels.paged_attention_ref import FP8_KV_DTYPE, allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import capture_step_graphs, mixed_graph_tokens
 from services.worker.draft_model import DraftModel, NoDraftModel, load_draft_model
+from services.worker.image_inputs import load_image_encoder
 from services.worker.kv_connector import usable_load_groups
 from services.worker.kv_quant import resolve_kv_cache_dtype, set_fp8_kv_scales
 from services.worker.lora_slots import LoraSlots, NoLora
@@ -82,7 +83,9 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
         graphs=_compile(config, model, proposer, max_model_len, device),
         overlap_steps=config.overlap_steps == "on" or (
             config.overlap_steps == "auto" and device.type == "cuda"),
-        kv_load_groups=usable_load_groups(config, model.config.num_layers, device), lora=lora)
+        kv_load_groups=usable_load_groups(config, model.config.num_layers, device), lora=lora,
+        images=load_image_encoder(model_files, device, dtype, config.encoder_cache_size,
+                                  ranks.tp.size))
     if device.type == "cuda" and ranks.tp.size == 1:
         warm_up_steps(runner)  # (a group's ranks take steps only once all are up)
         runner.zero_step_counts()  # the counts are serving's

@@ -27,6 +27,7 @@ from services.worker.moe import start_expert_counts
 from services.worker.moe_parallel import check_moe_parallel
 from services.worker.moe_weights import hub_moe_names, stack_experts
 from services.worker.tensor_parallel import TensorParallel
+from services.worker.vision import split_checkpoint
 from shared.models import DUMMY_MARKER
 
 log = structlog.get_logger()
@@ -148,8 +149,9 @@ def read_safetensors(path: Path, device: torch.device, dtype: torch.dtype
 
 def fuse_hf_weights(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """HF names (``model.layers.0.self_attn.q_proj.weight``, ...) -> this module's names
-    (an MoE model's experts stacked: moe_weights.py)."""
-    hf = {name.removeprefix("model."): tensor for name, tensor in hf.items()}
+    (an MoE model's experts stacked: moe_weights.py; a vision-language checkpoint's language
+    model, its tower left to image_inputs.py: vision.split_checkpoint)."""
+    hf = {name.removeprefix("model."): tensor for name, tensor in split_checkpoint(hf).items()}
     if config.moe is not None:
         hf = stack_experts(hf, config)
     if config.tie_word_embeddings:

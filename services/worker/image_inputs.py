@@ -1,0 +1,230 @@
+"""Where images enter a step (docs/vision.md): each request's preprocessed images, the vision
+tower run for the first chunk that reaches an image's placeholders, its output kept in an LRU
+by image hash (so later chunks, later requests and a repeated image in a chat reuse it), and
+the embedding rows that replace the placeholders' token embeddings in the step's forward.
+
+``NoImages`` is the null side (a text-only model: a request with images is refused);
+``ImageEncoder`` the vision-language one. Encoder counts since the last report travel on a
+step's result (``attach``) to the scheduler's stats and the gateway's /metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import structlog
+import torch
+
+from safetensors import safe_open
+
+from services.worker.step_inputs import SequenceChunk
+from services.worker.vision import VisionSpec, VisionTower, vision_tensors
+from shared.messages import ImageInput, StepResult
+from shared.models import ModelFiles
+
+log = structlog.get_logger()
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NoImages:
+    """A text-only model: no images, nothing added to a step."""
+
+    active = False
+
+    def add(self, request_id: str, images: Sequence[ImageInput],
+            token_ids: Sequence[int] = ()) -> None:
+        if images:
+            raise ValueError(f"request {request_id} has images but the model is text-only")
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def step_rows(self, chunks: Sequence[SequenceChunk], request_ids: Sequence[str],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
+
+    def attach(self, results: list[StepResult]) -> list[StepResult]:
+        return results
+
+
+class EncoderCache:
+    """Encoder outputs by image hash, least recently used evicted past ``capacity`` images
+    (0: none kept, every chunk that needs an image encodes it)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: bytes, value: torch.Tensor) -> None:
+        if self.capacity <= 0:
+            return
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class ImageEncoder:
+    """A vision-language model's image side of a step."""
+
+    active = True
+
+    def __init__(self, tower: VisionTower, cache_size: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.tower, self.device, self.dtype = tower, device, dtype
+        self.cache = EncoderCache(cache_size)
+        self._images: dict[str, list[tuple[ImageInput, np.ndarray]]] = {}
+        self.num_encoded = self.num_hits = 0  # since start
+        self.encoder_time_s = 0.0
+        self._reported = (0, 0, 0.0)
+
+    def add(self, request_id: str, images: Sequence[ImageInput],
+            token_ids: Sequence[int] = ()) -> None:
+        """``token_ids``: the request's prompt (where each image's tokens are)."""
+        image_token_id = self.tower.spec.image_token_id
+        placed = []
+        for image in images:
+            self._check(request_id, image)
+            span = np.asarray(token_ids[image.offset:image.offset + image.length])
+            positions = image.offset + np.nonzero(span == image_token_id)[0]  # [tokens]
+            if not len(positions):
+                raise ValueError(f"request {request_id}: no image token at the image's "
+                                 f"placeholders [{image.offset}, {image.offset + image.length})")
+            placed.append((image, positions))
+        self._images[request_id] = placed
+
+    def forget(self, request_id: str) -> None:
+        self._images.pop(request_id, None)
+
+    def step_rows(self, chunks: Sequence[SequenceChunk], request_ids: Sequence[str],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's image rows: (indices [n] int64 into the step's tokens, embeddings
+        [n, text_hidden]), or None when no chunk reaches an image's placeholders. An image
+        is encoded (or found in the cache) by the first chunk that needs it; a chunk that
+        ends inside its placeholders takes the rows it covers, the next chunk the rest."""
+        rows: list[np.ndarray] = []
+        embeds: list[torch.Tensor] = []
+        first_row = 0
+        for chunk, request_id in zip(chunks, request_ids, strict=True):
+            start, end = chunk.start, chunk.start + len(chunk.token_ids)
+            for image, positions in self._images.get(request_id, ()):
+                lo, hi = np.searchsorted(positions, (start, end))
+                if lo == hi:
+                    continue
+                output = self._encoded(image)
+                if output.shape[0] != len(positions):
+                    raise ValueError(f"request {request_id}: {len(positions)} image tokens "
+                                     f"for {output.shape[0]} image embeddings")
+                rows.append(first_row + positions[lo:hi] - start)
+                embeds.append(output[lo:hi])
+            first_row += len(chunk.token_ids)
+        if not rows:
+            return None
+        indices = torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(self.device)
+        return indices, torch.cat(embeds).to(dtype)
+
+    def _encoded(self, image: ImageInput) -> torch.Tensor:
+        """The image's embeddings [tokens, text_hidden]: from the cache, or encoded now."""
+        output = self.cache.get(image.hash)
+        if output is not None:
+            self.num_hits += 1
+            return output
+        start = time.perf_counter()
+        pixels, patch_mask = self._tensors(image)
+        with torch.inference_mode():
+            output = self.tower(pixels, patch_mask)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        seconds = time.perf_counter() - start
+        self.num_encoded += 1
+        self.encoder_time_s += seconds
+        self.cache.put(image.hash, output)
+        log.debug("image_encoded", hash=image.hash.hex(), num_tiles=image.pixel_shape[0],
+                  seconds=round(seconds, 4))
+        return output
+
+    def _tensors(self, image: ImageInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pixels [tiles, C, H, W] on the device in the tower's dtype, patch_mask [tiles,
+        H/p, W/p] bool)."""
+        shape = tuple(image.pixel_shape)
+        pixels = torch.frombuffer(bytearray(image.pixels), dtype=_DTYPES[image.pixel_dtype])
+        pixels = pixels.view(shape).to(self.device, self.dtype)
+        patch = self.tower.spec.patch_size
+        mask_shape = (shape[0], shape[2] // patch, shape[3] // patch)
+        if image.patch_mask:
+            mask = torch.frombuffer(bytearray(image.patch_mask), dtype=torch.bool)
+            mask = mask.view(mask_shape).to(self.device)
+        else:
+            mask = torch.ones(mask_shape, dtype=torch.bool, device=self.device)
+        return pixels, mask
+
+    def _check(self, request_id: str, image: ImageInput) -> None:
+        """A clear error for an image the tower cannot take (the tokenizer tier made it)."""
+        spec = self.tower.spec
+        shape = image.pixel_shape
+        if image.pixel_dtype not in _DTYPES:
+            raise ValueError(f"request {request_id}: image pixel dtype {image.pixel_dtype!r}")
+        if len(shape) != 4 or shape[1] != spec.num_channels or shape[2] % spec.patch_size \
+                or shape[3] % spec.patch_size:
+            raise ValueError(f"request {request_id}: image pixel shape {shape} is not [tiles, "
+                             f"{spec.num_channels}, H, W] in {spec.patch_size}-pixel patches")
+        itemsize = _DTYPES[image.pixel_dtype].itemsize
+        if image.pixels and len(image.pixels) != int(np.prod(shape)) * itemsize:
+            raise ValueError(f"request {request_id}: {len(image.pixels)} pixel bytes for "
+                             f"shape {shape}")
+
+    def attach(self, results: list[StepResult]) -> list[StepResult]:
+        """The last result carries the encoder's counts since the previous one that did."""
+        if not results:
+            return results
+        now = (self.num_encoded, self.num_hits, self.encoder_time_s)
+        if now == self._reported:
+            return results
+        encoded, hits, seconds = (a - b for a, b in zip(now, self._reported))
+        self._reported = now
+        results[-1] = msgspec.structs.replace(results[-1], num_images_encoded=encoded,
+                                              num_encoder_cache_hits=hits,
+                                              encoder_time_s=seconds)
+        return results
+
+
+def load_image_encoder(model_files: ModelFiles, device: torch.device, dtype: torch.dtype,
+                       cache_size: int, tensor_parallel_size: int = 1
+                       ) -> ImageEncoder | NoImages:
+    """The model's image side: ``NoImages`` for a text-only model, else its tower and
+    connector from the checkpoint (in ``dtype``) and an encoder cache of ``cache_size``."""
+    spec = VisionSpec.from_dict(model_files.config)
+    if spec is None:
+        return NoImages()
+    if model_files.dummy:
+        raise ValueError("a dummy vision-language model is not built yet (docs/vision.md)")
+    if tensor_parallel_size > 1:
+        raise ValueError("a vision-language model runs on one worker process: "
+                         "tensor_parallel_size > 1 is not built for its tower yet")
+    tensors = {}
+    for file in sorted(model_files.path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.startswith(("model.vision_model.", "model.connector.")):
+                    tensors[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        tower = VisionTower(spec)
+    tower.requires_grad_(False)
+    tower.load_state_dict(vision_tensors(tensors), strict=True, assign=True)
+    log.info("vision_tower_loaded", num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+             tokens_per_tile=spec.tokens_per_tile, encoder_cache_size=cache_size)
+    return ImageEncoder(tower.eval(), cache_size, device, dtype)

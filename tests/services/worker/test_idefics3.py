@@ -1,0 +1,142 @@
+"""Idefics3 (SmolVLM) in the worker, in process: an Idefics3 checkpoint of SmolLM2's real
+weights and a small random SigLIP tower (idefics3_checkpoint.py), preprocessed by the
+tokenizer tier's code (transformers' processor), gives transformers' Idefics3 image features,
+logprobs and greedy text, for one image, two images in a message, a chat repeating an image
+(its second encode a cache hit), and prompts chunked through an image's placeholders."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor, Idefics3ForConditionalGeneration
+
+from cli.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.tokenizer.images import ImagePrompts
+from services.worker.config import WorkerConfig
+from services.worker.image_inputs import load_image_encoder
+from shared.messages import SamplingParams
+from shared.models import ModelFiles
+from tests.services.worker.idefics3_checkpoint import build_idefics3_checkpoint
+
+NUM_NEW_TOKENS = 12
+
+
+def make_image(width: int, height: int, seed: int) -> Image.Image:
+    """A smooth seeded picture (gradients and a disc), not noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = rng.uniform(0, 255, 3)
+    pixels = np.stack([(base[c] + 120 * np.sin((x * (c + 1) + y) / (17 + 9 * c))) % 255
+                       for c in range(3)], axis=-1)
+    cx, cy = rng.uniform(0.3, 0.7) * width, rng.uniform(0.3, 0.7) * height
+    pixels[(x - cx) ** 2 + (y - cy) ** 2 < (min(width, height) / 4) ** 2] = rng.uniform(0, 255, 3)
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    path = build_idefics3_checkpoint(tmp_path_factory.mktemp("idefics3") / "smolvlm-tiny")
+    processor = AutoProcessor.from_pretrained(str(path))
+    hf = Idefics3ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    return ModelFiles(name="smolvlm-tiny", path=path), processor, hf
+
+
+def chat(*turns) -> list[dict]:
+    """(role, [parts]) turns, a part an Image or text -> chat messages."""
+    return [{"role": role, "content": [{"type": "image"} if isinstance(part, Image.Image)
+                                       else {"type": "text", "text": part} for part in parts]}
+            for role, parts in turns]
+
+
+def hf_greedy(processor, hf, text: str, images: list[Image.Image]):
+    """transformers' greedy tokens and each one's logprob (fp32)."""
+    inputs = processor(text=text, images=[images], add_special_tokens=False, return_tensors="pt")
+    with torch.inference_mode():
+        out = hf.generate(**inputs, do_sample=False, max_new_tokens=NUM_NEW_TOKENS,
+                          output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                for step, t in zip(out.logits, tokens)]
+    return inputs["input_ids"][0].tolist(), tokens, logprobs
+
+
+def conversations():
+    a, b = make_image(300, 200, seed=1), make_image(160, 240, seed=2)
+    return {
+        "one image": (chat(("user", [a, "What is in this image?"])), [a]),
+        "two images": (chat(("user", ["Compare", a, "with", b, "in one sentence."])), [a, b]),
+        "repeated image": (chat(("user", [a, "Describe it."]),
+                                ("assistant", ["It is a colourful picture."]),
+                                ("user", ["Here it is again:", a, "What colour is it?"])),
+                           [a, a]),
+    }
+
+
+def test_tower_gives_transformers_image_features(vlm):
+    model_files, processor, hf = vlm
+    image = make_image(300, 200, seed=1)
+    prompts = ImagePrompts(model_files.path, processor.tokenizer)
+    _, (image_input,) = prompts.encode("<image>", [image])
+    assert image_input.pixel_shape == [5, 3, 512, 512]  # 2 x 2 tiles and the global view
+    inputs = processor(text="<image>", images=[[image]], return_tensors="pt")
+    assert np.frombuffer(image_input.pixels, np.float32).tobytes() == \
+        inputs["pixel_values"][0].numpy().tobytes()
+    encoder = load_image_encoder(model_files, torch.device("cpu"), torch.float32, 4)
+    pixels, mask = encoder._tensors(image_input)
+    with torch.inference_mode():
+        ours = encoder.tower(pixels, mask)
+        theirs = hf.model.get_image_features(inputs["pixel_values"],
+                                             inputs["pixel_attention_mask"]).pooler_output[0]
+    assert ours.shape == theirs.shape == (5 * 64, 576)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def cases(vlm):
+    """Each conversation's token ids and images (the tokenizer tier's code) and
+    transformers' greedy tokens."""
+    model_files, processor, hf = vlm
+    prompts = ImagePrompts(model_files.path, processor.tokenizer)
+    token_ids, images, expected = [], [], []
+    for messages, pictures in conversations().values():
+        text = processor.apply_chat_template(messages, add_generation_prompt=True)
+        ids, image_inputs = prompts.encode(text, pictures)
+        hf_ids, hf_tokens, hf_logprobs = hf_greedy(processor, hf, text, pictures)
+        assert ids == hf_ids  # placeholders expanded as transformers' processor does
+        token_ids.append(ids)
+        images.append(image_inputs)
+        expected.append((hf_tokens, hf_logprobs))
+    return token_ids, images, expected
+
+
+@pytest.mark.parametrize("batched_tokens", [2048, 96])
+def test_engine_greedy_equals_transformers_idefics3(vlm, cases, batched_tokens):
+    """All three conversations at once; with 96-token steps every image's placeholders
+    are split over several chunks (each encode happens once: the cache serves the rest)."""
+    model_files, processor, _ = vlm
+    token_ids, images, expected = cases
+    engine = Engine(SchedulerConfig(max_num_batched_tokens=batched_tokens, max_num_seqs=4),
+                    WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="64MiB"),
+                    model_files)
+    completions, _ = engine.generate(token_ids, [SamplingParams(
+        max_tokens=NUM_NEW_TOKENS, temperature=0.0, logprobs=0)] * len(token_ids),
+        images=images)
+    assert [c.output_token_ids for c in completions] == [tokens for tokens, _ in expected]
+    for completion, (_, hf_logprobs) in zip(completions, expected):  # fp32 logits close
+        np.testing.assert_allclose(completion.logprobs, hf_logprobs, atol=2e-3)
+    texts = [processor.tokenizer.decode(c.output_token_ids) for c in completions]
+    assert all(texts) and len(set(texts)) == len(texts)  # the images change the answers
+    encoder = engine.runner.images
+    # two distinct images; the repeated one and the chunks after the first find the cache
+    assert encoder.num_encoded == 2
+    assert encoder.num_hits >= 3
+
+
+def test_text_only_model_refuses_images(vlm, tmp_path):
+    from services.worker.image_inputs import NoImages
+
+    with pytest.raises(ValueError, match="text-only"):
+        NoImages().add("r1", [object()])
