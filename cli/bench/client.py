@@ -33,7 +33,7 @@ class RequestSettings:
 
 
 def request_body(request: BenchRequest, settings: RequestSettings) -> dict:
-    body = {"model": settings.model, "max_tokens": request.output_len,
+    body = {"model": request.model or settings.model, "max_tokens": request.output_len,
             "temperature": settings.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
     if settings.per_chunk_usage:

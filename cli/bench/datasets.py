@@ -37,6 +37,7 @@ class BenchRequest:
     # templated text, which the completions endpoint sends instead
     messages: tuple[dict, ...] | None = None
     user: str | None = None  # the request's ``user`` field (a session id), when set
+    model: str | None = None  # the request's ``model`` (a LoRA adapter's name), when set
 
     @property
     def prompt_len(self) -> int:

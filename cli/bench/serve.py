@@ -31,6 +31,13 @@ def add_parser(commands) -> None:
                        help="gamma shape of the arrival gaps: 1 is Poisson, <1 burstier")
     group.add_argument("--max-concurrency", type=options.parse_int_list, default=None,
                        metavar="N[,N...]", help="most requests in flight; a list runs a sweep")
+    group.add_argument("--lora-modules", type=parse_lora_names, default=[],
+                       metavar="NAME[,NAME...]", help="LoRA adapters the server serves "
+                       "(vLLM's name=path entries are taken, the path ignored): the requests "
+                       "name them in 'model', spread by --lora-assignment")
+    group.add_argument("--lora-assignment", choices=("random", "round-robin"), default="random",
+                       help="how requests are spread over --lora-modules: uniformly at "
+                       "random with --seed (default), or in turn")
     group.add_argument("--num-warmups", type=int, default=1,
                        help="requests sent (one by one, not measured) before the run")
     group.add_argument("--max-duration", type=options.parse_seconds,
@@ -40,6 +47,14 @@ def add_parser(commands) -> None:
                        f"and the exit status is {EXIT_DEADLINE}")
     options.add_output_flags(parser)
     parser.set_defaults(handler=run)
+
+
+def parse_lora_names(text: str) -> list[str]:
+    """"a,b" or vLLM's "a=/path,b=/path" -> ["a", "b"]."""
+    names = [entry.partition("=")[0].strip() for entry in text.split(",") if entry.strip()]
+    if not all(names):
+        raise argparse.ArgumentTypeError("each entry needs a name")
+    return names
 
 
 def load_points(args: argparse.Namespace) -> list[tuple[float, int | None]]:
@@ -122,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
     spec = target.model_spec(args)
     tokenizer = target.load_tokenizer(args.tokenizer, spec)
     # run i of a sweep draws its prompts with seed + i: no run finds another's in a prefix cache
-    workloads = [workload.build_requests(args, tokenizer, args.seed + i)
+    workloads = [workload.assign_adapters(workload.build_requests(args, tokenizer, args.seed + i),
+                                          args.lora_modules, args.lora_assignment, args.seed + i)
                  for i in range(len(load_points(args)))]
     warmups = workload.warmup_requests(tokenizer, args.num_warmups, args.seed)
     settings = workload.request_settings(args, target.request_model_name(spec))

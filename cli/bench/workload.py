@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import random
 from pathlib import Path
 
 from cli.bench.client import RequestSettings
@@ -51,6 +53,18 @@ def request_settings(args: argparse.Namespace, model_name: str,
                            per_chunk_usage=args.per_chunk_usage,
                            timed_chunks=args.timed_chunks,
                            extra_body=args.extra_body)
+
+
+def assign_adapters(requests: list[BenchRequest], lora_names: list[str], assignment: str,
+                    seed: int) -> list[BenchRequest]:
+    """The requests spread over LoRA adapters (``--lora-modules``): ``round-robin`` in
+    turn, ``random`` uniformly with the run's seed; unchanged without adapters."""
+    if not lora_names:
+        return requests
+    rng = random.Random(seed)
+    return [dataclasses.replace(request, model=lora_names[index % len(lora_names)]
+                                if assignment == "round-robin" else rng.choice(lora_names))
+            for index, request in enumerate(requests)]
 
 
 def dataset_settings(args: argparse.Namespace, requests: list[BenchRequest]) -> dict:

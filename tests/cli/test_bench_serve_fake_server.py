@@ -116,3 +116,20 @@ def test_a_request_rate_sweep_reports_goodput_stalls_and_tokens_per_chunk(bench,
     out = capsys.readouterr().out
     assert "Request-rate sweep" in out and "Tok/chk" in out and "goodput" in out
     assert plot.stat().st_size > 0
+
+
+def test_lora_modules_spread_the_requests_over_the_adapters(bench):
+    models = []
+
+    def script(call, body):
+        models.append(body["model"])
+        return usage_only(body["max_tokens"])
+
+    with FakeServer(script) as server:
+        code, _, _ = bench(server, "--lora-modules", "a=/x,b", "--lora-assignment",
+                           "round-robin")
+    assert code == 0 and models == ["m"] + ["a", "b"] * 3  # (the warm-up asks the base)
+    models.clear()
+    with FakeServer(script) as server:
+        code, _, _ = bench(server, "--lora-modules", "a,b,c")
+    assert code == 0 and set(models[1:]) <= {"a", "b", "c"} and "m" not in models[1:]
