@@ -21,9 +21,6 @@ def _check_across(config) -> None:
     if config.batch_invariant and config.tensor_parallel_size > 1:
         raise ValueError("batch_invariant runs on one GPU: a tensor-parallel worker's sums "
                          "take other paths at other sizes")
-    if config.enable_lora and config.tensor_parallel_size > 1:
-        raise ValueError("enable_lora runs on one worker process: LoRA with "
-                         "tensor_parallel_size > 1 is not built yet (docs/lora.md)")
     if not 0 <= config.num_speculative_tokens <= 16:
         raise ValueError(f"num_speculative_tokens must be between 0 and 16, not "
                          f"{config.num_speculative_tokens}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
@@ -16,6 +17,9 @@ from services.worker.model_config import ModelConfig
 from shared.lora_adapters import (
     MLP_TARGETS, TENSORS_FILE, BaseShapes, check_tensor_shapes, read_settings, tensor_name,
     where_of)
+
+if TYPE_CHECKING:
+    from services.worker.tensor_parallel import TensorParallel
 
 # flotilla's fused projections (layers.py) -> their PEFT parts, in the fused rows' order
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
@@ -55,6 +59,27 @@ def base_shapes(config: ModelConfig, max_rank: int) -> BaseShapes:
     parts = {part: list(shape) for part, shape in part_shapes(config).items()
              if config.moe is None or part not in MLP_TARGETS}
     return BaseShapes(num_layers=config.num_layers, part_shapes=parts, max_rank=max_rank)
+
+
+def shard_part(part: str, lora_a: torch.Tensor, lora_b: torch.Tensor, config: ModelConfig,
+               tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's piece of one part's (A [r, in], B [out, r]) (``config``: the whole
+    model's), split as tensor_parallel.py splits the base projection: a column-parallel
+    part (q, k, v by their heads; gate, up by the intermediate slice) keeps A whole and its
+    rows of B; a row-parallel one (o, down) its columns of A and B whole, so its delta is a
+    partial sum that the projection's all-reduce joins with the base output's."""
+    if tp.size == 1:
+        return lora_a, lora_b
+    head_dim = config.head_dim
+    if part in ("q_proj", "o_proj"):
+        start, end = (head * head_dim for head in tp.q_heads(config))
+    elif part in ("k_proj", "v_proj"):
+        start, end = (head * head_dim for head in tp.kv_heads(config))
+    else:
+        start, end = tp.intermediate(config)
+    if part in ("o_proj", "down_proj"):
+        return lora_a[:, start:end].contiguous(), lora_b
+    return lora_a, lora_b[start:end].contiguous()
 
 
 def load_adapter(name: str, path: str | Path, config: ModelConfig,

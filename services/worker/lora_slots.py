@@ -32,7 +32,7 @@ import structlog
 import torch
 
 from services.worker.lora import (
-    FUSED_PARTS, LoraAdapter, base_shapes, load_adapter, part_shapes,
+    FUSED_PARTS, LoraAdapter, base_shapes, load_adapter, part_shapes, shard_part,
 )
 from shared.lora_adapters import content_hash
 from services.worker.model_config import ModelConfig
@@ -142,7 +142,9 @@ class LoraSlots:
 
     def __init__(self, model: torch.nn.Module, modules: list[tuple[str, str]], max_loras: int,
                  max_rank: int, max_cpu_loras: int, device: torch.device, dtype: torch.dtype):
-        self.config: ModelConfig = model.config
+        # the whole model's (adapters are checked and split by it); slots are this rank's
+        self.config: ModelConfig = model.whole_config
+        self.tp = model.tp
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.batch = LoraBatch()
         attach_linear_loras(model, self.batch, max_loras, max_rank, device, dtype)
@@ -249,11 +251,16 @@ class LoraSlots:
     def _place(self, slot: int, adapter: LoraAdapter) -> None:
         for index, layer in enumerate(self.layers):
             for fused, linear in _layer_linears(layer):
-                linear.lora.write(slot, [adapter.part(index, part) for part in FUSED_PARTS[fused]],
-                                  adapter.scaling)
+                linear.lora.write(slot, [self._rank_part(adapter, index, part)
+                                         for part in FUSED_PARTS[fused]], adapter.scaling)
         log.debug("lora_slot_filled", lora_name=adapter.name, slot=slot,
                   evicted=self.tenants[slot])
         self.tenants[slot] = adapter.name
+
+    def _rank_part(self, adapter: LoraAdapter, layer: int, part: str
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        pair = adapter.part(layer, part)
+        return None if pair is None else shard_part(part, *pair, self.config, self.tp)
 
     def _host_adapter(self, name: str) -> LoraAdapter:
         adapter = self.host.get(name)

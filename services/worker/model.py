@@ -170,6 +170,7 @@ class Transformer(nn.Module):
         (tensor_parallel.py) and ``self.config`` is that part's."""
         super().__init__()
         self.tp = tp
+        self.whole_config = config  # (what checkpoints and LoRA adapters are shaped by)
         self.config = config = tp.local_config(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp,
                                                    config)

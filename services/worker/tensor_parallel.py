@@ -110,7 +110,8 @@ class TensorParallel:
         over the ranks, added into residual [num_tokens, hidden] and normalized by ``norm``:
         (normed, residual). Where the one-shot path takes it, one kernel after the GEMM; else
         the sum, then the norm's own add."""
-        if self.one_shot is None or not self.one_shot.takes_add_rms_norm(residual):
+        if self.one_shot is None or not self.one_shot.takes_add_rms_norm(residual) or \
+                (proj.lora is not None and proj.lora.active):  # (its deltas join the sum)
             return norm(proj(x), residual)
         partial, bias = ops.linear_partials(x, proj.weight, proj.bias, proj.weight_scale)
         return self.one_shot.all_reduce_add_rms_norm(partial, bias, residual, norm.weight,
