@@ -231,13 +231,15 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
         done; wait; grep -hE "^sharegpt" "$OUT"/replica*.log;;
     # issue 49: the MoE rows (BENCHMARKS.md moe-qwen3, moe-mixtral); the tokenizer files of the
     # default model in $M/dummy-qwen3-30b-a3b (ShareGPT), ids below 32,000 for Mixtral
-    moe-tests) python3 -m pytest -q -m gpu tests/services/worker/test_moe_gpu.py tests/kernels/test_fused_moe.py \
+    moe-tests) python3 -m pytest -q -m "gpu or not gpu" tests/services/worker/test_moe_gpu.py tests/kernels/test_fused_moe.py tests/kernels/test_moe_pairs.py \
         -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -20;;
-    moe-decode) for args in "" "--quantization fp8"; do
+    # MOE_DECODE_ARGS: more runs' flags, e.g. "--moe-pairs 0" (the grouped path at batch 1)
+    moe-decode) for args in "" "--quantization fp8" ${MOE_DECODE_ARGS:+"$MOE_DECODE_ARGS"}; do
           python3 -m benchmarks.gpu.decode_latency --model $M/dummy-qwen3-30b-a3b $args 2>&1 \
             | grep -E '"ms_per_token"|"floor_ms"|moe configs'; done
-        python3 -m benchmarks.gpu.decode_latency --model $M/dummy-mixtral-8x7b 2>&1 \
-          | grep -E '"ms_per_token"|"floor_ms"|moe configs';;
+        for args in "" ${MOE_DECODE_ARGS:+"$MOE_DECODE_ARGS"}; do
+          python3 -m benchmarks.gpu.decode_latency --model $M/dummy-mixtral-8x7b $args 2>&1 \
+            | grep -E '"ms_per_token"|"floor_ms"|moe configs'; done;;
     moe-sharegpt) for args in "" "--moe-configs default" "--quantization fp8"; do
           python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-qwen3-30b-a3b --workload sharegpt \
             --num-prompts 1000 $E_DATA --max-num-seqs 1024 --max-num-batched-tokens 16384 \
