@@ -160,10 +160,9 @@ def main() -> None:
                 * engine.runner.kv_cache.element_size())
     floor_ms = (read_bytes + kv_bytes) / bandwidth * 1e3
 
-    generator = torch.Generator().manual_seed(0)
-    # ids the vocabulary holds (Mixtral has 32,000)
-    prompt = torch.randint(100, min(40_000, config.vocab_size), (args.context,),
-                           generator=generator).tolist()
+    # the ids vLLM's latency run sends (benchmarks/peers/vllm/vllm_offline.py: the same token
+    # ids in both engines; all below Mixtral's 32,000)
+    prompt = [100 + (j * 7919) % 30_000 for j in range(args.context)]
     params = [SamplingParams(max_tokens=args.num_tokens, temperature=0.0, ignore_eos=True)]
     engine.generate([prompt], params)  # warm-up
     runs = []

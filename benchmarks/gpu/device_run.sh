@@ -244,6 +244,25 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
           python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-qwen3-30b-a3b --workload sharegpt \
             --num-prompts 1000 $E_DATA --max-num-seqs 1024 --max-num-batched-tokens 16384 \
             --gpu-memory-utilization 0.92 $args 2>&1 | grep -E '"total_tok_s"|"elapsed_s"'; done;;
+    # issue 49: vLLM 0.26.0 with the MoE add-on (the kit installed by earlier calls) on the
+    # MoE rows' token ids: Qwen3-30B-A3B batch-1 (bf16, fp8) and ShareGPT 1,000 (flotilla's
+    # moe-sharegpt limits), Mixtral batch-1. VLLM_MOE_WHAT: a subset ("qwen3-latency
+    # qwen3-fp8-latency qwen3-sharegpt mixtral-latency").
+    moe-vllm) [ -f /tmp/moe_sharegpt.json ] || python3 -m benchmarks.gpu.offline_throughput \
+            --model $M/dummy-qwen3-30b-a3b --workload sharegpt --num-prompts 1000 $E_DATA \
+            --dump-workload /tmp/moe_sharegpt.json > /dev/null 2>&1
+        for what in ${VLLM_MOE_WHAT:-qwen3-latency qwen3-fp8-latency qwen3-sharegpt mixtral-latency}; do
+          case $what in
+            qwen3-latency) va="--model $M/dummy-qwen3-30b-a3b --latency --skip-tokenizer-init";;
+            qwen3-fp8-latency) va="--model $M/dummy-qwen3-30b-a3b --latency --skip-tokenizer-init --quantization fp8 --tag _fp8";;
+            qwen3-sharegpt) va="--model $M/dummy-qwen3-30b-a3b --workloads /tmp/moe_sharegpt.json --skip-tokenizer-init --max-num-seqs 1024 --max-num-batched-tokens 16384 --gpu-memory-utilization 0.92";;
+            mixtral-latency) va="--model $M/dummy-mixtral-8x7b --latency --skip-tokenizer-init --tag _mixtral";;
+          esac
+          echo "--- vllm $what"
+          (source /tmp/vsite/env.sh && VLLM_USE_FLASHINFER_SAMPLER=0 timeout 400 python3 \
+              benchmarks/peers/vllm/vllm_offline.py $va > "$OUT/vllm_$what.log" 2>&1)
+          grep -E '^\{|Error' "$OUT/vllm_$what.log" | grep -oE '"(ms_per_token|total_tok_s|elapsed_s|startup_s)": [0-9.]+|.*Error.*' | tail -4
+        done;;
     *) echo "unknown stage $stage";;
   esac
 done
