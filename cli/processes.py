@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from functools import cache
 from pathlib import Path
@@ -54,6 +55,22 @@ def replica_gpus(replica_index: int, tensor_parallel_size: int, visible: str | N
         raise ValueError(f"replica {replica_index} needs GPUs {first}..{wanted.stop - 1} of "
                          f"CUDA_VISIBLE_DEVICES={visible!r}, which lists {len(listed)}")
     return ",".join(listed[index] for index in wanted)
+
+
+def nats_config_file() -> str:
+    """A nats-server config raising max_payload to NATS_MAX_PAYLOAD (a prompt's images
+    travel in its messages: docs/vision.md); written once per process, in a temp dir."""
+    global _NATS_CONFIG
+    if _NATS_CONFIG is None or not Path(_NATS_CONFIG).is_file():
+        from shared.sections.media import NATS_MAX_PAYLOAD
+
+        directory = tempfile.mkdtemp(prefix="flotilla-nats-")
+        _NATS_CONFIG = str(Path(directory) / "nats.conf")
+        Path(_NATS_CONFIG).write_text(f"max_payload: {NATS_MAX_PAYLOAD}\n")
+    return _NATS_CONFIG
+
+
+_NATS_CONFIG: str | None = None
 
 
 def nats_server_binary() -> str:

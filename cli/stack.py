@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import IO
 
 from cli.processes import (  # noqa: F401 (free_port, flags: the tests' and benchmarks' too)
-    _die_with_parent, _terminate, describe_exit, flags, free_port, nats_server_binary,
-    replica_gpus, service_flags)
+    _die_with_parent, _terminate, describe_exit, flags, free_port, nats_config_file,
+    nats_server_binary, replica_gpus, service_flags)
 from cli.restarts import Backoff, RestartPolicy
 
 REPLICATED = ("worker", "scheduler")  # one pair per model replica
@@ -121,7 +121,8 @@ class Stack:
     def _spawn_nats(self, port: int) -> bool:
         ready = threading.Event()
         process = subprocess.Popen(
-            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)],
+            [nats_server_binary(), "-c", nats_config_file(), "-a", "127.0.0.1", "-p",
+             str(port)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, errors="replace", preexec_fn=_die_with_parent, process_group=0)
         self._nats = process

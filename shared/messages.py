@@ -18,6 +18,7 @@ from msgspec import Struct
 
 from shared import kv_messages, scheduler_stats
 from shared.lora_adapters import BaseShapes, LoraRef
+from shared.media_messages import ContentPart, ImageInput  # noqa: F401 (re-exported)
 
 T = TypeVar("T")
 
@@ -121,6 +122,8 @@ class ChatMessage(Struct, frozen=True, kw_only=True, omit_defaults=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
     tool_call_id: str | None = None  # a tool turn: which call this result answers
+    # a message with images: its parts in order (content then holds its text alone)
+    parts: list[ContentPart] | None = None
 
 
 class EncodeRequest(Struct, frozen=True, kw_only=True):
@@ -132,10 +135,14 @@ class EncodeRequest(Struct, frozen=True, kw_only=True):
     add_special_tokens: bool = True
     # OpenAI tool definitions ({"type": "function", "function": {...}}) for the chat template
     tools: list[dict[str, Any]] | None = None
+    # the encoded images (PNG, JPEG, ...) the messages' image parts name, in order, fetched
+    # and checked against the byte limit by the gateway (docs/vision.md)
+    images: list[bytes] = []
 
 
 class EncodeReply(Struct, frozen=True, kw_only=True):
     token_ids: list[int]
+    images: list[ImageInput] = []  # the request's images, preprocessed, in prompt order
 
 
 class DecodeRequest(Struct, frozen=True, kw_only=True):
@@ -168,23 +175,7 @@ class TokenizerInfo(Struct, frozen=True, kw_only=True):
     generation_defaults: GenerationDefaults = GenerationDefaults()
     # what a completions prompt of "" or null starts from (<|endoftext|>, else BOS, else EOS)
     document_start_token_id: int | None = None
-
-
-# ----------------------------------------------------------------- images
-class ImageInput(Struct, frozen=True, array_like=True, gc=False):
-    """One image of a prompt as the tokenizer tier preprocessed it, for the worker's encoder
-    (docs/vision.md). The prompt holds its placeholder tokens at [offset, offset + length)."""
-
-    hash: bytes  # blake2b-128 of the pixel tensor (shape, dtype, bytes): the encoder cache's
-    # and the prefix cache's key for the image
-    offset: int  # the prompt position of its first placeholder token
-    length: int  # positions its placeholders span (image tokens and the tile tags between)
-    pixel_shape: list[int]  # [num_tiles, channels, height, width]
-    pixel_dtype: str = "float32"
-    pixels: bytes = b""  # the tensor's bytes, C order
-    # [num_tiles, height / patch, width / patch] bool, one byte each: the patches holding
-    # pixels (b"": every patch does)
-    patch_mask: bytes = b""
+    accepts_images: bool = False  # a vision-language model (docs/vision.md)
 
 
 # ----------------------------------------------------------------- scheduler

@@ -50,6 +50,10 @@ class EngineStats(Struct, frozen=True, kw_only=True):
     num_kv_tier_hits: int = 0
     num_kv_tier_hits_by_tier: dict[str, int] = {}
     worker_busy_s: float = 0.0  # time the worker spent computing steps
+    # the vision encoder (docs/vision.md): images encoded, images its cache served, seconds
+    num_images_encoded: int = 0
+    num_encoder_cache_hits: int = 0
+    encoder_time_s: float = 0.0
     # idle share of the worker's wall time over the last interval with work throughout;
     # -1 when there was no such interval
     worker_idle_ratio: float = -1.0

@@ -1,8 +1,8 @@
 """The parts of a chat-completions request: messages and their content parts, tools and
 tool_choice, response_format and prediction, in OpenAI's shapes.
 
-flotilla serves text models: a content part that is not text (an image, audio, a file)
-is a 400 naming it. Tools are checked and planned by ``tool_calls.plan_tools``, which
+Image parts (``image_url``) are taken for a vision-language model (docs/vision.md; the
+route refuses them for a text-only one); audio and file parts are a 400 naming them. Tools are checked and planned by ``tool_calls.plan_tools``, which
 takes the plain dicts these models hand on.
 """
 
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from services.gateway.request_base import OpenAIModel, ParameterError, refused_model
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage, FunctionCall, ToolCall
+from shared.messages import ContentPart as WirePart
 
 
 class TextPart(OpenAIModel):
@@ -41,9 +42,14 @@ class _NonTextPart(BaseModel):
                              "supported: this model reads text only")
 
 
-class ImagePart(_NonTextPart):
+class ImageUrl(OpenAIModel):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # ignored: one resolution here
+
+
+class ImagePart(OpenAIModel):
     type: Literal["image_url"]
-    image_url: dict[str, Any]
+    image_url: ImageUrl
 
 
 class AudioPart(_NonTextPart):
@@ -86,11 +92,20 @@ class _MessageParam(OpenAIModel):
             raise ValueError("only assistant messages carry tool_calls")
         return self
 
+    @property
+    def image_urls(self) -> list[str]:
+        """The URLs of the message's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
+
     def to_message(self) -> ChatMessage:
-        content = self.content
+        content, parts = self.content, None
         if isinstance(content, list):
-            content = "".join(part.text if isinstance(part, TextPart) else part.refusal
-                              for part in content)
+            if any(isinstance(part, ImagePart) for part in content):
+                parts = [WirePart(type="image") if isinstance(part, ImagePart) else
+                         WirePart(type="text", text=_part_text(part)) for part in content]
+            content = "".join(_part_text(part) for part in content)
         calls = getattr(self, "tool_calls", None)
         if content is None and not calls:  # an assistant turn that said nothing
             content = ""
@@ -98,7 +113,15 @@ class _MessageParam(OpenAIModel):
             name=call.function.name, arguments=call.function.arguments))
             for call in calls] if calls else None
         return ChatMessage(role=self.role, content=content, name=self.name,
-                           tool_calls=tool_calls, tool_call_id=getattr(self, "tool_call_id", None))
+                           tool_calls=tool_calls, tool_call_id=getattr(self, "tool_call_id", None),
+                           parts=parts)
+
+
+def _part_text(part) -> str:
+    """A part's text (an image part has none)."""
+    if isinstance(part, TextPart):
+        return part.text
+    return part.refusal if isinstance(part, RefusalPart) else ""
 
 
 class SystemMessageParam(_MessageParam):

@@ -168,6 +168,16 @@ class GatewayMetrics:
                                "Drafts a request could get in the last step planned (the "
                                "load-adaptive cap, 0 to num_speculative_tokens)", labels,
                                registry=r)
+        self.images_encoded = Counter("flotilla_encoder_images",
+                                      "Images run through the vision encoder", labels,
+                                      registry=r)
+        self.encoder_cache_hits = Counter(
+            "flotilla_encoder_cache_hits",
+            "Images whose encoder output the worker's cache held (no encode)", labels,
+            registry=r)
+        self.encoder_time = Counter("flotilla_encoder_seconds",
+                                    "Time the worker spent in the vision encoder", labels,
+                                    registry=r)
         self.worker_busy = Counter("flotilla_worker_busy_seconds",
                                    "Time the worker spent computing steps", labels, registry=r)
         self.worker_idle_ratio = Gauge(
@@ -251,6 +261,9 @@ class GatewayMetrics:
                 (self.prefix_hits, "engine", "num_prefix_hits"),
                 (self.kv_tier_hits, "engine", "num_kv_tier_hits"),
                 (self.worker_busy, "engine", "worker_busy_s"),
+                (self.images_encoded, "engine", "num_images_encoded"),
+                (self.encoder_cache_hits, "engine", "num_encoder_cache_hits"),
+                (self.encoder_time, "engine", "encoder_time_s"),
                 (self.draft_tokens, "speculation", "num_draft_tokens"),
                 (self.accepted_drafts, "speculation", "num_accepted_drafts"),
                 (self.drafted_steps, "speculation", "num_drafted_steps")):

@@ -143,6 +143,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int = Field(description="the context length, in tokens")
+    input_modalities: list[str] = Field(default=["text"], description=(
+        "what a prompt may hold: text, and image for a vision-language model"))
     root: str | None = Field(default=None, description="a LoRA adapter's directory")
     parent: str | None = Field(default=None, description="a LoRA adapter's base model")
 

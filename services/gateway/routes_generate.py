@@ -31,7 +31,8 @@ from services.gateway.streams import Delta, RequestStream
 from services.gateway.structured import response_format_spec
 from services.gateway.tool_calls import plan_tools
 from shared.errors import FlotillaError, check_token_ids
-from shared.messages import EncodeRequest, SamplingParams, TokenizerInfo
+from services.gateway.media import check_image_count, fetch_images
+from shared.messages import EncodeRequest, ImageInput, SamplingParams, TokenizerInfo
 
 log = structlog.get_logger()
 router = APIRouter()
@@ -75,19 +76,23 @@ async def chat_completions(request: Request) -> Response:
     tool_plan = plan_tools(*req.tools_and_choice(), req.parallel_tool_calls)
     structured = tool_plan.structured or response_format_spec(
         req.response_format.as_dict() if req.response_format else None)
-    prompt_ids = await service_of(request).encode(EncodeRequest(
+    config = config_of(request)
+    urls = [url for message in req.messages for url in message.image_urls]
+    check_image_count(len(urls), info.accepts_images, config.mm_limits)
+    encoded = await service_of(request).encode_reply(EncodeRequest(
         messages=[m.to_message() for m in req.messages], add_generation_prompt=True,
-        tools=tool_plan.tools_for_prompt))
+        tools=tool_plan.tools_for_prompt, images=await fetch_images(urls, config)))
+    prompt_ids = encoded.token_ids
     max_tokens = resolve_max_tokens(
         req.requested_max_tokens, len(prompt_ids), info.max_model_len,
         default_limit=protocol.default_max_tokens(info.generation_defaults,
-                                                  config_of(request).max_tokens_default))
+                                                  config.max_tokens_default))
     sampling = req.sampling_params(max_tokens, info.vocab_size,
                                    defaults=info.generation_defaults,
                                    logprobs=req.num_logprobs, structured=structured)
     choices = [ChatChoice(i, req.num_logprobs, tool_plan, _call_id) for i in range(req.n)]
     return await generate(request, "chat", req, info, [(prompt_ids, sampling)], choices,
-                          req.n)
+                          req.n, images=encoded.images)
 
 
 @router.post("/v1/responses", openapi_extra=request_body(ResponsesRequest),
@@ -114,7 +119,8 @@ async def create_response(request: Request) -> Response:
 
 async def generate(request: Request, kind: str, req, info: TokenizerInfo,
                    submissions: list[tuple[list[int], SamplingParams]], choices: list,
-                   num_returned: int, output: OutputShape = CHOICES) -> Response:
+                   num_returned: int, output: OutputShape = CHOICES,
+                   images: list[ImageInput] | None = None) -> Response:
     """Submit each prompt for len(choices) / len(submissions) sequences and answer with
     all of them (num_returned per prompt), in ``output``'s shape; the response names the
     model the request named (the base model or one of its LoRA adapters)."""
@@ -124,7 +130,7 @@ async def generate(request: Request, kind: str, req, info: TokenizerInfo,
     lora_name = lora_name_of(req.model, info)
     model = lora_name or info.model_name
     request_ids, streams = await _submit_all(service, req, submissions, num_per_prompt,
-                                             lora_name)
+                                             lora_name, images or [])
     if lora_name:
         service.metrics.lora_requests.labels(lora_name).inc()
         service.metrics.lora_prompt_tokens.labels(lora_name).inc(
@@ -148,8 +154,8 @@ async def generate(request: Request, kind: str, req, info: TokenizerInfo,
 
 async def _submit_all(service: GatewayService, req,
                       submissions: list[tuple[list[int], SamplingParams]],
-                      num_per_prompt: int, lora_name: str = ""
-                      ) -> tuple[list[str], list[RequestStream]]:
+                      num_per_prompt: int, lora_name: str = "",
+                      images: list[ImageInput] = ()) -> tuple[list[str], list[RequestStream]]:
     """Submit every prompt: (their request ids, every sequence's stream in order)."""
     request_ids, streams = [], []
     try:
@@ -157,7 +163,7 @@ async def _submit_all(service: GatewayService, req,
             request_id, prompt_streams = await service.submit(
                 prompt_ids, sampling, req.stop_strings, priority=req.priority,
                 cache_salt=req.cache_salt, n=num_per_prompt, session=req.session_key,
-                lora_name=lora_name)
+                lora_name=lora_name, images=list(images))
             request_ids.append(request_id)
             streams += prompt_streams
     except BaseException:

@@ -24,7 +24,8 @@ router = APIRouter()
 def _model_card(info: TokenizerInfo, lora: LoraRef | None = None) -> dict:
     """The base model's card, or (``lora``) one of its LoRA adapters' with its parent."""
     card = {"id": info.model_name, "object": "model", "created": 0, "owned_by": "flotilla",
-            "max_model_len": info.max_model_len}
+            "max_model_len": info.max_model_len,
+            "input_modalities": ["text", "image"] if info.accepts_images else ["text"]}
     if lora is not None:
         card |= {"id": lora.name, "root": lora.path, "parent": info.model_name}
     return card

@@ -31,8 +31,8 @@ from shared.errors import FlotillaError, ServiceUnavailable
 from shared.lora_adapters import LoraRef
 from shared.messages import (
     AbortRequest, DecodeReply, DecodeRequest, Empty, EncodeReply, EncodeRequest, ErrorInfo,
-    GenerateRequest, HealthReply, OutputBatch, SamplingParams, SubmitReply, TokenizerInfo,
-    choice_request_ids,
+    GenerateRequest, HealthReply, ImageInput, OutputBatch, SamplingParams, SubmitReply,
+    TokenizerInfo, choice_request_ids,
 )
 from shared.models import resolve_model
 from shared.scheduler_stats import SchedulerStats
@@ -126,9 +126,12 @@ class GatewayService:
         return self._tokenizer_info
 
     async def encode(self, request: EncodeRequest) -> list[int]:
-        reply = await self.bus.request(self.subjects.tokenizer_encode, request, EncodeReply,
-                                       timeout=self.config.request_timeout_s)
-        return reply.token_ids
+        return (await self.encode_reply(request)).token_ids
+
+    async def encode_reply(self, request: EncodeRequest) -> EncodeReply:
+        """The token ids, and the images preprocessed when the request has some."""
+        return await self.bus.request(self.subjects.tokenizer_encode, request, EncodeReply,
+                                      timeout=self.config.request_timeout_s)
 
     async def decode(self, token_ids: list[int]) -> str:
         reply = await self.bus.request(self.subjects.tokenizer_decode,
@@ -151,8 +154,9 @@ class GatewayService:
     # ------------------------------------------------------------ generation
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop: list[str], *, priority: int = 0, cache_salt: str | None = None,
-                     n: int = 1, session: str | None = None,
-                     lora_name: str = "") -> tuple[str, list[RequestStream]]:
+                     n: int = 1, session: str | None = None, lora_name: str = "",
+                     images: list[ImageInput] | None = None
+                     ) -> tuple[str, list[RequestStream]]:
         """Hand a request (n sequences of one prompt; ``lora_name``: its LoRA adapter) to
         the scheduler routing picks (``session``: its prompt_cache_key or user); returns
         its id and one stream per sequence. Raises if no scheduler accepts it."""
@@ -163,7 +167,7 @@ class GatewayService:
         request = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             output_subject=self.output_subject, arrival_time=time.time(), priority=priority,
-            cache_salt=cache_salt, n=n, lora_name=lora_name)
+            cache_salt=cache_salt, n=n, lora_name=lora_name, images=images or [])
         for stream in streams:
             stream.request = request if n == 1 else None  # n > 1 is not migrated
             self._streams[stream.request_id] = stream

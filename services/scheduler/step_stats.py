@@ -30,6 +30,7 @@ class StepStats:
     def __init__(self, speeds: TierSpeeds) -> None:
         self.speeds = speeds
         self.worker_busy_s = 0.0
+        self.encoder = [0, 0, 0.0]  # images encoded, cache hits, seconds (docs/vision.md)
         self._samples: list[tuple[int, float]] = []  # (tokens, seconds) since the last event
         # the last interval's end: monotonic time, busy seconds, and whether work was held
         self._last = (time.monotonic(), 0.0, False)
@@ -42,6 +43,10 @@ class StepStats:
     def record_step(self, plan: StepPlan, result: StepResult) -> None:
         num_tokens = sum(s.num_new_tokens for s in plan.scheduled)
         self.worker_busy_s += result.step_time_s
+        if result.num_images_encoded or result.num_encoder_cache_hits:
+            self.encoder[0] += result.num_images_encoded
+            self.encoder[1] += result.num_encoder_cache_hits
+            self.encoder[2] += result.encoder_time_s
         num_prompt = sum(s.num_new_tokens for s in plan.scheduled if s.num_new_tokens > 1)
         self.speeds.observe_step(num_tokens, num_prompt, result.step_time_s,  # routing too
                                  result.kv_load_bytes, result.kv_load_bytes_per_s)
@@ -86,6 +91,8 @@ class StepStats:
             num_kv_tier_hits=sum(kv.num_tokens_loaded.values()),
             num_kv_tier_hits_by_tier=dict(kv.num_tokens_loaded),
             worker_busy_s=self.worker_busy_s, worker_idle_ratio=idle_ratio,
+            num_images_encoded=self.encoder[0], num_encoder_cache_hits=self.encoder[1],
+            encoder_time_s=self.encoder[2],
             recent_step_tokens=[tokens for tokens, _ in samples],
             recent_step_times_s=[seconds for _, seconds in samples])
 

@@ -14,8 +14,9 @@ import jinja2
 import msgspec
 from transformers import AutoTokenizer
 
+from services.tokenizer.images import ImagePrompts, decode_image, is_vision_language
 from shared.errors import InvalidRequest, check_token_ids
-from shared.messages import ChatMessage, DecodeRequest, EncodeRequest, TokenizerInfo
+from shared.messages import ChatMessage, DecodeRequest, EncodeRequest, ImageInput, TokenizerInfo
 from shared.models import read_eos_token_ids, read_generation_defaults
 
 # config.json keys that hold the context length, most common first.
@@ -26,7 +27,8 @@ _CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len",
 class TextCodec:
     """One model's tokenizer: chat templates, encode, decode."""
 
-    def __init__(self, model_dir: str | Path, max_model_len: int = 0) -> None:
+    def __init__(self, model_dir: str | Path, max_model_len: int = 0,
+                 max_image_pixels: int = 4096 * 4096) -> None:
         if max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {max_model_len}")
         self.model_dir = Path(model_dir)
@@ -36,6 +38,10 @@ class TextCodec:
         self.vocab_size = len(self.tokenizer)  # includes added (special) tokens
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.tokenizer.eos_token_id)
         self.generation_defaults = read_generation_defaults(self.model_dir)
+        # a vision-language model's processor (images.py); None: the model reads text only
+        self.images = (ImagePrompts(self.model_dir, self.tokenizer)
+                       if is_vision_language(model_config) else None)
+        self.max_image_pixels = max_image_pixels
 
     @property
     def has_chat_template(self) -> bool:
@@ -46,6 +52,9 @@ class TextCodec:
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequest("give exactly one of 'prompt' or 'messages'",
                                  param="messages" if req.messages is not None else "prompt")
+        if req.images:
+            raise InvalidRequest("a prompt with images is encoded by encode_with_images",
+                                 param="messages")
         if req.messages is not None:
             token_ids = self._encode_chat(req.messages, req.add_generation_prompt, req.tools)
         elif isinstance(req.prompt, str):
@@ -56,6 +65,20 @@ class TextCodec:
             raise InvalidRequest("the prompt is empty: it encodes to no tokens",
                                  param="messages" if req.messages is not None else "prompt")
         return token_ids
+
+    def encode_with_images(self, req: EncodeRequest) -> tuple[list[int], list[ImageInput]]:
+        """A chat with images -> (token ids, placeholders expanded; the images, preprocessed
+        for the worker). A 400 for a text-only model, an image that does not decode, is of
+        another format or has too many pixels. CPU-heavy: the service runs it off its loop."""
+        if self.images is None:
+            raise InvalidRequest("this model reads text only: it takes no image parts",
+                                 param="messages", code="images_not_supported")
+        if req.messages is None:
+            raise InvalidRequest("images come in chat messages", param="messages")
+        pictures = [decode_image(data, self.max_image_pixels, index)
+                    for index, data in enumerate(req.images)]
+        text = self.render_chat(req.messages, req.add_generation_prompt, req.tools)
+        return self.images.encode(text, pictures)
 
     def decode(self, req: DecodeRequest) -> str:
         token_ids = self._checked_ids(req.token_ids, "token_ids")
@@ -70,6 +93,7 @@ class TextCodec:
             has_chat_template=self.has_chat_template,
             generation_defaults=self.generation_defaults,
             document_start_token_id=self.document_start_token_id,
+            accepts_images=self.images is not None,
         )
 
     @property
@@ -129,6 +153,16 @@ class TextCodec:
         return check_token_ids(token_ids, self.vocab_size, param)
 
 
+def _with_parts(entry: dict[str, Any], message: ChatMessage) -> dict[str, Any]:
+    """A message with images goes to the template as content parts (``{"type": "image"}``
+    where each image goes), as Hugging Face vision templates take them."""
+    entry.pop("parts", None)
+    if message.parts is not None:
+        entry["content"] = [{"type": "image"} if part.type == "image" else
+                            {"type": "text", "text": part.text} for part in message.parts]
+    return entry
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -173,7 +207,7 @@ def _arguments(text: str) -> Any:
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
     # omit_defaults drops unset fields (name, content=None), as OpenAI clients do.
-    entry = msgspec.to_builtins(message)
+    entry = _with_parts(msgspec.to_builtins(message), message)
     if message.tool_calls:
         entry["tool_calls"] = [
             {"id": call.id, "type": call.type,
@@ -206,7 +240,7 @@ def _fallback_conversation(messages: list[ChatMessage],
             in_tool_run = True
             continue
         in_tool_run = False
-        entry = msgspec.to_builtins(message)
+        entry = _with_parts(msgspec.to_builtins(message), message)
         if message.tool_calls:
             entry.pop("tool_calls")
             calls = [tool_call_text(c.function.name, c.function.arguments)

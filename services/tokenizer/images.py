@@ -19,9 +19,15 @@ from PIL import Image, UnidentifiedImageError
 
 from shared.errors import InvalidRequest
 from shared.messages import ImageInput
+from shared.sections.media import MAX_PIXEL_BYTES
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what an image part may be encoded as
 IMAGE_TOKEN = "<image>"
+
+
+def is_vision_language(model_config: dict) -> bool:
+    """Whether config.json is a model this tier preprocesses images for (Idefics3)."""
+    return (model_config.get("architectures") or [None])[0] == "Idefics3ForConditionalGeneration"
 
 
 def decode_image(data: bytes, max_pixels: int, index: int = 0) -> Image.Image:
@@ -89,6 +95,12 @@ class ImagePrompts:
         spans = self.image_spans(token_ids)
         if len(spans) != len(images):
             raise ValueError(f"{len(spans)} image placeholder runs for {len(images)} images")
+        if pixels.nbytes > MAX_PIXEL_BYTES:
+            raise InvalidRequest(f"the images are {pixels.nbytes} bytes of pixels once "
+                                 f"preprocessed ({pixels.shape[0]} tiles), over the "
+                                 f"{MAX_PIXEL_BYTES} a request's message carries: send "
+                                 f"fewer or smaller images", param="messages",
+                                 code="image_too_large")
         inputs, first_tile = [], 0
         for offset, length, num_tiles in spans:
             tiles = np.ascontiguousarray(pixels[first_tile:first_tile + num_tiles])

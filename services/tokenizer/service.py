@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
@@ -27,6 +28,9 @@ class TokenizerService:
         self.codec = codec
         self.info = codec.info(model_name)
         self.subjects = Subjects(config.namespace)
+        # images are decoded, resized, tiled and normalized here, off the event loop
+        self._image_pool = ThreadPoolExecutor(config.image_workers,
+                                              thread_name_prefix="image")
 
     async def start(self) -> None:
         s = self.subjects
@@ -37,7 +41,13 @@ class TokenizerService:
         await self.bus.serve(s.health("tokenizer"), Empty, self._on_health, queue=queue)
 
     async def _on_encode(self, request: EncodeRequest) -> EncodeReply:
-        return EncodeReply(token_ids=self.codec.encode(request))
+        if not request.images:
+            return EncodeReply(token_ids=self.codec.encode(request))
+        token_ids, images = await asyncio.get_running_loop().run_in_executor(
+            self._image_pool, self.codec.encode_with_images, request)
+        log.debug("images_preprocessed", num_images=len(images),
+                  num_tiles=sum(image.pixel_shape[0] for image in images))
+        return EncodeReply(token_ids=token_ids, images=images)
 
     async def _on_decode(self, request: DecodeRequest) -> DecodeReply:
         return DecodeReply(text=self.codec.decode(request))
@@ -52,7 +62,8 @@ class TokenizerService:
 
 async def serve(config: TokenizerConfig, stop: asyncio.Event) -> None:
     model_files = resolve_model(config.model, config.cache_dir)
-    codec = await asyncio.to_thread(TextCodec, model_files.path, config.max_model_len)
+    codec = await asyncio.to_thread(TextCodec, model_files.path, config.max_model_len,
+                                    config.max_image_pixels)
     bus = await Bus.connect(config.nats_url, name=f"tokenizer-{config.instance_id}",
                             on_lost=stop.set)
     # The gateway learns the API's model name from here (TokenizerInfo); the engine keeps

@@ -204,7 +204,7 @@ class ModelRunner:
             return []
         with self.ranks.watch():
             self.ranks.lead_flush()
-            return self.expert_counts.attach(self._flush())
+            return self.images.attach(self.expert_counts.attach(self._flush()))
 
     def _flush(self) -> list[StepResult]:
         step, self._in_flight = self._in_flight, None

@@ -9,6 +9,11 @@ from typing import Annotated
 from shared.config import Section, check_number, knob
 
 DEFAULT_IMAGES_PER_PROMPT = 4
+# the nats-server flotilla serve starts takes messages up to this size (NATS' own cap; its
+# default is 1 MiB): a prompt's preprocessed images travel in its messages (docs/vision.md)
+NATS_MAX_PAYLOAD = 64 * 1024 * 1024
+# a request's pixel tensors, in all, may take this much of one message (the rest: its tokens)
+MAX_PIXEL_BYTES = 48 * 1024 * 1024
 
 
 class MediaInput(Section, frozen=True, kw_only=True):

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.streams import Delta, RequestStream
 from shared.errors import FlotillaError
-from shared.messages import EncodeRequest, SamplingParams, TokenizerInfo, choice_request_ids
+from shared.messages import (EncodeReply, EncodeRequest, SamplingParams, TokenizerInfo,
+                             choice_request_ids)
 
 MODEL = "fake-model"
 MAX_MODEL_LEN = 64
@@ -53,6 +54,9 @@ class FakeService:
             " ".join(message.content or "" for message in request.messages)
         return [len(word) for word in text.split()]  # one token per word
 
+    async def encode_reply(self, request: EncodeRequest) -> EncodeReply:
+        return EncodeReply(token_ids=await self.encode(request))
+
     async def decode(self, token_ids: list[int]) -> str:
         return " ".join("x" * token_id for token_id in token_ids)
 
@@ -64,8 +68,8 @@ class FakeService:
 
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop: list[str], *, priority: int = 0, cache_salt: str | None = None,
-                     n: int = 1, session: str | None = None, lora_name: str = ""
-                     ) -> tuple[str, list[RequestStream]]:
+                     n: int = 1, session: str | None = None, lora_name: str = "",
+                     images: list | None = None) -> tuple[str, list[RequestStream]]:
         if self.refuse is not None and len(self.submitted) >= self.accept:
             raise self.refuse
         request_id = f"r{len(self.submitted)}"
