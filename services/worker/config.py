@@ -39,6 +39,8 @@ def host_error(config: WorkerConfig, num_replicas: int = 1) -> str | None:
     process; the worker itself would refuse at load."""
     if config.on_cuda:
         return _gpu_count_error(config, num_replicas)
+    if config.quantization == "int4":
+        return "--quantization int4 needs a CUDA GPU; the worker would run on the CPU"
     for flag, value in (("--quantization", config.quantization),
                         ("--kv-cache-dtype", config.kv_cache_dtype)):
         if value == "fp8":

@@ -15,14 +15,17 @@
   ``weight_zero_point`` [N*bits/32, groups] packed along the outputs (asymmetric only),
   ``weight_shape`` [2], ``weight_g_idx`` [K] (actorder ``group``).
 
-Every one is w = (q - z) * s per group, computed in fp32 and cast to the serving dtype while the
-checkpoint loads: the rest of the worker sees plain ``.weight`` tensors [N, K], so no memory
-is saved yet (packed kernels are the next step). Any other combination is refused by field.
+Every one is w = (q - z) * s per group (``QuantParts``). On a CUDA GPU the projections stay
+packed (services/worker/int_weights.py repacks them into kernels/int_pack.py's layout); on
+the CPU (and where that layout cannot hold them) they are computed in fp32 and cast to the
+serving dtype while the checkpoint loads (``dequantized_weights``): the rest of the worker
+then sees plain ``.weight`` tensors [N, K]. Any other combination is refused by field.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import structlog
 import torch
@@ -155,6 +158,15 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return nibbles[..., column_at].reshape(packed.shape[0], -1)
 
 
+class QuantParts(NamedTuple):
+    """One projection as its checkpoint means it: w = (q - zeros) * scales per input's group."""
+
+    q: torch.Tensor  # [N, K] int32, unsigned (0 .. 2^bits - 1)
+    zeros: torch.Tensor  # [N, groups] int32
+    scales: torch.Tensor  # [N, groups], the checkpoint's float dtype
+    g_idx: torch.Tensor  # [K]: each input's group
+
+
 def dequantize_groups(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                       g_idx: torch.Tensor) -> torch.Tensor:
     """w [N, K] fp32 = (q - z) * s, each input k with its group ``g_idx[k]``'s zero and scale:
@@ -163,28 +175,46 @@ def dequantize_groups(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
     return ((q - zeros[:, g]).float() * scales.float()[:, g]).contiguous()
 
 
-def dequantized_weights(hf: dict[str, torch.Tensor], checkpoint: IntCheckpoint,
-                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A checkpoint's tensors (HF names) with every packed projection as ``<module>.weight``
-    [N, K] in ``dtype``, its packed tensors consumed; every other tensor as it was."""
+def quantized_modules(hf: dict[str, torch.Tensor], checkpoint: IntCheckpoint) -> list[str]:
+    """The modules of a checkpoint's tensors (HF names) that ship packed weights; a
+    ValueError for a packed tensor with no packed weight beside it."""
     primary = "weight_packed" if checkpoint.method == "compressed-tensors" else "qweight"
     modules = [name.removesuffix(f".{primary}") for name in hf if name.endswith(f".{primary}")]
-    out = dict(hf)
-    for module in modules:
-        parts = {suffix: out.pop(f"{module}.{suffix}") for suffix in
-                 ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
-                  "weight_zero_point", "weight_shape", "weight_g_idx")
-                 if f"{module}.{suffix}" in out}
-        unpack = _compressed_tensors_weight if primary == "weight_packed" else _awq_gptq_weight
-        out[f"{module}.weight"] = unpack(module, parts, checkpoint).to(dtype)
-    stray = [name for name in out if name.rpartition(".")[2] in PACKED_SUFFIXES
-             or (primary == "weight_packed" and name.endswith(".weight_scale"))]
+    known = set(modules)
+    stray = [name for name in hf if name.rpartition(".")[0] not in known and (
+        name.rpartition(".")[2] in PACKED_SUFFIXES
+        or (primary == "weight_packed" and name.endswith(".weight_scale")))]
     if stray:
         raise ValueError(f"{stray[0]} has no {primary} beside it ({checkpoint.method} checkpoint)")
+    return modules
+
+
+def pop_parts(hf: dict[str, torch.Tensor], module: str, checkpoint: IntCheckpoint
+              ) -> QuantParts:
+    """Take one module's packed tensors out of ``hf`` -> its ``QuantParts``, checked against
+    the config (a ValueError naming the tensor that disagrees)."""
+    parts = {suffix: hf.pop(f"{module}.{suffix}") for suffix in
+             ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
+              "weight_zero_point", "weight_shape", "weight_g_idx")
+             if f"{module}.{suffix}" in hf}
+    if checkpoint.method == "compressed-tensors":
+        return _compressed_tensors_parts(module, parts, checkpoint)
+    return _awq_gptq_parts(module, parts, checkpoint)
+
+
+def dequantized_weights(hf: dict[str, torch.Tensor], checkpoint: IntCheckpoint,
+                        dtype: torch.dtype, reason: str = "CPU") -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors (HF names) with every packed projection as ``<module>.weight``
+    [N, K] in ``dtype``, its packed tensors consumed; every other tensor as it was.
+    ``reason``: why they are not kept packed (the log says it)."""
+    out = dict(hf)
+    modules = quantized_modules(out, checkpoint)
+    for module in modules:  # one projection unpacked at a time
+        out[f"{module}.weight"] = dequantize_groups(*pop_parts(out, module, checkpoint)).to(dtype)
     log.info("int_checkpoint_dequantized", method=checkpoint.method, bits=checkpoint.bits,
              group_size=checkpoint.group_size, symmetric=checkpoint.symmetric,
              act_order=checkpoint.act_order, num_projections=len(modules), dtype=str(dtype),
-             note="served dequantized: no memory saved yet")
+             note=f"served dequantized ({reason}): no memory saved")
     return out
 
 
@@ -222,8 +252,8 @@ def _group_index(module: str, parts: dict, names: tuple[str, str, str],
     return torch.arange(num_inputs, device=parts[weight].device) // group
 
 
-def _awq_gptq_weight(module: str, parts: dict, checkpoint: IntCheckpoint) -> torch.Tensor:
-    """One AWQ or GPTQ projection's weight [N, K] fp32."""
+def _awq_gptq_parts(module: str, parts: dict, checkpoint: IntCheckpoint) -> QuantParts:
+    """One AWQ or GPTQ projection's parts."""
     bits, per_word = checkpoint.bits, 32 // checkpoint.bits
     qweight, qzeros = _require(module, parts, "qweight"), _require(module, parts, "qzeros")
     scales = _require(module, parts, "scales")  # [groups, N]
@@ -249,12 +279,12 @@ def _awq_gptq_weight(module: str, parts: dict, checkpoint: IntCheckpoint) -> tor
         zeros = unpack_awq(qzeros)  # [groups, N]
     else:
         zeros = unpack_int32(qzeros, bits, dim=1) + 1  # [groups, N]: v1 stores zero - 1
-    return dequantize_groups(q.T, zeros.T, scales.T, g_idx)
+    return QuantParts(q.T, zeros.T, scales.T, g_idx)
 
 
-def _compressed_tensors_weight(module: str, parts: dict, checkpoint: IntCheckpoint
-                               ) -> torch.Tensor:
-    """One compressed-tensors pack-quantized projection's weight [N, K] fp32."""
+def _compressed_tensors_parts(module: str, parts: dict, checkpoint: IntCheckpoint
+                              ) -> QuantParts:
+    """One compressed-tensors pack-quantized projection's parts."""
     bits, offset = checkpoint.bits, 1 << (checkpoint.bits - 1)
     packed, scales = parts["weight_packed"], _require(module, parts, "weight_scale")
     n, num_inputs = (int(d) for d in _require(module, parts, "weight_shape").tolist())
@@ -272,4 +302,4 @@ def _compressed_tensors_weight(module: str, parts: dict, checkpoint: IntCheckpoi
         _check_shape(f"{module}.weight_zero_point", packed_zeros,
                      (-(-n * bits // 32), num_groups), f"[ceil(N*{bits}/32), groups]")
         zeros = unpack_int32(packed_zeros, bits, dim=0)[:n]  # [N, groups], z + offset
-    return dequantize_groups(q, zeros, scales, g_idx)
+    return QuantParts(q, zeros, scales, g_idx)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.int_pack import IntWeight
 from services.worker import ops
 from services.worker.lora_slots import LinearLora
 from services.worker.model_config import ModelConfig
@@ -30,22 +31,42 @@ class RMSNorm(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear whose weight may be FP8 (e4m3) with ``weight_scale`` [out_features] fp32, one
-    scale per output channel (kernels/fp8.py); without FP8 that buffer is None. With ``reduce``
-    (tensor parallel o_proj and down: a slice of the input features) the ranks' partial
-    outputs are summed. ``lora``: its LoRA slots (lora_slots.py; None: LoRA off, nothing
-    added, no op more)."""
+    scale per output channel (kernels/fp8.py); without FP8 that buffer is None. With
+    ``config.int_layout`` the weight stays packed (``weight`` is None): buffers ``int_qweight``,
+    ``int_scales``, ``int_zeros``, ``int_perm`` in kernels/int_pack.py's layout (the last two
+    None where the layout has none). With ``reduce`` (tensor parallel o_proj and down: a slice
+    of the input features) the ranks' partial outputs are summed. ``lora``: its LoRA slots
+    (lora_slots.py; None: LoRA off, nothing added, no op more)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, config: ModelConfig,
                  reduce: TensorParallel | None = None):
         super().__init__(in_features, out_features, bias=bias)
         fp8 = config.quantization == "fp8"
         self.register_buffer("weight_scale", torch.empty(out_features) if fp8 else None)
+        self.int_layout = config.int_layout
+        if self.int_layout is not None:
+            del self.weight
+            self.weight = None
+            shapes = self.int_layout.shapes(in_features, out_features)
+            dtypes = {"qweight": torch.int32, "scales": torch.float16, "zeros": torch.uint8,
+                      "perm": torch.int32}  # (the checkpoint's scales keep their own dtype)
+            for field in ("qweight", "scales", "zeros", "perm"):
+                self.register_buffer(f"int_{field}", torch.empty(shapes[field], dtype=dtypes[
+                    field]) if field in shapes else None)
         self.reduce = reduce if reduce is not None and reduce.size > 1 else None
         self.batch_invariant = config.batch_invariant
         self.lora: LinearLora | None = None
 
+    @property
+    def kernel_weight(self) -> torch.Tensor | IntWeight:
+        """The weight as the ops take it: the plain (or FP8) tensor, or the packed one."""
+        if self.int_layout is None:
+            return self.weight
+        return IntWeight(self.int_qweight, self.int_scales, self.int_zeros, self.int_perm,
+                         self.int_layout.bits, self.int_layout.group_size, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ops.linear(x, self.weight, self.bias, self.weight_scale,
+        out = ops.linear(x, self.kernel_weight, self.bias, self.weight_scale,
                          batch_invariant=self.batch_invariant)
         if self.lora is not None:
             out = self.lora.add(x, out)
@@ -61,8 +82,8 @@ def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RM
         return proj.reduce.linear_add_rms_norm(x, proj, residual, norm)
     if proj.lora is not None and proj.lora.active:  # the deltas go in before the norm
         return norm(proj(x), residual)
-    return ops.linear_add_rms_norm(x, proj.weight, proj.bias, residual, norm.weight, norm.eps,
-                                   proj.weight_scale, proj.batch_invariant)
+    return ops.linear_add_rms_norm(x, proj.kernel_weight, proj.bias, residual, norm.weight,
+                                   norm.eps, proj.weight_scale, proj.batch_invariant)
 
 
 class MLP(nn.Module):
@@ -84,4 +105,5 @@ class MLP(nn.Module):
         up = self.gate_up_proj
         if up.lora is not None and up.lora.active:  # the deltas go in before SiLU-and-mul
             return ops.silu_and_mul(up(x))
-        return ops.linear_silu_and_mul(x, up.weight, up.bias, up.weight_scale, up.batch_invariant)
+        return ops.linear_silu_and_mul(x, up.kernel_weight, up.bias, up.weight_scale,
+                                       up.batch_invariant)

@@ -241,7 +241,7 @@ class Transformer(nn.Module):
         if last.sparse:
             return True
         down = last.mlp.down_proj
-        return down.reduce is None and ops.norm_in_reduce(x.shape[0], down.weight, x,
+        return down.reduce is None and ops.norm_in_reduce(x.shape[0], down.kernel_weight, x,
                                                           self.norm.weight)
 
     def logits(self, x: torch.Tensor, residual: torch.Tensor, indices: torch.Tensor | None,

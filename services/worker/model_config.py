@@ -17,6 +17,7 @@ from pathlib import Path
 import structlog
 import torch
 
+from kernels.int_pack import IntLayout
 from services.worker.fp8_checkpoints import checkpoint_fp8
 from services.worker.int_checkpoints import checkpoint_int
 from services.worker.vision import text_config_of
@@ -99,8 +100,11 @@ class ModelConfig:
     sliding_window: int | None = None  # the window some layers use (not implemented: caps context)
     # "fp8": the projections' weights (not embeddings, norms or lm_head) are FP8 with a scale
     # per output channel (``Linear``): the checkpoint's own (fp8_checkpoints.py) or
-    # --quantization fp8's; "none": all in the model's dtype
+    # --quantization fp8's; "int": they stay packed integers on the GPU, as ``int_layout``
+    # says (an integer checkpoint's own, or --quantization int4's: int_weights.py); "none":
+    # all in the model's dtype (an integer checkpoint dequantized at load included)
     quantization: str = "none"
+    int_layout: IntLayout | None = None  # with "int": the packed projections' layout
     batch_invariant: bool = False  # --batch-invariant (ops.py), passed by each layer to its ops
     moe: MoeSpec | None = None  # sparse MLP blocks (None: a dense model)
 
@@ -129,7 +133,7 @@ class ModelConfig:
             qkv_bias=attention_bias or family in QWEN2_FAMILIES, o_proj_bias=attention_bias,
             mlp_bias=family == "llama" and config.get("mlp_bias", False),
             qk_norm=family in QWEN3_FAMILIES, sliding_window=_sliding_window(config, family),
-            # an integer checkpoint is dequantized at load (int_checkpoints.py): "none"
+            # an integer checkpoint: "none" until weights.load_model keeps it packed (a GPU)
             quantization=("fp8" if checkpoint_int(config) is None and checkpoint_fp8(config)
                           else "none"),
             moe=MoeSpec.from_dict(config, family))

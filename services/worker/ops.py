@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import (activation, fp8, kv_cache, paged_attention, paged_attention_ref,
+from kernels import (activation, fp8, int_gemm, kv_cache, paged_attention, paged_attention_ref,
                      rms_norm as rms_norm_kernels, rotary, sampling, skinny_gemm)
+from kernels.int_pack import IntWeight, int_gemm_ref
 from services.worker import cpu_attention
 
 # ``batch_invariant`` (--batch-invariant, held by the model: ModelConfig.batch_invariant and
@@ -20,15 +21,19 @@ from services.worker import cpu_attention
 # never changes with batching or speculation
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           batch_invariant: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | IntWeight,
+           bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+           out: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """x [num_tokens, in_features] -> [num_tokens, out_features], as nn.Linear. Decode-sized
     batches of the shapes the skinny GEMM was measured faster on take it (batch invariant up
     to its row bound); everything else, and the CPU, F.linear. An FP8 weight comes with its
-    ``weight_scale`` [out_features] (``fp8_linear``). Under ``batch_invariant`` every CUDA
-    projection takes the skinny GEMM. ``out``: written and returned, in x's dtype or fp32
-    (the result's values either way; the skinny GEMM stores fp32 without another launch)."""
+    ``weight_scale`` [out_features] (``fp8_linear``); a packed integer one is an IntWeight
+    (``int_linear``). Under ``batch_invariant`` every CUDA projection takes the skinny GEMM
+    (a packed one the int GEMM's decode launch). ``out``: written and returned, in x's dtype
+    or fp32 (the result's values either way; the skinny GEMM stores fp32 without another
+    launch)."""
+    if isinstance(weight, IntWeight):
+        return int_linear(x, weight, bias, out, batch_invariant)
     if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and (
             skinny_gemm.serves(x.shape[0], weight)
             or (batch_invariant and skinny_gemm.takes(weight))):
@@ -37,6 +42,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         result = fp8_linear(x, weight, weight_scale, bias)
     else:
         result = F.linear(x, weight, bias)
+    return result if out is None else out.copy_(result)
+
+
+def int_linear(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None,
+               out: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
+    """A packed integer projection: kernels/int_gemm.py on CUDA; elsewhere the torch
+    reference on its dequantized weight (tests; the CPU worker dequantizes at load). x [...,
+    in_features]."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.is_cuda:
+        rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+        result = int_gemm.int_gemm(rows, weight, bias, batch_invariant=batch_invariant)
+    else:
+        result = int_gemm_ref(rows, weight, bias)
+    result = result.view(*x.shape[:-1], weight.out_features)
     return result if out is None else out.copy_(result)
 
 
@@ -53,7 +73,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
+def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor | IntWeight,
                         bias: torch.Tensor | None = None,
                         weight_scale: torch.Tensor | None = None,
                         batch_invariant: bool = False) -> torch.Tensor:
@@ -63,6 +83,7 @@ def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     # (not under --batch-invariant: the gated launch's config may tile K otherwise than the
     # plain launch's at rows it does not serve)
     if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and not batch_invariant
+            and isinstance(weight, torch.Tensor)
             and skinny_gemm.serves_gated(x.shape[0], weight)):
         return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias, weight_scale=weight_scale)
     return silu_and_mul(linear(x, weight, bias, weight_scale, batch_invariant=batch_invariant))
@@ -84,7 +105,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return op(x, weight, eps, residual)
 
 
-def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor | IntWeight,
+                        bias: torch.Tensor | None,
                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight_scale: torch.Tensor | None = None, batch_invariant: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,19 +130,20 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     split-K partials [split_k, num_tokens, out_features] and the bias where it splits K at
     this size, else the projection [num_tokens, out_features] (bias in) and None. For a reduce
     that rounds the splits itself (kernels/all_reduce_rms_norm.py)."""
-    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and skinny_gemm.splits_k(x.shape[0],
-                                                                                  weight):
+    if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and isinstance(weight, torch.Tensor)
+            and skinny_gemm.splits_k(x.shape[0], weight)):
         return skinny_gemm.skinny_gemm_partials(x, weight, weight_scale), bias
     return linear(x, weight, bias, weight_scale), None
 
 
-def norm_in_reduce(num_tokens: int, weight: torch.Tensor, residual: torch.Tensor,
+def norm_in_reduce(num_tokens: int, weight: torch.Tensor | IntWeight, residual: torch.Tensor,
                    norm_weight: torch.Tensor) -> bool:
     """Whether ``linear_add_rms_norm`` of num_tokens rows takes the one-reduce path: CUDA
     and a size the skinny GEMM splits K at (o_proj and down
-    at decode batch sizes); see ``skinny_gemm.serves_add_rms_norm``."""
-    return residual.is_cuda and skinny_gemm.serves_add_rms_norm(num_tokens, weight, residual,
-                                                                 norm_weight)
+    at decode batch sizes); see ``skinny_gemm.serves_add_rms_norm``. Not for a packed
+    integer weight (its reduce carries no norm yet)."""
+    return (residual.is_cuda and isinstance(weight, torch.Tensor)
+            and skinny_gemm.serves_add_rms_norm(num_tokens, weight, residual, norm_weight))
 
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,

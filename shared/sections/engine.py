@@ -26,6 +26,7 @@ class Quantization(StrEnum):
 
     NONE = "none"  # in --dtype
     FP8 = "fp8"  # e4m3, a scale per output channel, quantized while loading; CUDA (sm 8.9+) only
+    INT4 = "int4"  # 4 bits, groups of 128 with zero points, rounded while loading; CUDA only
 
 
 class KvCacheDtype(StrEnum):
@@ -81,7 +82,11 @@ class Weights(Section, frozen=True, kw_only=True):
         "none, or fp8: the projections' weights in FP8 (e4m3, a scale per output channel, "
         "quantized while loading), activations quantized per token; half the weight memory, "
         "so more KV blocks. CUDA with FP8 tensor cores (compute capability 8.9+: Ada, "
-        "Hopper) only (docs/quantization.md)")] = Quantization.NONE
+        "Hopper) only; or int4: 4-bit weights (groups of 128 with zero points, rounded to "
+        "nearest while loading, a dummy model's as drawn) kept packed on a CUDA GPU, "
+        "multiplied by the W4A16 kernels; quality unmeasured, meant for benchmarks. An "
+        "integer checkpoint (AWQ, GPTQ, compressed-tensors) stays packed on one GPU without "
+        "it (docs/quantization.md)")] = Quantization.NONE
     seed: Annotated[int, knob("seed of dummy models' random weights")] = 0
 
     def __post_init__(self) -> None:

@@ -62,5 +62,5 @@ def test_a_cpu_worker_refuses_fp8_naming_the_flag(tiny):
     with pytest.raises(ValueError, match="--quantization fp8 needs a CUDA GPU"):
         build_runner(WorkerConfig(device="cpu", quantization="fp8"), tiny)
     assert check_quantization(tiny.path, "none", CPU) == "none"
-    with pytest.raises(ValueError, match="quantization must be one of none, fp8"):
-        WorkerConfig(quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of none, fp8, int4"):
+        WorkerConfig(quantization="int3")
