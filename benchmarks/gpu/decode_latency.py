@@ -94,8 +94,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--num-tokens", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
-                        help="fp8: the projections' weights in FP8 (the worker's flag)")
+    parser.add_argument("--quantization", choices=("none", "fp8", "int4"), default="none",
+                        help="fp8: the projections' weights in FP8; int4: 4-bit packed, "
+                             "groups of 128 with zero points (the worker's flag)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="fp8: keys and values in FP8 (the worker's flag)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -151,7 +152,10 @@ def main() -> None:
                           batch_invariant=args.batch_invariant)
     model = engine.runner.model
     config = model.config
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # (packed integer projections are buffers: int_qweight, int_scales, ...)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for name, b in model.named_buffers()
+        if name.rpartition(".")[2].startswith("int_"))
     embed_bytes = model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
     read_bytes = (weight_bytes - (0 if config.tie_word_embeddings else embed_bytes)
                   - unread_expert_bytes(model))

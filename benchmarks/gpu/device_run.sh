@@ -23,6 +23,17 @@ for stage in "$@"; do
         ${SUITE_ARGS:-} 2>&1 | tee "$OUT/gpu-suite.log" | grep -v "^  \|^$" | tail -40;;
     worker-tests) python3 -m pytest -q -m gpu tests/services/worker tests/cli -p no:cacheprovider -W ignore \
         --ignore=tests/services/worker/test_structured.py --tb=short 2>&1 | tail -30;;
+    # issue 51: the W4A16 GEMM against torch bf16 on the dequantized weights (INT_GEMM_ARGS:
+    # --sweep, --bits 8, ...), then batch-1 decode of the dummy 8B with --quantization int4
+    # beside bf16 (the GPU tests of the packed path: stage int4-tests)
+    int4) python3 -m benchmarks.gpu.int_gemm ${INT_GEMM_ARGS:-} 2>&1 | grep -v '^{' | tail -40
+        for q in int4 none; do
+          python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b --quantization $q \
+              2>&1 | grep -E "^batch-1|Error|error" | tail -3
+        done;;
+    int4-tests) python3 -m pytest -q -m gpu tests/kernels/test_int_gemm.py \
+        tests/services/worker/test_int_weights.py -p no:cacheprovider -W ignore --tb=short 2>&1 \
+        | grep -v "^  \|^$" | tail -30;;
     # issue 15: the skinny GEMM against cuBLAS at decode batch sizes (SKINNY_ARGS: --sweep ...)
     skinny) python3 -m benchmarks.gpu.skinny_gemm ${SKINNY_ARGS:-} 2>&1 | tail -45;;
     # the GPU worker tests with the skinny GEMM on every CUDA linear of up to 16 rows (any

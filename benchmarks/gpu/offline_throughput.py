@@ -151,8 +151,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--quantization", choices=("none", "fp8"), default="none",
-                        help="fp8: the projections' weights in FP8 (the worker's flag)")
+    parser.add_argument("--quantization", choices=("none", "fp8", "int4"), default="none",
+                        help="fp8: the projections' weights in FP8; int4: 4-bit packed "
+                             "(the worker's flag)")
     parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
                         help="fp8: keys and values in FP8 (the worker's flag)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
