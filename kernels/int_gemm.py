@@ -15,6 +15,9 @@ kernels/int_pack.py's layout (``IntWeight``) and dequantized in registers.
 - **prefill** (``int_gemm_prefill``, more rows): 64- or 128-row tiles, the column tiles of a
   band of row tiles side by side (``GROUP_M``) so a weight tile read from memory serves them
   from L2; no split.
+- ``int_gemm_add_rms_norm``: a decode launch with K split (o_proj, down) whose split reduce
+  also adds the residual and applies the RMSNorm after it (kernels/split_reduce.py, as the
+  skinny GEMM's): bitwise the two ops, one launch less.
 - bf16 and fp16 x (fp32 too, in full precision: tests), 4 and 8 bits, any group size that is
   a multiple of per_word (32, 64, 128, ...) or one group (channel-wise), zero points or
   symmetric. The launch config depends on (M bucket, N, K) only; the grid and the split
@@ -32,6 +35,7 @@ import triton.language as tl
 
 from kernels import split_reduce
 from kernels.int_pack import IntWeight, int_gemm_ref  # noqa: F401  (the reference)
+from kernels.rms_norm import MAX_SINGLE_PASS
 from kernels.skinny_tiles import write_tile
 
 DECODE_MAX_M = 16  # rows the decode launch serves
@@ -215,14 +219,22 @@ def _check(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None) -> Non
         raise ValueError(f"bias {tuple(bias.shape)} must be contiguous [{weight.out_features}]")
 
 
-def _launch(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None, out: torch.Tensor,
-            config: IntGemmConfig) -> None:
-    """One launch writing out [M, N] (bias in), and the split reduce when K is split."""
-    m, k = x.shape
-    n, num_words = weight.out_features, weight.qweight.shape[0]
+def _split(num_words: int, config: IntGemmConfig) -> tuple[int, int]:
+    """(words per split, number of splits): whole tiles per split, so the number may come out
+    below config.split_k for a small K."""
     per_split = triton.cdiv(triton.cdiv(num_words, config.split_k), config.block_kw)
     words_per_split = per_split * config.block_kw
-    split_k = triton.cdiv(num_words, words_per_split)
+    return words_per_split, triton.cdiv(num_words, words_per_split)
+
+
+def _launch(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None, out: torch.Tensor,
+            config: IntGemmConfig, norm: tuple | None = None) -> None:
+    """One launch writing out [M, N] (bias in), and the split reduce when K is split; with
+    ``norm`` = (residual, norm_weight, eps) (K split only) the reduce adds each row to the
+    residual, in place, and writes its RMSNorm to out instead."""
+    m, k = x.shape
+    n, num_words = weight.out_features, weight.qweight.shape[0]
+    words_per_split, split_k = _split(num_words, config)
     partial = out
     if split_k > 1:
         partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
@@ -243,7 +255,10 @@ def _launch(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None, out: 
         BLOCK_KW=config.block_kw, GROUP_M=config.group_m, ONE_DOT=config.one_dot,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split_k > 1:
+    if split_k > 1 and norm is not None:
+        residual, norm_weight, eps = norm
+        split_reduce.reduce_splits_add_rms_norm(partial, bias, residual, norm_weight, out, eps)
+    elif split_k > 1:
         split_reduce.reduce_splits(partial, bias, x, out)
 
 
@@ -268,6 +283,44 @@ def int_gemm(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = Non
                   else prefill_config(weight.bits, m, n, k))
     _launch(x, weight, bias, out, config)
     return out
+
+
+def serves_add_rms_norm(num_rows: int, weight: IntWeight, residual: torch.Tensor,
+                        norm_weight: torch.Tensor) -> bool:
+    """Whether ``int_gemm_add_rms_norm`` takes num_rows: the decode launch splits K there, a
+    row the norm holds in registers, one dtype and device."""
+    n, k = weight.shape
+    config = decode_config(weight.bits, n, k)
+    return (weight.qweight.is_cuda and 0 < num_rows <= DECODE_MAX_M
+            and _split(weight.qweight.shape[0], config)[1] > 1 and n <= MAX_SINGLE_PASS
+            and residual.shape == (num_rows, n) and residual.stride(1) == 1
+            and residual.dtype in (torch.bfloat16, torch.float16)
+            and norm_weight.shape == (n,) and norm_weight.is_contiguous()
+            and residual.dtype == norm_weight.dtype
+            and residual.device == norm_weight.device == weight.qweight.device)
+
+
+def int_gemm_add_rms_norm(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None,
+                          residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          config: IntGemmConfig | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm(int_gemm(x, weight, bias), norm_weight, eps, residual)`` with the add and the
+    norm in the split-K reduce, bitwise the same: x [M, K], residual [M, N] (``residual += y``
+    in place), norm_weight [N], all of x's dtype -> (normed [M, N], residual). ``config``
+    (default: the decode launch) must split K."""
+    _check(x, weight, bias)
+    m = x.shape[0]
+    n, k = weight.shape
+    config = config or decode_config(weight.bits, n, k)
+    if _split(weight.qweight.shape[0], config)[1] < 2 or n > MAX_SINGLE_PASS:
+        raise ValueError(f"the norm runs in the split reduce: {config} does not split K = {k} "
+                         f"or {n} columns are more than one pass holds")
+    if residual.shape != (m, n) or residual.stride(1) != 1 or residual.dtype != x.dtype:
+        raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with a contiguous last dim")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m > 0:
+        _launch(x, weight, bias, out, config, norm=(residual, norm_weight, eps))
+    return out, residual
 
 
 def int_gemm_decode(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None = None

@@ -115,6 +115,10 @@ def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor | IntWeight,
     residual [num_tokens, out_features] in place. Where ``norm_in_reduce`` holds, the add and
     the norm run in the skinny GEMM's split-K reduce (bitwise the two ops, one launch less);
     everywhere else, the two ops."""
+    if isinstance(weight, IntWeight) and x.dim() == 2 and norm_in_reduce(
+            x.shape[0], weight, residual, norm_weight):
+        return int_gemm.int_gemm_add_rms_norm(x if x.stride(1) == 1 else x.contiguous(),
+                                              weight, bias, residual, norm_weight, eps)
     if x.dim() == 2 and x.stride(1) == 1 and norm_in_reduce(x.shape[0], weight, residual,
                                                             norm_weight):
         return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps,
@@ -140,10 +144,13 @@ def norm_in_reduce(num_tokens: int, weight: torch.Tensor | IntWeight, residual: 
                    norm_weight: torch.Tensor) -> bool:
     """Whether ``linear_add_rms_norm`` of num_tokens rows takes the one-reduce path: CUDA
     and a size the skinny GEMM splits K at (o_proj and down
-    at decode batch sizes); see ``skinny_gemm.serves_add_rms_norm``. Not for a packed
-    integer weight (its reduce carries no norm yet)."""
-    return (residual.is_cuda and isinstance(weight, torch.Tensor)
-            and skinny_gemm.serves_add_rms_norm(num_tokens, weight, residual, norm_weight))
+    at decode batch sizes); see ``skinny_gemm.serves_add_rms_norm`` (a packed integer
+    weight: ``int_gemm.serves_add_rms_norm``)."""
+    if isinstance(weight, IntWeight):
+        return residual.is_cuda and int_gemm.serves_add_rms_norm(num_tokens, weight, residual,
+                                                                  norm_weight)
+    return residual.is_cuda and skinny_gemm.serves_add_rms_norm(num_tokens, weight, residual,
+                                                                 norm_weight)
 
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor,

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.int_gemm import (DECODE_MAX_M, IntGemmConfig, decode_config, int_gemm,
-                              prefill_config)
+                              int_gemm_add_rms_norm, prefill_config, serves_add_rms_norm)
+from kernels.rms_norm import rms_norm
 from kernels.int_pack import (dequantize, int_gemm_ref, pack, pack_along_k, random_int_weight,
                               unpack_along_k)
 
@@ -138,6 +139,28 @@ def test_default_configs():
     assert rel_err(int_gemm(x, weight), exact(x, weight)) < 1e-5
 
 
+@pytest.mark.parametrize("config", [SPLIT3, ONE_DOT_SPLIT3], ids=["split3", "one_dot_split3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rms_norm_in_the_reduce_is_bitwise_the_two_kernels(config, dtype):
+    """The residual add and the norm in the split reduce: bitwise int_gemm then rms_norm."""
+    g = gen(13)
+    weight = random_int_weight(40, 384, 4, 64, DEVICE, g, act_order=True)
+    x = torch.randn(5, 384, generator=g, device=DEVICE).to(dtype)
+    bias = torch.randn(40, generator=g, device=DEVICE).to(dtype)
+    residual = torch.randn(5, 40, generator=g, device=DEVICE).to(dtype)
+    norm_weight = (1 + 0.5 * torch.randn(40, generator=g, device=DEVICE)).to(dtype)
+    expected, expected_residual = rms_norm(int_gemm(x, weight, bias, config=config),
+                                           norm_weight, 1e-5, residual.clone())
+    stream = residual.clone()
+    normed, returned = int_gemm_add_rms_norm(x, weight, bias, stream, norm_weight, 1e-5,
+                                             config=config)
+    assert returned is stream and torch.equal(stream, expected_residual)
+    assert torch.equal(normed, expected)
+    with pytest.raises(ValueError, match="split"):
+        int_gemm_add_rms_norm(x, weight, bias, stream, norm_weight, 1e-5, config=ONE_PASS)
+    assert not serves_add_rms_norm(5, weight, residual, norm_weight)  # (a CPU weight)
+
+
 def test_rejects_bad_operands():
     weight = random_int_weight(16, 64, 4, 32, DEVICE, gen(1))
     with pytest.raises(ValueError, match="must be"):
@@ -195,3 +218,23 @@ def test_gpu_shapes_in_a_cuda_graph(name):
         torch.cuda.synchronize()
         assert torch.equal(out, int_gemm(x, weight)), (name, m)
         assert rel_err(out, exact(x, weight)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["o_proj", "down"])
+@pytest.mark.parametrize("m", [1, 16])
+def test_gpu_add_rms_norm_in_the_reduce(name, m):
+    """o_proj and down at decode rows: the worker takes the norm-in-reduce launch, bitwise
+    int_gemm then rms_norm in bf16."""
+    n, k = LLAMA_8B[name]
+    g = gen(m)
+    weight = random_int_weight(n, k, 4, 128, DEVICE, g)
+    x = torch.randn(m, k, generator=g, device=DEVICE).bfloat16()
+    residual = torch.randn(m, n, generator=g, device=DEVICE).bfloat16()
+    norm_weight = torch.rand(n, generator=g, device=DEVICE).bfloat16() + 0.5
+    assert serves_add_rms_norm(m, weight, residual, norm_weight)
+    expected, expected_residual = rms_norm(int_gemm(x, weight), norm_weight, 1e-5,
+                                           residual.clone())
+    normed, stream = int_gemm_add_rms_norm(x, weight, None, residual.clone(), norm_weight, 1e-5)
+    assert torch.equal(stream, expected_residual) and torch.equal(normed, expected)
