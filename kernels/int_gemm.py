@@ -132,9 +132,10 @@ def _dequant_dot(words, s, z, acc, x_ptr, perm_ptr, offs_m, m_mask, offs_kw, K, 
 
 
 @triton.jit
-def _dequant_dot_joined(words, s, z, acc, x_ptr, perm_ptr, offs_m, m_mask, kw, K, x_stride, BITS: tl.constexpr, HAS_ZEROS: tl.constexpr,
-                        HAS_PERM: tl.constexpr, FP32_IEEE: tl.constexpr,
-                        BLOCK_KW: tl.constexpr, BLOCK_N: tl.constexpr):
+def _dequant_dot_joined(words, s, z, acc, x_ptr, perm_ptr, offs_m, m_mask, kw, K, x_stride,
+                        BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
+                        FP32_IEEE: tl.constexpr, BLOCK_KW: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
     """``_dequant_dot`` as one dot: the fields unpacked into [BLOCK_KW, per_word, BLOCK_N],
     which row-major is [BLOCK_KW * per_word, BLOCK_N] with input word * per_word + field,
     against x's BLOCK_KW * per_word contiguous columns."""
