@@ -107,10 +107,17 @@ def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.co
 
 
 @triton.jit
+def _field_values(q):
+    """Unsigned bit fields q (int32, below 2^23) as 2^23 + q in fp32, exactly: one OR and a
+    bitcast instead of an int-to-float conversion (a quarter-rate instruction on Hopper)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dequant_dot(words, s, z, acc, x_ptr, perm_ptr, offs_m, m_mask, offs_kw, K, x_stride,
                  BITS: tl.constexpr, HAS_PERM: tl.constexpr, FP32_IEEE: tl.constexpr):
     """acc + x @ W^T over one K tile: words [BLOCK_KW, BLOCK_N] int32, s [BLOCK_KW, BLOCK_N]
-    fp32 and z (int32, a tile or a scalar) of each word's group."""
+    fp32 and z (2^23 + the zero in fp32, a tile or a scalar) of each word's group."""
     PER_WORD: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     for field in tl.static_range(PER_WORD):
@@ -123,7 +130,8 @@ def _dequant_dot(words, s, z, acc, x_ptr, perm_ptr, offs_m, m_mask, offs_kw, K, 
             cols = inputs
         x = tl.load(x_ptr + offs_m[:, None] * x_stride + cols[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_KW]
-        w = ((q - z).to(tl.float32) * s).to(x.dtype)  # the dequantized weights, exactly
+        # (2^23 + q) - (2^23 + z) is q - z exactly: the dequantized weights, bit for bit
+        w = ((_field_values(q) - z) * s).to(x.dtype)
         if FP32_IEEE:
             acc = tl.dot(x, w, acc, input_precision="ieee")
         else:
@@ -145,10 +153,9 @@ def _dequant_dot_joined(words, s, z, acc, x_ptr, perm_ptr, offs_m, m_mask, kw, K
     shifts = tl.arange(0, PER_WORD) * BITS  # [PER_WORD]
     q = (words[:, None, :] >> shifts[None, :, None]) & MASK  # [BLOCK_KW, PER_WORD, BLOCK_N]
     if HAS_ZEROS:
-        q = q - z[:, None, :]
+        w = (_field_values(q) - z[:, None, :]) * s[:, None, :]  # [BLOCK_KW, PER_WORD, BLOCK_N]
     else:
-        q = q - z
-    w = q.to(tl.float32) * s[:, None, :]  # [BLOCK_KW, PER_WORD, BLOCK_N]
+        w = (_field_values(q) - z) * s[:, None, :]
     inputs = kw * PER_WORD + tl.arange(0, BLOCK_K)  # [BLOCK_K]: the tile's inputs in order
     k_mask = inputs < K
     if HAS_PERM:
@@ -192,10 +199,10 @@ def _int_gemm_kernel(
                         other=0)  # [BLOCK_KW, BLOCK_N]
         group_ptrs = (offs_kw // group_words)[:, None] * N + offs_n[None, :]
         s = tl.load(scales_ptr + group_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            z = tl.load(zeros_ptr + group_ptrs, mask=mask, other=0).to(tl.int32)
+        if HAS_ZEROS:  # 2^23 + z, as _field_values holds q
+            z = tl.load(zeros_ptr + group_ptrs, mask=mask, other=0).to(tl.float32) + 8388608.0
         else:
-            z = 1 << (BITS - 1)
+            z = 8388608.0 + (1 << (BITS - 1))
         if ONE_DOT:
             acc = _dequant_dot_joined(words, s, z, acc, x_ptr, perm_ptr, offs_m, m_mask, kw,
                                       K, x_stride, BITS, HAS_ZEROS, HAS_PERM,

@@ -89,6 +89,18 @@ def test_matches_dequantized(config, bits, group_size, zero_points, act_order):
     assert rel_err(out, exact(x, weight)) < 1e-5
 
 
+@pytest.mark.parametrize("config", [ONE_PASS, ONE_DOT], ids=["per_field", "one_dot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bits,zero_points,act_order", [(4, True, True), (8, False, False)])
+def test_registers_hold_the_dequantized_weights_bit_for_bit(config, dtype, bits, zero_points,
+                                                           act_order):
+    """x = the identity: each output is one weight times 1, so the kernel's in-register
+    weights come out as they are: the dequantized checkpoint's, in x's dtype, bit for bit."""
+    weight = random_int_weight(24, 128, bits, 32, DEVICE, gen(bits), zero_points, act_order)
+    eye = torch.eye(128, device=DEVICE, dtype=dtype)
+    assert torch.equal(int_gemm(eye, weight, config=config), dequantize(weight, dtype).T)
+
+
 @pytest.mark.parametrize("config", [ONE_PASS, SPLIT3, BANDS, ONE_DOT_SPLIT3],
                          ids=["one_pass", "split3", "bands", "one_dot_split3"])
 def test_bias_and_rows_past_a_tile(config):
