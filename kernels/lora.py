@@ -1,0 +1,240 @@
+"""LoRA's shrink and expand over a step's rows, each row with its own adapter (Triton).
+
+A step's rows carry ``token_slots`` [num_tokens] int32: the device slot of the row's adapter,
+-1 for a row of the base model. For a projection with slots ``a`` [max_loras, width,
+in_features] and ``b`` [max_loras, out_features, width] (lora_slots.py: width is parts *
+max_rank, the scaling folded into b):
+
+- ``lora_shrink``: y[t] = x[t] @ a[slot(t)]^T, fp32 sums ([num_tokens, width]);
+- ``lora_expand``: out[t] += y[t] @ b[slot(t)]^T, in place; a base row is never read or
+  written, so it keeps its bits.
+
+Rows grouped by slot (Punica's SGMV idea): the kernels read ``lora_rows`` [1 + 2 * n] int32,
+the number n of adapter rows, then their (row, slot) pairs ordered by slot (``group_rows``,
+made on the host from token_slots). A program takes BLOCK_M consecutive pairs, so a tile
+holds one adapter, or a few where a slot's rows end inside it: it loops over the tile's
+slots, each pass masked to that slot's rows (a decode batch interleaving 8 adapters reads
+each adapter's A once per tile, not once per row). The grid comes from num_tokens (in a CUDA
+graph, the bucket's) and n from the device: programs past n return at once, so one capture
+serves any mix of adapter and base rows.
+
+Decode has one tile of rows: a single program would read all of A. The shrink splits
+in_features into ``num_splits`` ranges, each writing its partial sums ([num_splits,
+num_tokens, width] fp32); the expand adds them in split order as it loads y: deterministic,
+no atomics and no launch more. Sizes that change per step are not specialized on (Triton
+would compile anew per token count); the tile shapes take two values (few rows or many).
+
+Numerics: y's sums in fp32, rounded to b's dtype for the expand's product (the torch path
+rounds x @ a^T to the activations' dtype too); the product is added to out in fp32 and rounded
+once. fp32 products in full precision (not tf32). Configs untuned: the shapes' first guess,
+not measured on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+TARGET_PROGRAMS = 64  # shrink programs a launch aims at (row tiles x splits)
+MAX_SPLITS = 16
+MIN_SPLIT_K = 256  # in_features a split covers at least
+
+
+def group_rows(token_slots: np.ndarray) -> np.ndarray:
+    """token_slots [num_tokens] (-1: a base row) -> lora_rows [1 + 2 * n] int32: n, then the
+    n adapter rows' (row, slot) pairs ordered by slot, rows ascending within a slot."""
+    rows = np.flatnonzero(token_slots >= 0)
+    rows = rows[np.argsort(token_slots[rows], kind="stable")]
+    lora_rows = np.empty(1 + 2 * len(rows), np.int32)
+    lora_rows[0] = len(rows)
+    lora_rows[1::2] = rows
+    lora_rows[2::2] = token_slots[rows]
+    return lora_rows
+
+
+def lora_rows_of(token_slots: torch.Tensor) -> torch.Tensor:
+    """``group_rows`` of a tensor, on its device (tests, one-off callers)."""
+    grouped = group_rows(token_slots.cpu().numpy())
+    return torch.from_numpy(grouped).to(token_slots.device)
+
+
+@triton.jit
+def _tile_pairs(lora_rows_ptr, tile, num_pairs, BLOCK_M: tl.constexpr):
+    """(rows [BLOCK_M] int64, slots [BLOCK_M], which are pairs, first slot, last slot)."""
+    index = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_tile = index < num_pairs
+    rows = tl.load(lora_rows_ptr + 1 + 2 * index, mask=in_tile, other=0).to(tl.int64)
+    slots = tl.load(lora_rows_ptr + 2 + 2 * index, mask=in_tile, other=-1)
+    first = tl.min(tl.where(in_tile, slots, 2**30))
+    return rows, slots, in_tile, first, tl.max(slots)
+
+
+@triton.jit
+def _dot(x, w, acc, FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """acc + x [M, K] @ w [N, K]^T on the tensor cores (fp32 in full precision). WIDEN: bf16
+    under the CPU interpreter, whose bf16 tl.dot is wrong, multiplied in fp32."""
+    if WIDEN:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    if FP32_IEEE:
+        return tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit(do_not_specialize=["split_len", "y_stride_split"])
+def _shrink_kernel(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split_len,
+                   x_stride, a_stride_slot, y_stride_split, FP32_IEEE: tl.constexpr,
+                   WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (row tile, split): y[split, row] = x[row, split's k] @ a[slot, :, k]^T."""
+    tile, split = tl.program_id(0), tl.program_id(1)
+    num_pairs = tl.load(lora_rows_ptr)
+    if tile * BLOCK_M >= num_pairs:
+        return
+    rows, slots, in_tile, first, last = _tile_pairs(lora_rows_ptr, tile, num_pairs, BLOCK_M)
+    cols = tl.arange(0, BLOCK_W)
+    col_mask = cols < width
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = split * split_len
+    k_end = tl.minimum(k_start + split_len, in_features)
+    y = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    for slot in range(first, last + 1):
+        chosen = in_tile & (slots == slot)
+        if tl.sum(chosen.to(tl.int32)) > 0:  # (slots between two present ones may be absent)
+            acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+            a_base = a_ptr + tl.cast(slot, tl.int64) * a_stride_slot + cols[:, None] * in_features
+            for k in range(k_start, k_end, BLOCK_K):
+                ks = k + offs_k
+                k_mask = ks < k_end
+                x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :],
+                            mask=chosen[:, None] & k_mask[None, :], other=0.0)
+                a = tl.load(a_base + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
+                            other=0.0)
+                acc = _dot(x, a, acc, FP32_IEEE, WIDEN)
+            y = tl.where(chosen[:, None], acc, y)
+    y_ptrs = y_ptr + split * y_stride_split + rows[:, None] * width + cols[None, :]
+    tl.store(y_ptrs, y, mask=in_tile[:, None] & col_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_splits", "y_stride_split"])
+def _expand_kernel(y_ptr, b_ptr, lora_rows_ptr, out_ptr, out_features, width, num_splits,
+                   y_stride_split, out_stride, b_stride_slot, FP32_IEEE: tl.constexpr,
+                   WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Program (row tile, column tile): out[row, cols] += (sum of y's splits) @ b[slot, cols]^T."""
+    tile, n_tile = tl.program_id(0), tl.program_id(1)
+    num_pairs = tl.load(lora_rows_ptr)
+    if tile * BLOCK_M >= num_pairs:
+        return
+    rows, slots, in_tile, first, last = _tile_pairs(lora_rows_ptr, tile, num_pairs, BLOCK_M)
+    cols_w = tl.arange(0, BLOCK_W)
+    w_mask = cols_w < width
+    y_ptrs = y_ptr + rows[:, None] * width + cols_w[None, :]
+    y_mask = in_tile[:, None] & w_mask[None, :]
+    y = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    for split in range(0, num_splits):  # (in split order: the same sum every run)
+        y += tl.load(y_ptrs + split * y_stride_split, mask=y_mask, other=0.0)
+    y = y.to(b_ptr.dtype.element_ty)
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < out_features
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for slot in range(first, last + 1):
+        chosen = in_tile & (slots == slot)
+        if tl.sum(chosen.to(tl.int32)) > 0:
+            b_ptrs = (b_ptr + tl.cast(slot, tl.int64) * b_stride_slot + offs_n[:, None] * width
+                      + cols_w[None, :])
+            b = tl.load(b_ptrs, mask=n_mask[:, None] & w_mask[None, :], other=0.0)
+            part = _dot(y, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_IEEE,
+                        WIDEN)
+            delta = tl.where(chosen[:, None], part, delta)
+    out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
+    out_mask = in_tile[:, None] & n_mask[None, :]
+    out = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, (out + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _block_m(num_tokens: int) -> int:
+    """Rows a tile takes: few at decode sizes (a tile per adapter's handful of rows)."""
+    return 16 if num_tokens <= 256 else 64
+
+
+def shrink_splits(num_tokens: int, in_features: int, block_k: int) -> tuple[int, int]:
+    """(num_splits, split_len): enough programs to spread A's read over the GPU when the
+    rows make few tiles, each split a multiple of block_k and at least MIN_SPLIT_K long."""
+    num_tiles = triton.cdiv(num_tokens, _block_m(num_tokens))
+    num_splits = max(1, min(MAX_SPLITS, in_features // MIN_SPLIT_K,
+                            triton.cdiv(TARGET_PROGRAMS, num_tiles)))
+    split_len = triton.cdiv(triton.cdiv(in_features, num_splits), block_k) * block_k
+    return triton.cdiv(in_features, split_len), split_len
+
+
+def _widen(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.bfloat16
+
+
+def _check(t: torch.Tensor, name: str) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (strides {t.stride()})")
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, lora_rows: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, in_features], a [max_loras, width, in_features] (contiguous), lora_rows
+    (``group_rows``) -> y [num_splits, num_tokens, width] fp32: per split of in_features its
+    partial sums at the adapter rows (other rows unwritten); ``lora_expand`` adds them."""
+    num_tokens, in_features = x.shape
+    width = a.shape[1]
+    _check(x, "x")
+    if not a.is_contiguous() or a.shape[2] != in_features:
+        raise ValueError(f"a {tuple(a.shape)} must be contiguous [max_loras, width, "
+                         f"{in_features}]")
+    block_m, block_k = _block_m(num_tokens), 64
+    num_splits, split_len = shrink_splits(num_tokens, in_features, block_k)
+    y = torch.empty(num_splits, num_tokens, width, dtype=torch.float32, device=x.device)
+    if num_tokens:
+        _shrink_kernel[(triton.cdiv(num_tokens, block_m), num_splits)](
+            x, a, lora_rows, y, in_features, width, split_len, x.stride(0), a.stride(0),
+            y.stride(0), FP32_IEEE=x.dtype == torch.float32, WIDEN=_widen(x), BLOCK_M=block_m,
+            BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_K=block_k, num_warps=4)
+    return y
+
+
+def lora_expand(y: torch.Tensor, b: torch.Tensor, lora_rows: torch.Tensor,
+                out: torch.Tensor) -> torch.Tensor:
+    """out [num_tokens, out_features] += y (``lora_shrink``'s, splits summed) @ b[slot]^T at
+    the adapter rows, in place; b [max_loras, out_features, width] contiguous."""
+    num_splits, num_tokens, width = y.shape
+    out_features = b.shape[1]
+    _check(out, "out")
+    if not b.is_contiguous() or b.shape[2] != width or out.shape != (num_tokens, out_features):
+        raise ValueError(f"b {tuple(b.shape)}, out {tuple(out.shape)} do not fit y "
+                         f"{tuple(y.shape)}")
+    block_m = _block_m(num_tokens)
+    block_w = max(16, triton.next_power_of_2(width))
+    block_n = 64 if block_w <= 128 else 32
+    if num_tokens:
+        _expand_kernel[(triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, block_n))](
+            y, b, lora_rows, out, out_features, width, num_splits, y.stride(0), out.stride(0),
+            b.stride(0), FP32_IEEE=b.dtype == torch.float32, WIDEN=_widen(b), BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
+    return out
+
+
+def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor
+                    ) -> torch.Tensor:
+    """Plain torch: y [num_tokens, width] fp32, zeros at base rows."""
+    y = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    for slot in token_slots.unique().tolist():
+        if slot >= 0:
+            rows = token_slots == slot
+            y[rows] = x[rows].float() @ a[slot].float().T
+    return y
+
+
+def lora_expand_ref(y: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor,
+                    out: torch.Tensor) -> torch.Tensor:
+    """Plain torch, as lora_expand (y [num_tokens, width], its splits summed): in place."""
+    for slot in token_slots.unique().tolist():
+        if slot >= 0:
+            rows = token_slots == slot
+            delta = y[rows].to(b.dtype).float() @ b[slot].float().T
+            out[rows] = (out[rows].float() + delta).to(out.dtype)
+    return out
