@@ -20,6 +20,11 @@ rotary and KV write) is one graph per token-count bucket: num_layers + 1 replays
 num_layers attention launches a step instead of ~10 launches a layer. Padding rows write to
 slot -1 and are never read by attention or the logits.
 
+With LoRA on CUDA (lora_slots.py) both classes capture each bucket twice: as above, and with
+the adapters' deltas (``lora_capture``: the kernels read the step's adapter rows from a static
+buffer); a step with adapter rows replays the second, any other the first. The two share the
+bucket's pool and static buffers.
+
 Every bucket writes its logits into one static buffer: an output kept alive per graph would stay
 in the shared pool, and at 1,024 sequences with a 128k vocabulary those outputs alone came to
 ~17 GiB (the KV cache had been sized without them, so capture ran out of memory).
@@ -28,8 +33,8 @@ in the shared pool, and at 1,024 sequences with a 128k vocabulary those outputs 
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 
 import structlog
 import torch
@@ -40,6 +45,8 @@ from services.worker.config import WorkerConfig
 from services.worker.model import AttentionMetadata, Transformer, sparse_rows, wait_events
 
 log = structlog.get_logger()
+
+LoraCapture = Callable[[], AbstractContextManager] | None  # (lora_slots.py: graph_capture)
 
 
 @contextmanager
@@ -80,8 +87,9 @@ class DecodeGraphs:
     logits (speculative decoding's verify steps: a token and its drafts)."""
 
     def __init__(self, model: Transformer, max_batch_size: int, max_blocks_per_seq: int,
-                 max_model_len: int, device: torch.device, query_len: int = 1) -> None:
-        self.model = model
+                 max_model_len: int, device: torch.device, query_len: int = 1,
+                 lora_capture: LoraCapture = None) -> None:
+        self.model, self.lora_capture = model, lora_capture
         self.buckets = batch_buckets(max_batch_size)
         self.max_model_len = max_model_len
         self.query_len = query_len
@@ -101,6 +109,7 @@ class DecodeGraphs:
         self.logits = torch.empty(num_tokens, model.config.vocab_size, dtype=torch.float32,
                                   device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # (with the deltas)
 
     def _metadata(self, batch_size: int) -> AttentionMetadata:
         num_tokens = batch_size * self.query_len
@@ -119,9 +128,13 @@ class DecodeGraphs:
         with collector_paused():
             for batch_size in sorted(buckets or self.buckets, reverse=True):
                 self.graphs[batch_size] = self._capture(batch_size, pool)
+                if self.lora_capture is not None:
+                    with self.lora_capture():
+                        self.lora_graphs[batch_size] = self._capture(batch_size, pool)
         self._warm_up_step_launches()
         torch.cuda.synchronize()
-        log.info("cuda_graphs_captured", buckets=sorted(self.graphs))
+        log.info("cuda_graphs_captured", buckets=sorted(self.graphs),
+                 lora_buckets=sorted(self.lora_graphs))
 
     def _capture(self, batch_size: int, pool: tuple[int, int]) -> torch.cuda.CUDAGraph:
         """One bucket's graph, its kernels run once first, outside the capture."""
@@ -154,17 +167,20 @@ class DecodeGraphs:
     def bucket_for(self, batch_size: int) -> int | None:
         return smallest_bucket(self.buckets, batch_size)
 
-    def runs(self, num_tokens: int, num_seqs: int, max_query_len: int, num_logits: int
-             ) -> bool:
+    def runs(self, num_tokens: int, num_seqs: int, max_query_len: int, num_logits: int,
+             lora: bool = False) -> bool:
         """Whether it runs a whole step of this shape: ``query_len`` tokens a sequence,
-        every token's logits wanted (sampled or verified), a bucket holding the sequences."""
+        every token's logits wanted (sampled or verified), a bucket holding the sequences;
+        ``lora``: the step has adapter rows (graphs with the deltas needed)."""
         return (max_query_len == self.query_len
                 and num_tokens == num_seqs * self.query_len == num_logits
-                and self.bucket_for(num_seqs) is not None)
+                and self.bucket_for(num_seqs) is not None
+                and (not lora or self.lora_capture is not None))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata,
-            pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+            pending: tuple[torch.Tensor, torch.Tensor] | None = None, lora: bool = False
+            ) -> torch.Tensor:
         """One step of query_len tokens per sequence -> logits [num_tokens, vocab_size].
         Its inputs reach the static buffers in one launch (kernels/step_inputs.py), padding
         rows writing nowhere and attending to cached slots of block 0; ``pending``: (source
@@ -177,7 +193,7 @@ class DecodeGraphs:
                           metadata.block_tables.contiguous(),
                           (self.input_ids, self.positions, self.slot_mapping, self.seq_lens,
                            self.block_tables), bucket, self.query_len, pending)
-        self.graphs[bucket].replay()
+        (self.lora_graphs if lora else self.graphs)[bucket].replay()
         return self.logits[:num_tokens]
 
 
@@ -205,10 +221,10 @@ class PiecewiseGraphs:
     """Steps of any query lengths: graphs between the attentions (see the module's text)."""
 
     def __init__(self, model: Transformer, max_num_tokens: int, device: torch.device,
-                 use_graphs: bool = True) -> None:
+                 use_graphs: bool = True, lora_capture: LoraCapture = None) -> None:
         """use_graphs False runs the same pieces uncaptured (tests: the CPU can check the
         static buffers and padding; the GPU, graphs against their own pieces)."""
-        self.model = model
+        self.model, self.lora_capture = model, lora_capture
         self.buckets = token_buckets(max_num_tokens)
         self.use_graphs = use_graphs
         config, attn = model.config, model.layers[0].self_attn
@@ -224,6 +240,7 @@ class PiecewiseGraphs:
         self.hidden = torch.zeros(size, config.hidden_size, dtype=dtype, device=device)
         self.residual = torch.zeros_like(self.hidden)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.lora_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # (with the deltas)
         self.num_steps = 0  # steps run
 
     def _pieces(self, num_tokens: int) -> list:
@@ -272,27 +289,40 @@ class PiecewiseGraphs:
         pool = torch.cuda.graph_pool_handle()
         with collector_paused():
             for num_tokens in sorted(buckets or self.buckets, reverse=True):
-                pieces = self._pieces(num_tokens)
-                for piece in pieces:  # warm-up: Triton compiles outside the capture
-                    piece()
-                torch.cuda.synchronize()
-                graphs = []
-                for piece in pieces:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        piece()
-                    graphs.append(graph)
-                self.graphs[num_tokens] = graphs
+                self.graphs[num_tokens] = self._capture(num_tokens, pool)
+                if self.lora_capture is not None:
+                    with self.lora_capture():
+                        self.lora_graphs[num_tokens] = self._capture(num_tokens, pool)
         torch.cuda.synchronize()
         log.info("piecewise_graphs_captured", buckets=sorted(self.graphs),
-                 num_graphs=sum(len(g) for g in self.graphs.values()))
+                 num_graphs=sum(len(g) for g in self.graphs.values()),
+                 lora_buckets=sorted(self.lora_graphs))
+
+    def _capture(self, num_tokens: int, pool: tuple[int, int]) -> list[torch.cuda.CUDAGraph]:
+        pieces = self._pieces(num_tokens)
+        for piece in pieces:  # warm-up: Triton compiles outside the capture
+            piece()
+        torch.cuda.synchronize()
+        graphs = []
+        for piece in pieces:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                piece()
+            graphs.append(graph)
+        return graphs
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return smallest_bucket(self.buckets, num_tokens)
 
+    def takes(self, num_tokens: int, lora: bool = False) -> bool:
+        """Whether a step of ``num_tokens`` fits a bucket (``lora``: with adapter rows)."""
+        return (self.bucket_for(num_tokens) is not None
+                and (not lora or self.lora_capture is not None or not self.use_graphs))
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             metadata: AttentionMetadata,
-            layer_waits: Sequence[Sequence[torch.cuda.Event]] | None = None) -> torch.Tensor:
+            layer_waits: Sequence[Sequence[torch.cuda.Event]] | None = None,
+            lora: bool = False) -> torch.Tensor:
         """One step of ``num_tokens`` <= the largest bucket -> logits [num_sampled, vocab_size].
         ``layer_waits``: per layer, events its attention waits for (between the pieces)."""
         num_tokens = input_ids.shape[0]
@@ -304,7 +334,8 @@ class PiecewiseGraphs:
         self.slot_mapping[:num_tokens].copy_(metadata.slot_mapping)
         self.slot_mapping[num_tokens:bucket].fill_(-1)  # padding writes nowhere
         if self.use_graphs:
-            pieces = [graph.replay for graph in self.graphs[bucket]]
+            graphs = (self.lora_graphs if lora else self.graphs)[bucket]
+            pieces = [graph.replay for graph in graphs]
         else:
             pieces = self._pieces(bucket)
         query, attention_out = self.query[:num_tokens], self.attention_out[:num_tokens]
@@ -337,16 +368,19 @@ def mixed_graph_tokens(config: WorkerConfig) -> int:
 
 
 def capture_step_graphs(model: Transformer, config: WorkerConfig, max_model_len: int,
-                        device: torch.device
+                        device: torch.device, lora_capture: LoraCapture = None
                         ) -> tuple[DecodeGraphs, DecodeGraphs | None, PiecewiseGraphs | None]:
     """The worker's graphs, captured: decode steps, verify steps (None without
-    speculative decoding) and steps in pieces (None: max_graph_tokens 0)."""
+    speculative decoding) and steps in pieces (None: max_graph_tokens 0); decode and
+    piecewise ones with LoRA's deltas too where ``lora_capture`` (verify steps with adapter
+    rows run piecewise)."""
     decode = DecodeGraphs(model, config.max_num_seqs, -(-max_model_len // config.block_size),
-                          max_model_len, device)
+                          max_model_len, device, lora_capture=lora_capture)
     decode.capture()
     mixed = None
     if mixed_graph_tokens(config):
-        mixed = PiecewiseGraphs(model, mixed_graph_tokens(config), device)
+        mixed = PiecewiseGraphs(model, mixed_graph_tokens(config), device,
+                                lora_capture=lora_capture)
         mixed.capture()
     verify = None
     if config.num_speculative_tokens:

@@ -16,20 +16,31 @@ p*max_rank + r) of ``a``, its B in ``b``'s rows of p (q, then k, then v; gate, t
 columns [p*max_rank, p*max_rank + r); everything else is exact zeros, so a smaller rank or an
 untargeted part adds exactly nothing. The scaling is folded into B.
 
-Slots are filled on the device's stream, ordered after the kernels of a step still in flight
-that read the slot's old adapter. A step with adapter rows runs eagerly (no CUDA graphs hold
-the deltas yet); a step without any uses the graphs as before.
+On CUDA the deltas are kernels/lora.py's shrink and expand, one launch each per projection,
+over the step's adapter rows grouped by slot: the runner's ``begin`` writes them (``lora_rows``,
+that module's layout) into one static device buffer the holder keeps, so a CUDA graph
+captured with LoRA active (``capturing``: cuda_graphs.py keeps a second set of graphs) serves
+any step with adapter rows; a step without any runs the graphs captured without LoRA, the
+same kernels as with LoRA off. On the CPU (and with ``lora_rows`` None) the segments above
+with torch ops, the reference.
+
+Slots are filled on the device's stream, ordered after the kernels (or graph replays) of a
+step still in flight that read the slot's old adapter; so is the copy into ``lora_rows``.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import structlog
 import torch
+
+from kernels.lora import group_rows, lora_expand, lora_shrink
 
 from services.worker.lora import (
     FUSED_PARTS, LoraAdapter, base_shapes, load_adapter, part_shapes, shard_part,
@@ -38,6 +49,7 @@ from shared.lora_adapters import content_hash
 from services.worker.model_config import ModelConfig
 
 if TYPE_CHECKING:  # (step_inputs imports the model, whose layers import this module)
+    from services.worker.staging import HostStaging
     from services.worker.step_inputs import SequenceChunk
     from services.worker.step_state import RequestState
 
@@ -51,11 +63,15 @@ class LoraStep:
 
 
 class LoraBatch:
-    """The holder the model's ``LinearLora``s share: the step's segments, None between
-    steps and in steps without adapter rows."""
+    """The holder the model's ``LinearLora``s share. ``active``: the step in progress has
+    adapter rows (or a capture holds the deltas); ``step``: its segments (None between steps
+    and in steps without adapter rows); ``lora_rows``: CUDA, the static buffer [1 + 2 *
+    max_num_tokens] int32 the kernels read (None: the segments' torch ops)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lora_rows: torch.Tensor | None = None) -> None:
         self.step: LoraStep | None = None
+        self.lora_rows = lora_rows
+        self.active = False
 
 
 class LinearLora:
@@ -71,15 +87,17 @@ class LinearLora:
     @property
     def active(self) -> bool:
         """The step in progress has adapter rows."""
-        return self.batch.step is not None
+        return self.batch.active
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features], out [num_tokens, out_features]: out plus each
-        segment's delta (in place); out unchanged without a LoRA step."""
-        step = self.batch.step
-        if step is None:
+        adapter row's delta (in place); out unchanged without a LoRA step."""
+        if not self.batch.active:
             return out
-        for slot, start, end in step.segments:
+        lora_rows = self.batch.lora_rows
+        if lora_rows is not None:  # [num_splits, num_tokens, parts * max_rank] fp32 between
+            return lora_expand(lora_shrink(x, self.a, lora_rows), self.b, lora_rows, out)
+        for slot, start, end in self.batch.step.segments:
             shrunk = x[start:end] @ self.a[slot].T  # [rows, parts * max_rank]
             out[start:end] += shrunk @ self.b[slot].T  # [rows, out_features]
         return out
@@ -107,6 +125,7 @@ class NoLora:
     active = False
 
     base_shapes = None  # (announced: the worker computes no adapter)
+    graph_capture = None  # (no graphs with LoRA deltas)
 
     def resolve(self, request_id: str, lora_name: str, lora_path: str = "",
                 lora_hash: str = "") -> str:
@@ -141,12 +160,17 @@ class LoraSlots:
     the step uses, preferring ones no running request uses), and each step's segments."""
 
     def __init__(self, model: torch.nn.Module, modules: list[tuple[str, str]], max_loras: int,
-                 max_rank: int, max_cpu_loras: int, device: torch.device, dtype: torch.dtype):
+                 max_rank: int, max_cpu_loras: int, device: torch.device, dtype: torch.dtype,
+                 max_num_tokens: int = 0, staging: HostStaging | None = None):
+        """``max_num_tokens``: the most tokens a step has (CUDA: the kernels' row buffer);
+        ``staging``: the runner's pinned buffers, which that buffer is copied in through."""
         # the whole model's (adapters are checked and split by it); slots are this rank's
         self.config: ModelConfig = model.whole_config
         self.tp = model.tp
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
-        self.batch = LoraBatch()
+        self.max_num_tokens, self.staging, self.device = max_num_tokens, staging, device
+        self.batch = LoraBatch(torch.zeros(1 + 2 * max_num_tokens, dtype=torch.int32,
+                                           device=device) if device.type == "cuda" else None)
         attach_linear_loras(model, self.batch, max_loras, max_rank, device, dtype)
         self.layers = list(model.layers)
         self.paths: dict[str, str] = {}  # registered key -> directory
@@ -161,7 +185,24 @@ class LoraSlots:
 
     @property
     def active(self) -> bool:
-        return self.batch.step is not None
+        return self.batch.active
+
+    @property
+    def graph_capture(self) -> Callable[[], contextlib.AbstractContextManager] | None:
+        """What a CUDA graph holding the deltas is captured under (None: the torch path,
+        which runs such steps eagerly)."""
+        return None if self.batch.lora_rows is None else self.capturing
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        """LoRA active over no adapter rows (the kernels launch and add nothing): the graphs
+        captured inside replay any step's rows from ``lora_rows``."""
+        self.batch.lora_rows[:1].zero_()
+        self.batch.active = True
+        try:
+            yield
+        finally:
+            self.batch.active = False
 
     def register(self, name: str, path: str) -> LoraAdapter:
         """Load and check adapter ``name``; a ValueError names what is wrong."""
@@ -224,9 +265,29 @@ class LoraSlots:
                     segments.append((slot, start, start + rows))
             start += rows
         self.batch.step = LoraStep(tuple(segments)) if segments else None
+        self.batch.active = bool(segments)
+        if segments and self.batch.lora_rows is not None:
+            self._copy_rows(segments, start)
+
+    def _copy_rows(self, segments: list[tuple[int, int, int]], num_tokens: int) -> None:
+        """The step's rows grouped by slot into ``lora_rows``, on the step's stream (after
+        the kernels of a step in flight that read it)."""
+        if num_tokens > self.max_num_tokens:
+            raise ValueError(f"a LoRA step of {num_tokens} tokens, more than max_num_tokens "
+                             f"{self.max_num_tokens}")
+        token_slots = np.full(num_tokens, -1, np.int32)  # [num_tokens]
+        for slot, first, end in segments:
+            token_slots[first:end] = slot
+        grouped = group_rows(token_slots)  # [1 + 2 * num adapter rows]
+        if self.staging is not None:
+            source = self.staging.to_device([grouped], np.int32)[0]
+        else:
+            source = torch.from_numpy(grouped).to(self.device)
+        self.batch.lora_rows[:len(grouped)].copy_(source)
 
     def end(self) -> None:
         self.batch.step = None
+        self.batch.active = False
 
     def _ensure_slot(self, name: str, wanted: set[str], running: Callable[[], set[str]]
                      ) -> int:

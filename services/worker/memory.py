@@ -18,7 +18,8 @@ import torch
 
 from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.sampling import sample_tokens
-from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, verify_graphs
+from services.worker.cuda_graphs import (DecodeGraphs, LoraCapture, PiecewiseGraphs,
+                                         verify_graphs)
 from services.worker.draft_model import MAX_GRAPH_BATCH
 from services.worker.model import AttentionMetadata, Transformer
 
@@ -49,12 +50,14 @@ def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: 
                            graph_num_tokens: int = 0,
                            kv_dtype: torch.dtype | None = None,
                            draft: Transformer | None = None,
-                           num_speculative_tokens: int = 0) -> MemoryProfile:
+                           num_speculative_tokens: int = 0,
+                           lora_capture: LoraCapture = None) -> MemoryProfile:
     """graph_batch_size: the largest decode batch captured as a CUDA graph (None: no graphs);
     graph_num_tokens: the largest step captured as piecewise graphs (0: none); kv_dtype: the
     cache's (None: dtype); draft: speculative decoding's draft model (its weights are
     loaded; its decode graphs are measured here too); num_speculative_tokens: K, verify steps'
-    graphs captured for K + 1 tokens a sequence (0: none)."""
+    graphs captured for K + 1 tokens a sequence (0: none); lora_capture: LoRA's, the decode
+    and piecewise graphs with the deltas measured too (cuda_graphs.py)."""
     config = model.config
     seq_lens = [min(max_model_len, num_tokens - start) for start in range(0, num_tokens, max_model_len)]
     num_blocks = sum(-(-n // block_size) for n in seq_lens)
@@ -74,7 +77,8 @@ def profile_kv_cache_bytes(model: Transformer, *, num_tokens: int, num_sampled: 
     del logits, metadata, input_ids, positions
     cuda_graph_bytes = _cuda_graph_bytes(model, graph_batch_size, graph_num_tokens,
                                          max_model_len, block_size, device,
-                                         num_speculative_tokens) if graph_batch_size else 0
+                                         num_speculative_tokens, lora_capture) \
+        if graph_batch_size else 0
     if draft is not None and graph_batch_size:
         draft.bind_kv_cache(allocate_kv_cache(  # graphs capture over block 0 only
             draft.config.num_layers, 1, block_size, draft.config.num_kv_heads,
@@ -133,8 +137,8 @@ def _sample_with_filters(logits: torch.Tensor) -> None:
 
 
 def _cuda_graph_bytes(model: Transformer, batch_size: int, num_tokens: int, max_model_len: int,
-                      block_size: int, device: torch.device, num_speculative_tokens: int = 0
-                      ) -> int:
+                      block_size: int, device: torch.device, num_speculative_tokens: int = 0,
+                      lora_capture: LoraCapture = None) -> int:
     """GPU memory the graphs keep: capture the largest decode bucket and the largest piecewise
     bucket (the smaller ones share their pools) on the scratch cache, and count what stays
     allocated."""
@@ -142,11 +146,11 @@ def _cuda_graph_bytes(model: Transformer, batch_size: int, num_tokens: int, max_
     torch.cuda.empty_cache()
     free_before = torch.cuda.mem_get_info(device)[0]
     graphs = DecodeGraphs(model, batch_size, -(-max_model_len // block_size), max_model_len,
-                          device)
+                          device, lora_capture=lora_capture)
     graphs.capture([graphs.buckets[-1]])
     mixed = None
     if num_tokens:
-        mixed = PiecewiseGraphs(model, num_tokens, device)
+        mixed = PiecewiseGraphs(model, num_tokens, device, lora_capture=lora_capture)
         mixed.capture([mixed.buckets[-1]])
     verify = None
     if num_speculative_tokens:

@@ -18,8 +18,9 @@ decoding enters the same way: the worker's proposer (``self.proposer``, draft_mo
 ``propose``, ``fill``, ``read_back``, ``settle``; ``NoDraftModel`` without a draft model)
 and the acceptance rule (``self.verify``, speculation.py). LoRA adapters too (``self.lora``,
 lora_slots.py: ``resolve`` a request's adapter at arrival, ``begin`` a step's segments and
-slots before its forward, ``end`` them after; ``NoLora`` with LoRA off); a step with adapter
-rows runs eagerly, never in a CUDA graph.
+slots before its forward, ``end`` them after; ``NoLora`` with LoRA off); on CUDA a step with
+adapter rows replays the graphs captured with the deltas (cuda_graphs.py), the torch path's
+steps (the CPU) run eagerly.
 
 ``build_runner`` (runner_build.py) assembles the runner's parts; a plan's entries are
 checked and turned into chunks by step_chunks.py.
@@ -348,25 +349,23 @@ class ModelRunner:
         in flight) for a whole-step graph to put in place."""
         graphs = self._whole_graph(len(input_ids), len(metadata.seq_lens),
                                    metadata.max_query_len, len(metadata.logits_indices))
+        lora = self.lora.active  # (the graphs with LoRA's deltas)
         if graphs is not None:
             assert layer_waits is None, "a whole-step graph cannot wait between its layers"
-            return graphs.run(input_ids, positions, metadata, pending)
+            return graphs.run(input_ids, positions, metadata, pending, lora=lora)
         assert pending is None, "pending tokens go in place before any other forward"
-        if self._mixed_graphs is not None and not self.lora.active \
-                and self._mixed_graphs.bucket_for(len(input_ids)) is not None:
-            return self._mixed_graphs.run(input_ids, positions, metadata, layer_waits)
+        if self._mixed_graphs is not None and self._mixed_graphs.takes(len(input_ids), lora):
+            return self._mixed_graphs.run(input_ids, positions, metadata, layer_waits, lora=lora)
         return self.model(input_ids, positions, metadata, layer_waits)
 
     def _whole_graph(self, num_tokens: int, num_seqs: int, max_query_len: int,
                      num_logits: int) -> DecodeGraphs | None:
         """The graph that runs a whole step of this shape: a decode graph (one query a
-        sequence) or a verify graph (a token and K drafts a sequence); None: none does (nor
-        for a step with LoRA rows)."""
-        if self.lora.active:
-            return None
+        sequence) or a verify graph (a token and K drafts a sequence); None: none does (a
+        step with LoRA rows: none captured with the deltas)."""
         return next((graphs for graphs in (self._graphs, self._verify_graphs) if graphs
                      is not None and graphs.runs(num_tokens, num_seqs, max_query_len,
-                                                 num_logits)), None)
+                                                 num_logits, self.lora.active)), None)
 
     def _no_whole_graph(self, chunks: list[SequenceChunk], layout: LogitsLayout | None = None
                         ) -> bool:

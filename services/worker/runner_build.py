@@ -48,7 +48,8 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
                        quantization=check_quantization(model_files.path, config.quantization,
                                                        device),
                        tp=tp, batch_invariant=config.batch_invariant)
-    lora = _lora(config, model, device, dtype)  # (its slots before the memory profile)
+    staging = HostStaging(device) if device.type == "cuda" else None
+    lora = _lora(config, model, device, dtype, staging)  # (its slots before the memory profile)
     max_model_len = model.config.usable_context_len(config.max_model_len)
     kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, device)
     if kv_dtype == FP8_KV_DTYPE:  # before the profile and graphs: they use the scales
@@ -61,14 +62,13 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
         kv_bytes_per_block(draft, config.block_size, dtype) if draft is not None else 0)
     # every rank the same block space: the fewest any rank's memory holds
     num_blocks = ranks.tp.agree_min(_kv_cache_budget(config, model, draft, kv_dtype,
-                                                     max_model_len, device, dtype)
+                                                     max_model_len, device, dtype, lora)
                                     // bytes_per_block)
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {config.kv_cache_memory} holds no block "
                          f"({bytes_per_block} bytes each)")
     kv_cache = _allocate_cache(model, num_blocks, config.block_size, kv_dtype, device)
     model.bind_kv_cache(kv_cache)
-    staging = HostStaging(device) if device.type == "cuda" else None
     proposer = NoDraftModel() if draft is None else DraftModel(
         draft, config.draft_model, _allocate_cache(draft, num_blocks, config.block_size, dtype,
                                                    device),
@@ -80,7 +80,7 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
         eos_token_ids=eos_token_ids, kv_cache=kv_cache,
         kv_cache_bytes=num_blocks * bytes_per_block, staging=staging, proposer=proposer,
         sampler=_sampler(model, model_files.path, eos_token_ids, device),
-        graphs=_compile(config, model, proposer, max_model_len, device),
+        graphs=_compile(config, model, proposer, max_model_len, device, lora),
         overlap_steps=config.overlap_steps == "on" or (
             config.overlap_steps == "auto" and device.type == "cuda"),
         kv_load_groups=usable_load_groups(config, model.config.num_layers, device), lora=lora,
@@ -109,13 +109,14 @@ def _device_and_dtype(config: WorkerConfig) -> tuple[torch.device, torch.dtype]:
 
 
 def _lora(config: WorkerConfig, model: Transformer, device: torch.device,
-          dtype: torch.dtype) -> LoraSlots | NoLora:
+          dtype: torch.dtype, staging: HostStaging | None) -> LoraSlots | NoLora:
     """The LoRA seam: the registered adapters (each checked against the model) and their
     device slots with --enable-lora, else the null one."""
     if not config.enable_lora:
         return NoLora()
     return LoraSlots(model, config.lora_module_list, config.max_loras, config.max_lora_rank,
-                     config.max_cpu_loras, device, dtype)
+                     config.max_cpu_loras, device, dtype,
+                     max_num_tokens=config.max_num_batched_tokens, staging=staging)
 
 
 def _allocate_cache(model: Transformer, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -128,7 +129,7 @@ def _allocate_cache(model: Transformer, num_blocks: int, block_size: int, dtype:
 
 def _kv_cache_budget(config: WorkerConfig, model: Transformer, draft: Transformer | None,
                      kv_dtype: torch.dtype, max_model_len: int, device: torch.device,
-                     dtype: torch.dtype) -> int:
+                     dtype: torch.dtype, lora: LoraSlots | NoLora) -> int:
     """Bytes for the KV caches: the flag's, 1 GiB on CPU, or what the profile of the largest
     step leaves on the GPU (memory.py)."""
     if config.kv_cache_memory != "auto":
@@ -141,7 +142,8 @@ def _kv_cache_budget(config: WorkerConfig, model: Transformer, draft: Transforme
         gpu_memory_utilization=config.gpu_memory_utilization, device=device, dtype=dtype,
         kv_dtype=kv_dtype, graph_batch_size=None if config.enforce_eager else config.max_num_seqs,
         graph_num_tokens=0 if config.enforce_eager else mixed_graph_tokens(config),
-        draft=draft, num_speculative_tokens=config.num_speculative_tokens).kv_cache_bytes
+        draft=draft, num_speculative_tokens=config.num_speculative_tokens,
+        lora_capture=lora.graph_capture).kv_cache_bytes
 
 
 def _sampler(model: Transformer, model_dir: Path, eos_token_ids: list[int],
@@ -157,16 +159,19 @@ def _sampler(model: Transformer, model_dir: Path, eos_token_ids: list[int],
 
 
 def _compile(config: WorkerConfig, model: Transformer, proposer: NoDraftModel | DraftModel,
-             max_model_len: int, device: torch.device) -> StepGraphs:
+             max_model_len: int, device: torch.device, lora: LoraSlots | NoLora
+             ) -> StepGraphs:
     """CUDA: the attention variants compiled (the draft model's too), then the graphs of
-    whole decode steps, verify steps (speculative decoding) and steps in pieces captured;
-    none with --enforce-eager or on the CPU."""
+    whole decode steps, verify steps (speculative decoding) and steps in pieces captured
+    (decode and piecewise ones twice with LoRA: with and without the deltas); none with
+    --enforce-eager or on the CPU."""
     if device.type != "cuda":
         return StepGraphs(None, None, None)
     warm_up_attention(model, config.block_size)
     proposer.warm_up(config.block_size)
     if config.enforce_eager:
         return StepGraphs(None, None, None)
-    graphs = StepGraphs(*capture_step_graphs(model, config, max_model_len, device))
+    graphs = StepGraphs(*capture_step_graphs(model, config, max_model_len, device,
+                                             lora.graph_capture))
     proposer.capture_graphs(config.max_num_seqs, max_model_len)
     return graphs

@@ -1,0 +1,152 @@
+"""LoRA through kernels/lora.py's shrink and expand in the model (issue 50, deliverable 2):
+the greedy text of requests of several adapters and of the base model in the same steps
+equals transformers + PEFT's, through the kernels (the CPU: Triton's interpreter, on a tiny
+Llama; CUDA: inside the CUDA graphs captured with the deltas) and through the torch path.
+
+The CPU runs the kernel path by handing the model's projections a row buffer as the CUDA
+worker does (``LoraBatch.lora_rows``); the GPU tests (-m gpu, on the device) compare the
+graphs with the eager torch path (``lora_rows`` None, --enforce-eager) and with the CPU
+reference, and check that a base-only step keeps the graphs captured without LoRA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from cli.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.worker import lora_slots
+from services.worker.config import WorkerConfig
+from shared.messages import SamplingParams
+from shared.models import ModelFiles
+from tests.cli.test_engine import TINY, hf_greedy
+
+ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, targets, rsLoRA)
+ADAPTERS = {"all8": (8, 16, ALL_SEVEN, False),
+            "sub16": (16, 8, ["q_proj", "v_proj", "down_proj"], True),
+            "mlp4": (4, 32, ["gate_proj", "up_proj", "o_proj"], False)}
+NUM_NEW_TOKENS = 8
+# (prompt, adapter): every adapter and the base model, in the same steps
+REQUESTS = [(0, "all8"), (1, ""), (2, "sub16"), (0, "mlp4"), (3, "all8"), (0, ""),
+            (1, "sub16"), (2, "all8")]
+PROMPTS = [[1 + (11 * i + 3 * k) % 250 for k in range(5 + 4 * i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tiny_adapters(tmp_path_factory):
+    """(base ModelFiles, {name: directory}, greedy references of REQUESTS)."""
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(LlamaConfig(**TINY)).eval()
+    root = tmp_path_factory.mktemp("lora-kernels")
+    base.save_pretrained(root / "base", safe_serialization=True)
+    dirs = {}
+    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(10 + seed)
+        model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                                use_rslora=rslora, init_lora_weights=False))
+        dirs[name] = root / name
+        model.save_pretrained(dirs[name])
+        base = model.unload()
+    expected = {}
+    for name in ["", *ADAPTERS]:
+        with_adapter = base if not name else PeftModel.from_pretrained(base, dirs[name]).eval()
+        for index in {i for i, n in REQUESTS if n == name}:
+            expected[index, name] = hf_greedy(with_adapter, PROMPTS[index], NUM_NEW_TOKENS)
+        base = with_adapter if not name else with_adapter.unload()
+    return ModelFiles(name="tiny-llama", path=root / "base"), dirs, expected
+
+
+def lora_engine(model_files, dirs, **worker_knobs) -> Engine:
+    worker = WorkerConfig(kv_cache_memory="8MiB", block_size=8, enable_lora=True,
+                          lora_modules=",".join(f"{n}={p}" for n, p in dirs.items()),
+                          max_loras=3, max_num_batched_tokens=64, **worker_knobs)
+    return Engine(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24), worker,
+                  model_files)
+
+
+def run(engine) -> list[list[int]]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    completions, _ = engine.generate([PROMPTS[i] for i, _ in REQUESTS], [greedy] * len(REQUESTS),
+                                     [name for _, name in REQUESTS])
+    return [c.output_token_ids for c in completions]
+
+
+def test_the_kernels_in_the_model_give_the_references_on_the_cpu(tiny_adapters, monkeypatch):
+    """Chunked prompts beside decodes (a 24-token budget), three adapters and the base model
+    in one step, through the kernels under the interpreter."""
+    model_files, dirs, expected = tiny_adapters
+    references = [expected[request] for request in REQUESTS]
+    assert len({tuple(references[i]) for i in (0, 3, 5)}) == 3, "adapters must change the text"
+    engine = lora_engine(model_files, dirs, device="cpu", dtype="float32")
+    lora = engine.runner.lora
+    assert lora.batch.lora_rows is None  # (the CPU's torch path)
+    lora.batch.lora_rows = torch.zeros(1 + 2 * lora.max_num_tokens, dtype=torch.int32)
+    launches = []
+    shrink = lora_slots.lora_shrink
+    monkeypatch.setattr(lora_slots, "lora_shrink",
+                        lambda x, a, rows: launches.append(len(x)) or shrink(x, a, rows))
+    assert run(engine) == references
+    assert launches  # (the kernels ran)
+
+
+class CountedReplays:
+    def __init__(self, graph, counts: list[int]):
+        self.graph, self.counts = graph, counts
+
+    def replay(self) -> None:
+        self.counts[0] += 1
+        self.graph.replay()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_with_the_deltas_equal_the_eager_torch_path_and_the_cpu(tiny_adapters):
+    """fp32 on CUDA (a rounding step of bf16 could flip a token of this near-flat random
+    model): decode steps replay the decode graphs captured with LoRA, mixed steps the
+    piecewise ones; the same tokens as every step eager through the torch ops, and as
+    transformers + PEFT on the CPU."""
+    model_files, dirs, expected = tiny_adapters
+    eager = lora_engine(model_files, dirs, device="cuda", dtype="float32", enforce_eager=True)
+    eager.runner.lora.batch.lora_rows = None  # (the torch path: the segments' ops)
+    eager_tokens = run(eager)
+    del eager
+    graphs = lora_engine(model_files, dirs, device="cuda", dtype="float32")
+    runner = graphs.runner
+    counts = [0]
+    decode = runner._graphs
+    assert sorted(decode.lora_graphs) == sorted(decode.graphs)
+    decode.lora_graphs = {b: CountedReplays(g, counts) for b, g in decode.lora_graphs.items()}
+    mixed_steps = runner._mixed_graphs.num_steps
+    graph_tokens = run(graphs)
+    assert counts[0] > 0 and runner._mixed_graphs.num_steps > mixed_steps
+    assert graph_tokens == eager_tokens == [expected[request] for request in REQUESTS]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_base_steps_with_lora_on_replay_the_graphs_without_it_bitwise(tiny_adapters):
+    """Only base requests: the graphs captured without the deltas (none with them replayed),
+    every logit bitwise LoRA off's."""
+    model_files, dirs, _ = tiny_adapters
+    greedy = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True,
+                            logprobs=5)
+    outputs = []
+    for knobs in ({}, {"enable_lora": False, "lora_modules": ""}):
+        worker = WorkerConfig(**{**dict(device="cuda", dtype="bfloat16", kv_cache_memory="8MiB",
+                                        block_size=8, enable_lora=True, max_loras=3,
+                                        max_num_batched_tokens=64,
+                                        lora_modules=",".join(f"{n}={p}"
+                                                              for n, p in dirs.items())),
+                                 **knobs})
+        engine = Engine(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24), worker,
+                        model_files)
+        counts = [0]
+        decode = engine.runner._graphs
+        decode.lora_graphs = {b: CountedReplays(g, counts) for b, g in decode.lora_graphs.items()}
+        completions, _ = engine.generate(PROMPTS, [greedy] * len(PROMPTS))
+        assert counts[0] == 0
+        outputs.append([(c.output_token_ids, c.logprobs) for c in completions])
+    assert outputs[0] == outputs[1]
