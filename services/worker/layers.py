@@ -3,8 +3,9 @@ per-channel scales, summed over tensor-parallel ranks where it is row-parallel),
 into the residual stream with the norm after it (``add_rms_norm``), and the SwiGLU MLP. model.py
 builds attention and layers from them; moe.py its sparse blocks (Qwen2-MoE's shared expert is an
 ``MLP``). A LoRA-targeted ``Linear`` adds its adapters' deltas (``lora``, lora_slots.py);
-in a step with adapter rows the fused projection-and-norm / projection-and-SiLU paths run
-as the projection, then the op after it, so the deltas are in before it."""
+in a step with adapter rows the fused projection-and-SiLU path runs as the projection, then
+the op after it, so the deltas are in before it; so does projection-and-norm on the torch
+path, while the kernels add the deltas to its residual and keep it fused."""
 
 from __future__ import annotations
 
@@ -81,7 +82,9 @@ def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RM
     if proj.reduce is not None:
         return proj.reduce.linear_add_rms_norm(x, proj, residual, norm)
     if proj.lora is not None and proj.lora.active:  # the deltas go in before the norm
-        return norm(proj(x), residual)
+        if not proj.lora.kernels:
+            return norm(proj(x), residual)
+        proj.lora.add(x, residual)  # (the kernels add them to the residual: the op stays fused)
     return ops.linear_add_rms_norm(x, proj.kernel_weight, proj.bias, residual, norm.weight,
                                    norm.eps, proj.weight_scale, proj.batch_invariant)
 

@@ -89,6 +89,12 @@ class LinearLora:
         """The step in progress has adapter rows."""
         return self.batch.active
 
+    @property
+    def kernels(self) -> bool:
+        """The deltas come from kernels/lora.py, added into any tensor of out's shape (a
+        fused op's residual may take them); else the segments' torch ops."""
+        return self.batch.lora_rows is not None
+
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features], out [num_tokens, out_features]: out plus each
         adapter row's delta (in place); out unchanged without a LoRA step."""
