@@ -24,8 +24,12 @@ class ImageInput(Struct, frozen=True, array_like=True, gc=False):
     offset: int  # the prompt position of its first placeholder token
     length: int  # positions its placeholders span (image tokens and the tile tags between)
     pixel_shape: list[int]  # [num_tiles, channels, height, width]
+    # "float32": pixels holds the tensor; "uint8": a code per value, pixel_table the value
+    # of each code per channel (exact: values made from 8-bit pixels by a per-channel
+    # affine map take at most 256 per channel; a quarter of the bytes)
     pixel_dtype: str = "float32"
-    pixels: bytes = b""  # the tensor's bytes, C order
+    pixels: bytes = b""  # the tensor's bytes (or codes), C order
     # [num_tiles, height / patch, width / patch] bool, one byte each: the patches holding
     # pixels (b"": every patch does)
     patch_mask: bytes = b""
+    pixel_table: bytes = b""  # pixel_dtype "uint8": float32 [channels, 256]

@@ -58,6 +58,27 @@ def decode_image(data: bytes, max_pixels: int, index: int = 0) -> Image.Image:
     return image.convert("RGB")
 
 
+def compact_pixels(tiles: np.ndarray, image_processor) -> tuple[np.ndarray, np.ndarray] | None:
+    """tiles [N, C, H, W] float32 -> (codes [N, C, H, W] uint8, table [C, 256] float32) with
+    table[c][codes[:, c]] == tiles[:, c] exactly, or None where no such table exists. A
+    value's code is the 8-bit pixel the processor's rescale and normalize made it from."""
+    mean = np.asarray(getattr(image_processor, "image_mean", None) or [0.0] * tiles.shape[1],
+                      np.float64)
+    std = np.asarray(getattr(image_processor, "image_std", None) or [1.0] * tiles.shape[1],
+                     np.float64)
+    scale = getattr(image_processor, "rescale_factor", 1 / 255) or 1 / 255
+    codes = np.empty(tiles.shape, np.uint8)
+    table = np.zeros((tiles.shape[1], 256), np.float32)
+    for channel in range(tiles.shape[1]):
+        values = tiles[:, channel]
+        code = np.clip(np.rint((values * std[channel] + mean[channel]) / scale), 0, 255)
+        codes[:, channel] = code
+        table[channel, codes[:, channel]] = values
+        if not np.array_equal(table[channel][codes[:, channel]], values):
+            return None
+    return codes, table
+
+
 def image_hash(pixels: np.ndarray, patch_mask: bytes) -> bytes:
     """blake2b-128 of the tensor's shape, dtype, bytes and patch mask."""
     digest = hashlib.blake2b(digest_size=16)
@@ -95,22 +116,32 @@ class ImagePrompts:
         spans = self.image_spans(token_ids)
         if len(spans) != len(images):
             raise ValueError(f"{len(spans)} image placeholder runs for {len(images)} images")
-        if pixels.nbytes > MAX_PIXEL_BYTES:
-            raise InvalidRequest(f"the images are {pixels.nbytes} bytes of pixels once "
-                                 f"preprocessed ({pixels.shape[0]} tiles), over the "
-                                 f"{MAX_PIXEL_BYTES} a request's message carries: send "
-                                 f"fewer or smaller images", param="messages",
-                                 code="image_too_large")
         inputs, first_tile = [], 0
         for offset, length, num_tiles in spans:
             tiles = np.ascontiguousarray(pixels[first_tile:first_tile + num_tiles])
             mask = b"" if pixel_mask is None else self.patch_mask(
                 pixel_mask[0][first_tile:first_tile + num_tiles])
             first_tile += num_tiles
-            inputs.append(ImageInput(hash=image_hash(tiles, mask), offset=offset, length=length,
-                                     pixel_shape=list(tiles.shape), pixels=tiles.tobytes(),
-                                     patch_mask=mask))
+            inputs.append(self.image_input(tiles, mask, offset, length))
+        num_bytes = sum(len(image.pixels) for image in inputs)
+        if num_bytes > MAX_PIXEL_BYTES:
+            raise InvalidRequest(f"the images are {num_bytes} bytes of pixels once "
+                                 f"preprocessed ({pixels.shape[0]} tiles), over the "
+                                 f"{MAX_PIXEL_BYTES} a request's message carries: send "
+                                 f"fewer or smaller images", param="messages",
+                                 code="image_too_large")
         return token_ids, inputs
+
+    def image_input(self, tiles: np.ndarray, mask: bytes, offset: int, length: int
+                    ) -> ImageInput:
+        """One image's message: its pixels as codes and a table where that is exact
+        (``compact_pixels``), else as float32."""
+        compact = compact_pixels(tiles, self.processor.image_processor)
+        codes, table = compact if compact is not None else (tiles, None)
+        return ImageInput(hash=image_hash(tiles, mask), offset=offset, length=length,
+                          pixel_shape=list(tiles.shape), pixels=codes.tobytes(),
+                          patch_mask=mask, pixel_dtype="float32" if table is None else "uint8",
+                          pixel_table=b"" if table is None else table.tobytes())
 
     def image_spans(self, token_ids: list[int]) -> list[tuple[int, int, int]]:
         """Each image's (offset of its first image token, positions up to its last one,

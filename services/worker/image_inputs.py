@@ -28,7 +28,8 @@ from shared.models import ModelFiles
 
 log = structlog.get_logger()
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "uint8": torch.uint8}  # uint8: codes, and a table of each code's value
 
 
 class NoImages:
@@ -161,8 +162,7 @@ class ImageEncoder:
         """(pixels [tiles, C, H, W] on the device in the tower's dtype, patch_mask [tiles,
         H/p, W/p] bool)."""
         shape = tuple(image.pixel_shape)
-        pixels = torch.frombuffer(bytearray(image.pixels), dtype=_DTYPES[image.pixel_dtype])
-        pixels = pixels.view(shape).to(self.device, self.dtype)
+        pixels = image_pixels(image).to(self.device, self.dtype)
         patch = self.tower.spec.patch_size
         mask_shape = (shape[0], shape[2] // patch, shape[3] // patch)
         if image.patch_mask:
@@ -186,6 +186,9 @@ class ImageEncoder:
         if image.pixels and len(image.pixels) != int(np.prod(shape)) * itemsize:
             raise ValueError(f"request {request_id}: {len(image.pixels)} pixel bytes for "
                              f"shape {shape}")
+        if image.pixel_dtype == "uint8" and len(image.pixel_table) != shape[1] * 256 * 4:
+            raise ValueError(f"request {request_id}: uint8 pixels need a [{shape[1]}, 256] "
+                             f"float32 table, not {len(image.pixel_table)} bytes")
 
     def attach(self, results: list[StepResult]) -> list[StepResult]:
         """The last result carries the encoder's counts since the previous one that did."""
@@ -200,6 +203,19 @@ class ImageEncoder:
                                               num_encoder_cache_hits=hits,
                                               encoder_time_s=seconds)
         return results
+
+
+def image_pixels(image: ImageInput) -> torch.Tensor:
+    """The image's pixel tensor [tiles, C, H, W] on the host, in its own dtype (float32 for
+    codes and a table: table[c][code] per channel)."""
+    shape = tuple(image.pixel_shape)
+    pixels = torch.frombuffer(bytearray(image.pixels), dtype=_DTYPES[image.pixel_dtype])
+    pixels = pixels.view(shape)
+    if image.pixel_dtype != "uint8":
+        return pixels
+    table = torch.frombuffer(bytearray(image.pixel_table), dtype=torch.float32)
+    table = table.view(shape[1], 256)  # each channel's value of each code
+    return torch.stack([table[c][pixels[:, c].long()] for c in range(shape[1])], dim=1)
 
 
 def load_image_encoder(model_files: ModelFiles, device: torch.device, dtype: torch.dtype,

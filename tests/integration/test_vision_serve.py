@@ -8,6 +8,7 @@ anything is scheduled, while a good request in flight runs undisturbed."""
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from PIL import Image
 
 from tests.integration.conftest import wait_for
 from tests.integration.model_dirs import start_stack_on
-from tests.services.worker.idefics3_checkpoint import build_idefics3_checkpoint
+from tests.services.worker.idefics3_checkpoint import shared_idefics3_checkpoint
 from tests.services.worker.test_idefics3 import make_image
 
 pytestmark = pytest.mark.integration
@@ -49,13 +50,19 @@ def parts(*items) -> list[dict]:
     return out
 
 
-def hf_texts(model_dir, conversations) -> list[str]:
-    """transformers' Idefics3 greedy text for each (messages, images)."""
+@functools.cache
+def hf_model(model_dir):
+    """transformers' processor and Idefics3 model (fp32) on the directory, loaded once."""
     from transformers import AutoProcessor, Idefics3ForConditionalGeneration
 
-    processor = AutoProcessor.from_pretrained(str(model_dir))
-    model = Idefics3ForConditionalGeneration.from_pretrained(str(model_dir),
-                                                             dtype=torch.float32).eval()
+    return (AutoProcessor.from_pretrained(str(model_dir)),
+            Idefics3ForConditionalGeneration.from_pretrained(str(model_dir),
+                                                             dtype=torch.float32).eval())
+
+
+def hf_texts(model_dir, conversations) -> list[str]:
+    """transformers' Idefics3 greedy text for each (messages, images)."""
+    processor, model = hf_model(model_dir)
     texts = []
     for messages, images in conversations:
         hf_messages = [{"role": m["role"], "content": m["content"] if isinstance(
@@ -74,7 +81,7 @@ def hf_texts(model_dir, conversations) -> list[str]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
-    model_dir = build_idefics3_checkpoint(root / "smolvlm-tiny")
+    model_dir = shared_idefics3_checkpoint(tmp_path_factory)
     media = root / "media"
     media.mkdir()
     make_image(300, 200, seed=1).save(media / "a.png")

@@ -8,13 +8,15 @@ import io
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from services.tokenizer.encoding import TextCodec
-from services.tokenizer.images import decode_image
+from services.tokenizer.images import compact_pixels, decode_image
+from services.worker.image_inputs import image_pixels
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage, ContentPart, EncodeRequest
-from tests.services.worker.idefics3_checkpoint import build_idefics3_checkpoint
+from tests.services.worker.idefics3_checkpoint import shared_idefics3_checkpoint
 
 
 def encoded(image: Image.Image, image_format: str = "PNG") -> bytes:
@@ -36,7 +38,7 @@ def test_decoding_refuses_corrupt_foreign_and_oversized_images():
 
 @pytest.fixture(scope="module")
 def vlm_codec(tmp_path_factory):
-    return TextCodec(build_idefics3_checkpoint(tmp_path_factory.mktemp("vlm") / "smolvlm"))
+    return TextCodec(shared_idefics3_checkpoint(tmp_path_factory))
 
 
 def test_a_chat_with_images_is_expanded_as_transformers_does(vlm_codec):
@@ -58,8 +60,8 @@ def test_a_chat_with_images_is_expanded_as_transformers_does(vlm_codec):
     assert token_ids == theirs["input_ids"][0].tolist()
     # each resized to a 1,024-pixel longest edge: 2 x 2 tiles and the global view
     assert [image.pixel_shape[0] for image in images] == [5, 5]
-    pixels = b"".join(image.pixels for image in images)
-    assert pixels == theirs["pixel_values"][0].astype(np.float32).tobytes()
+    pixels = torch.cat([image_pixels(image) for image in images]).numpy()
+    assert pixels.tobytes() == theirs["pixel_values"][0].astype(np.float32).tobytes()
     image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
     for image in images:  # each span holds its tiles' 64 image tokens, from its first one
         span = token_ids[image.offset:image.offset + image.length]
@@ -78,3 +80,16 @@ def test_a_text_only_model_refuses_images(tmp_path):
         codec.encode_with_images(EncodeRequest(messages=[ChatMessage(role="user", content="x")],
                                                images=[b"x"]))
     assert caught.value.code == "images_not_supported"
+
+
+def test_pixels_without_an_exact_table_travel_as_float32():
+    class Processor:
+        image_mean, image_std, rescale_factor = [0.5] * 3, [0.5] * 3, 1 / 255
+
+    exact = ((np.arange(256, dtype=np.float32)[None, None, None, :].repeat(3, 1) / 255
+              - 0.5) / 0.5)  # [1, 3, 1, 256]: every 8-bit value
+    codes, table = compact_pixels(exact, Processor())
+    assert np.array_equal(table[np.arange(3)[:, None], codes[0, :, 0]], exact[0, :, 0])
+    # two values of one code (a resize in float would make them): no exact table
+    resampled = np.concatenate([exact, exact + np.float32(1e-4)], axis=-1)
+    assert compact_pixels(resampled, Processor()) is None

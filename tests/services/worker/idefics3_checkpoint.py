@@ -46,6 +46,16 @@ def special_tokens() -> list[str]:
             *rows_cols]
 
 
+def shared_idefics3_checkpoint(tmp_path_factory) -> Path:
+    """One checkpoint for a pytest session (``smolvlm-tiny`` in its base temp dir), built by
+    the first test module that asks (about 8 s)."""
+    out = tmp_path_factory.getbasetemp() / "smolvlm-tiny"
+    if not (out / "BUILT").exists():
+        build_idefics3_checkpoint(out)
+        (out / "BUILT").write_text("")
+    return out
+
+
 def build_idefics3_checkpoint(out: Path, seed: int = 0) -> Path:
     """The checkpoint directory at ``out`` (fp32)."""
     from transformers import AutoTokenizer, Idefics3ImageProcessor, Idefics3Processor

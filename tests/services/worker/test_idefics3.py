@@ -16,10 +16,10 @@ from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.tokenizer.images import ImagePrompts
 from services.worker.config import WorkerConfig
-from services.worker.image_inputs import load_image_encoder
+from services.worker.image_inputs import image_pixels, load_image_encoder
 from shared.messages import SamplingParams
 from shared.models import ModelFiles
-from tests.services.worker.idefics3_checkpoint import build_idefics3_checkpoint
+from tests.services.worker.idefics3_checkpoint import shared_idefics3_checkpoint
 
 NUM_NEW_TOKENS = 12
 
@@ -38,7 +38,7 @@ def make_image(width: int, height: int, seed: int) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    path = build_idefics3_checkpoint(tmp_path_factory.mktemp("idefics3") / "smolvlm-tiny")
+    path = shared_idefics3_checkpoint(tmp_path_factory)
     processor = AutoProcessor.from_pretrained(str(path))
     hf = Idefics3ForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
     return ModelFiles(name="smolvlm-tiny", path=path), processor, hf
@@ -82,8 +82,9 @@ def test_tower_gives_transformers_image_features(vlm):
     _, (image_input,) = prompts.encode("<image>", [image])
     assert image_input.pixel_shape == [5, 3, 512, 512]  # 2 x 2 tiles and the global view
     inputs = processor(text="<image>", images=[[image]], return_tensors="pt")
-    assert np.frombuffer(image_input.pixels, np.float32).tobytes() == \
-        inputs["pixel_values"][0].numpy().tobytes()
+    assert image_input.pixel_dtype == "uint8"  # codes and a table, 1/4 of float32's bytes
+    assert len(image_input.pixels) == 5 * 3 * 512 * 512
+    assert torch.equal(image_pixels(image_input), inputs["pixel_values"][0])  # exactly
     encoder = load_image_encoder(model_files, torch.device("cpu"), torch.float32, 4)
     pixels, mask = encoder._tensors(image_input)
     with torch.inference_mode():
