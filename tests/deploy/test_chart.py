@@ -4,9 +4,12 @@ schema validation of every manifest, and assertions on what the services get."""
 from __future__ import annotations
 
 import base64
+import json
 
 import pytest
 
+from deploy.alerts import rule_groups
+from deploy.dashboards import DASHBOARDS
 from shared.healthcheck import SERVICES
 from tests.deploy.tools import (
     KUBE_VERSIONS, container, env, flotilla_workloads, helm_error, helm_lint, helm_template,
@@ -27,6 +30,8 @@ VALUE_SETS = {
         "cache": {"volume": {"persistentVolumeClaim": {"claimName": "flotilla-cache"}}},
         "apiKey": {"existingSecret": "inference-keys", "secretKey": "token"},
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "grafanaDashboards": {"enabled": True, "annotations": {"grafana_folder": "LLM serving"}},
+        "prometheusRules": {"enabled": True, "labels": {"release": "prometheus"}},
         "gateway": {"autoscaling": {"enabled": True, "maxReplicas": 8},
                     "service": {"type": "LoadBalancer", "port": 80}},
         "tokenizer": {"autoscaling": {"enabled": True}},
@@ -256,6 +261,27 @@ def test_model_volume_cache_autoscaling_monitoring_and_overrides(rendered):
     assert {env(w)["FLOTILLA_NAMESPACE"]["value"] for w in workloads.values()} == {"team-a"}
     for workload in workloads.values():
         assert workload["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "registry"}]
+
+
+def test_dashboards_and_alert_rules_ship_when_asked(rendered):
+    """The generated files (deploy/) in a ConfigMap for Grafana's sidecar and a
+    PrometheusRule, each only when its flag is on."""
+    def dashboards(docs):
+        return [d for d in of_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboards")]
+
+    assert not dashboards(rendered["defaults"]) and not of_kind(rendered["defaults"], "PrometheusRule")
+    (config_map,) = dashboards(rendered["all-options"])
+    assert config_map["metadata"]["name"] == "demo-flotilla-dashboards"
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert config_map["metadata"]["annotations"] == {"grafana_folder": "LLM serving"}
+    shipped = {name: json.loads(text) for name, text in config_map["data"].items()}
+    assert shipped == {f"flotilla-{name}.json": make() for name, make in DASHBOARDS.items()}
+    (rules,) = of_kind(rendered["all-options"], "PrometheusRule")
+    assert rules["metadata"]["labels"]["release"] == "prometheus"
+    assert rules["spec"] == rule_groups()
+    alerts = {rule["alert"]: rule for rule in rules["spec"]["groups"][0]["rules"]}
+    assert alerts["FlotillaVeryHighTimeToFirstToken"]["expr"].endswith("> 30")
+    assert alerts["FlotillaKVCacheNearlyFull"]["for"] == "10m"
 
 
 def test_disabled_services_are_not_rendered():
