@@ -82,13 +82,16 @@ def decode_config(bits: int, n: int, k: int) -> IntGemmConfig:
 
 
 def prefill_config(bits: int, m: int, n: int, k: int) -> IntGemmConfig:
-    """The prefill launch: 64-row tiles up to 256 rows, 128-row tiles above (TUNE)."""
+    """The prefill launch: 32- or 64-row tiles up to 256 rows, 128-row tiles above (TUNE).
+    8 warps: with 4, 64-row tiles spilled registers under an act-order gather of x, and
+    32-row ones of 8 bits at 4 stages (compiled for sm_90: tests/kernels/int_gemm_compile.py)."""
     block_kw = _block_kw(bits)
+    if m <= 32:
+        return IntGemmConfig(32, 64, block_kw, num_warps=8, num_stages=4, one_dot=True)
     if m <= 64:
-        return IntGemmConfig(32 if m <= 32 else 64, 64, block_kw, num_warps=4, num_stages=4,
-                             one_dot=True)
+        return IntGemmConfig(64, 64, block_kw, num_warps=8, num_stages=4, one_dot=True)
     if m <= 256:
-        return IntGemmConfig(64, 128, block_kw, num_warps=4, num_stages=4, one_dot=True)
+        return IntGemmConfig(64, 128, block_kw, num_warps=8, num_stages=4, one_dot=True)
     return IntGemmConfig(128, 128, block_kw, num_warps=8, num_stages=3, one_dot=True)
 
 
