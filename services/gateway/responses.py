@@ -16,7 +16,7 @@ the SDKs' default calls, which do not send it, work. docs/openai-api.md has the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -24,7 +24,8 @@ import msgspec
 from services.gateway.protocol import SAMPLING_EPS
 from services.gateway.responses_schema import (
     LOGPROBS_INCLUDE, FunctionCallItem, FunctionCallOutputItem, ItemReference, MessageItem,
-    ResponsesAllowedTools, ResponsesFunctionTool, ResponsesNonTextContent, ResponsesRefusal,
+    ResponsesAllowedTools, ResponsesFunctionTool, ResponsesInputImage, ResponsesNonTextContent,
+    ResponsesRefusal,
     ResponsesRequest, ResponsesToolChoiceFunction, TextFormatJsonObject, TextFormatJsonSchema,
     TextFormatText)
 from services.gateway.structured import response_format_spec
@@ -32,6 +33,7 @@ from services.gateway.tool_calls import ToolPlan, plan_tools
 from shared.errors import InvalidRequest
 from shared.messages import (ChatMessage, FunctionCall, GenerationDefaults, SamplingParams,
                              StructuredSpec, ToolCall)
+from shared.messages import ContentPart as WirePart
 
 _REFUSED = {
     "store": (lambda v: v is True, "store: true is not supported: flotilla keeps no responses. "
@@ -58,6 +60,7 @@ class ResponsesPlan:
     tool_plan: ToolPlan
     structured: StructuredSpec | None
     num_logprobs: int | None  # None: no logprobs asked
+    image_urls: list[str] = field(default_factory=list)  # the input's images, in order
 
 
 def plan_response(req: ResponsesRequest) -> ResponsesPlan:
@@ -77,7 +80,8 @@ def plan_response(req: ResponsesRequest) -> ResponsesPlan:
         _response_format(format_)))
     wants_logprobs = LOGPROBS_INCLUDE in (req.include or [])
     return ResponsesPlan(chat_messages(req), tool_plan, structured,
-                         (req.top_logprobs or 0) if wants_logprobs else None)
+                         (req.top_logprobs or 0) if wants_logprobs else None,
+                         _image_urls(req))
 
 
 def sampling_params(req: ResponsesRequest, plan: ResponsesPlan, max_tokens: int,
@@ -112,7 +116,8 @@ def chat_messages(req: ResponsesRequest) -> list[ChatMessage]:
         where = f"input[{i}]"
         if isinstance(item, MessageItem):
             messages.append(ChatMessage(role=item.role,
-                                        content=_text(item.content, f"{where}.content")))
+                                        content=_text(item.content, f"{where}.content"),
+                                        parts=_parts(item.content)))
         elif isinstance(item, FunctionCallItem):
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
                                                                    arguments=item.arguments))
@@ -144,8 +149,32 @@ def _text(content: str | list, where: str) -> str:
         if isinstance(part, ResponsesNonTextContent):
             raise InvalidRequest(f"{part.type} content is not supported: the model reads text "
                                  "only", param=f"{where}[{j}]", code="unsupported_parameter")
+        if isinstance(part, ResponsesInputImage):
+            if part.image_url is None:
+                raise InvalidRequest("an input_image needs an image_url (flotilla keeps no "
+                                     "files for a file_id)", param=f"{where}[{j}]",
+                                     code="unsupported_parameter")
+            continue
         parts.append(part.refusal if isinstance(part, ResponsesRefusal) else part.text)
     return "".join(parts)
+
+
+def _parts(content: str | list) -> list[WirePart] | None:
+    """A message with images: its parts in order (docs/vision.md); None without images."""
+    if isinstance(content, str) or not any(isinstance(p, ResponsesInputImage) for p in content):
+        return None
+    return [WirePart(type="image") if isinstance(part, ResponsesInputImage) else
+            WirePart(type="text", text=part.refusal if isinstance(part, ResponsesRefusal)
+                     else part.text) for part in content]
+
+
+def _image_urls(req: ResponsesRequest) -> list[str]:
+    """The input's image URLs, in order (what _parts marks)."""
+    if isinstance(req.input, str):
+        return []
+    return [part.image_url for item in req.input if isinstance(item, MessageItem)
+            and not isinstance(item.content, str) for part in item.content
+            if isinstance(part, ResponsesInputImage)]
 
 
 def _chat_tool(tool: ResponsesFunctionTool) -> dict[str, Any]:

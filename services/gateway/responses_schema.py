@@ -89,16 +89,24 @@ class ResponsesRefusal(_Echoed):
     refusal: str
 
 
-class ResponsesNonTextContent(_Echoed):
-    """Images, files and audio: named so that the 400 says what is wrong."""
+class ResponsesInputImage(_Echoed):
+    """An image by URL (a data URL, or one the gateway may fetch: docs/vision.md)."""
 
-    type: Literal["input_image", "input_file", "input_audio"]
+    type: Literal["input_image"]
+    image_url: str | None = None  # (a file_id is refused: flotilla keeps no files)
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None  # ignored: one resolution here
+
+
+class ResponsesNonTextContent(_Echoed):
+    """Files and audio: named so that the 400 says what is wrong."""
+
+    type: Literal["input_file", "input_audio"]
 
 
 ContentPart = _one_of(_by_type(), input_text=ResponsesInputText, output_text=ResponsesOutputText,
-                      refusal=ResponsesRefusal,
-                      input_image=ResponsesNonTextContent, input_file=ResponsesNonTextContent,
-                      input_audio=ResponsesNonTextContent)
+                      refusal=ResponsesRefusal, input_image=ResponsesInputImage,
+                      input_file=ResponsesNonTextContent, input_audio=ResponsesNonTextContent)
 Content = _one_of(_text_or, text=str, list=list[ContentPart])
 
 

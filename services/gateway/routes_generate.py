@@ -103,9 +103,12 @@ async def create_response(request: Request) -> Response:
     req = parse_responses_request(await read_json(request), config.accept_unknown_fields)
     info = await check_model(request, req.model)
     plan = plan_response(req)
-    prompt_ids = await service_of(request).encode(EncodeRequest(
+    check_image_count(len(plan.image_urls), info.accepts_images, config.mm_limits)
+    encoded = await service_of(request).encode_reply(EncodeRequest(
         messages=plan.messages, add_generation_prompt=True,
-        tools=plan.tool_plan.tools_for_prompt))
+        tools=plan.tool_plan.tools_for_prompt,
+        images=await fetch_images(plan.image_urls, config)))
+    prompt_ids = encoded.token_ids
     max_tokens = resolve_max_tokens(
         req.max_output_tokens, len(prompt_ids), info.max_model_len,
         param="max_output_tokens", default_limit=protocol.default_max_tokens(
@@ -113,8 +116,8 @@ async def create_response(request: Request) -> Response:
     sampling = responses_sampling(req, plan, max_tokens, info.generation_defaults)
     choice = ChatChoice(0, plan.num_logprobs, plan.tool_plan, _call_id)
     return await generate(request, "responses", req, info, [(prompt_ids, sampling)],
-                          [choice], 1,
-                          output=responses_shape(echo_fields(req, sampling)))
+                          [choice], 1, output=responses_shape(echo_fields(req, sampling)),
+                          images=encoded.images)
 
 
 async def generate(request: Request, kind: str, req, info: TokenizerInfo,

@@ -125,6 +125,13 @@ def test_served_idefics3_gives_transformers_greedy_text(served):
         replies = list(pool.map(lambda c: chat(stack, c[0]), conversations))
     assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
     assert [r.json()["choices"][0]["message"]["content"] for r in replies] == expected[:2]
+    response = httpx.post(stack.base_url + "/v1/responses", timeout=120, json={  # the same
+        "model": "smolvlm-tiny", "temperature": 0, "max_output_tokens": NUM_NEW_TOKENS,
+        "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(a)},
+            {"type": "input_text", "text": "What is in this image?"}]}]})
+    assert response.status_code == 200, response.text
+    assert response.json()["output"][0]["content"][0]["text"] == expected[0]
     assert wait_for(lambda: metric(stack, "flotilla_encoder_images") == 2)
     # a multi-turn chat repeating image a: both of its encodes are cache hits
     reply = chat(stack, first_turn)

@@ -133,7 +133,10 @@ def test_no_op_parameters_are_accepted(fields):
     ({"max_tool_calls": 2}, "max_tool_calls"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
-                                             {"type": "input_image", "image_url": "u"}]}]},
+                                             {"type": "input_file", "file_id": "f"}]}]},
+     "input[0].content[1]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "a"},
+                                             {"type": "input_image", "file_id": "f"}]}]},
      "input[0].content[1]"),
     ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input[0]"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
@@ -199,3 +202,15 @@ def test_unknown_parameters_are_refused_unless_the_gateway_accepts_them():
     assert caught.value.param == "vendor_extension"
     assert parse_request({"model": "m", "input": "Hi", "vendor_extension": 1},
                          accept_unknown_fields=True).input == "Hi"
+
+
+def test_input_images_become_image_parts_in_order():
+    plan = plan_response(request(input=[{"role": "user", "content": [
+        {"type": "input_text", "text": "compare"},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"},
+        {"type": "input_image", "image_url": "https://example.com/b.png"}]}]))
+    assert plan.image_urls == ["data:image/png;base64,AAAA", "https://example.com/b.png"]
+    (message,) = [m for m in plan.messages if m.role == "user"]
+    assert [(p.type, p.text) for p in message.parts] == [("text", "compare"), ("image", ""),
+                                                          ("image", "")]
+    assert message.content == "compare"
