@@ -22,7 +22,9 @@ kernels/int_pack.py's layout (``IntWeight``) and dequantized in registers.
   a multiple of per_word (32, 64, 128, ...) or one group (channel-wise), zero points or
   symmetric. The launch config depends on (M bucket, N, K) only; the grid and the split
   scratch on shapes only: capturable in a CUDA graph (no host sync, no value-sized
-  allocation). Not launched with PDL (kernels/pdl.py: a kernel that does not wait must not be).
+  allocation). With PDL on (kernels/pdl.py), a programmatic dependent launch: every program
+  waits for the previous kernel after its index math, before its first load (the skinny
+  GEMM's prefetch of the first weight tile before the wait is not built here).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import split_reduce
+from kernels import pdl, split_reduce
 from kernels.int_pack import IntWeight, int_gemm_ref  # noqa: F401  (the reference)
 from kernels.rms_norm import MAX_SINGLE_PASS
 from kernels.skinny_tiles import write_tile
@@ -183,7 +185,7 @@ def _int_gemm_kernel(
     BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr,
     HAS_BIAS: tl.constexpr, FP32_IEEE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KW: tl.constexpr,
-    GROUP_M: tl.constexpr, ONE_DOT: tl.constexpr,
+    GROUP_M: tl.constexpr, ONE_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (output tile, K split). ``group_words``: packed words a group spans."""
     pid_m, pid_n = _tile_ids(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -195,6 +197,8 @@ def _int_gemm_kernel(
     kw_start = pid_k * words_per_split
     kw_end = tl.minimum(num_words, kw_start + words_per_split)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # PDL: the index math above ran while the previous kernel drained; x and the outputs wait
+    pdl.wait_then_launch_dependents(PDL)
     for kw in range(kw_start, kw_end, BLOCK_KW):
         offs_kw = kw + tl.arange(0, BLOCK_KW)
         mask = (offs_kw < kw_end)[:, None] & n_mask[None, :]
@@ -264,7 +268,7 @@ def _launch(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None, out: 
         HAS_BIAS=bias is not None and split_k == 1, FP32_IEEE=x.dtype == torch.float32,
         SPLIT_K=split_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_KW=config.block_kw, GROUP_M=config.group_m, ONE_DOT=config.one_dot,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )
     if split_k > 1 and norm is not None:
         residual, norm_weight, eps = norm

@@ -3,7 +3,8 @@ the Llama-3.1-8B shapes: no GPU needed, only Triton without TRITON_INTERPRET
 (tests/kernels/test_int_gemm_compile.py runs it in a subprocess). Per distinct launch it
 reports the shared memory the kernel asks for and, from the SASS (nvdisasm from Triton's
 wheel), its instructions, register spills (LDL/STL) and tensor-core instructions. Prints one
-JSON object.
+JSON object. PDL is on, as on an H200: where the wait sits, as tests/kernels/pdl_check.py
+reports it (the wait at the top level, nothing loaded or stored before it).
 
     python -m tests.kernels.int_gemm_compile
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 import triton
 
-from kernels import int_gemm, split_reduce
+from kernels import int_gemm, pdl, split_reduce
 from kernels.int_gemm import decode_config, prefill_config
 from kernels.int_pack import IntWeight
 from tests.kernels import pdl_check
@@ -74,6 +75,7 @@ def launches() -> dict[str, tuple]:
 def main() -> None:
     pdl_check.KERNEL_MODULES = (int_gemm, split_reduce)
     pdl_check.DTYPES[torch.uint8] = "u8"
+    pdl.PDL = True
     results = {}
     variants = {bits: [v for v in VARIANTS if v[1] == bits] for bits in (4, 8)}
     counts = {4: 0, 8: 0}
@@ -86,9 +88,15 @@ def main() -> None:
         recorded = pdl_check.record(lambda: int_gemm.int_gemm(x, weight, config=config))
         kernel, args, kwargs = next(r for r in recorded if r[0].__name__ == "_int_gemm_kernel")
         compiled = pdl_check.compile_launch(kernel, args, kwargs)
+        runtime_args = [arg for arg, param in zip(kernel.arg_names, kernel.params)
+                        if not param.is_constexpr]
         results[name] = {"config": vars(config), "dtype": str(dtype), "zero_points": zero_points,
                          "act_order": act_order, "shared": compiled.metadata.shared,
-                         "sass": sass_stats(compiled.asm["cubin"])}
+                         "sass": sass_stats(compiled.asm["cubin"]),
+                         "PDL": kwargs.get("PDL"), "launch_pdl": kwargs.get("launch_pdl"),
+                         "ttir": pdl_check.analyze_ttir(compiled.asm["ttir"], runtime_args),
+                         "ptx": pdl_check.analyze_ptx(compiled.asm["ptx"]),
+                         "sass_pdl": pdl_check.analyze_sass(compiled.asm["cubin"])}
     json.dump(results, sys.stdout, indent=1)
 
 

@@ -1,6 +1,8 @@
 """The int GEMM's worker launches compiled for sm_90 without a GPU (tests/kernels/
 int_gemm_compile.py in a subprocess, no interpreter): each compiles, fits an H200's shared
-memory, spills no register and multiplies on the tensor cores."""
+memory, spills no register, multiplies on the tensor cores, and with PDL on waits for the
+previous kernel at its top level before it loads or stores anything (kernels/pdl.py's rules,
+checked as tests/kernels/test_pdl.py checks the other decode kernels)."""
 
 from __future__ import annotations
 
@@ -27,3 +29,12 @@ def test_worker_launches_compile_for_hopper():
         assert r["shared"] <= H200_SHARED_BYTES, (name, r)
         if r["sass"] is not None:
             assert r["sass"]["spills"] == 0 and r["sass"]["mma"] > 0, (name, r)
+        ttir, ptx, sass = r["ttir"], r["ptx"], r["sass_pdl"]
+        assert r["PDL"] and r["launch_pdl"], name
+        assert (ttir["waits"], ttir["triggers"], ptx["waits"], ptx["triggers"]) == (1, 1, 1, 1)
+        assert ttir["wait_top_level"] and ttir["trigger_after_wait"], name
+        assert ttir["stores_before_wait"] == ptx["global_stores_before_wait"] == 0, name
+        assert ttir["loads_before_wait"] == [] and ptx["global_loads_before_wait"] == 0, name
+        if sass is not None:
+            assert (sass["waits"], sass["triggers"]) == (1, 1), name
+            assert sass["global_stores_before_wait"] == sass["global_loads_before_wait"] == 0
