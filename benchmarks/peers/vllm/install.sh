@@ -184,7 +184,7 @@ import sys, tarfile
 kw = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 with tarfile.open(sys.argv[1], "r:xz") as t:
     t.extractall(sys.argv[2], **kw)
-' "$HERE/vkit-moe.tar.xz" "$SITE"
+' "$HERE/vkit-moe.tar.xz" "$SITE/vllm"  # (the archive holds the .so alone: vllm/'s file)
 fi
 
 if [ -f "$HERE/check_imports.py" ]; then
