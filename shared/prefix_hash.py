@@ -21,16 +21,20 @@ ROOT_PARENT = bytes(32)  # the parent of a sequence's first block
 
 
 def extra_keys(model_name: str, cache_salt: str | None = None,
-               lora_key: str = "", image_hashes: Sequence[bytes] = ()) -> tuple[str, ...]:
+               lora_key: str = "") -> tuple[str, ...]:
     """The extra keys of a request's blocks, in spec order: the served model name, the
     LoRA adapter's name and content hash when it runs with one (``LoraRef.cache_key``:
     adapters, and two versions of one, never share blocks), then the cache salt when the
-    request has one (different salts never share blocks), then each of the prompt's images
-    by its hash, in prompt order (the same placeholder tokens with other pixels never share
-    blocks)."""
+    request has one (different salts never share blocks)."""
     return (f"model:{model_name}",) + ((f"lora:{lora_key}",) if lora_key else ()) \
-        + ((f"salt:{cache_salt}",) if cache_salt else ()) \
-        + tuple(f"image:{digest.hex()}" for digest in image_hashes)
+        + ((f"salt:{cache_salt}",) if cache_salt else ())
+
+
+def image_keys(images: Sequence[tuple[int, bytes]]) -> tuple[tuple[int, str], ...]:
+    """(position of an image's first placeholder token, its hash) of a prompt's images ->
+    (position, ``image:<hash hex>``): the key the block holding that position adds after
+    the request's extra keys (``extend_block_hashes``)."""
+    return tuple((position, f"image:{digest.hex()}") for position, digest in images)
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str] = ()) -> bytes:
@@ -48,13 +52,20 @@ def block_hash(parent: bytes, token_ids: Sequence[int], extra_keys: Sequence[str
 
 
 def extend_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], num_tokens: int,
-                        block_size: int, extra_keys: Sequence[str]) -> None:
+                        block_size: int, extra_keys: Sequence[str],
+                        images: Sequence[tuple[int, str]] = ()) -> None:
     """Append the keys of the full blocks among the first ``num_tokens`` tokens that
     ``block_hashes`` does not have yet (in place).
 
     ``block_hash``'s bytes, built for a run of blocks at once: the token ids packed in one
     call and the extra keys' bytes once, so each block costs one slice, one join and one
-    SHA-256 (1,023 blocks of a 16k prompt: ~1.0 ms, ~1.7 ms block by block)."""
+    SHA-256 (1,023 blocks of a 16k prompt: ~1.0 ms, ~1.7 ms block by block). ``images``
+    (``image_keys``): the block holding an image's first placeholder adds its key after
+    ``extra_keys``; the blocks after it carry it in their parent, the blocks before it
+    are a text prompt's."""
+    if images:
+        _extend_with_images(block_hashes, token_ids, num_tokens, block_size, extra_keys, images)
+        return
     first, end = len(block_hashes), num_tokens // block_size
     if end <= first:
         return
@@ -69,6 +80,25 @@ def extend_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], num
         append(parent)
 
 
+def _extend_with_images(block_hashes: list[bytes], token_ids: Sequence[int], num_tokens: int,
+                        block_size: int, extra_keys: Sequence[str],
+                        images: Sequence[tuple[int, str]]) -> None:
+    """``extend_block_hashes`` in runs: each image's first block alone with its key, the
+    blocks between images with ``extra_keys`` only."""
+    keys_at: dict[int, list[str]] = {}
+    for position, key in images:
+        keys_at.setdefault(position // block_size, []).append(key)
+    end = num_tokens // block_size
+    while len(block_hashes) < end:
+        first = len(block_hashes)
+        if first in keys_at:
+            extend_block_hashes(block_hashes, token_ids, (first + 1) * block_size, block_size,
+                                (*extra_keys, *keys_at[first]))
+            continue
+        stop = min([block for block in keys_at if block > first] + [end])
+        extend_block_hashes(block_hashes, token_ids, stop * block_size, block_size, extra_keys)
+
+
 @lru_cache(maxsize=256)
 def _extra_keys_bytes(extra_keys: tuple[str, ...]) -> bytes:
     """u32le number of extra keys || for each: u32le byte length || UTF-8 bytes."""
@@ -80,9 +110,10 @@ def _extra_keys_bytes(extra_keys: tuple[str, ...]) -> bytes:
 
 
 def usable_block_hashes(token_ids: Sequence[int], block_size: int,
-                        keys: Sequence[str]) -> list[bytes]:
+                        keys: Sequence[str], images: Sequence[tuple[int, str]] = ()
+                        ) -> list[bytes]:
     """The keys of the full blocks a cache can serve for these tokens: all but the block
     of the last token, which is always computed (its logits sample the next token)."""
     block_hashes: list[bytes] = []
-    extend_block_hashes(block_hashes, token_ids, len(token_ids) - 1, block_size, keys)
+    extend_block_hashes(block_hashes, token_ids, len(token_ids) - 1, block_size, keys, images)
     return block_hashes

@@ -16,7 +16,7 @@ from services.scheduler.request import Request, TierHit
 from services.scheduler.siblings import shares_prompt, sibling_requests
 from shared.lora_adapters import LoraRef
 from shared.messages import GenerateRequest, choice_request_ids
-from shared.prefix_hash import extra_keys, usable_block_hashes
+from shared.prefix_hash import extra_keys, image_keys, usable_block_hashes
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,13 @@ class Arrival:
 
 def request_keys(request: GenerateRequest, model_name: str,
                  lora: LoraRef | None) -> tuple[str, ...]:
-    """The prefix-cache extra keys of a request's blocks (shared/prefix_hash.py): model,
-    adapter, salt, images."""
-    return extra_keys(model_name, request.cache_salt, lora.cache_key if lora else "",
-                      [image.hash for image in request.images])
+    """The prefix-cache extra keys of a request's blocks (shared/prefix_hash.py)."""
+    return extra_keys(model_name, request.cache_salt, lora.cache_key if lora else "")
+
+
+def request_image_keys(request: GenerateRequest) -> tuple[tuple[int, str], ...]:
+    """Its images' keys, each for the block of its first placeholder (prefix_hash.py)."""
+    return image_keys([(image.offset, image.hash) for image in request.images])
 
 
 def prefix_query(request: GenerateRequest, block_manager: BlockManager, model_name: str,
@@ -69,7 +72,8 @@ def prefix_query(request: GenerateRequest, block_manager: BlockManager, model_na
         return None
     token_ids = list(request.prompt_token_ids) + list(request.output_token_ids)
     block_hashes = usable_block_hashes(token_ids, block_manager.block_size,
-                                       request_keys(request, model_name, lora))
+                                       request_keys(request, model_name, lora),
+                                       request_image_keys(request))
     num_gpu = len(block_manager.cached_prefix(block_hashes, token_ids))
     return PrefixQuery(block_hashes, num_gpu)
 
@@ -90,7 +94,7 @@ def queue_entries(arrival: Arrival, tier_hit: TierHit | None, seqs: Iterator[int
             sibling.request_id, list(request.prompt_token_ids), sibling.sampling,
             request.output_subject, (priority, next(seqs) if leader else arrival.seq),
             request_keys(request, model_name, arrival.lora), arrival_time,
-            images=request.images,
+            images=request.images, image_keys=request_image_keys(request),
             leader=leader if shares else None,
             output_token_ids=list(request.output_token_ids),
             num_outputs_sent=1 if request.output_token_ids else 0,

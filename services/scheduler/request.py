@@ -57,6 +57,8 @@ class Request:
     # the prompt's images (pixels included), kept until the request ends: a preempted
     # request recomputes its prompt, and its images with it (docs/vision.md)
     images: list[ImageInput] = field(default_factory=list)
+    # their prefix-cache keys, (position, key) each (shared/prefix_hash.py image_keys)
+    image_keys: tuple[tuple[int, str], ...] = ()
 
     @property
     def num_tokens(self) -> int:

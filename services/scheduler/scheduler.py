@@ -365,7 +365,7 @@ class Scheduler:
         if num_usable == 0:
             return []
         extend_block_hashes(req.block_hashes, req.all_token_ids, req.num_tokens,
-                            self.block_manager.block_size, req.extra_keys)
+                            self.block_manager.block_size, req.extra_keys, req.image_keys)
         return self.block_manager.cached_prefix(req.block_hashes, req.all_token_ids)[:num_usable]
 
     def _schedule(self, req: Request, num_new: int, new_block_ids: list[int],
@@ -411,7 +411,8 @@ class Scheduler:
         if num_full <= req.num_registered_blocks:
             return  # most decode steps: no block filled
         token_ids = req.all_token_ids
-        extend_block_hashes(req.block_hashes, token_ids, num_ready, block_size, req.extra_keys)
+        extend_block_hashes(req.block_hashes, token_ids, num_ready, block_size, req.extra_keys,
+                            req.image_keys)
         for index in range(req.num_registered_blocks, num_full):
             start = index * block_size
             block_id, block_hash = req.block_table[index], req.block_hashes[index]

@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from shared.prefix_hash import (
-    ROOT_PARENT, block_hash, extend_block_hashes, extra_keys, usable_block_hashes,
+    ROOT_PARENT, block_hash, extend_block_hashes, extra_keys, image_keys, usable_block_hashes,
 )
 
 MODEL = "model:SmolLM2-135M-Instruct"
@@ -89,3 +89,30 @@ def test_a_run_of_blocks_gets_block_hashs_keys(block_size, extra):
     for num_tokens in (0, block_size - 1, 5 * block_size + 1, 5 * block_size + 2, len(tokens)):
         extend_block_hashes(in_pieces, tuple(tokens), num_tokens, block_size, tuple(extra))
     assert at_once == in_pieces == expected
+
+
+def test_an_image_key_joins_the_block_of_its_first_placeholder():
+    """A block before an image is a text prompt's; the block where an image starts adds its
+    key (so other pixels behind the same placeholder tokens never share it), and the blocks
+    after carry it through their parents; two images starting in one block add both."""
+    tokens = list(range(100, 132))  # 8 blocks of 4
+    text: list[bytes] = []
+    extend_block_hashes(text, tokens, 32, 4, [MODEL])
+    images = image_keys([(9, b"\x01" * 16), (21, b"\x02" * 16), (22, b"\x03" * 16)])
+    assert images[0] == (9, "image:" + "01" * 16)
+    with_images: list[bytes] = []
+    extend_block_hashes(with_images, tokens, 32, 4, [MODEL], images)
+    expected, parent = [], ROOT_PARENT
+    for block in range(8):
+        keys = [MODEL] + [key for position, key in images if position // 4 == block]
+        parent = block_hash(parent, tokens[4 * block:4 * block + 4], keys)
+        expected.append(parent)
+    assert with_images == expected
+    assert with_images[:2] == text[:2] and with_images[2] != text[2]
+    other: list[bytes] = []
+    extend_block_hashes(other, tokens, 32, 4, [MODEL], image_keys([(9, b"\x09" * 16)]))
+    assert other[:2] == text[:2] and other[2:] != with_images[2:]
+    grown: list[bytes] = with_images[:3]  # extended later, from the middle
+    extend_block_hashes(grown, tokens, 32, 4, [MODEL], images)
+    assert grown == with_images
+    assert usable_block_hashes(tokens + [0], 4, [MODEL], images) == with_images
