@@ -112,6 +112,20 @@ def test_bias_and_rows_past_a_tile(config):
     assert rel_err(int_gemm(x, weight, bias, config=config), exact(x, weight, bias)) < 1e-5
 
 
+@pytest.mark.parametrize("config", [None, ONE_DOT_SPLIT3], ids=["worker", "one_dot_split3"])
+def test_fewer_inputs_than_a_tile(config):
+    """K = 64 (8 words, half a tile) and one group of 128 padded past K, as --quantization
+    int4 packs a tiny model's 64-wide projections."""
+    from services.worker.int_weights import quantize_rtn
+
+    g = gen(17)
+    plain = torch.randn(8, 64, generator=g, device=DEVICE) * 0.05
+    weight = quantize_rtn(plain)
+    x = torch.randn(3, 64, generator=g, device=DEVICE)
+    assert rel_err(int_gemm(x, weight, config=config), exact(x, weight)) < 1e-5
+    assert rel_err(dequantize(weight), plain) < 0.2  # 4 bits of one group
+
+
 def test_fp16_rounds_as_the_dequantized_weight():
     """fp16 x: the weights are the checkpoint's dequantized fp16 values, fp32 sums, one
     rounding: close to F.linear on the fp16 dequantized weight."""
