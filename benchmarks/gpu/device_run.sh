@@ -32,7 +32,7 @@ for stage in "$@"; do
               2>&1 | grep -E "^batch-1|Error|error" | tail -3
         done;;
     int4-tests) python3 -m pytest -q -m gpu tests/kernels/test_int_gemm.py \
-        tests/services/worker/test_int_weights.py -p no:cacheprovider -W ignore --tb=short 2>&1 \
+        tests/kernels/test_int_gemm_compile.py tests/services/worker/test_int_weights.py -p no:cacheprovider -W ignore --tb=short 2>&1 \
         | grep -v "^  \|^$" | tail -30;;
     # issue 15: the skinny GEMM against cuBLAS at decode batch sizes (SKINNY_ARGS: --sweep ...)
     skinny) python3 -m benchmarks.gpu.skinny_gemm ${SKINNY_ARGS:-} 2>&1 | tail -45;;

@@ -12,11 +12,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 H200_SHARED_BYTES = 232448  # the most dynamic shared memory a block may take (227 KiB)
 
 
 def test_worker_launches_compile_for_hopper():
+    assert_compiled_launches_fit()
+
+
+@pytest.mark.gpu
+def test_gpu_machine_triton_compiles_the_worker_launches():
+    """The same with the device machine's Triton (3.6 there), still for sm_90."""
+    assert_compiled_launches_fit()
+
+
+def assert_compiled_launches_fit() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-m", "tests.kernels.int_gemm_compile"], cwd=ROOT,
