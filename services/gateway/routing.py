@@ -228,10 +228,11 @@ class Router:
     def choose(self, replicas: Sequence[Replica], token_ids: Sequence[int], *,
                cache_salt: str | None = None, session: str | None = None,
                now: float = 0.0, max_tokens: int | None = None,
-               lora_key: str = "") -> Decision | None:
+               lora_key: str = "", images: Sequence[tuple[int, str]] = ()) -> Decision | None:
         """The replica for a prompt of ``token_ids`` among the ready ``replicas`` (None
         when there is none); ``max_tokens``: its output limit; ``lora_key``: its LoRA
-        adapter's part of the block keys (``LoraRef.cache_key``; "": the base model)."""
+        adapter's part of the block keys (``LoraRef.cache_key``; "": the base model);
+        ``images``: its images' keys (prefix_hash.image_keys)."""
         if not replicas:
             return None
         policy = self.params.policy
@@ -248,15 +249,17 @@ class Router:
             output_tokens = min(max_tokens, self.mean_output_tokens) if max_tokens \
                 else self.mean_output_tokens
             decision = self._choose_kv(replicas, least_loaded, token_ids, cache_salt, session,
-                                       now, output_tokens, lora_key)
+                                       now, output_tokens, lora_key, images)
         if session and policy == RoutingPolicy.KV:
             self.sessions.put((cache_salt or "", session), decision.scheduler_id, now)
         return decision
 
     def _choose_kv(self, replicas: Sequence[Replica], least_loaded: Replica,
                    token_ids: Sequence[int], cache_salt: str | None, session: str | None,
-                   now: float, output_tokens: float, lora_key: str = "") -> Decision:
-        estimates = self.estimates(replicas, token_ids, cache_salt, output_tokens, lora_key)
+                   now: float, output_tokens: float, lora_key: str = "",
+                   images: Sequence[tuple[int, str]] = ()) -> Decision:
+        estimates = self.estimates(replicas, token_ids, cache_salt, output_tokens, lora_key,
+                                   images)
         threshold = self.saturation_threshold(replicas)
         hits = {sid: e.num_hit_tokens for sid, e in estimates.items()}
         # Slack W: the requests a replica's hit over the least loaded one's is worth (each
@@ -308,7 +311,8 @@ class Router:
 
     def estimates(self, replicas: Sequence[Replica], token_ids: Sequence[int],
                   cache_salt: str | None, output_tokens: float = DEFAULT_OUTPUT_TOKENS,
-                  lora_key: str = "") -> dict[str, _Estimate]:
+                  lora_key: str = "", images: Sequence[tuple[int, str]] = ()
+                  ) -> dict[str, _Estimate]:
         """Each replica's expected seconds to serve this request, less what is the same
         on every replica (see above)."""
         keys_by_spec: dict[tuple[int, str], list[int]] = {}
@@ -318,7 +322,7 @@ class Router:
             if block_size <= 0:
                 continue
             keys_by_spec[spec] = block_keys(usable_block_hashes(
-                token_ids, block_size, extra_keys(model_name, cache_salt, lora_key)))
+                token_ids, block_size, extra_keys(model_name, cache_salt, lora_key), images))
             gpu_runs |= self.index.gpu_prefix_blocks(
                 [r.scheduler_id for r in replicas
                  if (r.routing.block_size, r.routing.model_name) == spec], keys_by_spec[spec])

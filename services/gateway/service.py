@@ -35,6 +35,7 @@ from shared.messages import (
     TokenizerInfo, choice_request_ids,
 )
 from shared.models import resolve_model
+from shared.prefix_hash import image_keys
 from shared.scheduler_stats import SchedulerStats
 from shared.subjects import Subjects
 
@@ -261,7 +262,8 @@ class GatewayService:
         decision = self.router.choose(
             replicas, [*request.prompt_token_ids, *request.output_token_ids],
             cache_salt=request.cache_salt, session=session, now=time.monotonic(),
-            max_tokens=request.sampling.max_tokens, lora_key=lora.cache_key if lora else "")
+            max_tokens=request.sampling.max_tokens, lora_key=lora.cache_key if lora else "",
+            images=image_keys([(image.offset, image.hash) for image in request.images]))
         if decision is not None:
             self.metrics.observe_routing(decision)
             log.debug("request_routed", request_id=request.request_id,

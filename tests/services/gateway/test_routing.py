@@ -15,7 +15,7 @@ from services.gateway.routing import (
 from shared.messages import SchedulerBlockEvent
 from shared.scheduler_stats import RoutingStats, SchedulerStats
 from shared.kv_messages import KvBlockEvent
-from shared.prefix_hash import extra_keys, usable_block_hashes
+from shared.prefix_hash import extra_keys, image_keys, usable_block_hashes
 
 BLOCK_SIZE = 4
 PROMPT = list(range(1000, 1000 + 16 * BLOCK_SIZE + 1))  # 16 usable blocks
@@ -60,6 +60,20 @@ def test_the_replica_holding_the_prefix_is_cheapest():
     assert (decision.scheduler_id, decision.reason) == ("a", CACHE)
     assert decision.hit_tokens == {"gpu": 16 * BLOCK_SIZE}
     assert decision.num_compute_tokens == 1
+
+
+def test_an_image_prompt_is_priced_by_its_image_keyed_blocks():
+    """The scheduler keys the block of an image's first placeholder by the image (and the
+    blocks after it through their parents): routing prices the same keys."""
+    images = image_keys([(2 * BLOCK_SIZE + 1, b"\x07" * 16)])
+    index = BlockIndex()
+    holds(index, "a", usable_block_hashes(PROMPT, BLOCK_SIZE, extra_keys("m"), images))
+    holds(index, "b", HASHES)  # the same tokens behind other pixels: its first 2 blocks only
+    decision = router(index).choose([Replica(stats("b")), Replica(stats("a"))], PROMPT,
+                                    images=images)
+    assert (decision.scheduler_id, decision.hit_tokens) == ("a", {"gpu": 16 * BLOCK_SIZE})
+    estimates = router(index).estimates([Replica(stats("b"))], PROMPT, None, images=images)
+    assert estimates["b"].num_hit_tokens == 2 * BLOCK_SIZE
 
 
 def test_hits_count_only_as_a_leading_run():
