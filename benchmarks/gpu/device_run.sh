@@ -24,12 +24,14 @@ for stage in "$@"; do
     worker-tests) python3 -m pytest -q -m gpu tests/services/worker tests/cli -p no:cacheprovider -W ignore \
         --ignore=tests/services/worker/test_structured.py --tb=short 2>&1 | tail -30;;
     # issue 51: the W4A16 GEMM against torch bf16 on the dequantized weights (INT_GEMM_ARGS:
-    # --sweep, --bits 8, ...), then batch-1 decode of the dummy 8B with --quantization int4
-    # beside bf16 (the GPU tests of the packed path: stage int4-tests)
+    # --sweep, --bits 8, ...), then batch-1 decode of the dummy 8B with --quantization int4,
+    # of dummy-llama-3.1-8b-awq (AWQ's config, the one vLLM's dummy loader takes) where
+    # .devmodels has it, and of bf16 (the GPU tests of the packed path: stage int4-tests)
     int4) python3 -m benchmarks.gpu.int_gemm ${INT_GEMM_ARGS:-} 2>&1 | grep -v '^{' | tail -40
-        for q in int4 none; do
-          python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b --quantization $q \
-              2>&1 | grep -E "^batch-1|Error|error" | tail -3
+        for run in "dummy-llama-3.1-8b --quantization int4" dummy-llama-3.1-8b-awq dummy-llama-3.1-8b; do
+          [ -d "$M/${run%% *}" ] || continue; echo "--- $run"
+          python3 -m benchmarks.gpu.decode_latency --model $M/$run 2>&1 \
+              | grep -E "^batch-1|Error|error" | tail -3
         done;;
     int4-tests) python3 -m pytest -q -m gpu tests/kernels/test_int_gemm.py \
         tests/kernels/test_int_gemm_compile.py tests/services/worker/test_int_weights.py -p no:cacheprovider -W ignore --tb=short 2>&1 \

@@ -8,7 +8,9 @@ multiplied by kernels/int_gemm.py), and where they are not.
 - **--quantization int4**: each projection's weight, from a bf16 checkpoint or a dummy
   model's random draw, is rounded to nearest as it reaches the GPU (4 bits, groups of 128,
   zero points: ``quantize_rtn``), the way FP8 weights are made; what benchmarks of a 4-bit
-  model run on dummy weights.
+  model run on dummy weights. A dummy model whose config carries an integer
+  quantization_config (``dummy:llama-3.1-8b-awq``, the config vLLM's dummy loader takes
+  too) draws its random weights into that config's layout the same way (``dummy_layout``).
 - Everywhere else an integer checkpoint is dequantized while it loads, the log saying why
   (``packing_refusal``): the CPU, tensor parallelism and MoE models (packed shards and
   packed experts are not built), --quantization fp8 on top, or a checkpoint the layout
@@ -118,21 +120,35 @@ def int_tensors(weight: IntWeight, layout: IntLayout) -> dict[str, torch.Tensor]
 
 
 def quantize_rtn(weight: torch.Tensor, layout: IntLayout = RTN_LAYOUT) -> IntWeight:
-    """weight [N, K] (float, on its device) rounded to nearest per group of inputs, with zero
-    points (``layout.zero_points`` must hold): scale (max - min) / (2^bits - 1) in the
-    weight's dtype, z = round(-min / scale)."""
+    """weight [N, K] (float, on its device) rounded to nearest per group of inputs, scales in
+    the weight's dtype: with zero points scale (max - min) / (2^bits - 1) and z = round(-min /
+    scale); symmetric (``layout.zero_points`` false), scale max|w| / (2^(bits-1) - 1)."""
     n, k = weight.shape
-    maxq = (1 << layout.bits) - 1
+    maxq, half = (1 << layout.bits) - 1, 1 << (layout.bits - 1)
     group = layout.group_size if layout.group_size > 0 else k
     num_groups = -(-k // group)
     # the last group's padding is zeros: inside [min, max] already, since both take 0 in
     w = F.pad(weight.float(), (0, num_groups * group - k)).view(n, num_groups, group)
     hi, lo = w.amax(dim=-1).clamp(min=0), w.amin(dim=-1).clamp(max=0)  # [N, groups]
-    scales = ((hi - lo) / maxq).clamp(min=1e-8).to(weight.dtype)
-    zeros = torch.round(-lo / scales.float()).clamp(0, maxq)  # [N, groups]
+    if layout.zero_points:
+        scales = ((hi - lo) / maxq).clamp(min=1e-8).to(weight.dtype)
+        zeros = torch.round(-lo / scales.float()).clamp(0, maxq)  # [N, groups]
+    else:
+        scales = (torch.maximum(hi, -lo) / (half - 1)).clamp(min=1e-8).to(weight.dtype)
+        zeros = torch.full_like(hi, half)
     q = (torch.round(w / scales.float()[..., None]) + zeros[..., None]).clamp(0, maxq)
     q = q.view(n, -1)[:, :k].to(torch.int32)
-    return pack(q, zeros.to(torch.int32), scales, layout.bits, layout.group_size)
+    return pack(q, zeros.to(torch.int32) if layout.zero_points else None, scales, layout.bits,
+                layout.group_size)
+
+
+def dummy_layout(checkpoint: IntCheckpoint) -> IntLayout | str:
+    """The layout a dummy model's random weights take from its config's integer
+    quantization_config (as vLLM's dummy loader takes the same config), or why none."""
+    if checkpoint.group_size > 0 and checkpoint.group_size % (32 // checkpoint.bits):
+        return f"group_size {checkpoint.group_size} is not a multiple of {32 // checkpoint.bits}"
+    return IntLayout(checkpoint.bits, checkpoint.group_size,
+                     zero_points=not checkpoint.symmetric, act_order=False)
 
 
 def log_packed(layout: IntLayout, model: torch.nn.Module, source: str) -> None:

@@ -22,8 +22,8 @@ from kernels.rotary import build_cos_sin_cache
 from services.worker.fp8_checkpoints import (checkpoint_fp8, per_channel_weights,
                                              pop_checkpoint_kv_scales)
 from services.worker.int_checkpoints import PACKED_SUFFIXES, checkpoint_int, dequantized_weights
-from services.worker.int_weights import (RTN_LAYOUT, int_tensors, log_packed, packed_checkpoint,
-                                         packing_refusal, quantize_rtn)
+from services.worker.int_weights import (RTN_LAYOUT, dummy_layout, int_tensors, log_packed,
+                                         packed_checkpoint, packing_refusal, quantize_rtn)
 from services.worker.model import ModelConfig, Transformer, compute_inv_freq
 from services.worker.moe import start_expert_counts
 from services.worker.moe_parallel import check_moe_parallel
@@ -58,7 +58,8 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype, seed: int =
         config = dataclasses.replace(config, quantization="int", int_layout=RTN_LAYOUT)
     unpacked = config
     hf_weights, config = _packed_int_checkpoint(path, config, dtype, refusal)
-    packed_by = "--quantization int4" if config is unpacked else "the checkpoint"
+    packed_by = ("--quantization int4" if config is unpacked else "random weights in the "
+                 "config's layout" if (path / DUMMY_MARKER).exists() else "the checkpoint")
     with torch.device("meta"):
         model = Transformer(config, tp)
         whole = Transformer(config) if tp.size > 1 else model  # the names and whole shapes
@@ -100,11 +101,19 @@ def _packed_int_checkpoint(path: Path, config: ModelConfig, dtype: torch.dtype,
     """An integer checkpoint's tensors on the host, its projections packed (int_weights.py),
     and the config saying so; or, when it is not one or ``refusal`` (why not here) is set,
     (None, config) (read_safetensors dequantizes it). Where the layout cannot hold the
-    checkpoint, its tensors dequantized and the config unchanged."""
-    if refusal is not None or (path / DUMMY_MARKER).exists():
-        return None, config
+    checkpoint, its tensors dequantized and the config unchanged. A dummy model with an
+    integer quantization_config: (None, the config with its layout: ``place`` rounds the
+    random weights into it)."""
     checkpoint = checkpoint_int(json.loads((path / "config.json").read_text()))
     if checkpoint is None:
+        return None, config
+    if (path / DUMMY_MARKER).exists():
+        layout = refusal or dummy_layout(checkpoint)
+        if isinstance(layout, str):
+            log.info("dummy_int_weights_unpacked", reason=layout, note="plain random weights")
+            return None, config
+        return None, dataclasses.replace(config, quantization="int", int_layout=layout)
+    if refusal is not None:
         return None, config
     hf_weights = read_safetensors(path, torch.device("cpu"), dtype, int_refusal=None)
     packed = packed_checkpoint(hf_weights, checkpoint, config.num_layers)

@@ -263,3 +263,34 @@ def test_gpu_int4_dummy_graph_decode_equals_eager(dummy_model):
     eager, _ = _greedy(dummy_model.path, "float32", "int4", enforce_eager=True)
     assert config.int_layout == RTN_LAYOUT
     assert graphs == eager
+
+
+def _dummy_with(tmp_path, quantization: dict):
+    from shared.models import DUMMY_MARKER
+
+    config = json.loads((PRESETS_DIR / "tiny-llama.json").read_text())
+    config.update(quantization_config=quantization, eos_token_id=None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / DUMMY_MARKER).write_text("random weights\n")
+    return tmp_path
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("method,symmetric", [("awq", False), ("gptq", True)])
+def test_a_dummy_model_with_an_integer_config_draws_into_its_layout(method, symmetric, tmp_path,
+                                                                   monkeypatch):
+    """A dummy model whose config says AWQ g64 (zero points) or GPTQ 4-bit sym: random weights
+    rounded into that layout (what dummy:llama-3.1-8b-awq runs, vLLM's dummy loader taking
+    the same config); on the CPU, plain random weights (not packed)."""
+    path = _dummy_with(tmp_path, quantization_config(method, 4, 64, symmetric=symmetric))
+    assert load_model(path, CPU, torch.float32).config.int_layout is None
+    plain = load_model(path, CPU, torch.float32, seed=1).state_dict()
+    monkeypatch.setattr(weights, "packing_refusal", lambda *args: None)
+    model = load_model(path, CPU, torch.float32, seed=1)
+    assert model.config.int_layout == IntLayout(4, 64, zero_points=not symmetric,
+                                                act_order=False)
+    down = model.layers[0].mlp.down_proj
+    back, reference = dequantize(down.kernel_weight), plain["layers.0.mlp.down_proj.weight"]
+    step = down.int_scales.float().T.repeat_interleave(64, 1)
+    assert ((back - reference).abs() <= step / 2 + 1e-6).all()
+    assert (down.int_zeros is None) == symmetric
