@@ -24,9 +24,7 @@ shapes, never their values: graph-capturable. A row's numbers depend on that row
 tensor-core product sums each output from its own row); with ``batch_invariant`` the launch
 configs are also fixed per shape (kernels/moe_configs.py), so they hold at any batch.
 
-Below ``kernels.moe_pairs.MAX_TOKENS`` rows (decode) and without ``batch_invariant``, CUDA takes
-kernels/moe_pairs.py's path instead: a program per pair, no align, the sum over k fused in the
-down kernel. ``fused_moe_ref`` is the CPU path: one matmul per touched expert for each GEMM.
+``fused_moe_ref`` is the CPU path: one matmul per touched expert for each GEMM.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import moe_pairs, pdl
+from kernels import pdl
 from kernels.activation import silu_and_mul_ref
 from kernels.fp8 import FP8_DTYPE, fp8_linear_ref
 from kernels.moe_configs import MoeConfig, MoePlan, plan_for
@@ -284,9 +282,6 @@ def fused_moe_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     plan = plan or plan_for(num_experts, top_k, two_inter // 2, hidden, w13.dtype,
                             None if batch_invariant else num_tokens)
     topk_ids = topk_ids.to(torch.int32).contiguous()
-    if not batch_invariant and num_tokens <= moe_pairs.MAX_TOKENS and x.is_cuda:
-        return moe_pairs.pairs_moe(x, w13, w2, topk_weights.float().contiguous(), topk_ids,
-                                   *scales)
     per_pair = _launch_gemms(x, w13, w2, topk_weights.float().contiguous(), topk_ids, *scales,
                              plan)
     block = min(1024, triton.next_power_of_2(hidden))

@@ -26,7 +26,7 @@ import torch
 
 from benchmarks.gpu.common import (add_moe_configs_flag, apply_moe_configs, build_engine,
                                    copy_bandwidth, device_name, hf_random_model, save)
-from kernels import moe_pairs, pdl, skinny_gemm
+from kernels import pdl, skinny_gemm
 from services.worker import ops
 from shared.messages import SamplingParams
 from shared.models import resolve_model
@@ -124,12 +124,7 @@ def main() -> None:
                         help="off: every projection on cuBLAS (or the scaled FP8 GEMM), to "
                              "measure the skinny GEMM's table against it")
     add_moe_configs_flag(parser)
-    parser.add_argument("--moe-pairs", type=int, default=None, metavar="ROWS",
-                        help="kernels.moe_pairs.MAX_TOKENS: the rows up to which an MoE "
-                        "layer takes the per-pair path (0: never; default: the module's)")
     args = parser.parse_args()
-    if args.moe_pairs is not None:
-        moe_pairs.MAX_TOKENS = args.moe_pairs
     if args.skinny == "off":
         skinny_gemm.serves = skinny_gemm.serves_gated = lambda *_: False
     if args.norm_in_reduce == "off":
@@ -180,7 +175,6 @@ def main() -> None:
         if not args.enforce_eager and args.tensor_parallel_size == 1 else None
     result = {"benchmark": "decode_latency", "device": device_name(), "model": args.model,
               "moe_configs": moe_configs, "skinny": args.skinny,
-              "moe_pairs_max_tokens": moe_pairs.MAX_TOKENS,
               "context": args.context, "num_tokens": args.num_tokens,
               "cuda_graphs": not args.enforce_eager, "ms_per_token": ms_per_token,
               "runs_ms": runs, "floor_ms": floor_ms, "share_of_floor": floor_ms / ms_per_token,
@@ -221,7 +215,6 @@ def main() -> None:
     suffix += "_spec" if args.speculative_config else ""
     suffix += "_batch_invariant" if args.batch_invariant else ""
     suffix += "_skinny_off" if args.skinny == "off" else ""
-    suffix += f"_moe_pairs_{args.moe_pairs}" if args.moe_pairs is not None else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
     print(f"\nbatch-1 decode, ctx {args.context}, quantization {args.quantization}, "
           f"KV {args.kv_cache_dtype}, "

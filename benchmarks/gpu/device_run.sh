@@ -244,9 +244,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
         done; wait; grep -hE "^sharegpt" "$OUT"/replica*.log;;
     # issue 49: the MoE rows (BENCHMARKS.md moe-qwen3, moe-mixtral); the tokenizer files of the
     # default model in $M/dummy-qwen3-30b-a3b (ShareGPT), ids below 32,000 for Mixtral
-    moe-tests) python3 -m pytest -q -m "gpu or not gpu" tests/services/worker/test_moe_gpu.py tests/kernels/test_fused_moe.py tests/kernels/test_moe_pairs.py \
+    moe-tests) python3 -m pytest -q -m "gpu or not gpu" tests/services/worker/test_moe_gpu.py tests/kernels/test_fused_moe.py \
         -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -20;;
-    # MOE_DECODE_ARGS: more runs' flags, e.g. "--moe-pairs 0" (the grouped path at batch 1)
+    # MOE_DECODE_ARGS: one more run's flags (an A/B of a lever)
     moe-decode) for args in "" "--quantization fp8" ${MOE_DECODE_ARGS:+"$MOE_DECODE_ARGS"}; do
           python3 -m benchmarks.gpu.decode_latency --model $M/dummy-qwen3-30b-a3b $args 2>&1 \
             | grep -E '"ms_per_token"|"floor_ms"|moe configs'; done
