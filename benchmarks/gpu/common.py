@@ -42,10 +42,11 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
                  overlap_steps: str = "auto", quantization: str = "none",
                  tensor_parallel_size: int = 1, kv_cache_dtype: str = "auto",
                  speculative_config: str = "", disable_custom_all_reduce: bool = False,
-                 batch_invariant: bool = False) -> Engine:
+                 batch_invariant: bool = False, lora: dict | None = None) -> Engine:
     """``tensor_parallel_size`` > 1: ranks 1.. spawned on cuda:1.. (``engine.close()`` stops
     them). ``speculative_config``: vLLM's JSON, with the benchmark-only modes it may name
-    (replay, synthetic acceptance) installed in process (benchmarks/speculation_plugins.py)."""
+    (replay, synthetic acceptance) installed in process (benchmarks/speculation_plugins.py).
+    ``lora``: the worker's LoRA knobs (enable_lora, lora_modules, max_loras, ...; None: off)."""
     speculation, modes = split_speculative_config(speculative_config)
     worker = WorkerConfig(device="cuda", dtype="bfloat16", quantization=quantization,
                           kv_cache_dtype=kv_cache_dtype,
@@ -55,7 +56,7 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
                           gpu_memory_utilization=gpu_memory_utilization,
                           enforce_eager=enforce_eager, overlap_steps=overlap_steps,
                           disable_custom_all_reduce=disable_custom_all_reduce,
-                          batch_invariant=batch_invariant)
+                          batch_invariant=batch_invariant, **(lora or {}))
     scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 prefix_caching=prefix_caching,
@@ -63,6 +64,24 @@ def build_engine(model: str, *, max_model_len: int, max_num_seqs: int,
     engine = install(Engine(scheduler, worker, resolve_model(model)), modes)
     freeze_startup_objects()  # as the worker service: full collections skip the model
     return engine
+
+
+def add_lora_flags(parser) -> None:
+    """The worker's LoRA flags, as flotilla serve takes them (docs/lora.md)."""
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="LoRA on (alone: no request names an adapter)")
+    parser.add_argument("--lora-modules", default="",
+                        help="name=path,...: adapters registered at start (implies --enable-lora)")
+    parser.add_argument("--max-loras", type=int, default=8, help="device slots")
+    parser.add_argument("--max-lora-rank", type=int, default=16)
+
+
+def lora_knobs(args) -> dict | None:
+    """build_engine's ``lora`` from add_lora_flags' flags (None: LoRA off)."""
+    if not (args.enable_lora or args.lora_modules):
+        return None
+    return {"enable_lora": True, "lora_modules": args.lora_modules,
+            "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank}
 
 
 def hf_random_model(model_files: ModelFiles, dtype: torch.dtype = torch.bfloat16,

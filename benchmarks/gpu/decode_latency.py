@@ -1,6 +1,8 @@
 """Issue 4 benchmark b: batch-1 decode latency against the weights/bandwidth floor, and HF.
 
     python -m benchmarks.gpu.decode_latency --model dummy:llama-3.1-8b --context 1024 --hf
+    # issue 50: the request with a LoRA adapter (a PEFT directory; dummy_loras.py writes one)
+    python -m benchmarks.gpu.decode_latency --model dummy:llama-3.1-8b --lora /tmp/loras/lora0
 
 Both are the path: ``--norm-in-reduce off`` measures without the residual add and RMSNorm after
 o_proj and down in their split-K reduce (the two kernels instead), ``--pdl off`` without
@@ -19,8 +21,10 @@ same architecture is timed the same way (time for 1 + n tokens minus time for 1,
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,10 +36,12 @@ from shared.messages import SamplingParams
 from shared.models import resolve_model
 
 
-def graph_replay_ms(engine) -> float:
+def graph_replay_ms(engine, lora: bool = False) -> float:
     """GPU time of the batch-1 decode graph alone (the step minus every host-side cost), and
-    where it goes, kernel by kernel."""
-    graph = engine.runner._graphs.graphs[1]
+    where it goes, kernel by kernel; ``lora``: the graph with LoRA's deltas (over the last
+    step's adapter row, still in its buffer)."""
+    graphs = engine.runner._graphs
+    graph = (graphs.lora_graphs if lora else graphs.graphs)[1]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
@@ -51,6 +57,15 @@ def graph_replay_ms(engine) -> float:
     return start.elapsed_time(end) / 50
 
 
+def lora_knobs(path: str) -> dict | None:
+    """The worker's LoRA knobs for one adapter (None: LoRA off): one slot of its own rank."""
+    if not path:
+        return None
+    rank = json.loads((Path(path) / "adapter_config.json").read_text())["r"]
+    return {"enable_lora": True, "lora_modules": f"bench={path}", "max_loras": 1,
+            "max_lora_rank": rank}
+
+
 def unread_expert_bytes(model) -> int:
     """The bytes of the experts one token's step does not read: an MoE layer reads its
     top_k of num_experts experts (0 for a dense model)."""
@@ -62,7 +77,8 @@ def unread_expert_bytes(model) -> int:
     return expert_bytes * (spec.local_experts - spec.top_k) // spec.local_experts
 
 
-def trace_steps(engine, prompt: list[int], num_tokens: int) -> dict:
+def trace_steps(engine, prompt: list[int], num_tokens: int, lora_names: list[str] | None
+                ) -> dict:
     """One request of ``num_tokens`` under the profiler (this process: rank 0 under tensor
     parallelism, whose all-reduce kernels then include any wait for the other ranks): the
     kernels by total time, and the GPU's busy time (prompt included) against the decode steps'
@@ -71,7 +87,7 @@ def trace_steps(engine, prompt: list[int], num_tokens: int) -> dict:
     params = [SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)]
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
-        (completion,), _stats = engine.generate([prompt], params)
+        (completion,), _stats = engine.generate([prompt], params, lora_names)
     print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=25,
                                        max_name_column_width=70))
     kernels = sorted((event.time_range.start, event.time_range.end)
@@ -124,6 +140,8 @@ def main() -> None:
                         help="off: every projection on cuBLAS (or the scaled FP8 GEMM), to "
                              "measure the skinny GEMM's table against it")
     add_moe_configs_flag(parser)
+    parser.add_argument("--lora", default="", metavar="DIR",
+                        help="the request runs with this PEFT LoRA adapter (LoRA on, 1 slot)")
     args = parser.parse_args()
     if args.skinny == "off":
         skinny_gemm.serves = skinny_gemm.serves_gated = lambda *_: False
@@ -144,7 +162,9 @@ def main() -> None:
                           kv_cache_dtype=args.kv_cache_dtype,
                           speculative_config=args.speculative_config,
                           disable_custom_all_reduce=args.disable_custom_all_reduce,
-                          batch_invariant=args.batch_invariant)
+                          batch_invariant=args.batch_invariant,
+                          lora=lora_knobs(args.lora))
+    lora_names = ["bench"] if args.lora else None
     model = engine.runner.model
     config = model.config
     # (packed integer projections are buffers: int_qweight, int_scales, ...)
@@ -163,15 +183,15 @@ def main() -> None:
     # ids in both engines; all below Mixtral's 32,000)
     prompt = [100 + (j * 7919) % 30_000 for j in range(args.context)]
     params = [SamplingParams(max_tokens=args.num_tokens, temperature=0.0, ignore_eos=True)]
-    engine.generate([prompt], params)  # warm-up
+    engine.generate([prompt], params, lora_names)  # warm-up (the adapter into its slot too)
     runs = []
     for _ in range(3):
-        (completion,), _stats = engine.generate([prompt], params)
+        (completion,), _stats = engine.generate([prompt], params, lora_names)
         runs.append((completion.finish_time - completion.first_token_time)
                     / (args.num_tokens - 1) * 1e3)
     ms_per_token = sorted(runs)[1]
     # (a graph of collectives replays only with every rank: not under tensor parallelism)
-    gpu_ms = graph_replay_ms(engine) \
+    gpu_ms = graph_replay_ms(engine, bool(args.lora)) \
         if not args.enforce_eager and args.tensor_parallel_size == 1 else None
     result = {"benchmark": "decode_latency", "device": device_name(), "model": args.model,
               "moe_configs": moe_configs, "skinny": args.skinny,
@@ -184,7 +204,7 @@ def main() -> None:
               "tensor_parallel_size": args.tensor_parallel_size,
               "kv_cache_dtype": args.kv_cache_dtype,
               "speculative_config": args.speculative_config or None,
-              "batch_invariant": args.batch_invariant}
+              "batch_invariant": args.batch_invariant, "lora": args.lora or None}
     books = engine.scheduler.draft_books
     if books.num_drafted_steps:
         result["tokens_per_verify_step"] = 1 + books.num_accepted_drafts / books.num_drafted_steps
@@ -215,10 +235,11 @@ def main() -> None:
     suffix += "_spec" if args.speculative_config else ""
     suffix += "_batch_invariant" if args.batch_invariant else ""
     suffix += "_skinny_off" if args.skinny == "off" else ""
+    suffix += "_lora" if args.lora else ""
     save(f"decode_latency_{args.model.replace(':', '_')}{suffix}", result)
     print(f"\nbatch-1 decode, ctx {args.context}, quantization {args.quantization}, "
           f"KV {args.kv_cache_dtype}, "
-          f"TP {args.tensor_parallel_size}"
+          f"TP {args.tensor_parallel_size}{', LoRA ' + args.lora if args.lora else ''}"
           f" (norm in reduce {'on' if norm_in_reduce else 'off'},"
           f" PDL {'on' if pdl.enabled() else 'off'})"
           f": {ms_per_token:.2f} ms/token; floor "
@@ -228,7 +249,7 @@ def main() -> None:
           + (f"; {result['tokens_per_verify_step']:.2f} tokens a verify step"
              if "tokens_per_verify_step" in result else ""))
     if args.trace and not args.hf:
-        trace_steps(engine, prompt, args.trace)
+        trace_steps(engine, prompt, args.trace, lora_names)
     if not args.hf:
         engine.close()
 

@@ -276,6 +276,35 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
               benchmarks/peers/vllm/vllm_offline.py $va > "$OUT/vllm_$what.log" 2>&1)
           grep -E '^\{|Error' "$OUT/vllm_$what.log" | grep -oE '"(ms_per_token|total_tok_s|elapsed_s|startup_s)": [0-9.]+|.*Error.*' | tail -4
         done;;
+    # issue 50 (docs/lora.md): the LoRA kernels against torch at the 8B's shapes, one capture
+    # for any rows, no recompile per token count; the CUDA path's greedy text against the
+    # eager torch path and the CPU, base steps bitwise (no peft needed)
+    lora-tests) python3 -m pytest -q -m gpu tests/kernels/test_lora_kernels.py \
+        tests/services/worker/test_lora_gpu.py -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -20;;
+    # issue 50: 8 random rank-16 adapters on all seven projections of the 8B (written once, to
+    # /tmp/loras), ShareGPT 1,000 base / --enable-lora with no adapter request / spread
+    # round-robin over the 8 (--max-loras 8); batch-1 decode base / with lora0. LORA_PARTS:
+    # "sharegpt decode" (the default; ~10 minutes together: one part per call where that is
+    # too long); LORA_ARGS: more offline_throughput flags
+    lora) [ -f /tmp/loras/lora7/adapter_config.json ] || python3 -m benchmarks.gpu.dummy_loras \
+            --model $M/dummy-llama-3.1-8b --num 8 --rank 16 --out /tmp/loras | cut -c1-120
+        mods=$(for i in 0 1 2 3 4 5 6 7; do printf "lora$i=/tmp/loras/lora$i,"; done)
+        for part in ${LORA_PARTS:-sharegpt decode}; do
+          if [ "$part" = sharegpt ]; then
+            for args in "" "--enable-lora" "--lora-modules ${mods%,}"; do
+              echo "--- sharegpt ${args:0:24} $(date +%T)"
+              python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b \
+                  --workload sharegpt --num-prompts 1000 $E_DATA $args ${LORA_ARGS:-} 2>&1 \
+                  | grep -E '"(decode|mixed)_step_ms"|^sharegpt|Error' | tail -4
+            done
+          else
+            for args in "" "--lora /tmp/loras/lora0"; do
+              echo "--- decode $args $(date +%T)"
+              python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b $args 2>&1 \
+                  | grep -E '"graph_replay_ms"|^batch-1|Error' | tail -3
+            done
+          fi
+        done;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -9,6 +9,9 @@
     # e: ShareGPT, 1,000 conversations (first human turn; the reply's length as output)
     python -m benchmarks.gpu.offline_throughput --model dummy:llama-3.1-8b --workload sharegpt \
         --num-prompts 1000
+    # issue 50: the same spread round-robin over LoRA adapters (benchmarks/gpu/dummy_loras.py
+    # writes random ones); --enable-lora alone: LoRA on, every request the base model's
+    python -m benchmarks.gpu.offline_throughput ... --lora-modules lora0=/tmp/loras/lora0,...
 
 Every prompt is submitted at once; EOS is ignored so every request produces exactly its output
 length. Prompts are random token ids (seeded; never repeated, so the prefix cache cannot help)
@@ -28,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gpu.common import (add_moe_configs_flag, apply_moe_configs, build_engine,
-                                   device_name, done_percentiles, hf_random_model,
-                                   hf_static_batches, save)
+from benchmarks.gpu.common import (add_lora_flags, add_moe_configs_flag, apply_moe_configs,
+                                   build_engine, device_name, done_percentiles,
+                                   hf_random_model, hf_static_batches, lora_knobs, save)
 from benchmarks.step_periods import period_by_seqs
 from shared.messages import SamplingParams
 from shared.models import resolve_model
@@ -172,6 +175,7 @@ def main() -> None:
     parser.add_argument("--hf-batch-sizes", default="", help="e.g. 64,128 (empty: no HF run)")
     parser.add_argument("--hf-prompts", type=int, default=256, help="HF runs on this many")
     add_moe_configs_flag(parser)
+    add_lora_flags(parser)
     args = parser.parse_args()
 
     prompts, output_lens = workload(args)
@@ -192,19 +196,29 @@ def main() -> None:
                           tensor_parallel_size=args.tensor_parallel_size,
                           kv_cache_dtype=args.kv_cache_dtype,
                           speculative_config=args.speculative_config,
-                          disable_custom_all_reduce=args.disable_custom_all_reduce)
+                          disable_custom_all_reduce=args.disable_custom_all_reduce,
+                          lora=lora_knobs(args))
+    # the prompts round-robin over the adapters (none: every one the base model's)
+    adapters = [entry.split("=", 1)[0].strip() for entry in args.lora_modules.split(",")
+                if entry.strip()]
+
+    def spread(num: int) -> list[str]:
+        return [adapters[i % len(adapters)] if adapters else "" for i in range(num)]
+
     # Warm-up over varied shapes, so Triton compiles its kernel variants before the clock runs.
     rng = random.Random(args.seed + 1)
     warm_prompts = [[rng.randrange(100, 32_000) for _ in range(rng.randint(1, 2048))]
                     for _ in range(96)]
+    # (the adapters too: each in its device slot before the clock runs)
     engine.generate(warm_prompts, [SamplingParams(max_tokens=rng.randint(1, 16), temperature=0.0,
-                                                  ignore_eos=True) for _ in warm_prompts])
+                                                  ignore_eos=True) for _ in warm_prompts],
+                    spread(len(warm_prompts)))
     sampling = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in output_lens]
     step_times = time_steps(engine)
     report_profile = (profile_window(engine, args.profile_at, args.profile_steps,
                                      Path(os.environ.get("OUT", "/tmp"), "flotilla_trace.json"))
                       if args.profile_at >= 0 else None)
-    completions, stats = engine.generate(prompts, sampling)
+    completions, stats = engine.generate(prompts, sampling, spread(len(prompts)))
     assert [len(c.output_token_ids) for c in completions] == output_lens
     num_in, num_out = sum(map(len, prompts)), sum(output_lens)
     last_finish = max(c.finish_time for c in completions)
@@ -230,6 +244,8 @@ def main() -> None:
         "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
         "kv_cache_dtype": args.kv_cache_dtype,
         "speculative_config": args.speculative_config or None,
+        "enable_lora": lora_knobs(args) is not None, "lora_adapters": len(adapters),
+        "max_loras": args.max_loras if lora_knobs(args) else None,
         "drafts_kept": f"{engine.scheduler.draft_books.num_accepted_drafts}/"
                        f"{engine.scheduler.draft_books.num_draft_tokens}",
         "num_overlapped_steps": engine.runner.num_overlapped_steps,
@@ -257,10 +273,13 @@ def main() -> None:
     quantized += f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""
     quantized += "_fp8kv" if args.kv_cache_dtype == "fp8" else ""
     quantized += "_spec" if args.speculative_config else ""
+    quantized += (f"_lora{len(adapters)}" if adapters else "_lora_on") if lora_knobs(args) else ""
     untuned = "_untuned" if args.moe_configs == "default" else ""
     save(f"throughput_{args.workload}_{args.model.replace(':', '_')}{quantized}{untuned}", result)
     print(f"\n{args.workload} {args.model} {args.quantization} KV {args.kv_cache_dtype} "
-          f"TP{args.tensor_parallel_size} (seqs {args.max_num_seqs}, tokens "
+          f"TP{args.tensor_parallel_size} LoRA "
+          f"{(f'{len(adapters)} adapters' if adapters else 'on') if lora_knobs(args) else 'off'}"
+          f" (seqs {args.max_num_seqs}, tokens "
           f"{args.max_num_batched_tokens}, overlap {args.overlap_steps}): "
           f"{result['total_tok_s']:,.0f} total tok/s, "
           f"{result['output_tok_s']:,.0f} output tok/s, {result['request_s']:.1f} req/s, "
