@@ -27,7 +27,9 @@ would compile anew per token count); the tile shapes take two values (few rows o
 Numerics: y's sums in fp32, rounded to b's dtype for the expand's product (the torch path
 rounds x @ a^T to the activations' dtype too); the product is added to out in fp32 and rounded
 once. fp32 products in full precision (not tf32). Configs untuned: the shapes' first guess,
-not measured on a GPU yet.
+not measured on a GPU yet; compiled for sm_90 without a GPU (tests/kernels/lora_compile.py),
+the rank-16 launches at the 8B's shapes spill no register (8 warps for 64-row shrink tiles;
+rank 64 still spills some).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _shrink_kernel(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split
     offs_k = tl.arange(0, BLOCK_K)
     k_start = split * split_len
     k_end = tl.minimum(k_start + split_len, in_features)
-    y = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    y_ptrs = y_ptr + split * y_stride_split + rows[:, None] * width + cols[None, :]
     for slot in range(first, last + 1):
         chosen = in_tile & (slots == slot)
         if tl.sum(chosen.to(tl.int32)) > 0:  # (slots between two present ones may be absent)
@@ -111,9 +113,8 @@ def _shrink_kernel(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split
                 a = tl.load(a_base + ks[None, :], mask=col_mask[:, None] & k_mask[None, :],
                             other=0.0)
                 acc = _dot(x, a, acc, FP32_IEEE, WIDEN)
-            y = tl.where(chosen[:, None], acc, y)
-    y_ptrs = y_ptr + split * y_stride_split + rows[:, None] * width + cols[None, :]
-    tl.store(y_ptrs, y, mask=in_tile[:, None] & col_mask[None, :])
+            # (each row is one slot's: stored by its pass, no second accumulator held)
+            tl.store(y_ptrs, acc, mask=chosen[:, None] & col_mask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_splits", "y_stride_split"])
@@ -136,20 +137,18 @@ def _expand_kernel(y_ptr, b_ptr, lora_rows_ptr, out_ptr, out_features, width, nu
     y = y.to(b_ptr.dtype.element_ty)
     offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < out_features
-    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
     for slot in range(first, last + 1):
         chosen = in_tile & (slots == slot)
         if tl.sum(chosen.to(tl.int32)) > 0:
             b_ptrs = (b_ptr + tl.cast(slot, tl.int64) * b_stride_slot + offs_n[:, None] * width
                       + cols_w[None, :])
             b = tl.load(b_ptrs, mask=n_mask[:, None] & w_mask[None, :], other=0.0)
-            part = _dot(y, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_IEEE,
-                        WIDEN)
-            delta = tl.where(chosen[:, None], part, delta)
-    out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
-    out_mask = in_tile[:, None] & n_mask[None, :]
-    out = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, (out + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
+            delta = _dot(y, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_IEEE,
+                         WIDEN)
+            out_mask = chosen[:, None] & n_mask[None, :]  # (this slot's rows alone)
+            out = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
+            tl.store(out_ptrs, (out + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _block_m(num_tokens: int) -> int:
@@ -186,14 +185,17 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, lora_rows: torch.Tensor) -> to
     if not a.is_contiguous() or a.shape[2] != in_features:
         raise ValueError(f"a {tuple(a.shape)} must be contiguous [max_loras, width, "
                          f"{in_features}]")
-    block_m, block_k = _block_m(num_tokens), 64
+    block_m, block_w = _block_m(num_tokens), max(16, triton.next_power_of_2(width))
+    block_k = 32 if block_w >= 256 else 64
     num_splits, split_len = shrink_splits(num_tokens, in_features, block_k)
     y = torch.empty(num_splits, num_tokens, width, dtype=torch.float32, device=x.device)
     if num_tokens:
         _shrink_kernel[(triton.cdiv(num_tokens, block_m), num_splits)](
             x, a, lora_rows, y, in_features, width, split_len, x.stride(0), a.stride(0),
             y.stride(0), FP32_IEEE=x.dtype == torch.float32, WIDEN=_widen(x), BLOCK_M=block_m,
-            BLOCK_W=max(16, triton.next_power_of_2(width)), BLOCK_K=block_k, num_warps=4)
+            BLOCK_W=block_w, BLOCK_K=block_k,
+            # (4 warps spilled registers at 64 rows or wide ranks, compiled for sm_90)
+            num_warps=8 if block_m == 64 or block_w >= 128 else 4)
     return y
 
 
