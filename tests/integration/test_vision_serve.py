@@ -25,7 +25,7 @@ from tests.services.worker.idefics3_checkpoint import shared_idefics3_checkpoint
 from tests.services.worker.test_idefics3 import make_image
 
 pytestmark = pytest.mark.integration
-NUM_NEW_TOKENS = 12
+NUM_NEW_TOKENS = 8
 MAX_IMAGE_BYTES = 200_000
 MAX_IMAGE_PIXELS = 1_000_000
 
