@@ -281,6 +281,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     # eager torch path and the CPU, base steps bitwise (no peft needed)
     lora-tests) python3 -m pytest -q -m gpu tests/kernels/test_lora_kernels.py \
         tests/services/worker/test_lora_gpu.py -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -20;;
+    # issue 50: the LoRA kernels' GPU time per projection and row count against the base GEMM
+    # and the torch path's ops (benchmarks/gpu/lora_kernels.py; LORA_KERNEL_ARGS: e.g. --rank 64)
+    lora-kernels) python3 -m benchmarks.gpu.lora_kernels ${LORA_KERNEL_ARGS:-} 2>&1 | tail -30;;
     # issue 50: 8 random rank-16 adapters on all seven projections of the 8B (written once, to
     # /tmp/loras), ShareGPT 1,000 base / --enable-lora with no adapter request / spread
     # round-robin over the 8 (--max-loras 8); batch-1 decode base / with lora0. LORA_PARTS:

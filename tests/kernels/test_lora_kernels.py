@@ -32,7 +32,8 @@ def slot_pattern(kind: str, num_tokens: int, num_slots: int, gen) -> torch.Tenso
     elif kind == "one":
         slots = torch.full((num_tokens,), num_slots - 1)
     elif kind == "interleaved":  # a decode batch over every adapter and the base model
-        slots = torch.arange(num_tokens) % (num_slots + 1) - 1
+        slots = torch.arange(num_tokens) % (num_slots + 1)
+        slots[slots == num_slots] = -1
     else:  # random runs: prompt chunks of several requests
         slots = torch.randint(-1, num_slots, (num_tokens,), generator=gen, device=gen.device)
         slots = slots[torch.arange(num_tokens) // 4 * 4]
