@@ -64,6 +64,28 @@ class AdapterSettings(Struct, frozen=True, kw_only=True):
     target_modules: tuple[str, ...]  # PEFT part names, in TARGETS order
 
 
+# ---- the run-time load and unload (gateway -> each scheduler), on the wire
+class LoraLoadRequest(Struct, frozen=True, kw_only=True):
+    """gateway -> each scheduler: register a PEFT adapter at run time (vLLM's
+    /v1/load_lora_adapter); ``replace``: a name registered already takes the new files."""
+
+    lora_name: str
+    lora_path: str
+    replace: bool = False
+
+
+class LoraUnloadRequest(Struct, frozen=True, kw_only=True):
+    lora_name: str
+
+
+class LoraReply(Struct, frozen=True, kw_only=True):
+    """A scheduler's adapters after a load or unload, at ``timestamp`` (its wall clock,
+    as its stats events', so a gateway keeps whichever of the two is newer)."""
+
+    adapters: list[LoraRef] = []
+    timestamp: float = 0.0
+
+
 def tensor_name(layer: int, part: str, matrix: str) -> str:
     """PEFT's saved name of one matrix (``matrix``: lora_A or lora_B)."""
     return f"base_model.model.model.layers.{layer}.{_PARENT[part]}.{part}.{matrix}.weight"

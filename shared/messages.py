@@ -1,7 +1,8 @@
 """The wire contract: every message exchanged between flotilla services.
 
 The kvstore's own protocol is in shared/kv_messages.py, the schedulers' stats in
-shared/scheduler_stats.py (both encoded by ``encode``/``decode`` here). All messages are
+shared/scheduler_stats.py, LoRA adapters' identity and run-time load/unload in
+shared/lora_adapters.py (all encoded by ``encode``/``decode`` here). All messages are
 frozen msgspec Structs encoded as MessagePack. From the first
 release on, evolve them only by adding fields with defaults, so an old peer still decodes a
 new message; until then the protocol changes freely. Hot-path
@@ -17,7 +18,9 @@ import msgspec
 from msgspec import Struct
 
 from shared import kv_messages, scheduler_stats
-from shared.lora_adapters import BaseShapes, LoraRef
+from shared.lora_adapters import (  # (their wire messages live there)
+    BaseShapes, LoraLoadRequest, LoraRef, LoraReply, LoraUnloadRequest,
+)
 from shared.media_messages import ContentPart, ImageInput  # noqa: F401 (re-exported)
 
 T = TypeVar("T")
@@ -413,28 +416,6 @@ class KvStoreRun(Struct, frozen=True, array_like=True, gc=False):
     first_block_index: int
     block_ids: list[int]
     block_hashes: list[bytes]
-
-
-# ----------------------------------------------------------------- LoRA adapters
-class LoraLoadRequest(Struct, frozen=True, kw_only=True):
-    """gateway -> each scheduler: register a PEFT adapter at run time (vLLM's
-    /v1/load_lora_adapter); ``replace``: a name registered already takes the new files."""
-
-    lora_name: str
-    lora_path: str
-    replace: bool = False
-
-
-class LoraUnloadRequest(Struct, frozen=True, kw_only=True):
-    lora_name: str
-
-
-class LoraReply(Struct, frozen=True, kw_only=True):
-    """A scheduler's adapters after a load or unload, at ``timestamp`` (its wall clock,
-    as its stats events', so a gateway keeps whichever of the two is newer)."""
-
-    adapters: list[LoraRef] = []
-    timestamp: float = 0.0
 
 
 # Every message type, for tests and tooling.

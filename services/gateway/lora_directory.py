@@ -10,7 +10,8 @@ that have it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 import structlog
 
@@ -18,6 +19,7 @@ from shared.bus import Bus
 from shared.errors import FlotillaError, NotFound, ServiceUnavailable
 from shared.lora_adapters import LoraRef
 from shared.messages import LoraLoadRequest, LoraReply, LoraUnloadRequest
+from shared.scheduler_stats import SchedulerStats
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -53,13 +55,72 @@ class LoraDirectory:
                 if lora_name in self._by_scheduler.get(sid, (0.0, {}))[1]}
 
 
+def adapters_to_replay(own: Sequence[LoraRef], peers: dict[str, LoraRef]) -> list[LoraRef]:
+    """The adapters a replica that just joined should load: those its live peers serve and
+    it lacks (a restarted scheduler comes back with its --lora-modules only). An adapter no
+    peer has any more was unloaded, and is not brought back."""
+    names = {ref.name for ref in own}
+    return [ref for name, ref in sorted(peers.items()) if name not in names]
+
+
 class LoraControl:
-    """Run-time loads and unloads, sent to every live replica at once."""
+    """Run-time loads and unloads, sent to every live replica at once; a replica that
+    joins (or restarts) gets the adapters its peers loaded at run time."""
 
     def __init__(self, bus: Bus, subjects: Subjects, directory: LoraDirectory,
                  live_ids: Callable[[], list[str]], timeout_s: float) -> None:
         self.bus, self.subjects, self.directory = bus, subjects, directory
         self.live_ids, self.timeout_s = live_ids, timeout_s
+        self._synced: set[str] = set()  # schedulers given their peers' adapters
+
+    def adapters(self, scheduler_ids: list[str] | None = None) -> dict[str, LoraRef]:
+        """The adapters the live replicas (or ``scheduler_ids``) have, by name."""
+        return self.directory.adapters(self.live_ids() if scheduler_ids is None
+                                       else scheduler_ids)
+
+    def ready_for(self, lora_name: str, ready_ids: list[str]) -> tuple[LoraRef | None,
+                                                                       list[str]]:
+        """A request's adapter among the ready replicas (None: the base model, or one none
+        of them has) and the replicas that can run it (all of them for the base)."""
+        lora = self.adapters(ready_ids).get(lora_name) if lora_name else None
+        if lora is None:
+            return None, ready_ids
+        holders = self.directory.holders(lora_name, ready_ids)
+        return lora, [sid for sid in ready_ids if sid in holders]
+
+    def observe(self, stats: SchedulerStats) -> Coroutine[Any, Any, None] | None:
+        """A replica's stats: its adapters, and once its worker is attached the replay of
+        what its peers serve (a task to run), the first time it is seen."""
+        lora = stats.lora
+        self.directory.observe(stats.scheduler_id, stats.timestamp, lora.adapters)
+        if not (stats.worker_ready and lora.max_loras):
+            return None
+        return self.sync_joined(stats.scheduler_id, lora.adapters)
+
+    def sync_joined(self, scheduler_id: str, adapters: Sequence[LoraRef]
+                    ) -> Coroutine[Any, Any, None] | None:
+        """Once per scheduler (None after the first call): the loads of what its live peers
+        serve and it lacks, to run as a task."""
+        if scheduler_id in self._synced:
+            return None
+        self._synced.add(scheduler_id)
+        return self._replay(scheduler_id, adapters)
+
+    async def _replay(self, scheduler_id: str, adapters: Sequence[LoraRef]) -> None:
+        """A refusal is logged: the replica then serves what it has."""
+        peers = self.directory.adapters([sid for sid in self.live_ids() if sid != scheduler_id])
+        for ref in adapters_to_replay(adapters, peers):
+            try:
+                reply = await self.bus.request(
+                    self.subjects.scheduler_lora(scheduler_id, "lora_load"),
+                    LoraLoadRequest(lora_name=ref.name, lora_path=ref.path), LoraReply,
+                    timeout=self.timeout_s)
+            except FlotillaError as exc:
+                log.warning("lora_replay_refused", scheduler_id=scheduler_id,
+                            lora_name=ref.name, error=exc.message)
+                continue
+            self.directory.observe(scheduler_id, reply.timestamp, reply.adapters)
+            log.info("lora_adapter_replayed", scheduler_id=scheduler_id, lora_name=ref.name)
 
     async def load(self, lora_name: str, lora_path: str, replace: bool) -> None:
         """Every live replica registers the adapter; the first refusal (a 400 naming what

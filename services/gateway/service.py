@@ -84,9 +84,8 @@ class GatewayService:
         self.blocks = BlockFeed(bus, self.subjects, self.index, metrics, self._spawn) \
             if config.routing == RoutingPolicy.KV else None
         metrics.watch_block_index(self.index)
-        self.loras = LoraDirectory()  # the adapters each replica serves (docs/lora.md)
-        self.lora_control = LoraControl(
-            bus, self.subjects, self.loras,
+        self.lora_control = LoraControl(  # the adapters each replica serves (docs/lora.md)
+            bus, self.subjects, LoraDirectory(),
             lambda: [stats.scheduler_id for stats in self.live_schedulers()],
             config.request_timeout_s)
 
@@ -209,18 +208,11 @@ class GatewayService:
                                       timeout=self.config.request_timeout_s)
 
     def lora_adapters(self) -> dict[str, LoraRef]:
-        """The LoRA adapters the live replicas have, by name."""
-        return self.loras.adapters([stats.scheduler_id for stats in self.live_schedulers()])
+        return self.lora_control.adapters()  # (by name, on the live replicas)
 
-    def lora_ref(self, lora_name: str, scheduler_ids: list[str] | None = None
-                 ) -> LoraRef | None:
-        """The adapter a request names (None: the base model, or no such adapter on the
-        live replicas, or on ``scheduler_ids``)."""
-        if not lora_name:
-            return None
-        if scheduler_ids is None:
-            return self.lora_adapters().get(lora_name)
-        return self.loras.adapters(scheduler_ids).get(lora_name)
+    def lora_ref(self, lora_name: str) -> LoraRef | None:
+        """The adapter a request names on the live replicas (None: the base model)."""
+        return self.lora_control.adapters().get(lora_name) if lora_name else None
 
     def live_schedulers(self) -> list[SchedulerStats]:
         return self.replicas.live(time.monotonic())
@@ -248,10 +240,9 @@ class GatewayService:
         is larger. ``avoid`` (one that just lost a request) is taken only when no other is
         ready."""
         ready = [stats for stats in self.live_schedulers() if self.is_ready(stats)]
-        lora = self.lora_ref(request.lora_name, [stats.scheduler_id for stats in ready])
-        if lora is not None:  # only replicas that have the adapter can run it
-            holders = self.loras.holders(lora.name, [stats.scheduler_id for stats in ready])
-            ready = [stats for stats in ready if stats.scheduler_id in holders]
+        lora, holders = self.lora_control.ready_for(  # (only replicas with the adapter)
+            request.lora_name, [stats.scheduler_id for stats in ready])
+        ready = [stats for stats in ready if stats.scheduler_id in holders]
         if avoid and any(stats.scheduler_id != avoid for stats in ready):
             ready = [stats for stats in ready if stats.scheduler_id != avoid]
         records = [self.replicas.record(stats.scheduler_id) for stats in ready]
@@ -396,7 +387,9 @@ class GatewayService:
         for old_id in self.replicas.heard(stats, time.monotonic()):
             self._replaced(old_id, stats)
         self.metrics.observe_scheduler(stats)
-        self.loras.observe(stats.scheduler_id, stats.timestamp, stats.lora.adapters)
+        replay = self.lora_control.observe(stats)  # (a joined replica: peers' adapters)
+        if replay is not None:
+            self._spawn(replay)
         if self.blocks is not None:
             self.blocks.on_stats(stats)
 

@@ -22,10 +22,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Mapping
 
+import structlog
+
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import Request, TierHit
 from services.scheduler.tiering import DISK, HOST
 from shared.messages import KvLoad, KvStoreRun
+
+log = structlog.get_logger()
 
 # a block to store: (request id, block index, block id, block hash); a plain tuple, since a
 # prefill step of 16,384 tokens makes ~1,000
@@ -58,6 +62,18 @@ def store_target(requests: Mapping[str, Request], block_manager: BlockManager,
         return request_id in forgotten
 
     return is_wanted
+
+
+def drop_stale_tier_hits(waiting: list[Request], old_store_id: str, store_id: str) -> str:
+    """Forget the queued hits of a kvstore process that has restarted since ``old_store_id``
+    (the connector's store id changed): its pins and slots are gone with it. Returns the
+    store id to remember."""
+    if old_store_id and store_id != old_store_id:
+        log.warning("kvstore_restarted", old_store_id=old_store_id, store_id=store_id)
+        for req in waiting:
+            if req.tier_hit is not None and req.tier_hit.store_id != store_id:
+                req.tier_hit = None
+    return store_id
 
 
 def cache_loaded_blocks(block_manager: BlockManager, req: Request, first: int,

@@ -11,9 +11,11 @@ from collections.abc import Callable
 import structlog
 
 from services.scheduler.lora_registry import LoraRegistry
+from shared.bus import Bus
 from shared.errors import InvalidRequest
 from shared.lora_adapters import BaseShapes
 from shared.messages import LoraLoadRequest, LoraReply, LoraUnloadRequest
+from shared.subjects import Subjects
 
 log = structlog.get_logger()
 
@@ -25,6 +27,12 @@ class LoraHandlers:
         worker, or one without LoRA); ``changed``: called after each change (stats go
         out at once)."""
         self.registry, self.base_shapes, self.changed = registry, base_shapes, changed
+
+    async def serve(self, bus: Bus, subjects: Subjects, scheduler_id: str) -> None:
+        """Answer this scheduler's load and unload requests on the bus."""
+        for verb, message, handler in (("lora_load", LoraLoadRequest, self.load),
+                                       ("lora_unload", LoraUnloadRequest, self.unload)):
+            await bus.serve(subjects.scheduler_lora(scheduler_id, verb), message, handler)
 
     async def load(self, request: LoraLoadRequest) -> LoraReply:
         """Check the adapter's files whole (off the event loop: a header read and a hash

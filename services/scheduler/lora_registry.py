@@ -7,7 +7,7 @@ so an unload lets requests in flight finish and a reload never mixes versions.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,6 +72,16 @@ class LoraRegistry:
 
     def refs(self) -> list[LoraRef]:
         return list(self.adapters.values())
+
+    def admits(self, running: Iterable[Request]) -> Callable[[Request], bool]:
+        """Whether a waiting request may join ``running``: each step computes every running
+        request, so their adapters (two versions of a name count twice) must fit the
+        worker's max_loras slots; base requests always may."""
+        if not self.enabled:
+            return lambda req: True
+        in_use = running_adapters(running)
+        return lambda req: (req.lora is None or req.lora.cache_key in in_use
+                            or len(in_use) < self.max_loras)
 
 
 def running_adapters(requests: Iterable[Request]) -> set[str]:

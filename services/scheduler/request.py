@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.lora_adapters import LoraRef
-from shared.messages import ImageInput, SamplingParams, TokenLogprobs
+from shared.messages import ImageInput, NewRequestData, SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -88,3 +88,16 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_tokens_at_worker - self.num_computed_tokens > 1
+
+
+def new_request_data(req: Request) -> NewRequestData:
+    """The request in full for the worker (its blocks so far; its adapter; the images a
+    chunk still needs)."""
+    lora = req.lora
+    return NewRequestData(
+        req.request_id, req.all_token_ids, req.sampling, list(req.block_table),
+        req.num_computed_tokens, len(req.prompt_token_ids),
+        lora_name=lora.name if lora else "", lora_path=lora.path if lora else "",
+        lora_hash=lora.content_hash if lora else "",
+        images=[image for image in req.images
+                if image.offset + image.length > req.num_computed_tokens])

@@ -30,26 +30,24 @@ import time
 from collections import ChainMap
 from dataclasses import dataclass
 
-import structlog
-
 from services.scheduler.admission import AdmissionReserve, KeptRoom
 from services.scheduler.block_manager import BlockManager, num_blocks_for
 from services.scheduler.chunk_pacer import ChunkPacer, StepClock, decode_stall_target_ms
 from services.scheduler.config import SchedulerConfig, SchedulingPolicy
 from services.scheduler.intake import Arrival, Arrivals, prefix_query, queue_entries
-from services.scheduler.kv_tier import KvTierHooks, cache_loaded_blocks, store_target
-from services.scheduler.lora_registry import LoraRegistry, running_adapters
+from services.scheduler.kv_tier import (
+    KvTierHooks, cache_loaded_blocks, drop_stale_tier_hits, store_target,
+)
+from services.scheduler.lora_registry import LoraRegistry
 from services.scheduler.outputs import add_prompt_logprobs, append_outputs, request_output
 from services.scheduler.speculation import NO_DRAFTS, DraftBooks, Drafts, drafter, settle_drafts
 from shared.prefix_hash import extend_block_hashes
-from services.scheduler.request import Request, TierHit
+from services.scheduler.request import Request, TierHit, new_request_data
 from services.scheduler.validation import validate_request
 from shared.messages import (
     ErrorInfo, GenerateRequest, NewRequestData, RequestOutput, ScheduledRequest, StepPlan,
     StepResult,
 )
-
-log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -131,7 +129,8 @@ class Scheduler:
         (siblings.py), the leader first with the arrival's place in line and ``tier_hit``
         (its siblings then find those blocks in the GPU prefix cache)."""
         self.arriving.remove(arrival)
-        self._drop_stale_tier_hits()
+        self._tier_store_id = drop_stale_tier_hits(self.waiting, self._tier_store_id,
+                                                   self.kv.store_id)
         priority_policy = self.config.scheduling_policy == SchedulingPolicy.PRIORITY
         for req in queue_entries(arrival, tier_hit, self._arrival_seqs, self.model_name,
                                  priority_policy, self.config.prefix_caching):
@@ -145,17 +144,6 @@ class Scheduler:
     def use_connector(self, kv: KvTierHooks) -> None:
         """The service swapped its KV connector (the worker reached a kvstore)."""
         self.kv, self._tier_store_id = kv, ""
-
-    def _drop_stale_tier_hits(self) -> None:
-        """Forget the queued hits of a kvstore process that has restarted since (the
-        connector's store id changed): its pins and slots are gone with it."""
-        old, store_id = self._tier_store_id, self.kv.store_id
-        self._tier_store_id = store_id
-        if old and store_id != old:
-            log.warning("kvstore_restarted", old_store_id=old, store_id=store_id)
-            for req in self.waiting:
-                if req.tier_hit is not None and req.tier_hit.store_id != store_id:
-                    req.tier_hit = None
 
     def abort(self, request_ids: list[str]) -> None:
         self.arriving.abort(request_ids)  # (those being looked up queue nothing)
@@ -344,13 +332,10 @@ class Scheduler:
     def _waiting_head(self) -> Request | None:
         """The first waiting request, skipping siblings whose leader is still scheduling
         the prompt they will share (it runs, or waits ahead of them: no deadlock), and
-        requests whose LoRA adapter would make the running ones use more than max_loras
-        (each step computes every running request: a worker's slots hold them all)."""
-        running_loras = running_adapters(self.running) if self.loras.enabled else None
+        those whose LoRA adapter cannot join the running ones (lora_registry.py)."""
+        adapter_fits = self.loras.admits(self.running)
         for req in self.waiting:
-            if running_loras is not None and req.lora is not None and \
-                    req.lora.cache_key not in running_loras and \
-                    len(running_loras) >= self.loras.max_loras:
+            if not adapter_fits(req):
                 continue
             leader = req.leader
             if leader is not None and self.requests.get(leader.request_id) is leader \
@@ -390,14 +375,7 @@ class Scheduler:
         req.sent_at_step = self._next_step_id
         if req.wants_prompt_logprobs:
             req.prompt_logprobs = []  # computed (again) from the start
-        lora = req.lora
-        new_requests.append(NewRequestData(
-            req.request_id, req.all_token_ids, req.sampling, list(req.block_table),
-            req.num_computed_tokens, len(req.prompt_token_ids),
-            lora_name=lora.name if lora else "", lora_path=lora.path if lora else "",
-            lora_hash=lora.content_hash if lora else "",
-            images=[image for image in req.images  # (the ones a chunk still needs)
-                    if image.offset + image.length > req.num_computed_tokens]))
+        new_requests.append(new_request_data(req))
         req.known_to_worker = True
 
     def _register_full_blocks(self, req: Request) -> None:

@@ -46,8 +46,8 @@ from services.scheduler.tiering import TierSpeeds
 from shared.bus import PING_INTERVAL_S, Bus
 from shared.errors import FlotillaError, ServiceUnavailable, TooManyRequests
 from shared.messages import (
-    AbortRequest, Empty, GenerateRequest, HealthReply, LoraLoadRequest, LoraUnloadRequest,
-    StepPlan, StepResult, SubmitReply, WorkerInfo,
+    AbortRequest, Empty, GenerateRequest, HealthReply, StepPlan, StepResult, SubmitReply,
+    WorkerInfo,
 )
 from shared.runtime import freeze_startup_objects
 from shared.subjects import Subjects
@@ -109,11 +109,7 @@ class SchedulerService:
         await self.bus.serve(self.subjects.scheduler_abort(self.config.instance_id), AbortRequest,
                              self._on_abort)
         await self.bus.serve(self.subjects.health("scheduler"), Empty, self._on_health, queue=queue)
-        for verb, message, handler in (("lora_load", LoraLoadRequest, self.lora_handlers.load),
-                                       ("lora_unload", LoraUnloadRequest,
-                                        self.lora_handlers.unload)):
-            await self.bus.serve(self.subjects.scheduler_lora(self.config.instance_id, verb),
-                                 message, handler)
+        await self.lora_handlers.serve(self.bus, self.subjects, self.config.instance_id)
         await self.block_events.start()
 
     async def run(self, stop: asyncio.Event) -> None:

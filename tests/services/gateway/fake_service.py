@@ -80,7 +80,7 @@ class FakeService:
     def lora_adapters(self) -> dict:
         return {}  # (no LoRA adapters)
 
-    def lora_ref(self, lora_name: str, scheduler_ids: list[str] | None = None):
+    def lora_ref(self, lora_name: str):
         return None
 
     async def deltas(self, stream: RequestStream):
