@@ -286,27 +286,26 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     lora-kernels) python3 -m benchmarks.gpu.lora_kernels ${LORA_KERNEL_ARGS:-} 2>&1 | tail -30;;
     # issue 50: 8 random rank-16 adapters on all seven projections of the 8B (written once, to
     # /tmp/loras), ShareGPT 1,000 base / --enable-lora with no adapter request / spread
-    # round-robin over the 8 (--max-loras 8); batch-1 decode base / with lora0. LORA_PARTS:
-    # "sharegpt decode" (the default; ~10 minutes together: one part per call where that is
-    # too long); LORA_ARGS: more offline_throughput flags
+    # round-robin over the 8 (--max-loras 8), then batch-1 decode base and with lora0.
+    # LORA_PARTS picks them (default "base on spread decode", ~10 minutes: split it over calls,
+    # e.g. "base on" then "spread decode"); LORA_ARGS: more offline_throughput flags
     lora) [ -f /tmp/loras/lora7/adapter_config.json ] || python3 -m benchmarks.gpu.dummy_loras \
             --model $M/dummy-llama-3.1-8b --num 8 --rank 16 --out /tmp/loras | cut -c1-120
         mods=$(for i in 0 1 2 3 4 5 6 7; do printf "lora$i=/tmp/loras/lora$i,"; done)
-        for part in ${LORA_PARTS:-sharegpt decode}; do
-          if [ "$part" = sharegpt ]; then
-            for args in "" "--enable-lora" "--lora-modules ${mods%,}"; do
-              echo "--- sharegpt ${args:0:24} $(date +%T)"
+        for part in ${LORA_PARTS:-base on spread decode}; do
+          echo "--- $part $(date +%T)"
+          case $part in
+            base|on|spread) args=$([ $part = on ] && echo --enable-lora)
+              [ $part = spread ] && args="--lora-modules ${mods%,}"
               python3 -m benchmarks.gpu.offline_throughput --model $M/dummy-llama-3.1-8b \
                   --workload sharegpt --num-prompts 1000 $E_DATA $args ${LORA_ARGS:-} 2>&1 \
-                  | grep -E '"(decode|mixed)_step_ms"|^sharegpt|Error' | tail -4
-            done
-          else
-            for args in "" "--lora /tmp/loras/lora0"; do
-              echo "--- decode $args $(date +%T)"
-              python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b $args 2>&1 \
-                  | grep -E '"graph_replay_ms"|^batch-1|Error' | tail -3
-            done
-          fi
+                  | grep -E '"(decode|mixed)_step_ms"|"num_blocks"|^sharegpt|Error' | tail -5;;
+            decode) for args in "" "--lora /tmp/loras/lora0"; do
+                python3 -m benchmarks.gpu.decode_latency --model $M/dummy-llama-3.1-8b $args 2>&1 \
+                    | grep -E '"graph_replay_ms"|^batch-1|Error' | tail -3
+              done;;
+            *) echo "unknown LoRA part $part";;
+          esac
         done;;
     *) echo "unknown stage $stage";;
   esac
