@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,10 +83,19 @@ class Stack:
         self._tails: dict[str, deque[str]] = {}  # last output lines of piped children
         self._pumps: list[threading.Thread] = []
         self._stopping = False
+        self._metrics_dir: Path | None = None
         # where the restart counts go (the gateway shows them in /metrics)
         self.restarts_file = (options.log_dir / "restarts.json" if options.log_dir is not None
                               else Path(tempfile.gettempdir())
                               / f"flotilla-restarts-{os.getpid()}.json")
+
+    def metrics_dir(self) -> Path:
+        """The gateways' shared prometheus_client multiprocess folder (several gateways):
+        emptied when the stack starts, so no earlier run's counts add in; kept over a
+        gateway's restart, so the counts of one that exited stay in the sums."""
+        if self._metrics_dir is None:
+            self._metrics_dir = Path(tempfile.mkdtemp(prefix="flotilla-metrics-"))
+        return self._metrics_dir
 
     @property
     def base_url(self) -> str:
@@ -186,7 +196,9 @@ class Stack:
             command += ["--num-threads", str(max(1, (os.cpu_count() or 1) // o.replicas))]
         if kind == "gateway":
             command += ["--host", o.host, "--port", str(o.port)]
-            command += ["--reuse-port"] if o.gateways > 1 else []
+            # one of several counts the figures they all hear alike (metrics.py)
+            command += ["--reuse-port"] + (["--no-fleet-metrics"] if replica_id else []) \
+                if o.gateways > 1 else []
         if kind == "kvstore":
             command += ["--node-id", o.kv_node_id]
         if kind in REPLICATED and o.kvstore and "--kv-node-id" in service_flags(kind):
@@ -204,6 +216,8 @@ class Stack:
         kind, _, replica_id = name.partition("-")
         if kind == "gateway" and o.supervise:
             env["FLOTILLA_RESTARTS_FILE"] = str(self.restarts_file)
+        if kind == "gateway" and o.gateways > 1:  # a scrape of any sums them all
+            env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir())
         if kind != "worker":
             env["OMP_NUM_THREADS"] = "1"  # the cores belong to the workers
         elif o.worker_gpus is not None and (o.replicas > 1 or o.worker_gpus > 1):
@@ -372,6 +386,9 @@ class Stack:
         self._pumps.clear()
         if self.options.log_dir is None:  # our temporary restart counts
             self.restarts_file.unlink(missing_ok=True)
+        if self._metrics_dir is not None:
+            shutil.rmtree(self._metrics_dir, ignore_errors=True)
+            self._metrics_dir = None
         self._stopping = False
 
     def _stop_tiers(self) -> list[list[subprocess.Popen]]:

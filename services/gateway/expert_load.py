@@ -44,12 +44,13 @@ class ExpertLoadCollector:
     (gauge) per replica, from the latest counts its scheduler sent; a replica whose latest
     stats route no token (dense, or its worker just attached) has neither."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
         # replica id -> (scheduler id, its counts); by replica, so a restarted scheduler
         # replaces its predecessor's figures instead of leaving them behind. Shares are
         # made at scrape time: stats come twice a second, scrapes far less often.
         self._counts: dict[str, tuple[str, list[list[int]]]] = {}
-        registry.register(self)
+        if registry is not None:
+            registry.register(self)
 
     def observe(self, stats: SchedulerStats) -> None:
         counts = stats.moe.expert_token_counts  # (a frozen message's: kept as it is)

@@ -1,20 +1,28 @@
-"""Prometheus metrics served on the gateway's /metrics: the gateway's own request
-timings, and each scheduler's figures from its stats events."""
+"""Prometheus metrics served on the gateway's /metrics: the gateway's own figures (its
+requests' counts and timings, routing), and each scheduler's figures from its stats events
+(scheduler_metrics.py), with vLLM's names beside them (vllm_metrics.py).
+
+Several gateway processes on one port (``flotilla serve --gateway-workers N``) share a
+folder named by PROMETHEUS_MULTIPROC_DIR (prometheus_client's multiprocess mode): each
+writes its own figures there and a scrape of any of them sums every process's, the exited
+ones' included (their requests happened). What every process hears alike (the schedulers'
+stats) is not summed: each serves its own copy, or one process counts it (``fleet_metrics``)."""
 
 from __future__ import annotations
 
-import time
-
 import bisect
 import math
+import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, values
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
 from services.gateway.block_index import BlockIndex
 from services.gateway.expert_load import ExpertLoadCollector
 from services.gateway.routing import Decision
+from services.gateway.scheduler_metrics import SchedulerFigures
 from services.gateway.vllm_metrics import VllmCollector
 from shared.scheduler_stats import SchedulerStats
 
@@ -25,23 +33,48 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+def multiprocess() -> bool:
+    """prometheus_client's multiprocess mode is on (PROMETHEUS_MULTIPROC_DIR was set when it
+    was imported): values live in per-process files of that folder."""
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
+
+
 class ChunkHistogram:
     """A histogram for what is observed once per streamed chunk (three observations a
     chunk). prometheus_client's Histogram takes 0.8-1.3 µs an observation on the 2-core
-    CPU (a lock and two locked adds), this one 0.16-0.2 µs (timeit; the command is in
-    issue 27's notes): it counts in plain lists and hands prometheus_client the family when
-    scraped. Only the gateway's event loop touches it, so it needs no lock."""
+    CPU (a lock and two locked adds; 3.4 µs in multiprocess mode), this one 0.16-0.2 µs
+    (timeit; the command is in issue 27's notes): it counts in plain lists and hands
+    prometheus_client the family when scraped, and in multiprocess mode its new counts at
+    each flush(). Only the gateway's event loop touches it, so it needs no lock."""
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...],
                  registry: CollectorRegistry) -> None:
         self.name, self.documentation, self.bounds = name, documentation, buckets
         self.counts = [0] * (len(buckets) + 1)  # the last: above every bound
         self.sum = 0.0
+        self._flushed = ([0] * len(self.counts), 0.0)
+        # the multiprocess file's values, as prometheus_client's Histogram makes them
+        les = [floatToGoString(bound) for bound in (*buckets, math.inf)]
+        self._shared = ([values.ValueClass("histogram", name, name + "_bucket", ("le",), (le,),
+                                           documentation) for le in les],
+                        values.ValueClass("histogram", name, name + "_sum", (), (),
+                                          documentation)) if multiprocess() else None
         registry.register(self)
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1  # (le: bound >= value)
         self.sum += value
+
+    def flush(self) -> None:
+        if self._shared is None:
+            return
+        (buckets, total), (flushed, flushed_sum) = self._shared, self._flushed
+        for index, count in enumerate(self.counts):
+            if count != flushed[index]:
+                buckets[index].inc(count - flushed[index])
+        if self.sum != flushed_sum:
+            total.inc(self.sum - flushed_sum)
+        self._flushed = (list(self.counts), self.sum)
 
     def collect(self):
         family = HistogramMetricFamily(self.name, self.documentation)
@@ -53,30 +86,78 @@ class ChunkHistogram:
         yield family
 
 
-class GatewayMetrics:
+class ProcessFigures:
+    """This process's own state, read when scraped: flotilla serve's restart counts and
+    the routing index's blocks (every process keeps an index of its own)."""
+
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+        self.restarts: dict[str, int] = {}
+        self.index: BlockIndex | None = None
+
+    def collect(self):
+        restarts = GaugeMetricFamily("flotilla_service_restarts", "Times flotilla serve "
+                                     "restarted each service it runs", labels=["service"])
+        for service, count in self.restarts.items():
+            restarts.add_metric([service], count)
+        blocks = GaugeMetricFamily(
+            "flotilla_routing_index_blocks", "Blocks in the routing index: gpu (distinct "
+            "blocks held by some replica) and kvstore (distinct blocks in some node's tiers)",
+            labels=["tier"])
+        if self.index is not None:
+            blocks.add_metric(["gpu"], self.index.num_gpu_blocks())
+            blocks.add_metric(["kvstore"], self.index.num_tier_blocks())
+        yield from (restarts, blocks)
+
+
+class _Exposed:
+    """What /metrics serves: flotilla's figures from ``source``, then their vLLM copies."""
+
+    def __init__(self, source: CollectorRegistry, vllm: VllmCollector) -> None:
+        self.source, self.vllm = source, vllm
+
+    def collect(self):
+        families = list(self.source.collect())
+        yield from families
+        yield from self.vllm.copies({family.name: family for family in families})
+
+
+class GatewayMetrics:
+    def __init__(self, fleet_metrics: bool = True) -> None:
+        self.fleet_metrics = fleet_metrics  # count the step histograms and replacements
+        self.figures = figures = CollectorRegistry()  # this process's, in prometheus_client
         # registered in this order, which is /metrics' order
-        self._add_fleet_metrics(self.registry)
-        self._add_request_metrics(self.registry)
-        self._add_scheduler_metrics(self.registry)
-        self._add_lora_metrics(self.registry)
-        self._last: dict[str, SchedulerStats] = {}
+        self._add_fleet_metrics(figures)
+        self._add_request_metrics(figures)
+        self._add_step_metrics(figures)
+        self._chunk_histograms = [self.inter_token_latency, self.tokens_per_chunk,
+                                  self.output_delivery]
+        self.scheduler = SchedulerFigures()
+        self.expert_load = ExpertLoadCollector(None)  # flotilla_moe_expert_load{,_max}
+        self._process = ProcessFigures()
         self.served_model_name = ""  # the tokenizer's, once the gateway has asked it
-        VllmCollector(self, self.registry)  # vllm:* copies of the figures above, last
+        source = CollectorRegistry()  # flotilla's names: summed files, or this process's
+        if multiprocess():
+            MultiProcessCollector(source)
+        else:
+            source.register(figures)
+        for local in (self.scheduler, self.expert_load, self._process):
+            source.register(local)
+        self.registry = CollectorRegistry()  # what /metrics serves
+        self.registry.register(_Exposed(source, VllmCollector(self)))
 
     def model_name(self, scheduler_id: str | None = None) -> str:
         """vLLM's ``model_name`` label: a replica's served model name as its stats say,
         else the gateway's (one model per fleet: the two agree)."""
-        last = self._last.get(scheduler_id) if scheduler_id is not None else None
-        if last is not None and last.routing.model_name:
-            return last.routing.model_name
-        if self.served_model_name or not self._last:
+        last = self.scheduler.last
+        stats = last.get(scheduler_id) if scheduler_id is not None else None
+        if stats is not None and stats.routing.model_name:
+            return stats.routing.model_name
+        if self.served_model_name or not last:
             return self.served_model_name
-        return next(iter(self._last.values())).routing.model_name
+        return next(iter(last.values())).routing.model_name
 
     def _add_fleet_metrics(self, r: CollectorRegistry) -> None:
-        """Requests by outcome, restarts and migrations, and routing."""
+        """Requests by outcome, migrations, routing and LoRA requests."""
         self.requests = Counter("flotilla_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=r)
         self.rejected = Counter("flotilla_requests_rejected",
@@ -86,12 +167,6 @@ class GatewayMetrics:
                                   "Requests moved to another replica after theirs died, by "
                                   "outcome (resumed, failed: no live replica in time)",
                                   ["outcome"], registry=r)
-        self.service_restarts = Gauge("flotilla_service_restarts",
-                                      "Times flotilla serve restarted each service it runs",
-                                      ["service"], registry=r)
-        self.replica_restarts = Counter("flotilla_scheduler_replacements",
-                                        "Schedulers seen replaced by a new instance, by replica",
-                                        ["replica_id"], registry=r)
         self.routing_decisions = Counter(
             "flotilla_routing_decisions", "Replica choices by policy and reason (cache, session, "
             "load, saturated, turn; docs/routing.md)", ["policy", "reason"], registry=r)
@@ -103,10 +178,14 @@ class GatewayMetrics:
             "flotilla_routing_block_snapshots", "Block snapshots fetched for the routing "
             "index, by outcome: a scheduler's loaded, failed; a kvstore's kv_loaded, kv_failed, "
             "kv_stale (its node moved to a restarted kvstore meanwhile)", ["outcome"], registry=r)
-        self.routing_index_blocks = Gauge(
-            "flotilla_routing_index_blocks", "Blocks in the routing index: gpu (distinct "
-            "blocks held by some replica) and kvstore (distinct blocks in some node's tiers)",
-            ["tier"], registry=r)
+        self.lora_requests = Counter("flotilla_lora_requests",
+                                     "Requests for each LoRA adapter", ["lora_name"], registry=r)
+        self.lora_prompt_tokens = Counter("flotilla_lora_prompt_tokens",
+                                          "Prompt tokens of requests for each LoRA adapter",
+                                          ["lora_name"], registry=r)
+        self.lora_generation_tokens = Counter(
+            "flotilla_lora_generation_tokens", "Tokens generated with each LoRA adapter",
+            ["lora_name"], registry=r)
 
     def _add_request_metrics(self, r: CollectorRegistry) -> None:
         """Token counts and the latencies of this gateway's requests."""
@@ -133,95 +212,16 @@ class GatewayMetrics:
         self.queue_time = self._latency("flotilla_queue_time_seconds",
                                         "Time from arrival at the scheduler to first scheduled")
 
-    def _add_scheduler_metrics(self, r: CollectorRegistry) -> None:
-        """Each scheduler's figures, from its stats events."""
-        labels = ["replica_id", "scheduler_id"]
-        self.num_running = Gauge("flotilla_num_requests_running", "Requests in the running batch",
-                                 labels, registry=r)
-        self.num_waiting = Gauge("flotilla_num_requests_waiting", "Requests waiting to run",
-                                 labels, registry=r)
-        self.kv_blocks_used = Gauge("flotilla_kv_cache_blocks_used", "KV cache blocks in use",
-                                    labels, registry=r)
-        self.kv_blocks_total = Gauge("flotilla_kv_cache_blocks_total", "KV cache blocks",
-                                     labels, registry=r)
-        self.preemptions = Counter("flotilla_preemptions", "Requests preempted", labels, registry=r)
-        self.prefix_queries = Counter("flotilla_prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache", labels, registry=r)
-        self.prefix_hits = Counter("flotilla_prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache", labels, registry=r)
-        self.kv_tier_hits = Counter("flotilla_prefix_cache_tier_hits",
-                                    "Prompt tokens loaded from the kvstore's tiers instead of "
-                                    "computed", labels, registry=r)
-        self.draft_tokens = Counter("flotilla_spec_decode_draft_tokens",
-                                    "Speculative drafts sent to be verified", labels, registry=r)
-        self.accepted_drafts = Counter("flotilla_spec_decode_accepted_tokens",
-                                       "Speculative drafts kept (acceptance rate: over the "
-                                       "draft tokens)", labels, registry=r)
-        self.drafted_steps = Counter("flotilla_spec_decode_drafts",
-                                     "Verify passes of a request with drafts (mean accepted "
-                                     "length: accepted tokens over these)", labels, registry=r)
-        self.accepted_per_position = Counter(
-            "flotilla_spec_decode_accepted_tokens_per_pos",
-            "Drafts kept at each position (acceptance at a position: over the drafts)",
-            (*labels, "position"), registry=r)
-        self.draft_cap = Gauge("flotilla_spec_decode_draft_cap",
-                               "Drafts a request could get in the last step planned (the "
-                               "load-adaptive cap, 0 to num_speculative_tokens)", labels,
-                               registry=r)
-        self.images_encoded = Counter("flotilla_encoder_images",
-                                      "Images run through the vision encoder", labels,
-                                      registry=r)
-        self.encoder_cache_hits = Counter(
-            "flotilla_encoder_cache_hits",
-            "Images whose encoder output the worker's cache held (no encode)", labels,
-            registry=r)
-        self.encoder_time = Counter("flotilla_encoder_seconds",
-                                    "Time the worker spent in the vision encoder", labels,
-                                    registry=r)
-        self.worker_busy = Counter("flotilla_worker_busy_seconds",
-                                   "Time the worker spent computing steps", labels, registry=r)
-        self.worker_idle_ratio = Gauge(
-            "flotilla_worker_idle_ratio",
-            "Idle share of the worker's time over the last stats interval with work throughout",
-            labels, registry=r)
+    def _add_step_metrics(self, r: CollectorRegistry) -> None:
+        """The schedulers' recent steps, and replaced schedulers: figures every gateway hears
+        alike but can only count from when it started, so with several processes one of them
+        counts them (``fleet_metrics``) into the summed files."""
         self.step_tokens = Histogram("flotilla_scheduled_tokens_per_step", "Tokens computed per step",
                                      buckets=_TOKEN_BUCKETS, registry=r)
         self.step_time = self._latency("flotilla_step_time_seconds", "Worker time per step")
-        self.moe_routed_tokens = Counter(
-            "flotilla_moe_routed_tokens", "Token-expert pairs a MoE replica routed, all "
-            "layers (a token picks top-k experts in each MoE layer)", labels, registry=r)
-        self.expert_load = ExpertLoadCollector(r)  # flotilla_moe_expert_load{,_max}
-
-    def _add_lora_metrics(self, r: CollectorRegistry) -> None:
-        """LoRA adapters (docs/lora.md): requests and tokens by adapter (this gateway's),
-        adapters registered on each replica, and vLLM's lora_requests_info."""
-        self.lora_requests = Counter("flotilla_lora_requests",
-                                     "Requests for each LoRA adapter", ["lora_name"], registry=r)
-        self.lora_prompt_tokens = Counter("flotilla_lora_prompt_tokens",
-                                          "Prompt tokens of requests for each LoRA adapter",
-                                          ["lora_name"], registry=r)
-        self.lora_generation_tokens = Counter(
-            "flotilla_lora_generation_tokens", "Tokens generated with each LoRA adapter",
-            ["lora_name"], registry=r)
-        self.lora_adapters = Gauge("flotilla_lora_adapters",
-                                   "LoRA adapters registered on a replica",
-                                   ["replica_id", "scheduler_id"], registry=r)
-        # vLLM's shape: one sample, the adapters in its labels, the time as its value
-        self.lora_requests_info = Gauge(
-            "vllm:lora_requests_info", "Running stats on LoRA requests",
-            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
-
-    def _observe_lora(self, stats: SchedulerStats) -> None:
-        lora = stats.lora
-        if not lora.max_loras:
-            return  # (LoRA off on that replica: no series)
-        self.lora_adapters.labels(stats.replica_id, stats.scheduler_id).set(len(lora.adapters))
-        replicas = [*(s for sid, s in self._last.items() if sid != stats.scheduler_id), stats]
-        running = sorted({name for s in replicas for name in s.lora.running})
-        waiting = sorted({name for s in replicas for name in s.lora.waiting})
-        self.lora_requests_info.clear()
-        self.lora_requests_info.labels(str(lora.max_loras), ",".join(running),
-                                       ",".join(waiting)).set(stats.timestamp)
+        self.replica_restarts = Counter("flotilla_scheduler_replacements",
+                                        "Schedulers seen replaced by a new instance, by replica",
+                                        ["replica_id"], registry=r)
 
     def observe_chunk(self, num_tokens: int, published_at: float) -> None:
         """A streamed chunk is being written: its size, and its lag behind the scheduler."""
@@ -235,65 +235,32 @@ class GatewayMetrics:
             self.routing_hit_tokens.labels(tier).inc(num_tokens)
 
     def watch_block_index(self, index: BlockIndex) -> None:
-        self.routing_index_blocks.labels("gpu").set_function(index.num_gpu_blocks)
-        self.routing_index_blocks.labels("kvstore").set_function(index.num_tier_blocks)
+        self._process.index = index
 
     def _latency(self, name: str, text: str) -> Histogram:
-        return Histogram(name, text, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        return Histogram(name, text, buckets=_LATENCY_BUCKETS, registry=self.figures)
 
     def observe_scheduler(self, stats: SchedulerStats) -> None:
-        """A scheduler's stats: its heartbeat's load, and the parts made for /metrics
-        (``engine``, ``speculation``, ``moe``)."""
-        labels = (stats.replica_id, stats.scheduler_id)
-        engine, speculation = stats.engine, stats.speculation
-        self.num_running.labels(*labels).set(stats.num_running)
-        self.num_waiting.labels(*labels).set(stats.num_waiting)
-        self.kv_blocks_used.labels(*labels).set(engine.num_blocks_used)
-        self.kv_blocks_total.labels(*labels).set(engine.num_blocks_total)
-        if engine.worker_idle_ratio >= 0:
-            self.worker_idle_ratio.labels(*labels).set(engine.worker_idle_ratio)
-        if speculation.draft_cap >= 0:
-            self.draft_cap.labels(*labels).set(speculation.draft_cap)
-        last = self._last.get(stats.scheduler_id)
-        for counter, part, field in (
-                (self.preemptions, "engine", "num_preemptions"),
-                (self.prefix_queries, "engine", "num_prefix_queries"),
-                (self.prefix_hits, "engine", "num_prefix_hits"),
-                (self.kv_tier_hits, "engine", "num_kv_tier_hits"),
-                (self.worker_busy, "engine", "worker_busy_s"),
-                (self.images_encoded, "engine", "num_images_encoded"),
-                (self.encoder_cache_hits, "engine", "num_encoder_cache_hits"),
-                (self.encoder_time, "engine", "encoder_time_s"),
-                (self.draft_tokens, "speculation", "num_draft_tokens"),
-                (self.accepted_drafts, "speculation", "num_accepted_drafts"),
-                (self.drafted_steps, "speculation", "num_drafted_steps")):
-            value = getattr(getattr(stats, part), field)
-            before = getattr(getattr(last, part), field) if last is not None else 0
-            # cumulative on the scheduler; it starts over when it re-attaches a worker
-            counter.labels(*labels).inc(value - before if value >= before else value)
-        before = last.speculation.num_accepted_per_position if last is not None else []
-        for position, value in enumerate(speculation.num_accepted_per_position):
-            previous = before[position] if position < len(before) else 0
-            self.accepted_per_position.labels(*labels, str(position)).inc(
-                value - previous if value >= previous else value)
-        self._observe_moe(stats, last)
-        self._observe_lora(stats)
-        self._last[stats.scheduler_id] = stats
-        for num_tokens, seconds in zip(engine.recent_step_tokens, engine.recent_step_times_s):
-            self.step_tokens.observe(num_tokens)
-            self.step_time.observe(seconds)
-
-    def _observe_moe(self, stats: SchedulerStats, last: SchedulerStats | None) -> None:
-        """A MoE replica's routing: the routed pairs counted on, the balance replaced."""
+        """A scheduler's stats: its figures (scheduler_metrics.py), expert load and steps."""
+        self.scheduler.observe(stats)
         self.expert_load.observe(stats)
-        routed = sum(map(sum, stats.moe.expert_token_counts))
-        before = sum(map(sum, last.moe.expert_token_counts)) if last is not None else 0
-        if routed:  # (a dense replica gets no series)
-            # cumulative on the scheduler; it starts over when it re-attaches a worker
-            self.moe_routed_tokens.labels(stats.replica_id, stats.scheduler_id).inc(
-                routed - before if routed >= before else routed)
+        if self.fleet_metrics:
+            for num_tokens, seconds in zip(stats.engine.recent_step_tokens,
+                                           stats.engine.recent_step_times_s):
+                self.step_tokens.observe(num_tokens)
+                self.step_time.observe(seconds)
+
+    def replaced(self, replica_id: str) -> None:
+        if self.fleet_metrics:
+            self.replica_restarts.labels(replica_id).inc()
+
+    def flush(self) -> None:
+        """Hand the per-chunk counts to the multiprocess files (every second, and before a
+        scrape: the other processes' scrapes read them there)."""
+        for histogram in self._chunk_histograms:
+            histogram.flush()
 
     def render(self, restarts: dict[str, int] | None = None) -> bytes:
-        for service, count in (restarts or {}).items():
-            self.service_restarts.labels(service).set(count)
+        self._process.restarts.update(restarts or {})
+        self.flush()
         return generate_latest(self.registry)

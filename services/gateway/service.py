@@ -60,7 +60,7 @@ class GatewayService:
         ``stop`` closes); ``start`` subscribes."""
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model, config.cache_dir)
         bus = await Bus.connect(config.nats_url, name=f"gateway-{config.instance_id}")
-        return cls(config, bus, GatewayMetrics(), tokenizer)
+        return cls(config, bus, GatewayMetrics(config.fleet_metrics), tokenizer)
 
     def __init__(self, config: GatewayConfig, bus: Bus, metrics: GatewayMetrics,
                  tokenizer) -> None:
@@ -290,6 +290,7 @@ class GatewayService:
         its steps will not come (one task for all streams, not a timer per wait)."""
         while True:
             await asyncio.sleep(HEARTBEAT_CHECK_S)
+            self.metrics.flush()  # (several gateway processes: what the others' scrapes read)
             now = time.monotonic()
             self._forget_silent_caches(now)
             stalled = self._newly_stalled()
@@ -399,7 +400,7 @@ class GatewayService:
         log.warning("scheduler_replaced", replica_id=stats.replica_id,
                     old_scheduler_id=old_id, new_scheduler_id=stats.scheduler_id)
         self.index.drop_scheduler(old_id)  # a new epoch: the old cache is gone
-        self.metrics.replica_restarts.labels(stats.replica_id).inc()
+        self.metrics.replaced(stats.replica_id)
         lost = ServiceUnavailable(f"scheduler {old_id} of replica {stats.replica_id} "
                                   "restarted").to_info()
         for stream in [s for s in self._streams.values() if s.scheduler_id == old_id]:

@@ -33,6 +33,11 @@ class Gateway(Section, frozen=True, kw_only=True):
         "bind the port with SO_REUSEPORT, so several gateway processes share it and the "
         "kernel spreads connections between them (flotilla serve --gateway-workers)",
         serve=False)] = False
+    fleet_metrics: Annotated[bool, knob(
+        "count in /metrics what every gateway hears alike from the schedulers (step "
+        "histograms, scheduler replacements); of several gateway processes sharing a "
+        "PROMETHEUS_MULTIPROC_DIR one does (flotilla serve --gateway-workers: the first)",
+        serve=False)] = True
     api_key: Annotated[str, knob(
         "require this bearer token on /v1/*, /tokenize and /detokenize (/health and /metrics "
         "stay open)")] = ""

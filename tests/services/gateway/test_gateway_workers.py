@@ -80,9 +80,18 @@ def test_serve_starts_that_many_gateways_on_one_port():
         command = stack.service_command(name)
         assert command[2] == "services.gateway" and "--reuse-port" in command
         assert command[command.index("--port") + 1] == "8000"
+        # one metrics folder for all (their figures summed); one counts the shared figures
+        assert stack.service_env(name)["PROMETHEUS_MULTIPROC_DIR"] == str(stack.metrics_dir())
+        assert ("--no-fleet-metrics" in command) == (name != "gateway")
+    folder = stack.metrics_dir()
+    assert folder.is_dir()
+    stack.stop()  # (a start after it begins with a new, empty one)
+    assert not folder.exists() and stack.metrics_dir() != folder
+    stack.stop()
     one = Stack(serve_options(build_parser().parse_args(["serve", "--device", "cpu"])))
     one.nats_url = "nats://127.0.0.1:1"
     assert "--reuse-port" not in one.service_command("gateway")
+    assert "PROMETHEUS_MULTIPROC_DIR" not in one.service_env("gateway")
     with pytest.raises(ConfigError, match="--gateway-workers must be at least 1, not 0"):
         serve_options(build_parser().parse_args(["serve", "--device", "cpu",
                                                  "--gateway-workers", "0"]))
