@@ -141,3 +141,19 @@ def test_text_only_model_refuses_images(vlm, tmp_path):
 
     with pytest.raises(ValueError, match="text-only"):
         NoImages().add("r1", [object()])
+
+
+def test_preempted_image_requests_recompute_to_the_same_text(vlm, cases):
+    """A cache too small for the three conversations at once: requests are preempted and
+    resent with the images their recompute needs (the encoder cache serves them)."""
+    model_files, _, _ = vlm
+    token_ids, images, expected = cases
+    engine = Engine(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4,
+                                    admission_reserve=False),  # (so requests are preempted)
+                    WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="40MiB"),
+                    model_files)
+    completions, stats = engine.generate(token_ids, [SamplingParams(
+        max_tokens=NUM_NEW_TOKENS, temperature=0.0)] * len(token_ids), images=images)
+    assert [c.output_token_ids for c in completions] == [tokens for tokens, _ in expected]
+    assert stats.num_preemptions > 0
+    assert engine.runner.images.num_encoded == 2
