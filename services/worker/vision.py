@@ -72,8 +72,10 @@ def text_config_of(config: dict) -> dict:
     if (config.get("architectures") or [None])[0] != IDEFICS3:
         return config
     text = dict(config["text_config"])
-    text.setdefault("architectures", ["LlamaForCausalLM"])
-    text["architectures"] = text["architectures"] or ["LlamaForCausalLM"]
+    # the family comes from its model_type (Idefics3's default: llama); SmolVLM's text_config
+    # names an architecture of its own (VLlama3ForCausalLM), a Llama all the same
+    text["architectures"] = []
+    text.setdefault("model_type", "llama")
     text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
     return text
 

@@ -157,3 +157,24 @@ def test_preempted_image_requests_recompute_to_the_same_text(vlm, cases):
     assert [c.output_token_ids for c in completions] == [tokens for tokens, _ in expected]
     assert stats.num_preemptions > 0
     assert engine.runner.images.num_encoded == 2
+
+
+def test_smolvlm_configs_read_as_a_llama_and_a_tower():
+    """SmolVLM-256M-Instruct's config.json shape: its text_config names VLlama3ForCausalLM."""
+    from services.worker.model_config import ModelConfig
+    from services.worker.vision import VisionSpec
+
+    config = {"architectures": ["Idefics3ForConditionalGeneration"], "image_token_id": 49190,
+              "scale_factor": 4, "vision_config": {
+                  "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                  "num_attention_heads": 12, "image_size": 512, "patch_size": 16},
+              "text_config": {"architectures": ["VLlama3ForCausalLM"], "model_type": "llama",
+                              "vocab_size": 49280, "hidden_size": 576,
+                              "intermediate_size": 1536, "num_hidden_layers": 30,
+                              "num_attention_heads": 9, "num_key_value_heads": 3,
+                              "rope_theta": 100000.0, "max_position_embeddings": 8192}}
+    text = ModelConfig.from_dict(config)
+    assert (text.family, text.num_layers, text.vocab_size) == ("llama", 30, 49280)
+    spec = VisionSpec.from_dict(config)
+    assert (spec.tokens_per_tile, spec.text_hidden_size, spec.patches_per_side) == (64, 576, 32)
+    assert VisionSpec.from_dict(config["text_config"]) is None  # a text-only config.json
