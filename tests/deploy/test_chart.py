@@ -250,6 +250,12 @@ def test_model_volume_cache_autoscaling_monitoring_and_overrides(rendered):
     (service,) = [d for d in of_kind(docs, "Service") if d["metadata"]["name"] == "demo-flotilla-gateway"]
     assert service["spec"]["type"] == "LoadBalancer" and service["spec"]["ports"][0]["port"] == 80
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (pod_monitor,) = of_kind(docs, "PodMonitor")  # the kvstore's tiers, on each node's pod
+    (kvstore,) = [d for d in of_kind(docs, "DaemonSet") if d["metadata"]["name"] == "demo-flotilla-kvstore"]
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= \
+        kvstore["spec"]["template"]["metadata"]["labels"].items()
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] in [
+        port["name"] for port in container(kvstore)["ports"]]
     worker = workloads["worker"]
     assert worker["spec"]["replicas"] == 3 and workloads["scheduler"]["spec"]["replicas"] == 3
     assert container(worker)["resources"]["limits"]["nvidia.com/gpu"] == 2
