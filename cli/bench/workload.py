@@ -10,6 +10,7 @@ from pathlib import Path
 from cli.bench.client import RequestSettings
 from cli.bench.datasets import BenchRequest, DatasetError, random_requests, shared_prefix_requests
 from cli.bench import options, sharegpt
+from cli.bench.images import with_images
 
 DEFAULT_OUTPUT_LEN = 128
 
@@ -20,9 +21,16 @@ _WARMUP_SEED_OFFSET = 1_000_003  # far from any --seed a sweep or iteration adds
 
 
 def build_requests(args: argparse.Namespace, tokenizer, seed: int) -> list[BenchRequest]:
-    """The dataset's prompts for one run. Each run of a sweep (and each latency
-    iteration) passes its own seed: a server with a prefix cache would otherwise serve
-    a repeated prompt's prefill from the cache."""
+    """The dataset's prompts for one run, with ``--images-per-request`` images each (chat
+    image parts: images.py). Each run of a sweep (and each latency iteration) passes its
+    own seed: a server with a prefix cache would otherwise serve a repeated prompt's
+    prefill from the cache."""
+    return with_images(_dataset_requests(args, tokenizer, seed),
+                       getattr(args, "images_per_request", 0),
+                       getattr(args, "image_size", "640x640"), seed)
+
+
+def _dataset_requests(args: argparse.Namespace, tokenizer, seed: int) -> list[BenchRequest]:
     if args.num_prompts < 1:
         raise DatasetError("--num-prompts must be at least 1")
     output_len = args.output_len or DEFAULT_OUTPUT_LEN
