@@ -242,6 +242,13 @@ def _split(num_words: int, config: IntGemmConfig) -> tuple[int, int]:
     return words_per_split, triton.cdiv(num_words, words_per_split)
 
 
+def _stages(config: IntGemmConfig, x: torch.Tensor) -> int:
+    """The config's pipeline depth, 2 with fp32 activations: their tiles (and the weights
+    widened to fp32 for the IEEE dot) are twice bf16's, and 4 stages of 8-bit tiles asked
+    for 233,472 bytes of shared memory on the H200 (its limit 232,448; 2026-12-02)."""
+    return min(config.num_stages, 2) if x.dtype == torch.float32 else config.num_stages
+
+
 def _launch(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None, out: torch.Tensor,
             config: IntGemmConfig, norm: tuple | None = None) -> None:
     """One launch writing out [M, N] (bias in), and the split reduce when K is split; with
@@ -268,7 +275,7 @@ def _launch(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None, out: 
         HAS_BIAS=bias is not None and split_k == 1, FP32_IEEE=x.dtype == torch.float32,
         SPLIT_K=split_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_KW=config.block_kw, GROUP_M=config.group_m, ONE_DOT=config.one_dot,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
+        num_warps=config.num_warps, num_stages=_stages(config, x), **pdl.launch_options(),
     )
     if split_k > 1 and norm is not None:
         residual, norm_weight, eps = norm

@@ -178,7 +178,8 @@ def test_real_shapes_on_the_gpu(shape, num_tokens, kind):
     lora_expand(lora_shrink(x, a, lora_rows), b, lora_rows, out)
     base = token_slots < 0
     assert torch.equal(out[base], expected[base])
-    assert rel_err(out[~base], expected[~base]) < 1e-2
+    if not base.all():  # (one row of the base model: nothing else to compare)
+        assert rel_err(out[~base], expected[~base]) < 1e-2
 
 
 @pytest.mark.gpu
