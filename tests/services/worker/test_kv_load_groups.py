@@ -277,11 +277,11 @@ class FakeDecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int:
         return num_seqs
 
-    def runs(self, num_tokens, num_seqs, max_query_len, num_logits) -> bool:
-        return max_query_len == 1 and num_tokens == num_seqs == num_logits
+    def runs(self, num_tokens, num_seqs, max_query_len, num_logits, lora=False) -> bool:
+        return max_query_len == 1 and num_tokens == num_seqs == num_logits and not lora
 
-    def run(self, input_ids, positions, metadata, pending=None):
-        assert pending is None  # (no step in flight on the CPU)
+    def run(self, input_ids, positions, metadata, pending=None, lora=False):
+        assert pending is None and not lora  # (no step in flight on the CPU; no adapters)
         self.num_runs += 1
         return self.model(input_ids, positions, metadata)
 
