@@ -1,8 +1,8 @@
 """The kvstore's wire protocol (docs/kvstore.md): attach, reserve, commit, lookup, pin,
 release, keepalive, block events and stats between the kvstore and its workers, schedulers and
-gateways. The step plan's own KV parts (``KvLoad``, ``KvStoreRun``) are in shared/messages.py,
-beside the plan; both modules follow its rules (frozen Structs, fields only added with
-defaults from the first release on) and share its ``encode``/``decode``.
+gateways, and the step plan's KV parts (``KvLoad``, ``KvStoreRun``, re-exported by
+shared/messages.py beside the plan). It follows that module's rules (frozen Structs, fields
+only added with defaults from the first release on) and shares its ``encode``/``decode``.
 
 NATS carries hashes, slot ids and pins; KV bytes move through the arena (shared/kv_arena.py)
 and the disk tier's files.
@@ -14,6 +14,29 @@ import msgspec
 from msgspec import Struct
 
 
+# ----------------------------------------------------------------- step plans' KV parts
+class KvLoad(Struct, frozen=True, array_like=True, gc=False):
+    """In a step plan: copy pinned host slots into the worker's KV blocks before the step
+    runs (the blocks' tokens then count as computed). A worker attached to another
+    kvstore (``store_id``: the one that pinned the slots; "" skips the check), or to none,
+    computes those blocks' tokens in this step instead."""
+
+    slot_ids: list[int]
+    block_ids: list[int]
+    store_id: str = ""
+
+
+class KvStoreRun(Struct, frozen=True, array_like=True, gc=False):
+    """In a step plan: full blocks of one request, computed by this step or before, to copy
+    out to the kvstore once the step has run (blocks ``first_block_index``.. of the request)."""
+
+    request_id: str
+    first_block_index: int
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+# ----------------------------------------------------------------- the kvstore's protocol
 class KvLayout(Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What one block's KV bytes are. Blocks of another layout or other weights never
     mix: the kvstore keys every block by (namespace, block hash). Fields added later have
@@ -169,5 +192,5 @@ class KvStatsReply(Struct, frozen=True, kw_only=True):
 KV_MESSAGES: tuple[type[Struct], ...] = (
     KvLayout, KvAttachRequest, KvAttachReply, KvReserveRequest, KvReserveReply, KvCommitRequest,
     KvLookupRequest, KvLookupReply, KvPinRequest, KvPinReply, KvReleaseRequest, KvKeepAlive,
-    KvBlockEvent, KvTierStats, KvStatsReply,
+    KvBlockEvent, KvTierStats, KvStatsReply, KvLoad, KvStoreRun,
 )

@@ -1,6 +1,6 @@
 """The wire contract: every message exchanged between flotilla services.
 
-The kvstore's own protocol is in shared/kv_messages.py, the schedulers' stats in
+The kvstore's own protocol and the step plan's KV parts are in shared/kv_messages.py, the schedulers' stats in
 shared/scheduler_stats.py, LoRA adapters' identity and run-time load/unload in
 shared/lora_adapters.py (all encoded by ``encode``/``decode`` here). All messages are
 frozen msgspec Structs encoded as MessagePack. From the first
@@ -21,6 +21,7 @@ from shared import kv_messages, scheduler_stats
 from shared.lora_adapters import (  # (their wire messages live there)
     BaseShapes, LoraLoadRequest, LoraRef, LoraReply, LoraUnloadRequest,
 )
+from shared.kv_messages import KvLoad, KvStoreRun  # noqa: F401 (the plan's; re-exported)
 from shared.media_messages import ContentPart, ImageInput  # noqa: F401 (re-exported)
 
 T = TypeVar("T")
@@ -335,6 +336,9 @@ class StepPlan(Struct, frozen=True, array_like=True, gc=False):
     worker_id: str = ""
     kv_loads: list[KvLoad] = []  # before the step: host slots -> KV blocks
     kv_stores: list[KvStoreRun] = []  # after the step: KV blocks -> the kvstore
+    # LoRA adapter versions unloaded or replaced that no request uses any more
+    # (LoraRef.cache_key, "name:content hash"): the worker drops its copies
+    forgotten_loras: list[str] = []
 
 
 class StepResult(Struct, frozen=True, array_like=True, gc=False):
@@ -368,6 +372,10 @@ class StepResult(Struct, frozen=True, array_like=True, gc=False):
     num_images_encoded: int = 0
     num_encoder_cache_hits: int = 0
     encoder_time_s: float = 0.0
+    # new requests of the plan the worker refused at arrival (an adapter it cannot read:
+    # arrival_refusals.py), each with its reason; the rest of the step ran without them
+    refused_request_ids: list[str] = []
+    refusal_reasons: list[str] = []
 
     @property
     def num_accepted_drafts(self) -> list[int]:
@@ -396,28 +404,6 @@ class WorkerInfo(Struct, frozen=True, kw_only=True):
     lora_base: BaseShapes | None = None
 
 
-# ----------------------------------------------------------------- step plans' KV parts
-class KvLoad(Struct, frozen=True, array_like=True, gc=False):
-    """In a step plan: copy pinned host slots into the worker's KV blocks before the step
-    runs (the blocks' tokens then count as computed). A worker attached to another
-    kvstore (``store_id``: the one that pinned the slots; "" skips the check), or to none,
-    computes those blocks' tokens in this step instead."""
-
-    slot_ids: list[int]
-    block_ids: list[int]
-    store_id: str = ""
-
-
-class KvStoreRun(Struct, frozen=True, array_like=True, gc=False):
-    """In a step plan: full blocks of one request, computed by this step or before, to copy
-    out to the kvstore once the step has run (blocks ``first_block_index``.. of the request)."""
-
-    request_id: str
-    first_block_index: int
-    block_ids: list[int]
-    block_hashes: list[bytes]
-
-
 # Every message type, for tests and tooling.
 ALL_MESSAGES: tuple[type[Struct], ...] = (
     ErrorInfo, HealthReply, Empty, StructuredSpec, SamplingParams, TokenLogprobs, FunctionCall,
@@ -425,7 +411,7 @@ ALL_MESSAGES: tuple[type[Struct], ...] = (
     GenerationDefaults, TokenizerInfo, GenerateRequest, SubmitReply, AbortRequest, RequestOutput,
     OutputBatch, SchedulerBlockEvent, BlockSnapshotRequest, BlockSnapshotPart,
     BlockSnapshotReply, NewRequestData, ScheduledRequest, StepPlan, StepResult, WorkerInfo,
-    KvLoad, KvStoreRun, LoraRef, BaseShapes, LoraLoadRequest, LoraUnloadRequest, LoraReply,
+    LoraRef, BaseShapes, LoraLoadRequest, LoraUnloadRequest, LoraReply,
     *kv_messages.KV_MESSAGES, *scheduler_stats.STATS_MESSAGES,
 )
 

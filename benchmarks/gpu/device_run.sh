@@ -307,6 +307,26 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
             *) echo "unknown LoRA part $part";;
           esac
         done;;
+    # issue 50: vLLM 0.26.0 --enable-lora (the kit installed by earlier calls) on the lora
+    # stage's ShareGPT token ids and adapters (/tmp/loras): "spread" round-robin over the 8 and
+    # batch-1 with lora0; "base" LoRA off. VLLM_LORA_WHAT picks; LORA_ARGS: the limits, the
+    # same flags as the lora stage's (e.g. --max-num-seqs 1024 --max-num-batched-tokens 16384)
+    lora-vllm) [ -f /tmp/lora_sharegpt.json ] || python3 -m benchmarks.gpu.offline_throughput \
+            --model $M/dummy-llama-3.1-8b --workload sharegpt --num-prompts 1000 $E_DATA \
+            --dump-workload /tmp/lora_sharegpt.json > /dev/null 2>&1
+        mods=$(for i in 0 1 2 3 4 5 6 7; do printf "lora$i=/tmp/loras/lora$i,"; done)
+        for what in ${VLLM_LORA_WHAT:-spread base}; do
+          case $what in
+            spread) va="--lora-modules ${mods%,} --latency-lora lora0 --tag _lora8";;
+            *) va="--tag _base";;
+          esac
+          echo "--- vllm $what $(date +%T)"
+          (source /tmp/vsite/env.sh && VLLM_USE_FLASHINFER_SAMPLER=0 timeout 500 python3 \
+              benchmarks/peers/vllm/vllm_offline.py --model $M/dummy-llama-3.1-8b --latency \
+              --workloads /tmp/lora_sharegpt.json --skip-tokenizer-init ${LORA_ARGS:-} $va \
+              > "$OUT/vllm_lora_$what.log" 2>&1)
+          grep -E '^\{|Error' "$OUT/vllm_lora_$what.log" | grep -oE '"(ms_per_token|total_tok_s|elapsed_s|startup_s)": [0-9.]+|.*Error.*' | tail -4
+        done;;
     *) echo "unknown stage $stage";;
   esac
 done

@@ -1,7 +1,9 @@
 """This replica's LoRA adapters by name (docs/lora.md), pure: those of ``--lora-modules``
 and those loaded or unloaded at run time. A request names its adapter; the registry gives
 its identity (``LoraRef``: path and content hash), which the request keeps until it ends,
-so an unload lets requests in flight finish and a reload never mixes versions.
+so an unload lets requests in flight finish and a reload never mixes versions. A version
+unloaded or replaced is retired: once no request uses it, a plan tells the worker to forget
+it (its host copy and slot), so adapters cycled at run time hold no memory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class LoraRegistry:
         start on a bad one."""
         self.enabled, self.max_loras = enabled, max_loras if enabled else 0
         self.adapters: dict[str, LoraRef] = {}
+        self.retired: dict[str, LoraRef] = {}  # cache_key -> unloaded or replaced version
         for name, path in modules:
             self.adapters[name] = LoraRef(name=name, path=str(path),
                                           content_hash=content_hash(path),
@@ -62,13 +65,30 @@ class LoraRegistry:
             raise InvalidRequest(str(exc), param="lora_path") from None
 
     def add(self, ref: LoraRef) -> None:
+        replaced = self.adapters.get(ref.name)
+        if replaced is not None:
+            self.retired[replaced.cache_key] = replaced
+        self.retired.pop(ref.cache_key, None)  # (registered again: the worker keeps it)
         self.adapters[ref.name] = ref
 
     def remove(self, name: str) -> None:
         """Unregister ``name``: new requests for it get 404, those running finish."""
-        if self.adapters.pop(name, None) is None:
+        ref = self.adapters.pop(name, None)
+        if ref is None:
             raise NotFound(f"LoRA adapter {name!r} is not registered", param="lora_name",
                            code="model_not_found")
+        self.retired[ref.cache_key] = ref
+
+    def retired_unused(self, requests: Iterable[Request]) -> list[str]:
+        """The retired versions (``cache_key``) no request uses and none registered is (a
+        reload of the same files): the worker may forget them now. Each is given once."""
+        if not self.retired:
+            return []
+        in_use = running_adapters(requests) | {ref.cache_key for ref in self.adapters.values()}
+        unused = [key for key in self.retired if key not in in_use]
+        for key in unused:
+            del self.retired[key]
+        return unused
 
     def refs(self) -> list[LoraRef]:
         return list(self.adapters.values())

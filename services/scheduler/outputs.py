@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Set
 
 from services.scheduler.request import Request
-from shared.messages import RequestOutput, StepPlan, StepResult, TokenLogprobs
+from shared.messages import ErrorInfo, RequestOutput, StepPlan, StepResult, TokenLogprobs
 
 
 def finish_reason(req: Request, token_id: int, eos_token_ids: Set[int],
@@ -48,6 +48,21 @@ def request_output(req: Request, token_ids: list[int], reason: str | None,
                          num_cached_tokens=req.num_cached_tokens if first else 0,
                          queue_time_s=max(0.0, queue_time) if first else 0.0,
                          logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def refused_outputs(requests: Mapping[str, Request], result: StepResult
+                    ) -> list[tuple[Request, RequestOutput]]:
+    """The failures of the requests the worker refused at arrival (an adapter it cannot
+    read: the worker's arrival_refusals.py), each with the worker's reason: a 500, since the
+    same replica would refuse it again (a 503 would make the gateway re-send it there)."""
+    failures = []
+    for request_id, reason in zip(result.refused_request_ids, result.refusal_reasons):
+        req = requests.get(request_id)
+        if req is not None:
+            error = ErrorInfo(status=500, message=reason, code="lora_adapter_unreadable")
+            failures.append((req, RequestOutput.failure(request_id, len(req.prompt_token_ids),
+                                                        error)))
+    return failures
 
 
 def add_prompt_logprobs(requests: Mapping[str, Request], plan: StepPlan,

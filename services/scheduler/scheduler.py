@@ -18,8 +18,8 @@ compute of the other requests in that step, if any: the request then computes fr
 next step planned, which the worker orders after the copy), and every block computed
 here is stored to the kvstore once (write-through).
 
-Steps may overlap: one is planned while earlier ones still run on the worker, which feeds
-each sampled token into the next itself; those count as pending until a result brings them.
+Steps overlap (the worker feeds sampled tokens into the next step: pending until a result
+brings them); a result may end new requests the worker refused at arrival (outputs.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from services.scheduler.kv_tier import (
     KvTierHooks, cache_loaded_blocks, drop_stale_tier_hits, store_target,
 )
 from services.scheduler.lora_registry import LoraRegistry
-from services.scheduler.outputs import add_prompt_logprobs, append_outputs, request_output
+from services.scheduler.outputs import (add_prompt_logprobs, append_outputs, refused_outputs,
+                                        request_output)
 from services.scheduler.speculation import NO_DRAFTS, DraftBooks, Drafts, drafter, settle_drafts
 from shared.prefix_hash import extend_block_hashes
 from services.scheduler.request import Request, TierHit, new_request_data
@@ -125,9 +126,8 @@ class Scheduler:
         return arrival
 
     def queue(self, arrival: Arrival, tier_hit: TierHit | None = None) -> None:
-        """Queue an arrived request (not aborted since); n > 1 queues n siblings
-        (siblings.py), the leader first with the arrival's place in line and ``tier_hit``
-        (its siblings then find those blocks in the GPU prefix cache)."""
+        """Queue an arrived request (not aborted since); n > 1 queues n siblings (siblings.py),
+        the leader first with its place in line and ``tier_hit`` (siblings hit its blocks)."""
         self.arriving.remove(arrival)
         self._tier_store_id = drop_stale_tier_hits(self.waiting, self._tier_store_id,
                                                    self.kv.store_id)
@@ -158,9 +158,8 @@ class Scheduler:
 
     @property
     def num_queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to compute before every request decodes: all of each
-        waiting request's (its cache hits are known only at admission), the rest of each
-        running prompt."""
+        """Prompt tokens still to compute before every request decodes: all of each waiting
+        request's (cache hits are known only at admission), the rest of each running one."""
         return sum(req.num_tokens_at_worker - req.num_computed_tokens for req in self.waiting) + \
             sum(req.num_tokens_at_worker - req.num_computed_tokens for req in self.running
                 if req.is_prefilling)
@@ -215,11 +214,12 @@ class Scheduler:
             budget -= num_new
             num_chunk_tokens += num_new
         if not scheduled and not new_requests:
-            return None
+            return None  # (a retired adapter waits for the next plan to be forgotten)
         kv_loads, kv_stores = self.kv.take_plan(
             store_target(self.requests, self.block_manager, self._forget_ids))
         plan = StepPlan(self._next_step_id, new_requests, scheduled, self._forget_ids,
-                        kv_loads=kv_loads, kv_stores=kv_stores)
+                        kv_loads=kv_loads, kv_stores=kv_stores,
+                        forgotten_loras=self.loras.retired_unused(self.requests.values()))
         self._next_step_id, self._forget_ids = self._next_step_id + 1, []
         self.drafter.planned(plan)  # (after drafts_at: the adaptive draft cap's books)
         self.step_clock.planned(plan.step_id)
@@ -253,6 +253,9 @@ class Scheduler:
             if finish_reason is not None:
                 self.reserve.on_finished(req)
                 self._finish(req)
+        for req, output in refused_outputs(self.requests, result):  # (the rest ran on)
+            emitted.append(Emitted(req.output_subject, output))
+            self._finish(req)
         return emitted
 
     def fail_all(self, error: ErrorInfo) -> list[Emitted]:

@@ -144,6 +144,9 @@ class NoLora:
               running: Iterable[RequestState]) -> None:
         pass
 
+    def forget(self, cache_keys: Iterable[str]) -> None:
+        pass
+
     def end(self) -> None:
         pass
 
@@ -242,6 +245,20 @@ class LoraSlots:
             raise ValueError(f"request {request_id}: unknown LoRA adapter {lora_name!r} "
                              f"(registered: {', '.join(sorted(self.paths)) or 'none'})")
         return lora_name
+
+    def forget(self, cache_keys: Iterable[str]) -> None:
+        """Drop the versions the scheduler retired (``LoraRef.cache_key``: unloaded or
+        replaced, no request uses them): their registration, host copy and slot."""
+        for cache_key in cache_keys:
+            name, _, content = cache_key.rpartition(":")
+            key = name if self.hashes.get(name) == content else f"{name}#{content}"
+            if self.paths.pop(key, None) is None:
+                continue  # never used here
+            del self.hashes[key]
+            self.host.pop(key, None)
+            if key in self.tenants:  # (its weights stay until the slot's next tenant)
+                self.tenants[self.tenants.index(key)] = None
+            log.info("lora_adapter_forgotten", lora_name=name, key=key)
 
     def begin(self, states: Sequence[RequestState], chunks: Sequence[SequenceChunk],
               running: Iterable[RequestState]) -> None:

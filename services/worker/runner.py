@@ -37,6 +37,7 @@ import torch
 from kernels.paged_attention_ref import FP8_KV_DTYPE
 from services.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from services.worker.draft_model import Proposal, WorkerProposer
+from services.worker.arrival_refusals import ArrivalRefusals
 from services.worker.image_inputs import ImageEncoder, NoImages
 from services.worker.kv_connector import KvConnector, NoKvConnector
 from services.worker.kv_offload import KvOffload
@@ -103,6 +104,7 @@ class ModelRunner:
         self._in_flight: StepInFlight | None = None
         self.num_overlapped_steps = 0  # steps queued while the one before was in flight
         self.expert_counts = ExpertCountReports(model)  # an MoE model's, for /metrics
+        self.refusals = ArrivalRefusals()  # new requests refused one by one (bad adapters)
 
     def zero_step_counts(self) -> None:
         """The step counts start again (after the start-up warm-up: they are serving's)."""
@@ -179,9 +181,10 @@ class ModelRunner:
         """Start ``plan``; return the results of the steps that completed meanwhile, in step
         order: the step in flight before it, and ``plan`` itself unless it is left in flight
         (CUDA, and its sampling needs no host tokens) for ``flush`` or the next ``submit``."""
+        plan = self.refusals.screen(plan, self.lora.resolve)  # (before any rank sees it)
         with self.ranks.watch():
-            return self.images.attach(self.expert_counts.attach(
-                self._submit(self.ranks.lead_step(plan))))
+            return self.refusals.attach(self.images.attach(self.expert_counts.attach(
+                self._submit(self.ranks.lead_step(plan)))))
 
     def _submit(self, plan: StepPlan) -> list[StepResult]:
         results: list[StepResult] = []
@@ -205,7 +208,8 @@ class ModelRunner:
             return []
         with self.ranks.watch():
             self.ranks.lead_flush()
-            return self.images.attach(self.expert_counts.attach(self._flush()))
+            return self.refusals.attach(self.images.attach(self.expert_counts.attach(
+                self._flush())))
 
     def _flush(self) -> list[StepResult]:
         step, self._in_flight = self._in_flight, None
@@ -274,6 +278,7 @@ class ModelRunner:
             if request_id in self._requests:
                 finished[request_id] = self._requests[request_id]
             self._forget(request_id)
+        self.lora.forget(plan.forgotten_loras)  # (no request left uses them)
         for new_request in plan.new_requests:
             self._add_request(new_request)
         if len({s.request_id for s in plan.scheduled}) != len(plan.scheduled):

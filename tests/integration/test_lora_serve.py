@@ -199,3 +199,32 @@ def test_bad_adapters_are_refused_on_load_naming_the_reason(stack, adapters, tmp
     assert "registered already" in refusal(dirs["all8"], name="all8")
     names = [c["id"] for c in httpx.get(url + "/v1/models").json()["data"]]
     assert "bad" not in names and "all8" in names
+
+
+def test_an_adapter_whose_files_vanish_fails_its_requests_alone(stack, adapters, tmp_path):
+    """Loaded at run time (checked and hashed by the scheduler), its files removed before the
+    worker first reads them: requests naming it end with a 500 giving the reason, while a
+    base request in flight at the same time finishes with its reference text."""
+    dirs, expected, _ = adapters
+    base = httpx.get(stack.base_url + "/v1/models").json()["data"][0]["id"]
+    doomed = shutil.copytree(dirs["late"], tmp_path / "doomed")
+    reply = httpx.post(stack.base_url + "/v1/load_lora_adapter",
+                       json={"lora_name": "doomed", "lora_path": str(doomed)})
+    assert reply.status_code == 200, reply.text
+    shutil.rmtree(doomed)
+
+    async def both():
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as http:
+            body = {"prompt": PROMPTS[1], "temperature": 0, "max_tokens": NUM_NEW_TOKENS}
+            return await asyncio.gather(
+                http.post("/v1/completions", json=body | {"model": base}),
+                http.post("/v1/completions", json=body | {"model": "doomed"}))
+
+    base_reply, doomed_reply = asyncio.run(both())
+    assert base_reply.status_code == 200
+    assert base_reply.json()["choices"][0]["text"] == expected["", 1]
+    assert doomed_reply.status_code == 500, doomed_reply.text
+    assert "LoRA adapter 'doomed' cannot be used on this replica" in \
+        doomed_reply.json()["error"]["message"]
+    assert httpx.post(stack.base_url + "/v1/unload_lora_adapter",
+                      json={"lora_name": "doomed"}).status_code == 200

@@ -11,7 +11,9 @@ figure flotilla's offline_throughput reports under the same name). ``--runs 2`` 
 workload again in the same process (vLLM's steady state: its first timed run after the short
 warm-up was 6% slower on the 70B TP2 ShareGPT workload, session 22). ``--profile-at N``
 traces engine iterations N.. N + --profile-steps - 1 of the last run with vLLM's torch profiler
-into $OUT/vllm_trace (summarize with benchmarks/gpu/kernel_summary.py).
+into $OUT/vllm_trace (summarize with benchmarks/gpu/kernel_summary.py). ``--lora-modules
+name=path,...`` turns on vLLM's LoRA and spreads each workload's prompts round-robin over the
+adapters, as flotilla's offline_throughput does (``--latency-lora NAME``: batch-1 with one).
 """
 import argparse
 import importlib.util
@@ -66,6 +68,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="timed runs of each workload")
     ap.add_argument("--profile-at", type=int, default=-1, help="engine iteration (-1: none)")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--lora-modules", default="", help="name=path,...: prompts round-robin")
+    ap.add_argument("--max-loras", type=int, default=8)
+    ap.add_argument("--max-lora-rank", type=int, default=16)
+    ap.add_argument("--latency-lora", default="", help="a --lora-modules name for --latency")
     a = ap.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -86,6 +92,16 @@ def main() -> None:
         kw["skip_tokenizer_init"] = True
     if a.tensor_parallel_size > 1:
         kw["tensor_parallel_size"] = a.tensor_parallel_size
+    loras = []
+    if a.lora_modules:
+        from vllm.lora.request import LoRARequest
+        entries = [e.split("=", 1) for e in a.lora_modules.split(",") if e.strip()]
+        loras = [LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(entries)]
+        kw.update(enable_lora=True, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank)
+
+    def spread(num: int):
+        """Each prompt's adapter, round-robin (None: LoRA off)."""
+        return [loras[i % len(loras)] for i in range(num)] if loras else None
     out = os.environ.get("OUT")
     if a.profile_at >= 0:
         kw["profiler_config"] = {
@@ -105,7 +121,7 @@ def main() -> None:
 
     def emit(name: str, res: dict) -> None:
         res = {**common, **res, "quantization": a.quantization, "kv_cache_dtype": a.kv_cache_dtype,
-               "speculative_config": a.speculative_config}
+               "speculative_config": a.speculative_config, "lora_adapters": len(loras)}
         print(json.dumps(res), flush=True)
         if out:
             Path(out, f"vllm_{name}{a.tag}.json").write_text(json.dumps(res, indent=1))
@@ -113,7 +129,8 @@ def main() -> None:
     # warm-up over varied shapes
     warm = [TokensPrompt(prompt_token_ids=[100 + (i * 37 + j) % 30000 for j in range(64 + 97 * i)])
             for i in range(24)]
-    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, detokenize=not a.skip_tokenizer_init), use_tqdm=False)
+    llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0, detokenize=not a.skip_tokenizer_init), use_tqdm=False,
+                 lora_request=spread(len(warm)))  # (every adapter loaded before the clock)
 
     for path in [p for p in a.workloads.split(",") if p]:
         w = json.loads(Path(path).read_text())
@@ -125,7 +142,7 @@ def main() -> None:
                 llm.start_profile()
             steps.clear()
             t = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=spread(len(prompts)))
             el = time.perf_counter() - t
             if profiled:
                 llm.stop_profile()
@@ -141,14 +158,16 @@ def main() -> None:
 
     if a.latency:
         prompt = TokensPrompt(prompt_token_ids=[100 + (j * 7919) % 30000 for j in range(1024)])
+        lora = [next(r for r in loras if r.lora_name == a.latency_lora)] if a.latency_lora else None
         def run(n):
             t = time.perf_counter()
-            llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=not a.skip_tokenizer_init), use_tqdm=False)
+            llm.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True, temperature=0, detokenize=not a.skip_tokenizer_init), use_tqdm=False,
+                         lora_request=lora)
             return time.perf_counter() - t
         run(4)
         t1 = min(run(1) for _ in range(3))
         t129 = min(run(129) for _ in range(3))
-        emit("b_latency", {"workload": "b_latency", "context": 1024,
+        emit("b_latency", {"workload": "b_latency", "context": 1024, "latency_lora": a.latency_lora,
                            "ms_per_token": 1e3 * (t129 - t1) / 128})
 
 

@@ -95,3 +95,28 @@ def test_admission_keeps_running_requests_within_max_loras(tmp_path):
     with pytest.raises(NotFound):
         core.add_request(GenerateRequest(request_id="r9", prompt_token_ids=[1], sampling=sampling,
                                          output_subject="", lora_name="zzz"))
+
+
+def test_unloaded_and_replaced_versions_reach_a_plan_once_no_request_uses_them(tmp_path):
+    path = write_adapter(tmp_path / "a")
+    core = Scheduler(SchedulerConfig(max_num_seqs=8), num_blocks=64, block_size=4,
+                     max_model_len=128, eos_token_ids=[], model_name="m",
+                     loras=LoraRegistry(True, 2, [("a", str(path))]))
+    first = core.loras.resolve("a").cache_key
+    sampling = SamplingParams(temperature=0.0, max_tokens=4)
+    core.add_request(GenerateRequest(request_id="r0", prompt_token_ids=[1, 2, 3],
+                                     sampling=sampling, output_subject="", lora_name="a"))
+    assert core.schedule().forgotten_loras == []
+    write_adapter(path, scale=2.0)  # replaced in place while r0 runs with the first version
+    core.loras.add(core.loras.check_load("a", str(path), True, BASE))
+    second = core.loras.resolve("a").cache_key
+    core.add_request(GenerateRequest(request_id="r1", prompt_token_ids=[1, 2, 3],
+                                     sampling=sampling, output_subject=""))
+    assert core.schedule().forgotten_loras == []  # r0 still uses the first version
+    core.abort(["r0"])
+    assert core.schedule().forgotten_loras == [first]
+    assert core.schedule().forgotten_loras == []  # given once
+    core.loras.remove("a")
+    core.loras.add(core.loras.check_load("a", str(path), False, BASE))  # the same files again
+    assert core.loras.resolve("a").cache_key == second
+    assert core.schedule().forgotten_loras == [] and not core.loras.retired  # kept: in use

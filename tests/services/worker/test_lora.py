@@ -179,13 +179,21 @@ def test_a_base_only_step_with_lora_enabled_is_bitwise_the_step_without(engine, 
                            flotilla_logits(plain, prompt, ""))
 
 
-def test_an_unknown_adapter_or_too_many_in_a_step_are_refused(engine):
+def test_an_unknown_or_unreadable_adapter_is_refused_alone_and_too_many_fail_the_step(
+        engine, tmp_path):
     greedy = SamplingParams(temperature=0.0, max_tokens=2)
-    plan = StepPlan(step_id=1, new_requests=[NewRequestData("r", [1, 2, 3], greedy, [0],
-                                                            lora_name="nope")],
-                    scheduled=[ScheduledRequest("r", 3)])
-    with pytest.raises(ValueError, match="request r: unknown LoRA adapter 'nope'"):
-        engine.runner.execute(plan)
+    plan = StepPlan(step_id=1, new_requests=[
+        NewRequestData("base", [1, 2, 3], greedy, [0]),
+        NewRequestData("r", [1, 2, 3], greedy, [1], lora_name="nope"),
+        NewRequestData("gone", [1, 2, 3], greedy, [2], lora_name="late",
+                       lora_path=str(tmp_path / "removed"), lora_hash="h1")],
+        scheduled=[ScheduledRequest("base", 3), ScheduledRequest("r", 3),
+                   ScheduledRequest("gone", 3)])
+    result = engine.runner.execute(plan)
+    assert result.request_ids == ["base"] and len(result.sampled_token_ids) == 1
+    assert result.refused_request_ids == ["r", "gone"]
+    assert "unknown LoRA adapter 'nope'" in result.refusal_reasons[0]
+    assert "LoRA adapter 'late' cannot be used on this replica" in result.refusal_reasons[1]
     engine.runner.reset()
     with pytest.raises(ValueError, match="a step uses 3 LoRA adapters, more than max_loras 2"):
         engine.runner.lora.set_step(list(ADAPTERS), [1, 1, 1])
@@ -259,3 +267,24 @@ def test_two_ranks_over_gloo_give_each_adapter_its_reference(model_files, hf_lor
                 greedy_references(hf_model, requests, prompts)
     finally:
         engine.close()
+
+
+def test_a_retired_adapter_is_forgotten_its_host_copy_and_slot_freed(engine, hf_lora):
+    _, dirs = hf_lora
+    runner, greedy = engine.runner, SamplingParams(temperature=0.0, max_tokens=2)
+    lora = runner.lora
+    plan = StepPlan(step_id=1, new_requests=[NewRequestData(
+        "r", [1, 2, 3], greedy, [0], lora_name="all8", lora_path=str(dirs["all8"]),
+        lora_hash="v2")], scheduled=[ScheduledRequest("r", 3)])
+    assert runner.execute(plan).request_ids == ["r"]
+    assert "all8#v2" in lora.paths and "all8#v2" in lora.host and "all8#v2" in lora.tenants
+    startup_hash = lora.hashes["all8"]
+    runner.execute(StepPlan(step_id=2, new_requests=[], scheduled=[],
+                            finished_request_ids=["r"], forgotten_loras=["all8:v2", "x:y"]))
+    assert "all8#v2" not in lora.paths and "all8#v2" not in lora.host
+    assert "all8#v2" not in lora.tenants and "all8" in lora.paths  # the other version stays
+    runner.execute(StepPlan(step_id=3, new_requests=[], scheduled=[],
+                            forgotten_loras=[f"all8:{startup_hash}"]))
+    assert "all8" not in lora.paths and "all8" not in lora.host
+    runner.reset()
+    lora.register("all8", str(dirs["all8"]))  # (as the module's other tests expect it)
