@@ -29,12 +29,32 @@ class LoraDirectory:
     def __init__(self) -> None:
         # scheduler id -> (its wall-clock time of the report, its adapters by name)
         self._by_scheduler: dict[str, tuple[float, dict[str, LoraRef]]] = {}
+        self._instance: dict[str, str] = {}  # replica id -> its newest scheduler id
+        # replica id -> what its previous scheduler instance served, until the new one is
+        # given it back (a fleet of one replica has no peer to learn it from)
+        self._lost: dict[str, dict[str, LoraRef]] = {}
 
-    def observe(self, scheduler_id: str, timestamp: float, adapters: Sequence[LoraRef]) -> None:
-        """A replica's adapters as of ``timestamp`` (an older report changes nothing)."""
+    def observe(self, scheduler_id: str, timestamp: float, adapters: Sequence[LoraRef],
+                replica_id: str = "") -> None:
+        """A replica's adapters as of ``timestamp`` (an older report changes nothing). A
+        new scheduler instance of ``replica_id`` keeps what the one before it served."""
+        if replica_id:
+            before = self._instance.get(replica_id)
+            if before is not None and before != scheduler_id and before in self._by_scheduler:
+                self._lost[replica_id] = self._by_scheduler[before][1]
+            self._instance[replica_id] = scheduler_id
         known = self._by_scheduler.get(scheduler_id)
         if known is None or timestamp >= known[0]:
             self._by_scheduler[scheduler_id] = (timestamp, {a.name: a for a in adapters})
+
+    def take_lost(self, replica_id: str) -> dict[str, LoraRef]:
+        """What the replica's previous scheduler instance served (once)."""
+        return self._lost.pop(replica_id, {})
+
+    def unloaded(self, lora_name: str) -> None:
+        """``lora_name`` was unloaded: no restarted replica gets it back."""
+        for adapters in self._lost.values():
+            adapters.pop(lora_name, None)
 
     def forget(self, scheduler_id: str) -> None:
         self._by_scheduler.pop(scheduler_id, None)
@@ -58,7 +78,7 @@ class LoraDirectory:
 def adapters_to_replay(own: Sequence[LoraRef], peers: dict[str, LoraRef]) -> list[LoraRef]:
     """The adapters a replica that just joined should load: those its live peers serve and
     it lacks (a restarted scheduler comes back with its --lora-modules only). An adapter no
-    peer has any more was unloaded, and is not brought back."""
+    peer has any more, nor the replica's previous instance, was unloaded: not brought back."""
     names = {ref.name for ref in own}
     return [ref for name, ref in sorted(peers.items()) if name not in names]
 
@@ -92,23 +112,27 @@ class LoraControl:
         """A replica's stats: its adapters, and once its worker is attached the replay of
         what its peers serve (a task to run), the first time it is seen."""
         lora = stats.lora
-        self.directory.observe(stats.scheduler_id, stats.timestamp, lora.adapters)
+        self.directory.observe(stats.scheduler_id, stats.timestamp, lora.adapters,
+                               stats.replica_id)
         if not (stats.worker_ready and lora.max_loras):
             return None
-        return self.sync_joined(stats.scheduler_id, lora.adapters)
+        return self.sync_joined(stats.scheduler_id, lora.adapters, stats.replica_id)
 
-    def sync_joined(self, scheduler_id: str, adapters: Sequence[LoraRef]
+    def sync_joined(self, scheduler_id: str, adapters: Sequence[LoraRef], replica_id: str = ""
                     ) -> Coroutine[Any, Any, None] | None:
         """Once per scheduler (None after the first call): the loads of what its live peers
-        serve and it lacks, to run as a task."""
+        serve, or its replica's previous instance served, and it lacks, to run as a task."""
         if scheduler_id in self._synced:
             return None
         self._synced.add(scheduler_id)
-        return self._replay(scheduler_id, adapters)
+        lost = self.directory.take_lost(replica_id) if replica_id else {}
+        return self._replay(scheduler_id, adapters, lost)
 
-    async def _replay(self, scheduler_id: str, adapters: Sequence[LoraRef]) -> None:
+    async def _replay(self, scheduler_id: str, adapters: Sequence[LoraRef],
+                      lost: dict[str, LoraRef]) -> None:
         """A refusal is logged: the replica then serves what it has."""
-        peers = self.directory.adapters([sid for sid in self.live_ids() if sid != scheduler_id])
+        peers = lost | self.directory.adapters(
+            [sid for sid in self.live_ids() if sid != scheduler_id])
         for ref in adapters_to_replay(adapters, peers):
             try:
                 reply = await self.bus.request(
@@ -137,6 +161,7 @@ class LoraControl:
                            code="model_not_found")
         await self._everywhere("lora_unload", LoraUnloadRequest(lora_name=lora_name),
                                sorted(holders))
+        self.directory.unloaded(lora_name)
 
     async def _everywhere(self, verb: str, message, scheduler_ids: list[str] | None = None
                           ) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
+import time
 
 import httpx
 import openai
@@ -228,3 +230,31 @@ def test_an_adapter_whose_files_vanish_fails_its_requests_alone(stack, adapters,
         doomed_reply.json()["error"]["message"]
     assert httpx.post(stack.base_url + "/v1/unload_lora_adapter",
                       json={"lora_name": "doomed"}).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_restarted_scheduler_of_a_fleet_of_one_gets_its_run_time_adapters_back(stack,
+                                                                                  adapters):
+    """The only replica's scheduler killed and restarted: it comes back with its
+    --lora-modules only, and the gateway loads again what it had loaded at run time (there
+    is no peer to learn it from), so the adapter serves its reference text again."""
+    dirs, expected, _ = adapters
+    reply = httpx.post(stack.base_url + "/v1/load_lora_adapter",
+                       json={"lora_name": "again", "lora_path": str(dirs["late"])})
+    assert reply.status_code == 200, reply.text
+    stack.stop_service("scheduler", signal.SIGKILL)
+    stack.start_service("scheduler")
+    stack.wait_ready(120)
+
+    def served() -> list[str]:
+        return [card["id"] for card in httpx.get(stack.base_url + "/v1/models").json()["data"]]
+
+    deadline = time.monotonic() + 60
+    while "again" not in served() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert {"all8", "sub16", "again"} <= set(served())
+    body = {"model": "again", "prompt": PROMPTS[1], "temperature": 0,
+            "max_tokens": NUM_NEW_TOKENS}
+    answer = httpx.post(stack.base_url + "/v1/completions", json=body, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["text"] == expected["late", 1]

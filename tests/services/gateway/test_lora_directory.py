@@ -28,3 +28,16 @@ def test_a_joined_replica_gets_what_its_peers_serve_and_lacks():
     assert adapters_to_replay([ref("a")], peers) == [ref("b"), ref("c")]
     assert adapters_to_replay([ref("a"), ref("b"), ref("c")], peers) == []
     assert adapters_to_replay([], {}) == []  # (unloaded everywhere: not brought back)
+
+
+def test_a_restarted_replica_of_a_fleet_of_one_gets_back_what_it_served():
+    directory = LoraDirectory()
+    directory.observe("s1", 1.0, [ref("start"), ref("late"), ref("gone")], "r0")
+    directory.observe("s1", 2.0, [ref("start"), ref("late")], "r0")  # gone: unloaded
+    directory.observe("s2", 3.0, [ref("start")], "r0")  # restarted: --lora-modules only
+    lost = directory.take_lost("r0")
+    assert set(lost) == {"start", "late"} and directory.take_lost("r0") == {}
+    assert adapters_to_replay([ref("start")], lost) == [ref("late")]
+    directory.observe("s3", 4.0, [ref("start")], "r0")  # restarted again before any replay
+    directory.unloaded("start")  # (an unload while it was down reaches no memory of it)
+    assert set(directory.take_lost("r0")) == set()  # s2 had only "start", now unloaded
