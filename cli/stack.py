@@ -84,6 +84,7 @@ class Stack:
         self._pumps: list[threading.Thread] = []
         self._stopping = False
         self._metrics_dir: Path | None = None
+        self._jetstream_dir: Path | None = None
         # where the restart counts go (the gateway shows them in /metrics)
         self.restarts_file = (options.log_dir / "restarts.json" if options.log_dir is not None
                               else Path(tempfile.gettempdir())
@@ -96,6 +97,14 @@ class Stack:
         if self._metrics_dir is None:
             self._metrics_dir = Path(tempfile.mkdtemp(prefix="flotilla-metrics-"))
         return self._metrics_dir
+
+    def jetstream_dir(self) -> Path:
+        """Our nats-server's JetStream store (stored responses: docs/openai-api.md): in the
+        log dir, else a temp dir; the same one over restarts, so stored responses survive."""
+        if self._jetstream_dir is None:
+            self._jetstream_dir = (self.options.log_dir / "nats-jetstream" if self.options.log_dir
+                                   else Path(tempfile.mkdtemp(prefix="flotilla-jetstream-")))
+        return self._jetstream_dir
 
     @property
     def base_url(self) -> str:
@@ -132,7 +141,7 @@ class Stack:
         ready = threading.Event()
         process = subprocess.Popen(
             [nats_server_binary(), "-c", nats_config_file(), "-a", "127.0.0.1", "-p",
-             str(port)],
+             str(port), "--jetstream", "--store_dir", str(self.jetstream_dir())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, errors="replace", preexec_fn=_die_with_parent, process_group=0)
         self._nats = process

@@ -235,6 +235,12 @@ class Bus:
         except _SEND_ERRORS as exc:
             raise ServiceUnavailable(f"NATS connection unavailable: {exc!r}") from exc
 
+    def jetstream(self, timeout_s: float = 5.0):
+        """nats-py's JetStream context on this connection (the gateway's response store:
+        services/gateway/response_store.py); its calls raise nats-py's errors."""
+        self._check_link("JetStream")
+        return self._nc.jetstream(timeout=timeout_s)
+
     async def flush(self, timeout_s: float = 2.0) -> None:
         """Return once NATS has processed everything sent before the call: subscriptions
         (they answer from now on) and messages. nats-py's own ``flush`` cannot promise it:

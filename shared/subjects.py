@@ -76,6 +76,34 @@ class Subjects:
     def gateway_outputs(self, gateway_id: str) -> str:
         return self._addressed("gateway", gateway_id, "outputs")
 
+    # stored responses (JetStream, docs/openai-api.md): a stored request's outputs go to
+    # ``{ns}.v1.resp.{gateway}.{request}.out`` (the scheduler publishes there instead of the
+    # gateway's outputs subject; the gateway hears it live), the gateways' records of it
+    # (start, moves, failure, cancel) to ``....rec``; one stream keeps ``{ns}.v1.resp.>``.
+    def response_outputs(self, gateway_id: str, request_id: str) -> str:
+        return f"{self.namespace}.{VERSION}.resp.{gateway_id}.{request_id}.out"
+
+    def response_records(self, gateway_id: str, request_id: str) -> str:
+        return f"{self.namespace}.{VERSION}.resp.{gateway_id}.{request_id}.rec"
+
+    def response_all(self, request_id: str) -> str:
+        """Every message of one stored response, whichever gateway took it."""
+        return f"{self.namespace}.{VERSION}.resp.*.{request_id}.*"
+
+    def gateway_response_outputs(self, gateway_id: str, kind: str = "out") -> str:
+        """The outputs (``kind`` "out") or records ("rec") of one gateway's stored requests."""
+        return f"{self.namespace}.{VERSION}.resp.{gateway_id}.*.{kind}"
+
+    @property
+    def response_stream_subjects(self) -> str:
+        return f"{self.namespace}.{VERSION}.resp.>"
+
+    @property
+    def response_stream(self) -> str:
+        """The JetStream stream's name (no dots or wildcards in a stream name)."""
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in self.namespace)
+        return f"{safe}_responses"
+
     # kvstore: one per node, addressed by node id; the worker and scheduler of a replica use
     # the worker's node's
     def kvstore(self, node_id: str, verb: str) -> str:

@@ -21,6 +21,7 @@ NATS_EDGES = {
     "services/gateway/service.py": "the gateway's edge: tokenizer calls, submits, outputs",
     "services/gateway/block_feed.py": "the block index's events and snapshots",
     "services/gateway/lora_directory.py": "LoRA loads and unloads sent to every scheduler",
+    "services/gateway/response_store.py": "stored responses in JetStream: the stream, records, replays",
     "services/tokenizer/service.py": "the tokenizer's edge",
     "services/scheduler/service.py": "the scheduler's edge: submits, steps, stats",
     "services/scheduler/kv_client.py": "lookups and pins at the node's kvstore",

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway import routes_generate, routes_info, routes_lora
+from services.gateway import routes_generate, routes_info, routes_lora, routes_responses
 from services.gateway.access import AuthAndCount, error_response
 from services.gateway.config import GatewayConfig
 from services.gateway.http_spans import HttpSpans
@@ -57,6 +57,7 @@ def create_app(config: GatewayConfig, service: GatewayService) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.include_router(routes_info.models)
     app.include_router(routes_generate.router)
+    app.include_router(routes_responses.router)
     app.include_router(routes_info.router)
     app.include_router(routes_lora.router)
     return app

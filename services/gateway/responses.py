@@ -8,10 +8,12 @@ chat tools ``tool_calls.plan_tools`` checks, its ``text.format`` the ``response_
 output are the chat path's; responses_output.py shapes the result, responses_schema.py
 holds the bodies' schemas.
 
-Nothing is stored, so what needs a stored response (``store: true``,
-``previous_response_id``, ``conversation``, ``background``, ``item_reference``) is a 400
-naming the parameter. ``store`` left out means false here (OpenAI's default is true), so
-the SDKs' default calls, which do not send it, work. docs/openai-api.md has the table.
+``store: true`` and ``background: true`` keep the response in the response store
+(NATS JetStream: response_store.py, response_replay.py) when the gateway has one, else
+they are a 400 naming the parameter; what needs stored conversations
+(``previous_response_id``, ``conversation``, ``item_reference``) is always a 400.
+``store`` left out means false here (OpenAI's default is true), so the SDKs' default
+calls, which do not send it, work without a store. docs/openai-api.md has the table.
 """
 
 from __future__ import annotations
@@ -35,15 +37,20 @@ from shared.messages import (ChatMessage, FunctionCall, GenerationDefaults, Samp
                              StructuredSpec, ToolCall)
 from shared.messages import ContentPart as WirePart
 
+# without the response store (no JetStream, or --response-retention-s 0)
+_NEEDS_STORE = {
+    "store": (lambda v: v is True, "store: true needs the response store (NATS JetStream and "
+              "--response-retention-s > 0), which this deployment does not have. Leave store "
+              "out or set it to false"),
+    "background": (lambda v: v is True, "background: true needs the response store (NATS "
+                   "JetStream and --response-retention-s > 0), which this deployment does not "
+                   "have"),
+}
 _REFUSED = {
-    "store": (lambda v: v is True, "store: true is not supported: flotilla keeps no responses. "
-              "Leave store out or set it to false"),
     "previous_response_id": (lambda v: v is not None, "previous_response_id is not supported: "
                              "flotilla keeps no responses. Send the whole conversation in input"),
     "conversation": (lambda v: v is not None, "conversation is not supported: flotilla keeps no "
                      "conversations. Send the whole conversation in input"),
-    "background": (lambda v: v is True, "background responses are not supported: flotilla keeps "
-                   "no responses to fetch later"),
     "prompt": (lambda v: v is not None, "prompt (a stored prompt template) is not supported"),
     "max_tool_calls": (lambda v: v is not None, "max_tool_calls is not supported"),
     "context_management": (lambda v: bool(v), "context_management is not supported"),
@@ -63,9 +70,12 @@ class ResponsesPlan:
     image_urls: list[str] = field(default_factory=list)  # the input's images, in order
 
 
-def plan_response(req: ResponsesRequest) -> ResponsesPlan:
-    """Check what the schema cannot and map the request onto the chat path."""
-    for param, (refused, message) in _REFUSED.items():
+def plan_response(req: ResponsesRequest, store_available: bool = False) -> ResponsesPlan:
+    """Check what the schema cannot and map the request onto the chat path
+    (``store_available``: the gateway has the response store, so store and background
+    are honoured)."""
+    refusals = _REFUSED if store_available else {**_NEEDS_STORE, **_REFUSED}
+    for param, (refused, message) in refusals.items():
         if refused(getattr(req, param)):
             raise InvalidRequest(message, param=param, code="unsupported_parameter")
     if any(tool.defer_loading for tool in req.tools or []):
@@ -244,7 +254,8 @@ def echo_fields(req: ResponsesRequest, sampling: SamplingParams) -> dict[str, An
         "text": {"format": format_.model_dump(by_alias=True, exclude_none=True),
                  "verbosity": (req.text.verbosity if req.text else None) or "medium"},
         "top_logprobs": req.top_logprobs or 0, "truncation": "disabled",
-        "reasoning": {"effort": None, "summary": None}, "store": False, "background": False,
+        "reasoning": {"effort": None, "summary": None}, "store": req.store is True,
+        "background": req.background is True,
         "previous_response_id": None, "metadata": req.metadata or {}, "user": req.user,
         "safety_identifier": req.safety_identifier, "prompt_cache_key": req.prompt_cache_key,
         "service_tier": "default",

@@ -10,7 +10,6 @@ The body's schema (for /openapi.json) is in responses_schema.py.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,8 +25,10 @@ log = structlog.get_logger()
 _json = msgspec.json.Encoder()
 
 
-def _new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
+def _item_id(prefix: str, response_id: str, output_index: int) -> str:
+    """An output item's id, made from its response's and its place: a replay of a stored
+    response (response_replay.py) names its items as the first telling did."""
+    return f"{prefix}{response_id.removeprefix('resp_')}_{output_index}"
 
 
 class ResponseOutput:
@@ -86,8 +87,8 @@ class ResponseOutput:
     # ------------------------------------------------------------------ items
     def _open_message(self) -> list[bytes]:
         self._message = len(self.items)
-        item = {"id": _new_id("msg_"), "type": "message", "status": "in_progress",
-                "role": "assistant", "content": []}
+        item = {"id": _item_id("msg_", self.generation.response_id, self._message),
+                "type": "message", "status": "in_progress", "role": "assistant", "content": []}
         self.items.append(item)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         events = [self.event("response.output_item.added", output_index=self._message,
@@ -128,8 +129,9 @@ class ResponseOutput:
         if "id" in call:
             events += self._close_message("completed")
             index = self._calls[call["index"]] = len(self.items)
-            item = {"id": _new_id("fc_"), "type": "function_call", "status": "in_progress",
-                    "call_id": call["id"], "name": call["function"]["name"], "arguments": ""}
+            item = {"id": _item_id("fc_", self.generation.response_id, index),
+                    "type": "function_call", "status": "in_progress", "call_id": call["id"],
+                    "name": call["function"]["name"], "arguments": ""}
             self.items.append(item)
             self._open_calls.append(index)
             events.append(self.event("response.output_item.added", output_index=index,

@@ -229,7 +229,8 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: str | None = None
     prompt_cache_retention: Literal["in_memory", "24h"] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
-    # refused unless left out (or at their no-op value): they need stored state
+    # store and background need the response store (a 400 without it); the rest are
+    # refused unless left out (or at their no-op value): they need stored conversations
     store: bool | None = None
     previous_response_id: str | None = None
     conversation: _one_of(_id_or_object, id=str, object=dict[str, Any]) | None = None
@@ -323,7 +324,7 @@ class ResponseObject(BaseModel):
     object: Literal["response"]
     created_at: int
     completed_at: int | None
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     error: dict[str, Any] | None
     incomplete_details: dict[str, Any] | None
     model: str
@@ -339,8 +340,8 @@ class ResponseObject(BaseModel):
     top_logprobs: int
     truncation: Literal["disabled"]
     reasoning: dict[str, Any]
-    store: Literal[False]
-    background: Literal[False]
+    store: bool
+    background: bool
     previous_response_id: None
     metadata: dict[str, str]
     user: str | None

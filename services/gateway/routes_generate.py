@@ -25,6 +25,7 @@ from services.gateway.responses import echo_fields, plan_response
 from services.gateway.responses import sampling_params as responses_sampling
 from services.gateway.responses_output import responses_shape
 from services.gateway.responses_schema import ResponsesRequest, openapi_responses
+from services.gateway.routes_responses import StoredSubmission, create_stored
 from services.gateway.responses_schema import parse_request as parse_responses_request
 from services.gateway.service import GatewayService
 from services.gateway.streams import Delta, RequestStream
@@ -99,12 +100,13 @@ async def chat_completions(request: Request) -> Response:
              responses=openapi_responses())
 async def create_response(request: Request) -> Response:
     """OpenAI's Responses API, run on the chat path (services/gateway/responses.py)."""
-    config = config_of(request)
-    req = parse_responses_request(await read_json(request), config.accept_unknown_fields)
+    config, service = config_of(request), service_of(request)
+    raw = await read_json(request)
+    req = parse_responses_request(raw, config.accept_unknown_fields)
     info = await check_model(request, req.model)
-    plan = plan_response(req)
+    plan = plan_response(req, store_available=service.store.enabled)
     check_image_count(len(plan.image_urls), info.accepts_images, config.mm_limits)
-    encoded = await service_of(request).encode_reply(EncodeRequest(
+    encoded = await service.encode_reply(EncodeRequest(
         messages=plan.messages, add_generation_prompt=True,
         tools=plan.tool_plan.tools_for_prompt,
         images=await fetch_images(plan.image_urls, config)))
@@ -114,10 +116,34 @@ async def create_response(request: Request) -> Response:
         param="max_output_tokens", default_limit=protocol.default_max_tokens(
             info.generation_defaults, config.max_tokens_default))
     sampling = responses_sampling(req, plan, max_tokens, info.generation_defaults)
+    if req.store or req.background:  # kept in the response store (routes_responses.py)
+        return await _stored(request, req, raw, info, prompt_ids, sampling, encoded.images)
     choice = ChatChoice(0, plan.num_logprobs, plan.tool_plan, _call_id)
     return await generate(request, "responses", req, info, [(prompt_ids, sampling)],
                           [choice], 1, output=responses_shape(echo_fields(req, sampling)),
                           images=encoded.images)
+
+
+async def _stored(request: Request, req: ResponsesRequest, raw: dict, info: TokenizerInfo,
+                  prompt_ids: list[int], sampling: SamplingParams,
+                  images: list[ImageInput]) -> Response:
+    """A stored or background response: run apart from its client, read from the store."""
+    started = time.perf_counter()
+    service = service_of(request)
+    lora_name = lora_name_of(req.model, info)
+    service.metrics.prompt_tokens.inc(len(prompt_ids))
+    if lora_name:
+        service.metrics.lora_requests.labels(lora_name).inc()
+        service.metrics.lora_prompt_tokens.labels(lora_name).inc(len(prompt_ids))
+
+    def drain(stream: RequestStream):
+        return merge_deltas([_timed(service.deltas(stream), stream, service.metrics, started,
+                                    lora_name)])
+
+    return await create_stored(service, StoredSubmission(
+        body=raw, echo=echo_fields(req, sampling), prompt_ids=prompt_ids, sampling=sampling,
+        model=lora_name or info.model_name, lora_name=lora_name, session=req.session_key,
+        images=images, stream=bool(req.stream), background=req.background is True), drain)
 
 
 async def generate(request: Request, kind: str, req, info: TokenizerInfo,

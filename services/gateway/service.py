@@ -23,6 +23,7 @@ from services.gateway.lora_directory import LoraControl, LoraDirectory
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.migration import can_migrate, resumed_request
 from services.gateway.replicas import ReplicaTable
+from services.gateway.response_store import CANCELLED, ResponseStore
 from services.gateway.routing import Decision, PendingPrefill, Replica, Router, RoutingParams
 from services.gateway.streams import Delta, RequestStream, apply_output
 from shared.bus import Bus
@@ -84,6 +85,8 @@ class GatewayService:
         self.blocks = BlockFeed(bus, self.subjects, self.index, metrics, self._spawn) \
             if config.routing == RoutingPolicy.KV else None
         metrics.watch_block_index(self.index)
+        self.store = ResponseStore(bus, self.subjects, config.response_retention_s,  # JetStream
+                                   config.response_store_replicas, config.response_idle_timeout_s)
         self.lora_control = LoraControl(  # the adapters each replica serves (docs/lora.md)
             bus, self.subjects, LoraDirectory(),
             lambda: [stats.scheduler_id for stats in self.live_schedulers()],
@@ -94,6 +97,8 @@ class GatewayService:
         await self.bus.subscribe(self.subjects.scheduler_stats, SchedulerStats, self._on_stats)
         self._spawn(self._watch_heartbeats())
         self.bus.add_listener(self._on_link)
+        if await self.store.start():  # stored requests' outputs come on their own subjects
+            await self.store.follow(self.config.instance_id, self._on_outputs, self._cancelled)
         if self.blocks is not None:
             await self.blocks.start()
             self.bus.add_listener(self.blocks.on_link)
@@ -112,6 +117,7 @@ class GatewayService:
 
     async def stop(self) -> None:
         """Cancel the background tasks and close the bus."""
+        self.store.stop()
         for task in list(self._background):
             task.cancel()
         await self.bus.close()
@@ -155,21 +161,25 @@ class GatewayService:
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,
                      stop: list[str], *, priority: int = 0, cache_salt: str | None = None,
                      n: int = 1, session: str | None = None, lora_name: str = "",
-                     images: list[ImageInput] | None = None
+                     images: list[ImageInput] | None = None, stored_id: str = ""
                      ) -> tuple[str, list[RequestStream]]:
         """Hand a request (n sequences of one prompt; ``lora_name``: its LoRA adapter) to
         the scheduler routing picks (``session``: its prompt_cache_key or user); returns
-        its id and one stream per sequence. Raises if no scheduler accepts it."""
-        request_id = uuid.uuid4().hex
+        its id and one stream per sequence. Raises if no scheduler accepts it.
+        ``stored_id``: its id in the response store, whose subject gets its outputs."""
+        request_id = stored_id or uuid.uuid4().hex
+        output_subject = self.subjects.response_outputs(self.config.instance_id, request_id) \
+            if stored_id else self.output_subject
         streams = [RequestStream(choice_id,
                                  IncrementalDetokenizer(self.decoder, prompt_token_ids, stop))
                    for choice_id in choice_request_ids(request_id, n)]
         request = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-            output_subject=self.output_subject, arrival_time=time.time(), priority=priority,
+            output_subject=output_subject, arrival_time=time.time(), priority=priority,
             cache_salt=cache_salt, n=n, lora_name=lora_name, images=images or [])
         for stream in streams:
             stream.request = request if n == 1 else None  # n > 1 is not migrated
+            stream.stored_id = stored_id
             self._streams[stream.request_id] = stream
         try:
             reply = await self._submit(request, session=session)
@@ -345,6 +355,8 @@ class GatewayService:
                                   time.time())
         stream.request_id, stream.scheduler_id = request.request_id, ""
         self._streams[request.request_id] = stream
+        if stream.stored_id:  # its replays follow the new attempt's outputs from here
+            self._spawn(self.store.moved(self.config.instance_id, stream.stored_id, request))
         log.warning("request_migrating", request_id=old_id, new_request_id=request.request_id,
                     scheduler_id=old_scheduler, num_output_tokens=len(stream.output_token_ids),
                     reason=error.message)
@@ -369,6 +381,17 @@ class GatewayService:
         self.metrics.migrations.labels("resumed").inc()
         if self._streams.get(request.request_id) is not stream:  # the client left meanwhile
             self._spawn(self._abort(reply.scheduler_id, [request.request_id]))
+
+    async def abort_everywhere(self, request_ids: list[str]) -> None:
+        """Abort these at every live scheduler (a stored response's cancel, from any gateway)."""
+        await asyncio.gather(*(self._abort(stats.scheduler_id, request_ids)
+                               for stats in self.live_schedulers()))
+
+    def _cancelled(self, stored_id: str) -> None:
+        """A cancel (from any gateway) of one of our stored requests stops it."""
+        for stream in [s for s in self._streams.values() if s.stored_id == stored_id]:
+            self.release(stream)  # (aborts it)
+            stream.push(Delta("", 0, "error", CANCELLED))
 
     async def _abort(self, scheduler_id: str, request_ids: list[str]) -> None:
         try:

@@ -67,6 +67,7 @@ class RequestStream:
     output_token_ids: list[int] = field(default_factory=list)
     num_migrations: int = 0
     migrating: bool = False
+    stored_id: str = ""  # its id in the response store ("": not stored)
     # a non-streaming client reads only the whole answer: its reader is woken once, at the
     # end, not once per step (at 1,000 requests the wake-ups kept the gateway from keeping up)
     wake_at_end: bool = False
@@ -89,6 +90,13 @@ class RequestStream:
         """End the stream with ``error`` (kept after any text not yet taken)."""
         if not self.finished:
             self.push(Delta("", 0, "error", error))
+
+    def take(self) -> Delta | None:
+        """What was pushed since the last take, without waiting (a replay: one delta per
+        output, so the events it makes do not depend on timing)."""
+        delta, self._pending = self._pending, None
+        self._ready.clear()
+        return delta
 
     async def next_delta(self) -> Delta:
         """Everything pushed since the last call, waiting until there is something."""

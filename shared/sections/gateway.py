@@ -96,3 +96,26 @@ class Routing(Section, frozen=True, kw_only=True):
         check_choice(self.routing, RoutingPolicy, "routing")
         if self.routing_saturation_margin < 0 or self.routing_saturation_ratio < 0:
             raise ValueError("the routing saturation margin and ratio must not be negative")
+
+
+class ResponseStore(Section, frozen=True, kw_only=True):
+    """Stored and resumable responses (docs/openai-api.md): each such request's outputs kept
+    in a NATS JetStream stream, so any gateway replays them from a sequence number."""
+
+    response_retention_s: Annotated[float, knob(
+        "how long a stored or background response (and a resumable stream) is kept in NATS "
+        "JetStream, readable with GET /v1/responses/{id} and resumable from any gateway; "
+        "0: no store (store: true and background: true are refused)")] = 3600.0
+    response_store_replicas: Annotated[int, knob(
+        "copies JetStream keeps of the response stream (1, or 3 on a 3-node NATS cluster)")] = 1
+    response_idle_timeout_s: Annotated[float, knob(
+        "a replayed response that gets no output for this long ends with a 503 error event "
+        "(its replica died with no gateway left to move it)")] = 60.0
+
+    def __post_init__(self) -> None:
+        if self.response_retention_s < 0:
+            raise ValueError("response_retention_s must be 0 (no store) or positive")
+        if not 1 <= self.response_store_replicas <= 5:
+            raise ValueError("response_store_replicas must be 1 to 5 (JetStream's limit)")
+        if self.response_idle_timeout_s <= 0:
+            raise ValueError("response_idle_timeout_s must be positive")

@@ -43,8 +43,13 @@ def test_every_route_is_documented(app, document):
             "/v1/models", "/v1/models/{model}"} <= set(document["paths"])
 
 
+# POSTs whose whole request is in their path, as OpenAI's (cancel a stored response)
+_NO_BODY = {"/v1/responses/{response_id}/cancel"}
+
+
 def test_every_post_has_a_request_body_schema(document):
-    posts = {path: item["post"] for path, item in document["paths"].items() if "post" in item}
+    posts = {path: item["post"] for path, item in document["paths"].items()
+             if "post" in item and path not in _NO_BODY}
     assert len(posts) >= 4
     for path, operation in posts.items():
         body = operation.get("requestBody")

@@ -167,8 +167,20 @@ def test_no_op_parameters_are_accepted(fields):
 def test_refused_with_the_parameter_named(fields, param):
     error = refusal(**fields)
     assert error.status == 400 and error.param == param, error.message
-    if param in ("store", "previous_response_id"):
+    if param == "previous_response_id":
         assert "keeps no responses" in error.message
+    if param in ("store", "background"):  # (a gateway without the response store)
+        assert "needs the response store" in error.message
+
+
+@pytest.mark.parametrize("fields", [{"store": True}, {"background": True},
+                                    {"store": True, "background": True, "stream": True}])
+def test_store_and_background_are_honoured_with_the_response_store(fields):
+    req = request(**fields)
+    plan_response(req, store_available=True)
+    echo = echo_fields(req, sampling_params(req, plan_response(req, store_available=True), 8))
+    assert echo["store"] is (fields.get("store") is True)
+    assert echo["background"] is (fields.get("background") is True)
 
 
 def test_sampling_takes_the_model_defaults_where_the_request_is_silent():
