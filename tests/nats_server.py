@@ -14,9 +14,10 @@ from cli.stack import free_port, nats_server_binary
 class NatsServer:
     """A nats-server on one port, which can be killed and started again on that port."""
 
-    def __init__(self, port: int, log_path: Path) -> None:
+    def __init__(self, port: int, log_path: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.port = port
         self.log_path = log_path
+        self.extra_args = extra_args  # e.g. ("-js", "-sd", DIR): JetStream on
         self.process: subprocess.Popen | None = None
 
     @property
@@ -26,7 +27,8 @@ class NatsServer:
     def start(self, timeout_s: float = 10.0) -> None:
         with open(self.log_path, "a") as log:
             self.process = subprocess.Popen(
-                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
+                [nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port),
+                 *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

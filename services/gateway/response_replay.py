@@ -71,6 +71,12 @@ class ResponseReplay:
         """The next event's number (events made so far)."""
         return self.output.sequence_number
 
+    def after(self, made: list[bytes], starting_after: int) -> list[bytes]:
+        """Of the events just made, those numbered after ``starting_after`` (what a client
+        that has that one and all before it still needs)."""
+        first = self.sequence_number - len(made)
+        return made[max(0, starting_after + 1 - first):]
+
     def opening(self) -> list[bytes]:
         """response.created and response.in_progress (numbers 0 and 1)."""
         return self.output.start()

@@ -152,8 +152,7 @@ async def replay_events(service: GatewayService, messages: StoredMessages,
         replay = ResponseReplay(first_record(first.data), service.decoder, service.token_bytes)
         made = replay.opening()
         while True:
-            number = replay.sequence_number - len(made)  # the first one's
-            fresh = made[max(0, starting_after + 1 - number):]
+            fresh = replay.after(made, starting_after)
             if fresh:
                 yield b"".join(fresh)
             if replay.finished:
