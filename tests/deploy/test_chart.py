@@ -127,6 +127,11 @@ def test_defaults_bundle_nats_with_jetstream_and_point_every_service_at_it(rende
     assert '"jetstream"' in config_map["data"]["nats.conf"]
     (nats,) = [d for d in of_kind(docs, "StatefulSet") if d["metadata"]["name"] == "demo-nats"]
     assert nats["spec"]["volumeClaimTemplates"], "JetStream file store on a volume"
+    # a 3-node cluster, and the gateways keep stored responses in 3 copies for an hour
+    assert nats["spec"]["replicas"] == 3 and '"cluster"' in config_map["data"]["nats.conf"]
+    gateway = flotilla_workloads(docs)["gateway"]
+    assert env(gateway)["FLOTILLA_RESPONSE_RETENTION_S"] == {"value": "3600"}
+    assert env(gateway)["FLOTILLA_RESPONSE_STORE_REPLICAS"] == {"value": "3"}
 
 
 def test_defaults_namespace_replica_ids_cpu_and_security(rendered):
