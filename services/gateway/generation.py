@@ -118,21 +118,29 @@ async def gather(generation: Generation, deltas: AsyncIterator[tuple[int, Delta]
 _json = msgspec.json.Encoder()
 
 
+def chunk_event(generation: Generation, entries: list[dict], usage: dict | None = None) -> bytes:
+    """One SSE chunk of these choice entries (with the usage so far when continuous usage
+    is asked; ``usage``: the last chunk's)."""
+    chunk = {"id": generation.response_id, "object": generation.chunk_object_name,
+             "created": generation.created, "model": generation.model, "choices": entries}
+    if generation.include_usage:  # null until the last chunk, unless continuous
+        chunk["usage"] = generation.usage() if usage is None and \
+            generation.continuous_usage else usage
+    return b"data: " + _json.encode(chunk) + b"\n\n"
+
+
+def error_event(error: FlotillaError) -> bytes:
+    """An SSE error event in OpenAI's shape (it ends a stream: no [DONE] after it)."""
+    return b"data: " + _json.encode(error.openai_body()) + b"\n\n"
+
+
 async def stream_events(generation: Generation,
                         deltas: AsyncIterator[tuple[int, Delta]]) -> AsyncIterator[bytes]:
     """Server-sent events: one choice entry per chunk (with the usage so far when
     continuous usage is asked), then usage if asked, then [DONE].
     The events of one delta go out in one write."""
     def event(entries: list[dict], usage: dict | None = None) -> bytes:
-        chunk = {"id": generation.response_id, "object": generation.chunk_object_name,
-                 "created": generation.created, "model": generation.model, "choices": entries}
-        if generation.include_usage:  # null until the last chunk, unless continuous
-            chunk["usage"] = generation.usage() if usage is None and \
-                generation.continuous_usage else usage
-        return b"data: " + _json.encode(chunk) + b"\n\n"
-
-    def error_event(error: FlotillaError) -> bytes:
-        return b"data: " + _json.encode(error.openai_body()) + b"\n\n"
+        return chunk_event(generation, entries, usage)
 
     if generation.kind == "chat":
         yield b"".join(event([choice.first_entry()]) for choice in generation.choices)

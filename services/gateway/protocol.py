@@ -254,9 +254,9 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # true: kept in the response store, readable and resumable (docs/openai-api.md)
+    store: bool | None = None
     # accepted and ignored: no effect on a self-hosted model (docs/openai-api.md)
-    store: bool | None = Field(default=None, json_schema_extra=only_schema(
-        {"type": "boolean", "const": False}, "nothing is kept to list or retrieve later"))
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None  # with --routing kv, its requests share a replica
@@ -286,8 +286,7 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ParameterError("top_logprobs", "top_logprobs requires logprobs to be "
                                  "true", code="invalid_value")
-        refuse_if(bool(self.store), "store", "store: true is not supported: flotilla keeps no "
-                  "completions to list or retrieve later")
+        refuse_if(bool(self.store) and self.n != 1, "store", "store: true takes n = 1")
         refuse_if("audio" in (self.modalities or []), "modalities",
                   "audio output is not supported: modalities may only hold 'text'")
         refuse_if(self.audio is not None, "audio", "audio output is not supported")

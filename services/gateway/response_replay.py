@@ -21,12 +21,14 @@ from typing import Any
 
 import msgspec
 
+from services.gateway import protocol
 from services.gateway.choices import ChatChoice
-from services.gateway.generation import Generation
+from services.gateway.generation import Generation, chunk_event, error_event
 from services.gateway.migration import RETRYABLE_STATUS
 from services.gateway.responses import plan_response
 from services.gateway.responses_output import ResponseOutput
 from services.gateway.responses_schema import parse_request
+from services.gateway.tool_calls import plan_tools
 from services.gateway.streams import RequestStream, apply_output
 from shared.detokenizer import IncrementalDetokenizer, TokenBytes
 from shared.errors import FlotillaError
@@ -42,25 +44,19 @@ def call_ids(request_id: str):
     return lambda: f"call_{request_id[:16]}{next(counter)}"
 
 
-class ResponseReplay:
-    """One response's events and body, fed its stored messages in order."""
+class StoredReplay:
+    """One stored request's events and body, fed its stored messages in order. The kinds
+    (a Responses response, a chat completion) say how a delta, the end, a failure and a
+    cancel look."""
 
     def __init__(self, start: ResponseStart, decoder, token_bytes: TokenBytes) -> None:
-        req = parse_request(_json.decode(start.body), accept_unknown_fields=True)
-        plan = plan_response(req, store_available=True)
         self.start = start
         self.token_bytes = token_bytes
         self.stream = RequestStream(start.request_id, IncrementalDetokenizer(
             decoder, start.prompt_tail, start.stop))
-        choice = ChatChoice(0, plan.num_logprobs, plan.tool_plan, call_ids(start.request_id))
-        generation = Generation("responses", start.response_id, start.model, [choice],
-                                [self.stream], start.num_prompt_tokens, 1,
-                                created=start.created)
-        self.output = ResponseOutput(generation, _json.decode(start.echo))
         self.attempt = start.request_id  # the attempt whose outputs count
         self.status = "in_progress"
         self.error: ErrorInfo | None = None
-        self.num_output_tokens = 0
 
     @property
     def finished(self) -> bool:
@@ -69,17 +65,13 @@ class ResponseReplay:
     @property
     def sequence_number(self) -> int:
         """The next event's number (events made so far)."""
-        return self.output.sequence_number
+        raise NotImplementedError
 
     def after(self, made: list[bytes], starting_after: int) -> list[bytes]:
         """Of the events just made, those numbered after ``starting_after`` (what a client
         that has that one and all before it still needs)."""
         first = self.sequence_number - len(made)
         return made[max(0, starting_after + 1 - first):]
-
-    def opening(self) -> list[bytes]:
-        """response.created and response.in_progress (numbers 0 and 1)."""
-        return self.output.start()
 
     def feed(self, kind: str, data: bytes) -> list[bytes]:
         """The events one stored message makes (``kind``: "out" or "rec")."""
@@ -103,14 +95,13 @@ class ResponseReplay:
                 self.stream.has_output = True
                 self.stream.num_cached_tokens = output.num_cached_tokens
             apply_output(self.stream, output, self.token_bytes)
-            self.num_output_tokens = len(self.stream.output_token_ids)
             delta = self.stream.take()
             if delta is not None:
-                events += self.output.on_delta(delta)
+                events += self.on_delta(delta)
             if self.stream.finished:
-                events += self.output.finish()
                 self.status = "incomplete" if delta and delta.finish_reason == "length" \
                     else "completed"
+                events += self.on_finish()
         return events
 
     def _mark(self, mark: ResponseMark) -> list[bytes]:
@@ -119,23 +110,137 @@ class ResponseReplay:
             return []
         if mark.event == "cancelled":
             self.status = "cancelled"
-            return [self.output.event("error", code=CANCELLED_CODE,
-                                      message="the response was cancelled", param=None)]
-        return self._fail(mark.error or ErrorInfo(message="the response failed"))
+            return self.on_cancel()
+        return self._fail(mark.error or ErrorInfo(status=500, message="the response failed"))
 
     def _fail(self, error: ErrorInfo) -> list[bytes]:
         self.status, self.error = "failed", error
-        return self.output.failed(FlotillaError.from_info(error))
+        return self.failed(FlotillaError.from_info(error))
+
+    # the kind's events
+    def opening(self) -> list[bytes]:
+        raise NotImplementedError
+
+    def on_delta(self, delta) -> list[bytes]:
+        raise NotImplementedError
+
+    def on_finish(self) -> list[bytes]:
+        raise NotImplementedError
+
+    def on_cancel(self) -> list[bytes]:
+        raise NotImplementedError
+
+    def failed(self, error: FlotillaError) -> list[bytes]:
+        """The events that end a stream with ``error`` (also a reader's own idle timeout)."""
+        raise NotImplementedError
+
+    def body(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ResponseReplay(StoredReplay):
+    """A /v1/responses response: OpenAI's events, each with its ``sequence_number``."""
+
+    def __init__(self, start: ResponseStart, decoder, token_bytes: TokenBytes) -> None:
+        super().__init__(start, decoder, token_bytes)
+        req = parse_request(_json.decode(start.body), accept_unknown_fields=True)
+        plan = plan_response(req, store_available=True)
+        choice = ChatChoice(0, plan.num_logprobs, plan.tool_plan, call_ids(start.request_id))
+        generation = Generation("responses", start.response_id, start.model, [choice],
+                                [self.stream], start.num_prompt_tokens, 1,
+                                created=start.created)
+        self.output = ResponseOutput(generation, _json.decode(start.echo))
+
+    @property
+    def sequence_number(self) -> int:
+        return self.output.sequence_number
+
+    def opening(self) -> list[bytes]:
+        """response.created and response.in_progress (numbers 0 and 1)."""
+        return self.output.start()
+
+    def on_delta(self, delta) -> list[bytes]:
+        return self.output.on_delta(delta)
+
+    def on_finish(self) -> list[bytes]:
+        return self.output.finish()
+
+    def on_cancel(self) -> list[bytes]:
+        return [self.output.event("error", code=CANCELLED_CODE,
+                                  message="the response was cancelled", param=None)]
+
+    def failed(self, error: FlotillaError) -> list[bytes]:
+        return self.output.failed(error)
 
     def body(self) -> dict[str, Any]:
         """The response object as its messages so far make it."""
-        if self.status in ("completed", "incomplete"):
-            return self.output.body(self.status)
         body = self.output.body(self.status)
         if self.error is not None:
             body["error"] = {"code": self.error.code or "server_error",
                              "message": self.error.message}
         return body
+
+
+class ChatReplay(StoredReplay):
+    """A stored chat completion: its SSE chunks, each with an ``id:`` (its number, what a
+    client's ``Last-Event-ID`` names), ending ``data: [DONE]``."""
+
+    def __init__(self, start: ResponseStart, decoder, token_bytes: TokenBytes) -> None:
+        super().__init__(start, decoder, token_bytes)
+        req = protocol.parse_request(protocol.ChatCompletionRequest, _json.decode(start.body),
+                                     accept_unknown_fields=True)
+        tool_plan = plan_tools(*req.tools_and_choice(), req.parallel_tool_calls)
+        self.choice = ChatChoice(0, req.num_logprobs, tool_plan, call_ids(start.request_id))
+        # the gathered body's (its parser reads the whole text at the end, as gather's does)
+        self.gathered = ChatChoice(0, req.num_logprobs, tool_plan, call_ids(start.request_id))
+        self.generation = Generation("chat", start.response_id, start.model, [self.choice],
+                                     [self.stream], start.num_prompt_tokens, 1,
+                                     req.include_usage, req.continuous_usage,
+                                     created=start.created)
+        self._num_events = 0
+
+    @property
+    def sequence_number(self) -> int:
+        return self._num_events
+
+    def _numbered(self, events: list[bytes]) -> list[bytes]:
+        first, self._num_events = self._num_events, self._num_events + len(events)
+        return [b"id: %d\n" % (first + i) + event for i, event in enumerate(events)]
+
+    def opening(self) -> list[bytes]:
+        return self._numbered([chunk_event(self.generation, [self.choice.first_entry()])])
+
+    def on_delta(self, delta) -> list[bytes]:
+        self.gathered.record(delta)
+        return self._numbered([chunk_event(self.generation, [entry])
+                               for entry in self.choice.on_delta(delta)])
+
+    def on_finish(self) -> list[bytes]:
+        tail = [chunk_event(self.generation, [], self.generation.usage())] \
+            if self.generation.include_usage else []
+        return self._numbered([*tail, b"data: [DONE]\n\n"])
+
+    def on_cancel(self) -> list[bytes]:
+        return self.failed(FlotillaError("the completion was cancelled", code=CANCELLED_CODE,
+                                         status=499))
+
+    def failed(self, error: FlotillaError) -> list[bytes]:
+        return self._numbered([error_event(error)])
+
+    def body(self) -> dict[str, Any]:
+        """The chat completion object as its messages so far make it."""
+        entry = {**self.gathered.final(), "index": 0}
+        body = {"id": self.start.response_id, "object": "chat.completion",
+                "created": self.start.created, "model": self.start.model, "choices": [entry],
+                "usage": self.generation.usage(), "status": self.status}
+        if self.error is not None:
+            body["error"] = FlotillaError.from_info(self.error).openai_body()["error"]
+        return body
+
+
+def replay_of(start: ResponseStart, decoder, token_bytes: TokenBytes) -> StoredReplay:
+    """The replay for a stored request of this kind."""
+    return (ChatReplay if start.kind == "chat" else ResponseReplay)(start, decoder, token_bytes)
 
 
 def first_record(data: bytes) -> ResponseStart:

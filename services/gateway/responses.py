@@ -38,13 +38,12 @@ from shared.messages import (ChatMessage, FunctionCall, GenerationDefaults, Samp
 from shared.messages import ContentPart as WirePart
 
 # without the response store (no JetStream, or --response-retention-s 0)
+NO_STORE = ("{param} needs the response store (NATS JetStream and --response-retention-s > 0), "
+            "which this deployment does not have")
 _NEEDS_STORE = {
-    "store": (lambda v: v is True, "store: true needs the response store (NATS JetStream and "
-              "--response-retention-s > 0), which this deployment does not have. Leave store "
-              "out or set it to false"),
-    "background": (lambda v: v is True, "background: true needs the response store (NATS "
-                   "JetStream and --response-retention-s > 0), which this deployment does not "
-                   "have"),
+    "store": (lambda v: v is True, NO_STORE.format(param="store: true") +
+              ". Leave store out or set it to false"),
+    "background": (lambda v: v is True, NO_STORE.format(param="background: true")),
 }
 _REFUSED = {
     "previous_response_id": (lambda v: v is not None, "previous_response_id is not supported: "

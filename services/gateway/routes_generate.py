@@ -21,7 +21,7 @@ from services.gateway.http_input import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import json_responses, request_body
-from services.gateway.responses import echo_fields, plan_response
+from services.gateway.responses import NO_STORE, echo_fields, plan_response
 from services.gateway.responses import sampling_params as responses_sampling
 from services.gateway.responses_output import responses_shape
 from services.gateway.responses_schema import ResponsesRequest, openapi_responses
@@ -31,7 +31,7 @@ from services.gateway.service import GatewayService
 from services.gateway.streams import Delta, RequestStream
 from services.gateway.structured import response_format_spec
 from services.gateway.tool_calls import plan_tools
-from shared.errors import FlotillaError, check_token_ids
+from shared.errors import FlotillaError, InvalidRequest, check_token_ids
 from services.gateway.media import check_image_count, fetch_images
 from shared.messages import EncodeRequest, ImageInput, SamplingParams, TokenizerInfo
 
@@ -74,6 +74,9 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, protocol.ChatCompletionRequest)
     info = await check_model(request, req.model)
+    if req.store and not service_of(request).store.enabled:
+        raise InvalidRequest(NO_STORE.format(param="store: true"), param="store",
+                             code="unsupported_parameter")
     tool_plan = plan_tools(*req.tools_and_choice(), req.parallel_tool_calls)
     structured = tool_plan.structured or response_format_spec(
         req.response_format.as_dict() if req.response_format else None)
@@ -91,6 +94,9 @@ async def chat_completions(request: Request) -> Response:
     sampling = req.sampling_params(max_tokens, info.vocab_size,
                                    defaults=info.generation_defaults,
                                    logprobs=req.num_logprobs, structured=structured)
+    if req.store:  # kept in the response store (routes_responses.py): n is 1
+        return await _stored(request, "chat", req, await read_json(request), info,
+                             prompt_ids, sampling, encoded.images)
     choices = [ChatChoice(i, req.num_logprobs, tool_plan, _call_id) for i in range(req.n)]
     return await generate(request, "chat", req, info, [(prompt_ids, sampling)], choices,
                           req.n, images=encoded.images)
@@ -117,17 +123,19 @@ async def create_response(request: Request) -> Response:
             info.generation_defaults, config.max_tokens_default))
     sampling = responses_sampling(req, plan, max_tokens, info.generation_defaults)
     if req.store or req.background:  # kept in the response store (routes_responses.py)
-        return await _stored(request, req, raw, info, prompt_ids, sampling, encoded.images)
+        return await _stored(request, "responses", req, raw, info, prompt_ids, sampling,
+                             encoded.images, echo_fields(req, sampling))
     choice = ChatChoice(0, plan.num_logprobs, plan.tool_plan, _call_id)
     return await generate(request, "responses", req, info, [(prompt_ids, sampling)],
                           [choice], 1, output=responses_shape(echo_fields(req, sampling)),
                           images=encoded.images)
 
 
-async def _stored(request: Request, req: ResponsesRequest, raw: dict, info: TokenizerInfo,
-                  prompt_ids: list[int], sampling: SamplingParams,
-                  images: list[ImageInput]) -> Response:
-    """A stored or background response: run apart from its client, read from the store."""
+async def _stored(request: Request, kind: str, req, raw: dict, info: TokenizerInfo,
+                  prompt_ids: list[int], sampling: SamplingParams, images: list[ImageInput],
+                  echo: dict | None = None) -> Response:
+    """A stored or background response (or stored chat completion): run apart from its
+    client, read from the store (``echo``: what a response repeats of its request)."""
     started = time.perf_counter()
     service = service_of(request)
     lora_name = lora_name_of(req.model, info)
@@ -141,9 +149,11 @@ async def _stored(request: Request, req: ResponsesRequest, raw: dict, info: Toke
                                     lora_name)])
 
     return await create_stored(service, StoredSubmission(
-        body=raw, echo=echo_fields(req, sampling), prompt_ids=prompt_ids, sampling=sampling,
+        kind=kind, body=raw, echo=echo or {}, prompt_ids=prompt_ids, sampling=sampling,
         model=lora_name or info.model_name, lora_name=lora_name, session=req.session_key,
-        images=images, stream=bool(req.stream), background=req.background is True), drain)
+        stop=req.stop_strings, priority=req.priority, cache_salt=req.cache_salt,
+        images=images, stream=bool(req.stream),
+        background=getattr(req, "background", None) is True), drain)
 
 
 async def generate(request: Request, kind: str, req, info: TokenizerInfo,

@@ -23,7 +23,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.gateway.openapi import json_responses
-from services.gateway.response_replay import ResponseReplay, first_record
+from services.gateway.response_models import ChatCompletion, ChatCompletionChunk
+from services.gateway.response_replay import (ResponseReplay, StoredReplay, first_record,
+                                              replay_of)
 from services.gateway.response_store import StoredMessages
 from services.gateway.responses_schema import ResponseObject, openapi_responses
 from services.gateway.service import GatewayService
@@ -35,13 +37,14 @@ from shared.response_messages import CANCELLED_CODE, ResponseMark, ResponseStart
 
 log = structlog.get_logger()
 router = APIRouter()
-_RESPONSE_ID = re.compile(r"resp_([0-9a-f]{32})")
+_PREFIXES = {"responses": "resp_", "chat": "chatcmpl-"}  # a stored id: prefix + 32 hex digits
 _json = msgspec.json.Encoder()
 
 
 class StoredSubmission(msgspec.Struct, frozen=True, kw_only=True):
     """A Responses request ready to run, and what its replays need."""
 
+    kind: str  # "responses" or "chat"
     body: dict  # the request's JSON, as received
     echo: dict
     prompt_ids: list[int]
@@ -49,6 +52,9 @@ class StoredSubmission(msgspec.Struct, frozen=True, kw_only=True):
     model: str
     lora_name: str = ""
     session: str | None = None
+    stop: list[str] = []
+    priority: int = 0
+    cache_salt: str | None = None
     images: list[ImageInput] = []
     stream: bool = False
     background: bool = False
@@ -59,16 +65,17 @@ async def create_stored(service: GatewayService, sub: StoredSubmission, drain) -
     client (``drain(stream)``: the deltas it reads to the end), answer from the store."""
     request_id = uuid.uuid4().hex
     start = ResponseStart(
-        kind="responses", response_id="resp_" + request_id, request_id=request_id,
+        kind=sub.kind, response_id=_PREFIXES[sub.kind] + request_id, request_id=request_id,
         model=sub.model, created=int(time.time()), body=_json.encode(sub.body),
         echo=_json.encode(sub.echo), prompt_tail=sub.prompt_ids[-NUM_PROMPT_CONTEXT_TOKENS:],
-        num_prompt_tokens=len(sub.prompt_ids), background=sub.background)
+        stop=sub.stop, num_prompt_tokens=len(sub.prompt_ids), background=sub.background)
     gateway_id = service.config.instance_id
     await service.store.record(gateway_id, request_id, start)
     try:
-        _, streams = await service.submit(sub.prompt_ids, sub.sampling, [], session=sub.session,
-                                          lora_name=sub.lora_name, images=list(sub.images),
-                                          stored_id=request_id)
+        _, streams = await service.submit(
+            sub.prompt_ids, sub.sampling, sub.stop, priority=sub.priority,
+            cache_salt=sub.cache_salt, session=sub.session, lora_name=sub.lora_name,
+            images=list(sub.images), stored_id=request_id)
     except FlotillaError as exc:
         await service.store.mark(gateway_id, request_id,
                                  ResponseMark(event="failed", error=exc.to_info()))
@@ -77,14 +84,22 @@ async def create_stored(service: GatewayService, sub: StoredSubmission, drain) -
     service.store.run_in_background(_run_to_end(service, streams[0], drain(streams[0])),
                                     streams[0])
     if sub.stream:
-        messages = await _open(service, request_id)
+        messages = await _open(service, request_id, start.response_id)
         return StreamingResponse(replay_events(service, messages, -1),
                                  media_type="text/event-stream")
     if sub.background:
-        replay = ResponseReplay(start, service.decoder, service.token_bytes)
-        return JSONResponse(replay.output.body("queued"))
-    replay, _ = await read_stored(service, request_id, wait=True)
-    return JSONResponse(replay.body())
+        return JSONResponse(ResponseReplay(start, service.decoder, service.token_bytes)
+                            .output.body("queued"))
+    replay, _ = await read_stored(service, request_id, start.response_id, wait=True)
+    return JSONResponse(_answer(replay))
+
+
+def _answer(replay: StoredReplay) -> dict:
+    """A stored request's body for its own POST: a chat completion has no status."""
+    body = replay.body()
+    if replay.start.kind == "chat":
+        body.pop("status", None)
+    return body
 
 
 async def _run_to_end(service: GatewayService, stream: RequestStream,
@@ -100,38 +115,38 @@ async def _run_to_end(service: GatewayService, stream: RequestStream,
 
 
 # ---------------------------------------------------------------- reading the store
-def _request_id(response_id: str) -> str:
-    match = _RESPONSE_ID.fullmatch(response_id)
+def _request_id(response_id: str, kind: str) -> str:
+    match = re.fullmatch(re.escape(_PREFIXES[kind]) + "([0-9a-f]{32})", response_id)
     if match is None:
         raise _not_found(response_id)
     return match.group(1)
 
 
 def _not_found(response_id: str) -> FlotillaError:
-    return InvalidRequest(f"Response with id '{response_id}' not found (stored responses are "
-                          "kept for --response-retention-s after they start)",
+    return InvalidRequest(f"No stored response or completion with id '{response_id}' (they "
+                          "are kept for --response-retention-s after they start)",
                           status=404, param="response_id", code="response_not_found")
 
 
-async def _open(service: GatewayService, request_id: str) -> StoredMessages:
+async def _open(service: GatewayService, request_id: str, response_id: str) -> StoredMessages:
     if not service.store.enabled:
         raise InvalidRequest("this deployment keeps no responses (no NATS JetStream, or "
                              "--response-retention-s 0)", status=404, param="response_id",
                              code="response_not_found")
     messages = await service.store.open(request_id)
     if messages is None:
-        raise _not_found("resp_" + request_id)
+        raise _not_found(response_id)
     return messages
 
 
-async def read_stored(service: GatewayService, request_id: str, wait: bool
-                      ) -> tuple[ResponseReplay, str]:
+async def read_stored(service: GatewayService, request_id: str, response_id: str, wait: bool
+                      ) -> tuple[StoredReplay, str]:
     """The response as stored now (``wait``: once it has ended), and the gateway that
     took it."""
-    messages = await _open(service, request_id)
+    messages = await _open(service, request_id, response_id)
     try:
         first = await messages.next()
-        replay = ResponseReplay(first_record(first.data), service.decoder, service.token_bytes)
+        replay = _replay(first.data, response_id, service)
         pending = first.num_pending
         while not replay.finished and (wait or pending):
             message = await messages.next()
@@ -143,13 +158,16 @@ async def read_stored(service: GatewayService, request_id: str, wait: bool
 
 
 async def replay_events(service: GatewayService, messages: StoredMessages,
-                        starting_after: int) -> AsyncIterator[bytes]:
+                        starting_after: int, response_id: str = "") -> AsyncIterator[bytes]:
     """A stored response's events numbered after ``starting_after``, as they are stored,
     to its end (or a 503 error event when none comes for the idle timeout)."""
     try:
         replay = None
         first = await messages.next()
-        replay = ResponseReplay(first_record(first.data), service.decoder, service.token_bytes)
+        start = first_record(first.data)
+        if response_id and start.response_id != response_id:  # (the other kind's id)
+            raise _not_found(response_id)
+        replay = replay_of(start, service.decoder, service.token_bytes)
         made = replay.opening()
         while True:
             fresh = replay.after(made, starting_after)
@@ -161,11 +179,20 @@ async def replay_events(service: GatewayService, messages: StoredMessages,
             made = replay.feed(message.kind, message.data)
     except FlotillaError as exc:  # the store went away, or the response went quiet
         if replay is not None:
-            yield b"".join(replay.output.failed(exc))
+            yield b"".join(replay.failed(exc))
         else:
             yield b"data: " + _json.encode(exc.openai_body()) + b"\n\n"
     finally:
         await messages.close()
+
+
+def _replay(data: bytes, response_id: str, service: GatewayService) -> StoredReplay:
+    """The replay of a stored request found under ``response_id`` (of the route's kind:
+    a chat completion's id does not name a response)."""
+    start = first_record(data)
+    if start.response_id != response_id:
+        raise _not_found(response_id)
+    return replay_of(start, service.decoder, service.token_bytes)
 
 
 # ---------------------------------------------------------------- routes
@@ -173,15 +200,29 @@ async def replay_events(service: GatewayService, messages: StoredMessages,
 async def get_response(response_id: str, request: Request) -> Response:
     """The stored response; with ``stream=true``, its events after ``starting_after``
     (replayed from the store, then live until it ends)."""
+    return await _get(request, response_id, "responses",
+                      request.query_params.get("starting_after"), "starting_after")
+
+
+@router.get("/v1/chat/completions/{completion_id}", response_model=None,
+            responses=json_responses(ChatCompletion, stream=ChatCompletionChunk))
+async def get_chat_completion(completion_id: str, request: Request) -> Response:
+    """A stored chat completion (``store: true``); with ``stream=true``, its chunks after
+    the one whose ``id:`` the ``Last-Event-ID`` header names (all without it)."""
+    return await _get(request, completion_id, "chat", request.headers.get("last-event-id"),
+                      "Last-Event-ID")
+
+
+async def _get(request: Request, response_id: str, kind: str, starting_after: str | None,
+               param: str) -> Response:
     service: GatewayService = request.app.state.service
-    request_id = _request_id(response_id)
-    stream = _flag(request.query_params.get("stream", "false"), "stream")
-    if not stream:
-        replay, _ = await read_stored(service, request_id, wait=False)
+    request_id = _request_id(response_id, kind)
+    if not _flag(request.query_params.get("stream", "false"), "stream"):
+        replay, _ = await read_stored(service, request_id, response_id, wait=False)
         return JSONResponse(replay.body())
-    starting_after = _starting_after(request.query_params.get("starting_after"))
-    messages = await _open(service, request_id)
-    return StreamingResponse(replay_events(service, messages, starting_after),
+    after = _starting_after(starting_after, param)
+    messages = await _open(service, request_id, response_id)
+    return StreamingResponse(replay_events(service, messages, after, response_id),
                              media_type="text/event-stream")
 
 
@@ -192,8 +233,8 @@ async def cancel_response(response_id: str, request: Request) -> Response:
     says cancelled, every replica aborts it, its gateway ends it. Cancelling a cancelled
     one returns it again; a finished one is a 400."""
     service: GatewayService = request.app.state.service
-    request_id = _request_id(response_id)
-    replay, gateway_id = await read_stored(service, request_id, wait=False)
+    request_id = _request_id(response_id, "responses")
+    replay, gateway_id = await read_stored(service, request_id, response_id, wait=False)
     if replay.status == "cancelled":
         return JSONResponse(replay.body())
     if replay.finished:
@@ -215,11 +256,11 @@ def _flag(value: str, param: str) -> bool:
     return value == "true"
 
 
-def _starting_after(value: str | None) -> int:
+def _starting_after(value: str | None, param: str) -> int:
     if value is None:
         return -1
     if not value.isdigit():
-        raise InvalidRequest("starting_after must be a non-negative integer (an event's "
-                             "sequence_number)", param="starting_after", code="invalid_value")
+        raise InvalidRequest(f"{param} must be a non-negative integer (an event's number)",
+                             param=param, code="invalid_value")
     return int(value)
 

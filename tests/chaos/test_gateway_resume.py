@@ -237,3 +237,43 @@ def set_retention(nats_url: str, retention_s: float) -> None:
             await nc.close()
 
     asyncio.run(update())
+
+
+def test_a_stored_chat_stream_resumes_on_the_other_gateway_by_last_event_id(two_gateways,
+                                                                           model_name):
+    """A chat stream with store: true, its connection dropped after a few chunks, read on
+    with Last-Event-ID from the other gateway: the rest, and the text of an unstored run."""
+    stack, other, _ = two_gateways
+    request = {"model": model_name, "messages": [{"role": "user", "content": PROMPTS[2]}],
+               "max_tokens": MAX_TOKENS, "temperature": 0}
+    reply = httpx.post(other + "/v1/chat/completions", json=request, timeout=120)
+    expected = reply.json()["choices"][0]["message"]["content"]
+    events = []
+    with httpx.stream("POST", stack.base_url + "/v1/chat/completions", timeout=120,
+                      json={**request, "stream": True, "store": True}) as response:
+        assert response.status_code == 200, response.read()
+        lines = []
+        for line in response.iter_lines():  # (events: "id: N", "data: ...", "")
+            if line:
+                lines.append(line)
+                continue
+            events.append("\n".join(lines))
+            lines = []
+            if len(events) == 4:
+                break  # the client goes away mid-stream
+    last_id = int(events[-1].split("\n")[0].removeprefix("id: "))
+    completion_id = json.loads(events[0].split("data: ", 1)[1])["id"]
+    with httpx.stream("GET", f"{other}/v1/chat/completions/{completion_id}?stream=true",
+                      headers={"Last-Event-ID": str(last_id)}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        rest = [e for e in response.read().decode().split("\n\n") if e]
+    events += rest
+    assert [int(e.split("\n")[0].removeprefix("id: ")) for e in events] == \
+        list(range(len(events)))
+    assert events[-1].endswith("data: [DONE]")
+    chunks = [json.loads(e.split("data: ", 1)[1]) for e in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == expected
+    stored = httpx.get(f"{other}/v1/chat/completions/{completion_id}", timeout=30).json()
+    assert stored["choices"][0]["message"]["content"] == expected
+    assert httpx.get(f"{other}/v1/responses/resp_{completion_id.removeprefix('chatcmpl-')}",
+                     timeout=30).status_code == 404  # (a completion's id names no response)

@@ -38,7 +38,6 @@ REFUSED_CHAT = [  # (parameter, value): honouring it is impossible here
     ("modalities", ["text", "audio"]),
     ("web_search_options", {}),
     ("moderation", {"model": "omni-moderation-latest"}),
-    ("store", True),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("tools", [{"type": "custom", "custom": {"name": "grammar_tool"}}]),
@@ -85,6 +84,14 @@ def test_impossible_parameters_are_refused_by_name(param, value):
     with pytest.raises(InvalidRequest) as error:
         parse_request(ChatCompletionRequest, {**CHAT, param: value})
     assert error.value.param == param and error.value.status == 400
+
+
+def test_store_true_takes_one_choice():
+    """(Honoured with the response store; the route refuses it without: docs/openai-api.md.)"""
+    assert parse_request(ChatCompletionRequest, {**CHAT, "store": True}).store is True
+    with pytest.raises(InvalidRequest) as error:
+        parse_request(ChatCompletionRequest, {**CHAT, "store": True, "n": 2})
+    assert error.value.param == "store" and error.value.status == 400
 
 
 # (image_url parts parse; a text-only model refuses them in the route: test_media.py)

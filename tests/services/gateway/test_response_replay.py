@@ -12,7 +12,7 @@ import pydantic
 import pytest
 from openai.types.responses import ResponseStreamEvent
 
-from services.gateway.response_replay import ResponseReplay
+from services.gateway.response_replay import ChatReplay, ResponseReplay
 from services.gateway.responses import echo_fields, plan_response, sampling_params
 from services.gateway.responses_schema import parse_request
 from shared.detokenizer import TokenBytes, fast_decoder
@@ -125,3 +125,36 @@ def test_a_failure_or_a_cancel_ends_it_as_its_record_says(tokenizer):
     assert replay.status == "cancelled" and replay.body()["status"] == "cancelled"
     assert events[-1]["type"] == "error" and events[-1]["code"] == CANCELLED_CODE
     assert text_of(events) == tokenizer.decode(token_ids)  # nothing after the cancel
+
+
+def chat_start(**body) -> ResponseStart:
+    request = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "store": True,
+               "stream": True, "stream_options": {"include_usage": True}, **body}
+    return ResponseStart(kind="chat", response_id="chatcmpl-" + "a" * 32, request_id="a" * 32,
+                         model="m", created=1, body=msgspec.json.encode(request), echo=b"{}",
+                         prompt_tail=[1, 2], num_prompt_tokens=2)
+
+
+def test_a_stored_chat_stream_numbers_its_chunks_and_resumes_after_any(tokenizer):
+    token_ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    messages = outputs("a" * 32, token_ids, finish="stop")
+
+    def sse(cut: int) -> list[bytes]:
+        replay = ChatReplay(chat_start(), fast_decoder(tokenizer), TokenBytes(tokenizer))
+        sent = replay.after(replay.opening(), cut)
+        for kind, data in messages:
+            sent += replay.after(replay.feed(kind, data), cut)
+        return sent, replay
+
+    events, replay = sse(-1)
+    ids = [int(event.split(b"\n", 1)[0].removeprefix(b"id: ")) for event in events]
+    assert ids == list(range(len(events)))
+    assert events[-1].endswith(b"data: [DONE]\n\n")
+    chunks = [json.loads(e.split(b"data: ", 1)[1]) for e in events[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == tokenizer.decode(token_ids)
+    assert chunks[-1]["usage"]["completion_tokens"] == len(token_ids)
+    body = replay.body()
+    assert body["choices"][0]["message"]["content"] == text and body["status"] == "completed"
+    for cut in (0, 3, len(events) - 2):
+        assert sse(cut)[0] == events[cut + 1:]
