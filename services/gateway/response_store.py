@@ -15,6 +15,7 @@ serves as before and refuses store/background with a 400.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.errors
@@ -30,6 +31,7 @@ from shared.subjects import Subjects
 
 log = structlog.get_logger()
 SETUP_TIMEOUT_S = 5.0
+SETUP_RETRY_S = 5.0  # while NATS has no JetStream (yet)
 CANCELLED = ErrorInfo(status=499, message="the response was cancelled", code=CANCELLED_CODE)
 
 
@@ -75,6 +77,8 @@ class ResponseStore:
         self.enabled = False
         self._js = None
         self._runs: dict[asyncio.Task, object] = {}  # stored requests run to their end
+        self._retry: asyncio.Task | None = None  # setting the stream up again, while it fails
+        self._followed: set[str] = set()
 
     def run_in_background(self, coro, stream) -> None:
         """Run ``coro`` (reading ``stream`` to its end) apart from any client."""
@@ -88,25 +92,42 @@ class ResponseStore:
         for task, stream in list(self._runs.items()):
             stream.finished = True
             task.cancel()
+        if self._retry is not None:
+            self._retry.cancel()
 
-    async def start(self) -> bool:
-        """Create (or update to our retention) the responses stream; False, and the store
-        stays off, when the retention is 0 or NATS has no JetStream."""
+    async def start(self, on_ready: Callable[[], Awaitable[None]]) -> bool:
+        """Create (or update to our retention) the responses stream, run ``on_ready`` (the
+        gateway subscribes), then take stored requests. False when the retention is 0, or
+        NATS has no JetStream yet: then it is tried again every SETUP_RETRY_S (a NATS
+        cluster electing its JetStream leader; a server without -js stays without)."""
         if self.retention_s <= 0:
             return False
-        self._js = self.bus.jetstream(timeout_s=SETUP_TIMEOUT_S)
+        if await self._set_up(on_ready, log_failure=True):
+            return True
+        self._retry = asyncio.create_task(self._retry_set_up(on_ready))
+        return False
+
+    async def _retry_set_up(self, on_ready) -> None:
+        while not await self._set_up(on_ready, log_failure=False):
+            await asyncio.sleep(SETUP_RETRY_S)
+
+    async def _set_up(self, on_ready, log_failure: bool) -> bool:
         config = StreamConfig(
             name=self.subjects.response_stream, subjects=[self.subjects.response_stream_subjects],
             max_age=self.retention_s, storage=StorageType.FILE, num_replicas=self.num_replicas,
             discard=DiscardPolicy.OLD, allow_direct=True)
         try:
+            self._js = self.bus.jetstream(timeout_s=SETUP_TIMEOUT_S)
             try:
                 await self._js.add_stream(config)
             except nats.js.errors.BadRequestError:  # there, with other settings: ours win
                 await self._js.update_stream(config)
-        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
-            log.warning("response_store_off", reason=repr(exc),
-                        hint="run nats-server with JetStream (-js) for stored responses")
+            await on_ready()
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError,
+                ServiceUnavailable) as exc:
+            if log_failure:
+                log.warning("response_store_off", reason=repr(exc), retry_s=SETUP_RETRY_S,
+                            hint="run nats-server with JetStream (-js) for stored responses")
             return False
         self.enabled = True
         log.info("response_store_on", stream=config.name, retention_s=self.retention_s,
@@ -129,10 +150,12 @@ class ResponseStore:
             if isinstance(record, ResponseMark) and record.event == "cancelled":
                 on_cancel(record.request_id)
 
-        await self.bus.subscribe(self.subjects.gateway_response_outputs(gateway_id, "out"),
-                                 OutputBatch, on_outputs)
-        await self.bus.subscribe(self.subjects.gateway_response_outputs(gateway_id, "rec"),
-                                 ResponseRecord, on_record)
+        for kind, message_type, handler in (("out", OutputBatch, on_outputs),
+                                            ("rec", ResponseRecord, on_record)):
+            subject = self.subjects.gateway_response_outputs(gateway_id, kind)
+            if subject not in self._followed:  # (once, though a set-up is tried again)
+                await self.bus.subscribe(subject, message_type, handler)
+                self._followed.add(subject)
 
     async def mark(self, gateway_id: str, request_id: str, mark: ResponseMark) -> None:
         """A record the stream should have but whose loss breaks nothing at once (a move,

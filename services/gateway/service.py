@@ -97,8 +97,8 @@ class GatewayService:
         await self.bus.subscribe(self.subjects.scheduler_stats, SchedulerStats, self._on_stats)
         self._spawn(self._watch_heartbeats())
         self.bus.add_listener(self._on_link)
-        if await self.store.start():  # stored requests' outputs come on their own subjects
-            await self.store.follow(self.config.instance_id, self._on_outputs, self._cancelled)
+        await self.store.start(lambda: self.store.follow(  # stored requests' own subjects
+            self.config.instance_id, self._on_outputs, self._cancelled))
         if self.blocks is not None:
             await self.blocks.start()
             self.bus.add_listener(self.blocks.on_link)

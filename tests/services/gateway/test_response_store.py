@@ -42,11 +42,17 @@ async def _store(url: str, retention_s: float = 60.0) -> tuple[Bus, ResponseStor
     return bus, ResponseStore(bus, SUBJECTS, retention_s, 1, idle_timeout_s=0.5)
 
 
+async def _nothing() -> None:
+    pass
+
+
 def test_without_jetstream_the_store_is_off(nats_url):
     async def go():
         bus, store = await _store(nats_url)
         try:
-            return await store.start(), store.enabled
+            started = await store.start(_nothing)
+            store.stop()  # (its retries)
+            return started, store.enabled
         finally:
             await bus.close()
 
@@ -57,7 +63,7 @@ def test_messages_replay_from_the_first_then_live_and_expire(jetstream_url):
     async def go():
         bus, store = await _store(jetstream_url, retention_s=1.0)
         try:
-            assert await store.start() and await store.start()  # (a second gateway's start)
+            assert await store.start(_nothing) and await store.start(_nothing)  # (2 gateways)
             assert await store.open("b" * 32) is None
             await store.record("gw", "a" * 32, ResponseMark(event="migrated", request_id="x"))
             for token_id in range(3):
