@@ -163,6 +163,7 @@ def test_cancel_stops_the_sequence_within_a_step(two_gateways, model_name):
     stored = httpx.get(f"{other}/v1/responses/{reader.response_id}", timeout=30).json()
     assert stored["status"] == "cancelled"
     after = outputs_after_cancel(stack.nats_url, reader.response_id.removeprefix("resp_"))
+    print(f"{after} step outputs stored after the cancel record")
     assert after <= 2, f"{after} steps' outputs were stored after the cancel"
     again = httpx.post(f"{other}/v1/responses/{reader.response_id}/cancel", timeout=30)
     assert again.status_code == 200 and again.json()["status"] == "cancelled"

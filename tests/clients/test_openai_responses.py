@@ -103,8 +103,28 @@ def test_text_format_json_schema(client, model_name):
     assert response.text.format.type == "json_schema"
 
 
+def test_stored_and_background_responses_through_the_sdk(client, model_name):
+    """store: retrieve gives it back; background: answered at once, then read (and its
+    stream resumed after an event number) with the SDK's own calls; cancel of a finished
+    one is a 400 (the stack runs NATS with JetStream: docs/openai-api.md)."""
+    stored = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                     max_output_tokens=24, store=True)
+    assert stored.store is True and stored.status == "completed"
+    assert client.responses.retrieve(stored.id).output_text == stored.output_text
+    queued = client.responses.create(model=model_name, input=QUESTION, temperature=0,
+                                     max_output_tokens=24, background=True)
+    assert queued.background is True and queued.status == "queued"
+    events = list(client.responses.retrieve(queued.id, stream=True, starting_after=2))
+    assert events[0].sequence_number == 3 and events[-1].type == "response.completed"
+    assert events[-1].response.output_text == stored.output_text  # (greedy, same prompt)
+    assert client.responses.retrieve(queued.id).status == "completed"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(queued.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_" + "0" * 32)
+
+
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"store": True}, "store"),
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
 ])
