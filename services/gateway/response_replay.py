@@ -85,8 +85,8 @@ class StoredReplay:
     def _outputs(self, batch: OutputBatch) -> list[bytes]:
         events: list[bytes] = []
         for output in batch.outputs:
-            if output.request_id != self.attempt or self.finished:
-                continue  # a stale attempt's (it moved), or after the end
+            if self.finished or not self._counts(output.request_id):
+                continue  # after the end, or a stale attempt's (it moved)
             if output.error is not None:
                 if output.error.status != RETRYABLE_STATUS:  # would fail wherever it ran
                     events += self._fail(output.error)
@@ -103,6 +103,15 @@ class StoredReplay:
                     else "completed"
                 events += self.on_finish()
         return events
+
+    def _counts(self, request_id: str) -> bool:
+        """Whether an output of ``request_id`` counts: the current attempt's, or a later
+        one's (its "migrated" mark was lost, say in a NATS outage: it moves on to that)."""
+        number, current = attempt_number(self.start.request_id, request_id), \
+            attempt_number(self.start.request_id, self.attempt)
+        if number is not None and number > current:
+            self.attempt = request_id
+        return request_id == self.attempt
 
     def _mark(self, mark: ResponseMark) -> list[bytes]:
         if mark.event == "migrated":
@@ -236,6 +245,15 @@ class ChatReplay(StoredReplay):
         if self.error is not None:
             body["error"] = FlotillaError.from_info(self.error).openai_body()["error"]
         return body
+
+
+def attempt_number(request_id: str, attempt_id: str) -> int | None:
+    """0 for the request's first attempt, k for its k-th move (migration.py names it
+    ``{id}-m{k}``); None for an id not of this request."""
+    if attempt_id == request_id:
+        return 0
+    suffix = attempt_id.removeprefix(request_id + "-m")
+    return int(suffix) if suffix != attempt_id and suffix.isdigit() else None
 
 
 def replay_of(start: ResponseStart, decoder, token_bytes: TokenBytes) -> StoredReplay:

@@ -112,6 +112,18 @@ def test_a_move_counts_only_the_new_attempts_outputs(tokenizer):
     assert text_of(events) == tokenizer.decode(token_ids)  # the 503 and the stale 7 left out
 
 
+def test_a_move_whose_mark_was_lost_follows_the_newer_attempt(tokenizer):
+    """(A NATS outage: the gateway moved the request, its "migrated" record never got in.)"""
+    token_ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    old = "a" * 32
+    moved = outputs(old + "-m2", token_ids[5:], finish="stop")
+    stale = [("out", encode(OutputBatch([RequestOutput(request_id=other, new_token_ids=[7])])))
+             for other in (old, "b" * 32, old + "-m1")]  # (older attempts, another request)
+    messages = [*outputs(old, token_ids[:5], finish=None), moved[0], *stale, *moved[1:]]
+    replay, events = replayed(tokenizer, messages)
+    assert replay.status == "completed" and text_of(events) == tokenizer.decode(token_ids)
+
+
 def test_a_failure_or_a_cancel_ends_it_as_its_record_says(tokenizer):
     token_ids = tokenizer.encode(TEXT, add_special_tokens=False)[:4]
     begun = outputs("a" * 32, token_ids, finish=None)
