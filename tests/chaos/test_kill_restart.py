@@ -93,6 +93,7 @@ def test_a_request_that_cannot_move_ends_with_an_error_event(one_replica, model_
     one_replica.wait_ready(120)
 
 
+@pytest.mark.slow  # (make test-slow: a stack of its own, half a minute or more)
 def test_two_replicas_one_killed_for_good(tmp_path_factory, model_name):
     """--replicas 2: a scheduler killed and not restarted; its streams finish on the other."""
     stack = start_stack(tmp_path_factory.mktemp("migration2-logs"), replicas=2,

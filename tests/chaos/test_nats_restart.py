@@ -19,7 +19,7 @@ from tests.nats_server import NatsServer
 from tests.chaos.streams import StreamReader
 from tests.integration.conftest import start_stack
 
-pytestmark = [pytest.mark.integration, pytest.mark.chaos]
+pytestmark = [pytest.mark.integration, pytest.mark.chaos, pytest.mark.slow]  # (a minute)
 
 PROMPTS = ["The old lighthouse keeper", "In the year 2150, the city",
            "My favourite recipe for bread", "The river wound through"]

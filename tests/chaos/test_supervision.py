@@ -290,6 +290,7 @@ def complete(base_url: str, model_name: str) -> None:
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.slow  # (make test-slow: a stack of its own, half a minute or more)
 @pytest.mark.integration
 def test_serve_restarts_a_killed_tokenizer_and_nats_server(model_name, tmp_path):
     port = free_port()

@@ -70,7 +70,8 @@ def assert_api_serves(port: int, api_name: str, other_name: str) -> None:
 # (--max-model-len, which the tokenizer must report as the worker serves it): one stack
 # start covers all three.
 @pytest.mark.parametrize(("stop_signal", "served_name"),
-                         [(signal.SIGTERM, None), (signal.SIGINT, SERVED_NAME)])
+                         [(signal.SIGTERM, None),
+                          pytest.param(signal.SIGINT, SERVED_NAME, marks=pytest.mark.slow)])
 def test_serve_prints_the_api_and_stops_cleanly(stop_signal, served_name, model_name):
     port = free_port()
     options = (["--served-model-name", served_name, "--max-model-len", str(CONTEXT_LEN)]

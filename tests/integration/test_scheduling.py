@@ -92,6 +92,7 @@ def test_preemption_under_a_tiny_kv_cache_loses_nothing(tiny_kv_stack, model_nam
     assert wait_for(lambda: preemptions() > 0, 30.0)
 
 
+@pytest.mark.slow  # (make test-slow: a stack of its own, half a minute or more)
 def test_two_replicas_share_the_load_and_agree(stack, model_name, tmp_path):
     prompts = distinct_prompts(32, 24)
     expected = asyncio.run(complete_all(stack.base_url, model_name, prompts, 12))

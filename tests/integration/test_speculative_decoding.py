@@ -52,6 +52,7 @@ def test_greedy_chats_equal_the_reference_and_drafts_are_counted(
                       'position="0"') <= metric(url, "flotilla_spec_decode_drafts_total")
 
 
+@pytest.mark.slow  # (make test-slow: a stack of its own, half a minute or more)
 def test_a_draft_model_through_the_stack_gives_the_reference_text(
         tmp_path, model_name, hf_model, hf_tokenizer):
     """``method: "draft_model"``: the worker (overlapping steps, as on a GPU) loads the draft

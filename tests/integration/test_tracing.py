@@ -107,6 +107,7 @@ def receiver():
     receiver.close()
 
 
+@pytest.mark.slow  # (make test-slow: a stack of its own, half a minute or more)
 def test_one_chat_request_is_one_trace_across_every_service(tmp_path, receiver, model_files):
     stack = start_stack(tmp_path / "logs", env={
         "FLOTILLA_OTLP_TRACES_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"},
