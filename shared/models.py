@@ -288,3 +288,68 @@ def weights_version(model_dir: str | Path, seed: int = 0) -> str:
                 f.seek(size * index // _WEIGHT_SAMPLES)
                 digest.update(f.read(_WEIGHT_SAMPLE_NBYTES))
     return digest.hexdigest()[:16]
+
+
+EAGLE_PRESETS_DIR = PRESETS_DIR / "eagle"
+EAGLE_DUMMY_VERSION = "1"
+
+
+def resolve_eagle_head(spec: str, cache_dir: str | Path = "~/.cache/flotilla") -> Path:
+    """An EAGLE head's directory (--speculative-config's "model" with methods eagle3 and
+    eagle): a directory with config.json and *.safetensors, or ``dummy:<preset>``
+    (``shared/presets/eagle/<preset>.json``: random weights of a public head's shapes, made
+    once into ``<cache_dir>/models/dummy-<preset>-<key>/``; the draft vocabulary, if
+    reduced, is the first draft_vocab_size ids)."""
+    if spec.startswith(DUMMY_PREFIX):
+        preset = spec.removeprefix(DUMMY_PREFIX)
+        presets = sorted(p.stem for p in EAGLE_PRESETS_DIR.glob("*.json"))
+        if preset not in presets:
+            raise ValueError(f"unknown EAGLE head preset {preset!r} (presets: {', '.join(presets)})")
+        text = (EAGLE_PRESETS_DIR / f"{preset}.json").read_text()
+        key = hashlib.sha256(f"{text}|{EAGLE_DUMMY_VERSION}".encode()).hexdigest()[:12]
+        target = Path(cache_dir).expanduser() / "models" / f"dummy-{preset}-{key}"
+        _build_once(target, _COMPLETE_MARKER,
+                    lambda staging: _write_dummy_head(json.loads(text), staging))
+        return target
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise ValueError(f"EAGLE head {spec!r}: give a directory with config.json and "
+                         f"*.safetensors, or dummy:<preset>")
+    return path.resolve()
+
+
+def _write_dummy_head(config: dict, staging: Path) -> None:
+    """Random weights (seed 0, bf16) in the public checkpoints' tensor names."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(0)
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    eagle3 = "draft_vocab_size" in config
+    layer = "midlayer" if eagle3 else "layers.0"
+    shapes = {f"{layer}.self_attn.q_proj.weight": (q, 2 * hidden if eagle3 else hidden),
+              f"{layer}.self_attn.k_proj.weight": (kv, 2 * hidden if eagle3 else hidden),
+              f"{layer}.self_attn.v_proj.weight": (kv, 2 * hidden if eagle3 else hidden),
+              f"{layer}.self_attn.o_proj.weight": (hidden, q),
+              f"{layer}.mlp.gate_proj.weight": (inner, hidden),
+              f"{layer}.mlp.up_proj.weight": (inner, hidden),
+              f"{layer}.mlp.down_proj.weight": (hidden, inner),
+              "fc.weight": (hidden, (3 if eagle3 else 2) * hidden)}
+    if eagle3:
+        shapes["lm_head.weight"] = (config["draft_vocab_size"], hidden)
+    tensors = {name: (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+               for name, shape in shapes.items()}
+    norms = ["post_attention_layernorm"] + (["input_layernorm", "hidden_norm"] if eagle3 else [])
+    tensors.update({f"{layer}.{norm}.weight": torch.ones(hidden, dtype=torch.bfloat16)
+                    for norm in norms})
+    if eagle3:
+        tensors["norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        tensors["d2t"] = torch.zeros(config["draft_vocab_size"], dtype=torch.int64)
+        t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
+        t2d[:config["draft_vocab_size"]] = True
+        tensors["t2d"] = t2d
+    save_file(tensors, str(staging / "model.safetensors"))
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    (staging / _COMPLETE_MARKER).write_text("random EAGLE head weights\n")

@@ -15,7 +15,7 @@ draft_budget.py) around a ``Proposer``, which says what the drafts are:
   ``suffix_decoding_max_tree_depth`` tokens, matched in the request's own tokens and in
   recent requests' responses; the longer the match, the more tokens
   (``suffix_decoding_max_spec_factor`` per matched token).
-- ``WorkerSlots`` (``method: "draft_model"``, ``model``: the draft): no tokens here. The plan
+- ``WorkerSlots`` (``method: "draft_model"``, ``"eagle3"``, ``"eagle"``): no tokens here. The plan
   gives draft slots, which the worker's proposer (its draft model,
   services/worker/draft_model.py) fills right before the step's forward.
 
@@ -46,7 +46,7 @@ from services.scheduler.draft_budget import DraftBudget
 from services.scheduler.request import Request
 from services.scheduler.suffix import ResponseCache, SuffixIndex
 from shared.messages import SamplingParams, StepPlan, StepResult
-from shared.sections.speculative import SpeculativeConfig
+from shared.sections.speculative import WORKER_METHODS, SpeculativeConfig
 
 
 def can_speculate(sampling: SamplingParams) -> bool:
@@ -331,6 +331,8 @@ PROPOSERS: dict[str, Callable[[SpeculativeConfig], Proposer]] = {
     "ngram": lambda config: NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max),
     "suffix": SuffixProposer,
     "draft_model": lambda config: WorkerSlots(),
+    "eagle": lambda config: WorkerSlots(),  # (an EAGLE head fills them: eagle_proposer.py)
+    "eagle3": lambda config: WorkerSlots(),
 }
 
 
@@ -338,6 +340,6 @@ def drafter(config: SpeculativeConfig | None, worker_drafts: bool = True) -> Dra
     """The scheduler's drafter for ``--speculative-config`` (None: off). ``worker_drafts``:
     the worker can fill draft slots (it has a draft model); without it method draft_model
     drafts nothing (host-side methods need no worker model)."""
-    if config is None or (config.method == "draft_model" and not worker_drafts):
+    if config is None or (config.method in WORKER_METHODS and not worker_drafts):
         return NoDrafts()
     return DraftPolicy(config, PROPOSERS[config.method](config))

@@ -255,8 +255,12 @@ class PiecewiseGraphs:
             if new_residual.data_ptr() != residual.data_ptr():  # the norms add in place
                 residual.copy_(new_residual)
 
+        capture = model.hidden_capture  # (an EAGLE head's features: hidden_capture.py)
+
         def first() -> None:
             x = model.embed_tokens(self.input_ids[:num_tokens])  # [num_tokens, hidden_size]
+            if 0 in capture.layer_ids:
+                capture.take(0, x, slot_mapping)
             keep(*layers[0].before_attention(x, None, positions, model.cos_sin_cache,
                                              slot_mapping))
 
@@ -267,12 +271,16 @@ class PiecewiseGraphs:
         def between(index: int):
             def piece() -> None:  # layer index - 1 after its attention, layer index before
                 x, new_residual = after(layers[index - 1])
+                if index in capture.layer_ids:  # the stream entering layer index
+                    capture.take(index, x + new_residual, slot_mapping)
                 keep(*layers[index].before_attention(x, new_residual, positions,
                                                      model.cos_sin_cache, slot_mapping))
             return piece
 
         def last() -> None:
             x, new_residual = after(layers[-1])
+            if capture.captures_final:
+                capture.take_final(model.norm(x + new_residual), slot_mapping)
             self.hidden[:num_tokens].copy_(x)
             if new_residual.data_ptr() != residual.data_ptr():
                 residual.copy_(new_residual)

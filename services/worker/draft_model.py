@@ -142,7 +142,11 @@ class NoDraftModel:
 
 class DraftModel:
     """The draft model: it fills every draft slot of a step (a plan's drafts never come with
-    tokens), greedily, right before the step's forward."""
+    tokens), greedily, right before the step's forward. ``token_shift``: the draft KV at
+    position i is computed from token i + token_shift (an EAGLE head's is 1: the token after
+    the target's hidden state there, eagle_proposer.py)."""
+
+    token_shift = 0
 
     def __init__(self, model: Transformer, name: str, kv_cache: torch.Tensor, block_size: int,
                  max_num_tokens: int, staging: HostStaging | None) -> None:
@@ -188,10 +192,10 @@ class DraftModel:
                 self._decode_passes(known, num_slots)):
             count = len(input_ids)
             input_ids.copy_(drafts[:count, index])
-            drafts[:count, index + 1] = ops.greedy_token_ids(
+            drafts[:count, index + 1] = self._draft_ids(
                 self._forward(input_ids, positions, metadata))
         for (_, state, num_known), slots in zip(known, num_slots):
-            state.num_draft_computed = num_known + slots - 1
+            state.num_draft_computed = self._computed_after(num_known, slots)
         gather, target_positions = self._scatter_indices(chunks, rows, num_slots)
         # read back beside the served model's forward, which is queued next: the host then
         # verifies and queues the draw while that forward runs
@@ -203,18 +207,31 @@ class DraftModel:
                     ) -> tuple[torch.Tensor, int]:
         """Each row's uncomputed tokens up to its last known one -> draft 1 [num_rows], and
         how many tokens it computed besides the rows' last ones."""
-        spans = [(min(state.num_draft_computed, num_known - 1), num_known, chunk, state)
-                 for chunk, state, num_known in known]
+        shift = self.token_shift
+        spans = [(min(state.num_draft_computed, num_known - 1 - shift), num_known - shift,
+                  chunk, state) for chunk, state, num_known in known]
         num_catch_up = sum(end - start - 1 for start, end, _, _ in spans)
         if num_catch_up + len(spans) > self.max_num_tokens:
             self._catch_up([(start, end - 1, chunk, state) for start, end, chunk, state in spans])
             spans = [(end - 1, end, chunk, state) for _, end, chunk, state in spans]
-        pass_chunks = [SequenceChunk(token_ids=state.token_ids[start:end], start=start,
-                                     block_table=chunk.block_table, sample=True)
+        pass_chunks = [SequenceChunk(token_ids=state.token_ids[start + shift:end + shift],
+                                     start=start, block_table=chunk.block_table, sample=True)
                        for start, end, chunk, state in spans]
         input_ids, positions, metadata = build_step_inputs(
             pass_chunks, self.block_size, self.device, staging=self.staging)
-        return ops.greedy_token_ids(self._forward(input_ids, positions, metadata)), num_catch_up
+        return self._draft_ids(self._first_forward(input_ids, positions, metadata)), num_catch_up
+
+    def _first_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       metadata: AttentionMetadata) -> torch.Tensor:
+        return self._forward(input_ids, positions, metadata)
+
+    def _draft_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafts of a pass's logits [num_rows] (token ids of the served model)."""
+        return ops.greedy_token_ids(logits)
+
+    def _computed_after(self, num_known: int, num_slots: int) -> int:
+        """A drafted row's positions with draft KV once its passes are queued."""
+        return num_known + num_slots - 1
 
     def _catch_up(self, spans: list[tuple[int, int, SequenceChunk, RequestState]]) -> None:
         """Compute the draft KV of [start, end) of every span, in forwards of at most
@@ -224,7 +241,8 @@ class DraftModel:
         for start, end, chunk, state in spans:
             while start < end:
                 count = min(end - start, room)
-                pieces.append(SequenceChunk(token_ids=state.token_ids[start:start + count],
+                first = start + self.token_shift
+                pieces.append(SequenceChunk(token_ids=state.token_ids[first:first + count],
                                             start=start, block_table=chunk.block_table,
                                             sample=True))
                 start, room = start + count, room - count
@@ -248,7 +266,7 @@ class DraftModel:
         counts = [sum(slots >= p for slots in num_slots) for p in range(2, num_slots[0] + 1)]
         if not counts:
             return []
-        num_known = np.array([n for _, _, n in known], np.int64)  # [num_rows]
+        num_known = np.array([n - self.token_shift for _, _, n in known], np.int64)  # [num_rows]
         needed = -(-(num_known + np.array(num_slots) - 1) // self.block_size)  # [num_rows]
         tables = np.zeros((len(known), int(needed.max())), np.int64)  # [num_rows, max_blocks]
         for row, (chunk, _, _) in enumerate(known):

@@ -27,6 +27,7 @@ from kernels.paged_attention import AttentionPlan
 from kernels.rotary import build_cos_sin_cache
 from services.worker import ops
 from services.worker.cpu_attention import DecodeContext
+from services.worker.hidden_capture import NO_CAPTURE, FeatureCapture, NoCapture
 from services.worker.layers import MLP, Linear, RMSNorm, add_rms_norm
 from services.worker.moe import SparseMoeBlock
 from services.worker.model_config import ModelConfig, compute_inv_freq
@@ -183,6 +184,8 @@ class Transformer(nn.Module):
         # [max_position_embeddings, head_dim] fp32: cos then sin of position * inv_freq
         self.register_buffer("cos_sin_cache", build_cos_sin_cache(
             self.inv_freq, config.max_position_embeddings), persistent=False)
+        # an EAGLE head's hidden states, written by the forward (hidden_capture.py)
+        self.hidden_capture: NoCapture | FeatureCapture = NO_CAPTURE
 
     def bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         """Hand each layer views of its cache.
@@ -223,11 +226,19 @@ class Transformer(nn.Module):
             self.norm if self.final_norm_in_layer(x) else None]
         valid_rows = sparse_rows(metadata.slot_mapping) if self.config.moe else None
         residual, normed = None, False
+        capture = self.hidden_capture
+        if capture.captures_final:  # every row's final norm, for the capture
+            next_norms[-1] = self.norm
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
+            if index in capture.layer_ids:  # the stream entering this layer
+                capture.take(index, residual if normed else x if residual is None
+                             else x + residual, metadata.slot_mapping)
             x, residual = layer(x, residual, positions, self.cos_sin_cache, metadata, normed,
                                 next_norm, layer_waits[index] if layer_waits is not None else (),
                                 valid_rows)
             normed = next_norm is not None
+        if capture.captures_final:  # (the last layer normed every row)
+            capture.take_final(x, metadata.slot_mapping)
         indices = None if metadata.all_logits else metadata.logits_indices
         if normed:
             return self.head(x if indices is None else x[indices], logits_out)

@@ -20,6 +20,7 @@ from kernels.paged_attention_ref import FP8_KV_DTYPE, allocate_kv_cache
 from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import capture_step_graphs, mixed_graph_tokens
 from services.worker.draft_model import DraftModel, NoDraftModel, load_draft_model
+from services.worker.eagle_proposer import build_eagle_proposer, load_eagle
 from services.worker.image_inputs import load_image_encoder
 from services.worker.kv_connector import usable_load_groups
 from services.worker.kv_quant import resolve_kv_cache_dtype, set_fp8_kv_scales
@@ -58,8 +59,15 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
     # cache (in --dtype) takes a share of each block's bytes
     draft = load_draft_model(config, model.config, max_model_len, device, dtype) \
         if config.draft_model else None
+    # or an EAGLE head (eagle_proposer.py), checked against the model before anything is
+    # sized: its KV (one layer) and the feature cache take a share of each block too
+    eagle = load_eagle(config.speculative_config, model, config.cache_dir,
+                       max(config.max_num_batched_tokens, config.max_num_seqs), device, dtype) \
+        if config.eagle_head else None
     bytes_per_block = kv_bytes_per_block(model, config.block_size, kv_dtype) + (
-        kv_bytes_per_block(draft, config.block_size, dtype) if draft is not None else 0)
+        kv_bytes_per_block(draft, config.block_size, dtype) if draft is not None else 0) + (
+        _eagle_bytes_per_block(eagle[0].config, model, config.block_size, dtype)
+        if eagle is not None else 0)
     # every rank the same block space: the fewest any rank's memory holds
     num_blocks = ranks.tp.agree_min(_kv_cache_budget(config, model, draft, kv_dtype,
                                                      max_model_len, device, dtype, lora)
@@ -73,6 +81,11 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
         draft, config.draft_model, _allocate_cache(draft, num_blocks, config.block_size, dtype,
                                                    device),
         config.block_size, config.max_num_batched_tokens, staging)
+    if eagle is not None:  # (the capture goes into the model before its graphs)
+        proposer = build_eagle_proposer(
+            config.eagle_head, *eagle, model,
+            _allocate_cache(eagle[0], num_blocks, config.block_size, dtype, device),
+            config.block_size, config.max_num_batched_tokens, staging)
     eos_token_ids = read_eos_token_ids(model_files.path)
     runner = ModelRunner(
         ranks=ranks, model_files=model_files, model=model, device=device, dtype=dtype,
@@ -125,6 +138,13 @@ def _allocate_cache(model: Transformer, num_blocks: int, block_size: int, dtype:
     config = model.config
     return allocate_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads,
                              config.head_dim, dtype, device)
+
+
+def _eagle_bytes_per_block(head_config, model: Transformer, block_size: int,
+                           dtype: torch.dtype) -> int:
+    """An EAGLE head's KV (one layer) and the served model's features, per block."""
+    return block_size * dtype.itemsize * (2 * head_config.num_kv_heads * head_config.head_dim
+                                          + model.config.hidden_size)
 
 
 def _kv_cache_budget(config: WorkerConfig, model: Transformer, draft: Transformer | None,

@@ -185,7 +185,8 @@ class WorkerService:
             eos_token_ids=list(runner.eos_token_ids), kv_cache_bytes=runner.kv_cache_bytes,
             device=str(runner.device), dtype=str(runner.dtype),
             kv_namespace=self.kv_upkeep.namespace, kv_node_id=self.kv_upkeep.node_id,
-            draft_model=self.config.draft_model, lora_base=runner.lora.base_shapes)
+            draft_model=self.config.draft_model or self.config.eagle_head,
+            lora_base=runner.lora.base_shapes)
 
     async def _on_health(self, _: Empty) -> HealthReply:
         detail = {

@@ -13,7 +13,8 @@ import msgspec
 
 from shared.config import Section, knob
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3")
+WORKER_METHODS = ("draft_model", "eagle", "eagle3")  # the worker fills the draft slots
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -33,7 +34,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     # draft_model: the model the worker drafts with (as --model takes it: a directory, a
-    # .gguf, smollm2, dummy:<preset>); the same tokenizer as the served model's
+    # .gguf, smollm2, dummy:<preset>); the same tokenizer as the served model's. eagle3,
+    # eagle: the EAGLE head's directory (or dummy:<head preset>, shared/presets/eagle/)
     model: str = ""
 
     def __post_init__(self) -> None:
@@ -52,8 +54,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("suffix_decoding_max_cached_requests must be 0 (none) or more")
         if self.suffix_decoding_max_spec_factor <= 0:
             raise ValueError("suffix_decoding_max_spec_factor must be positive")
-        if (self.method == "draft_model") != bool(self.model):
-            raise ValueError("model goes with method draft_model, and it needs one")
+        if (self.method in WORKER_METHODS) != bool(self.model):
+            raise ValueError(f"model goes with methods {', '.join(WORKER_METHODS)}, and each "
+                             f"needs one")
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -76,7 +79,7 @@ class Speculation(Section, frozen=True, kw_only=True):
         "speculative decoding, JSON with vLLM's field names, e.g. '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4}' (prompt lookup; \"suffix\" also matches recent "
         "responses; \"draft_model\" with \"model\": DIR drafts with a smaller model of the "
-        "same tokenizer): greedy requests keep their text, sampled ones their distribution "
+        "same tokenizer; \"eagle3\" or \"eagle\" with \"model\": an EAGLE head's DIR): greedy requests keep their text, sampled ones their distribution "
         "(docs/speculative-decoding.md)")] = None
 
     @property
@@ -90,3 +93,9 @@ class Speculation(Section, frozen=True, kw_only=True):
         """The draft model of method draft_model, as --model takes it ("": none)."""
         spec = self.speculative_config
         return spec.model if spec is not None and spec.method == "draft_model" else ""
+
+    @property
+    def eagle_head(self) -> str:
+        """The EAGLE head of methods eagle3 and eagle ("": none)."""
+        spec = self.speculative_config
+        return spec.model if spec is not None and spec.method in ("eagle", "eagle3") else ""
