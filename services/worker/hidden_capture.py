@@ -47,10 +47,12 @@ class FeatureCapture:
         self.layer_ids = frozenset(aux_layer_ids)
         self.captures_final = not aux_layer_ids
         self._first = min(aux_layer_ids) if aux_layer_ids else -1
-        # layer id -> its third of fc, contiguous [hidden, hidden]
-        self._fc_parts = {} if fc_weight is None else {
-            layer_id: fc_weight[:, i * hidden_size:(i + 1) * hidden_size].contiguous()
-            for i, layer_id in enumerate(aux_layer_ids)}
+        # layer id -> its third of fc [hidden, hidden] (a layer named twice: both summed)
+        self._fc_parts: dict[int, torch.Tensor] = {}
+        for i, layer_id in enumerate(aux_layer_ids if fc_weight is not None else ()):
+            part = fc_weight[:, i * hidden_size:(i + 1) * hidden_size]
+            self._fc_parts[layer_id] = (part + self._fc_parts[layer_id] if layer_id in
+                                        self._fc_parts else part.contiguous())
 
     def rows(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         """The cache rows of a step's tokens [num_tokens] (padding: the spare row)."""
