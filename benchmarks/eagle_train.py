@@ -42,11 +42,13 @@ class TrainOptions:
     prompts: int = 320
     max_prompt_tokens: int = 320
     max_new_tokens: int = 160
-    draft_vocab: int = 8192
+    draft_vocab: int = 4096
     epochs: int = 3
     ttt_steps: int = 3
     lr: float = 1e-3
     accumulate: int = 4  # conversations per optimizer step
+    context_tokens: int = 96  # of each prompt, the last ones the head attends to in training
+    scored_prompt: int = 16  # of those, the last ones whose predictions count (then the reply)
     seed: int = 0
 
 
@@ -106,20 +108,23 @@ class HeadWeights(torch.nn.Module):
         v = split(self.v_proj(h), self.num_kv_heads)
         return q, k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0), features
 
-    def finish(self, attention: torch.Tensor, residual: torch.Tensor
+    def finish(self, attention: torch.Tensor, residual: torch.Tensor, first_scored: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention [heads, T, dim] -> (logits [T, draft_vocab], output feature [T, hidden])."""
+        """attention [heads, T, dim] -> (logits of rows first_scored.. [n, draft_vocab],
+        output feature [T, hidden])."""
         x = self.o_proj(attention.transpose(0, 1).flatten(1)) + residual
         h = self.rms(x, self.post_attention_layernorm)
         stream = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)) + x
-        return self.rms(stream, self.norm) @ self.lm_head.T, stream
+        return self.rms(stream[first_scored:], self.norm) @ self.lm_head.T, stream
 
 
 def ttt_loss(head: HeadWeights, aux: torch.Tensor, token_ids: torch.Tensor,
-             labels: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[float]]:
+             labels: torch.Tensor, steps: int, first_scored: int = 0
+             ) -> tuple[torch.Tensor, list[float]]:
     """One conversation's loss over ``steps`` chained steps, and each step's accuracy.
     Row i (position i) takes token i + 1 and predicts labels[i] (the draft index of the
-    target's argmax at i + 1, -1: not in the draft vocabulary or past the end)."""
+    target's argmax at i + 1, -1: not in the draft vocabulary or past the end); rows before
+    ``first_scored`` are context only (no logits: the lm_head is most of the cost)."""
     count = token_ids.shape[0] - 1
     positions = torch.arange(count)
     next_ids = token_ids[1:]
@@ -143,9 +148,9 @@ def ttt_loss(head: HeadWeights, aux: torch.Tensor, token_ids: torch.Tensor,
         out = weights[..., :count] @ values[0]
         for s in range(1, step + 1):
             out = out + weights[..., count + s - 1:count + s] * torch.roll(values[s], step - s, 1)
-        logits, stream = head.finish(out, residual)
-        target = labels[:count].clone()
-        target[:step] = -1  # rows with no chain base
+        first = max(first_scored, step)  # (rows before step have no chain base)
+        logits, stream = head.finish(out, residual, first)
+        target = labels[first:count]
         total = total + 0.8 ** step * F.cross_entropy(logits, target, ignore_index=-1)
         valid = target >= 0
         accuracies.append(float((logits.argmax(-1)[valid] == target[valid]).float().mean())
@@ -186,9 +191,11 @@ def train_head(model_dir: Path, conversations, options: TrainOptions, log=print)
         sums, seen = [0.0] * options.ttt_steps, 0
         for index, i in enumerate(order):
             c = conversations[i]
-            labels = torch.cat([to_draft[c.target_ids[1:]], torch.tensor([-1])])
-            loss, accuracies = ttt_loss(head, c.aux_hidden.float(), c.token_ids, labels,
-                                        options.ttt_steps)
+            start = max(0, c.prompt_len - options.context_tokens)  # the prompt's end only
+            labels = torch.cat([to_draft[c.target_ids[start + 1:]], torch.tensor([-1])])
+            loss, accuracies = ttt_loss(head, c.aux_hidden[start:].float(), c.token_ids[start:],
+                                        labels, options.ttt_steps,
+                                        max(0, c.prompt_len - 1 - start - options.scored_prompt))
             (loss / options.accumulate).backward()
             sums = [a + b for a, b in zip(sums, accuracies)]
             seen += 1

@@ -11,7 +11,14 @@ the pairs':
 - ``copy``: copy-heavy chats one at a time (repeat a paragraph, copy a list, rewrite code
   with a rename): decode tokens per second after the first token, summed over the chats;
   the texts must be identical.
+- ``chat``: ``--chats`` of the varied chats one at a time (batch 1), measured as ``copy``.
 - ``mixed``: 64 varied chats at once: completion tokens per second of the whole batch.
+
+Each workload's mean acceptance length (tokens a verify step gives: 1 + kept drafts per
+drafted step, vLLM's measure) comes from the gateway's draft counters before and after it.
+``--spec '{"method": "eagle3", "model": "trained", ...}'`` drafts with the SmolLM2 EAGLE-3
+head ``benchmarks/eagle_train.py`` trains (made on first use, cached; its ``--prompts`` and
+``--epochs`` as ``--head-prompts`` and ``--head-epochs``).
 
 Results: $OUT/speculative_cpu.json.
 """
@@ -69,20 +76,50 @@ async def chat(client, model: str, text: str, max_tokens: int) -> dict:
             "latency_s": time.perf_counter() - started}
 
 
+DRAFT_COUNTERS = ("draft_tokens", "accepted_tokens", "drafts")
+
+
+def draft_counts(base_url: str) -> dict:
+    time.sleep(1.2)  # the schedulers' stats (every 0.5 s) reach the gateway's /metrics
+    return {name: metric(base_url, f"flotilla_spec_decode_{name}_total")
+            for name in DRAFT_COUNTERS}
+
+
+def acceptance(before: dict, after: dict) -> dict:
+    """A workload's drafts: kept of proposed, and the mean acceptance length (tokens per
+    verify step: 1 + kept drafts per drafted step; None: nothing drafted)."""
+    delta = {name: after[name] - before[name] for name in DRAFT_COUNTERS}
+    steps = delta["drafts"]
+    delta["mean_acceptance_length"] = 1 + delta["accepted_tokens"] / steps if steps else None
+    return delta
+
+
+def decode_tok_s(chats: list[dict]) -> float:
+    return sum(c["tokens"] - 1 for c in chats) / sum(c["latency_s"] - c["ttft_s"] for c in chats)
+
+
 async def workloads(base_url: str, model: str, args) -> dict:
     import httpx
 
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as client:
         await chat(client, model, "Hi.", 4)  # warm-up
+        counts = [draft_counts(base_url)]
         copies = [await chat(client, model, text, args.copy_tokens) for text in COPY_CHATS]
+        counts.append(draft_counts(base_url))
+        chats = [await chat(client, model, text, args.mixed_tokens)
+                 for text in MIXED_CHATS[::len(MIXED_CHATS) // args.chats][:args.chats]]
+        counts.append(draft_counts(base_url))
         started = time.perf_counter()
         mixed = await asyncio.gather(*(chat(client, model, text, args.mixed_tokens)
                                        for text in MIXED_CHATS))
         mixed_s = time.perf_counter() - started
-    decode_s = sum(c["latency_s"] - c["ttft_s"] for c in copies)
-    return {"copy_decode_tok_s": sum(c["tokens"] - 1 for c in copies) / decode_s,
-            "copy": copies, "mixed_tok_s": sum(m["tokens"] for m in mixed) / mixed_s,
-            "mixed_texts": [m["text"] for m in mixed]}
+        counts.append(draft_counts(base_url))
+    return {"copy_decode_tok_s": decode_tok_s(copies), "copy": copies,
+            "chat_decode_tok_s": decode_tok_s(chats), "chat": chats,
+            "mixed_tok_s": sum(m["tokens"] for m in mixed) / mixed_s,
+            "mixed_texts": [m["text"] for m in mixed],
+            "drafts": {name: acceptance(a, b) for name, a, b in zip(
+                ("copy", "chat", "mixed"), counts, counts[1:])}}
 
 
 def run_stack(spec: str, args) -> dict:
@@ -95,11 +132,7 @@ def run_stack(spec: str, args) -> dict:
                                service_args={"scheduler": scheduler}))
     stack.start(timeout_s=300)
     try:
-        result = asyncio.run(workloads(stack.base_url, resolve_model(args.model).name, args))
-        time.sleep(1.2)  # the schedulers' stats (every 0.5 s) reach the gateway's /metrics
-        result["drafts"] = {name: metric(stack.base_url, f"flotilla_spec_decode_{name}_total")
-                            for name in ("draft_tokens", "accepted_tokens")}
-        return result
+        return asyncio.run(workloads(stack.base_url, resolve_model(args.model).name, args))
     finally:
         stack.stop()
 
@@ -114,11 +147,30 @@ def metric(base_url: str, name: str) -> float:
 
 def pair(off: dict, on: dict) -> dict:
     """One off/on pair: the ratios, and whether every text is the same."""
-    same = [a["text"] for a in off["copy"]] == [b["text"] for b in on["copy"]] \
-        and off["mixed_texts"] == on["mixed_texts"]
+    same = all([a["text"] for a in off[set_]] == [b["text"] for b in on[set_]]
+               for set_ in ("copy", "chat")) and off["mixed_texts"] == on["mixed_texts"]
     return {"copy_speedup": on["copy_decode_tok_s"] / off["copy_decode_tok_s"],
+            "chat_speedup": on["chat_decode_tok_s"] / off["chat_decode_tok_s"],
             "mixed_ratio": on["mixed_tok_s"] / off["mixed_tok_s"], "texts_identical": same,
             "off": off, "on": on}
+
+
+def _lengths(drafts: dict) -> str:
+    return ", ".join(f"{name} {d['mean_acceptance_length'] or 1.0:.2f}"
+                     for name, d in drafts.items())
+
+
+def trained_head_spec(args) -> str:
+    """``"model": "trained"`` with method eagle3: the head eagle_train.py makes (cached)."""
+    spec = json.loads(args.spec)
+    if spec.get("method") != "eagle3" or spec.get("model") != "trained":
+        return args.spec
+    from benchmarks.eagle_train import TrainOptions, ensure_head
+
+    changes = {name: value for name, value in (("prompts", args.head_prompts),
+                                               ("epochs", args.head_epochs)) if value}
+    spec["model"] = str(ensure_head(TrainOptions(**changes)))
+    return json.dumps(spec)
 
 
 def main() -> None:
@@ -127,21 +179,31 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--copy-tokens", type=int, default=160)
     parser.add_argument("--mixed-tokens", type=int, default=48)
+    parser.add_argument("--chats", type=int, default=16, help="chats of the batch-1 chat set")
     parser.add_argument("--pairs", type=int, default=3, help="off/on pairs, alternating")
+    parser.add_argument("--head-prompts", type=int, default=None)
+    parser.add_argument("--head-epochs", type=int, default=None)
     args = parser.parse_args()
+    args.spec = trained_head_spec(args)
     pairs = [pair(run_stack("", args), run_stack(args.spec, args)) for _ in range(args.pairs)]
     result = {"spec": args.spec, "pairs": pairs,
               "copy_speedup": statistics.median(p["copy_speedup"] for p in pairs),
+              "chat_speedup": statistics.median(p["chat_speedup"] for p in pairs),
+              "mean_acceptance_length": {set_: statistics.median(
+                  p["on"]["drafts"][set_]["mean_acceptance_length"] or 1.0 for p in pairs)
+                  for set_ in ("copy", "chat", "mixed")},
               "mixed_ratio": statistics.median(p["mixed_ratio"] for p in pairs),
               "texts_identical": all(p["texts_identical"] for p in pairs)}
     for p in pairs:
         print(f"copy-heavy, batch 1: {p['off']['copy_decode_tok_s']:.1f} -> "
               f"{p['on']['copy_decode_tok_s']:.1f} decode tok/s ({p['copy_speedup']:.2f}x); "
               f"64 mixed at once: {p['off']['mixed_tok_s']:.1f} -> {p['on']['mixed_tok_s']:.1f} "
-              f"tok/s ({p['mixed_ratio']:.2f}x); drafts kept {p['on']['drafts']['accepted_tokens']:.0f}"
-              f" of {p['on']['drafts']['draft_tokens']:.0f}; texts identical {p['texts_identical']}")
-    print(f"medians: copy {result['copy_speedup']:.2f}x, mixed {result['mixed_ratio']:.2f}x; "
-          f"every text identical: {result['texts_identical']}")
+              f"tok/s ({p['mixed_ratio']:.2f}x); chat, batch 1: {p['off']['chat_decode_tok_s']:.1f}"
+              f" -> {p['on']['chat_decode_tok_s']:.1f} ({p['chat_speedup']:.2f}x); acceptance "
+              f"length {_lengths(p['on']['drafts'])}; texts identical {p['texts_identical']}")
+    print(f"medians: copy {result['copy_speedup']:.2f}x, chat {result['chat_speedup']:.2f}x, "
+          f"mixed {result['mixed_ratio']:.2f}x; mean acceptance length "
+          f"{result['mean_acceptance_length']}; every text identical: {result['texts_identical']}")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "speculative_cpu.json").write_text(json.dumps(result, indent=1))
 

@@ -158,7 +158,7 @@ class EagleHead(nn.Module):
         config = self.config = spec.config
         self.spec, hidden = spec, config.hidden_size
         self.target = [target]  # (not a submodule: its weights are the target's)
-        self.embed_tokens = nn.Embedding(target.config.vocab_size, hidden) \
+        self.own_embed = nn.Embedding(target.config.vocab_size, hidden) \
             if spec.own_embeddings else None
         if spec.method == "eagle3":
             self.fc = None  # fused in the target's forward (hidden_capture.py)
@@ -188,9 +188,9 @@ class EagleHead(nn.Module):
                              persistent=False)
 
     @property
-    def embedding_weight(self) -> torch.Tensor:
-        source = self.embed_tokens or self.target[0].embed_tokens
-        return source.weight
+    def embed_tokens(self) -> nn.Module:
+        """The head's own embeddings, or the served model's."""
+        return self.own_embed if self.own_embed is not None else self.target[0].embed_tokens
 
     def bind_kv_cache(self, kv_cache: torch.Tensor | None) -> None:
         """kv_cache: [1, 2, num_blocks, block_size, num_kv_heads, head_dim] (None: unbind).
@@ -208,7 +208,7 @@ class EagleHead(nn.Module):
         output feature into ``hidden_out``."""
         num_tokens = input_ids.shape[0]
         features = self.feature_buffer[:num_tokens]
-        embeds = nn.functional.embedding(input_ids, self.embedding_weight)
+        embeds = self.embed_tokens(input_ids)  # (the served model's: its TP shards too)
         if self.fc is not None:  # EAGLE-1: fc over (embedding, feature); no input norm
             residual = self.fc(torch.cat([embeds, features], dim=-1))
             h = residual
@@ -243,7 +243,7 @@ def load_eagle_head(path: Path, spec: EagleSpec, target: Transformer, max_rows: 
     state = {}
     for name, tensor in tensors.items():
         name = name.replace("midlayer.", "").replace("layers.0.", "")
-        state[name] = tensor
+        state[name.replace("embed_tokens.", "own_embed.")] = tensor
     fc = state.pop("fc.weight") if spec.method == "eagle3" else None
     for prefix in ("self_attn.", "mlp."):
         fused = (("qkv_proj", ("q_proj", "k_proj", "v_proj")) if prefix == "self_attn."
