@@ -77,15 +77,7 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
                          f"({bytes_per_block} bytes each)")
     kv_cache = _allocate_cache(model, num_blocks, config.block_size, kv_dtype, device)
     model.bind_kv_cache(kv_cache)
-    proposer = NoDraftModel() if draft is None else DraftModel(
-        draft, config.draft_model, _allocate_cache(draft, num_blocks, config.block_size, dtype,
-                                                   device),
-        config.block_size, config.max_num_batched_tokens, staging)
-    if eagle is not None:  # (the capture goes into the model before its graphs)
-        proposer = build_eagle_proposer(
-            config.eagle_head, *eagle, model,
-            _allocate_cache(eagle[0], num_blocks, config.block_size, dtype, device),
-            config.block_size, config.max_num_batched_tokens, staging)
+    proposer = _proposer(config, model, draft, eagle, num_blocks, device, dtype, staging)
     eos_token_ids = read_eos_token_ids(model_files.path)
     runner = ModelRunner(
         ranks=ranks, model_files=model_files, model=model, device=device, dtype=dtype,
@@ -138,6 +130,23 @@ def _allocate_cache(model: Transformer, num_blocks: int, block_size: int, dtype:
     config = model.config
     return allocate_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads,
                              config.head_dim, dtype, device)
+
+
+def _proposer(config: WorkerConfig, model: Transformer, draft: Transformer | None, eagle,
+              num_blocks: int, device: torch.device, dtype: torch.dtype,
+              staging: HostStaging | None) -> NoDraftModel | DraftModel:
+    """What fills draft slots: the draft model, an EAGLE head (its feature capture goes into
+    the model here, before its graphs are captured) or nothing."""
+    if draft is not None:
+        return DraftModel(draft, config.draft_model, _allocate_cache(
+            draft, num_blocks, config.block_size, dtype, device), config.block_size,
+            config.max_num_batched_tokens, staging)
+    if eagle is not None:
+        return build_eagle_proposer(
+            config.eagle_head, *eagle, model,
+            _allocate_cache(eagle[0], num_blocks, config.block_size, dtype, device),
+            config.block_size, config.max_num_batched_tokens, staging)
+    return NoDraftModel()
 
 
 def _eagle_bytes_per_block(head_config, model: Transformer, block_size: int,

@@ -69,7 +69,8 @@ def test_the_config_takes_vllms_names_and_refuses_what_it_cannot_do():
     assert config == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_max=3,
                                        prompt_lookup_min=1)
     assert parse_speculative_config("") is None
-    for bad, says in (('{"method": "eagle"}', "not supported"),
+    for bad, says in (('{"method": "medusa"}', "not supported"),
+                      ('{"method": "eagle"}', "model goes with methods"),
                       ('{"num_speculative_tokens": 0}', "between 1 and 16"),
                       ('{"prompt_lookup_min": 3, "prompt_lookup_max": 2}', "prompt_lookup_min"),
                       ('{"num_speculative_tokens": 4, "bogus": 1}', "bogus"),
@@ -82,7 +83,7 @@ def test_the_config_takes_vllms_names_and_refuses_what_it_cannot_do():
         with pytest.raises(ValueError, match=says):
             parse_speculative_config(bad)
     with pytest.raises(ValueError, match="not supported"):
-        SchedulerConfig(speculative_config=parse_speculative_config('{"method": "eagle"}'))
+        SchedulerConfig(speculative_config=parse_speculative_config('{"method": "medusa"}'))
 
 
 def test_requests_whose_adjustments_depend_only_on_the_position_are_drafted_for():
@@ -161,7 +162,7 @@ DRAFT_MODEL = ('{"method": "draft_model", "model": "dummy:llama-3.2-1b", "num_sp
 def test_a_draft_model_gets_slots_and_the_result_says_what_it_proposed():
     """method draft_model: the plan carries draft slots, not drafts, for every request that
     can take drafts (no repeat needed); the result's drafts are what the output keeps."""
-    with pytest.raises(ValueError, match="model goes with method draft_model"):
+    with pytest.raises(ValueError, match="model goes with methods draft_model"):
         SpeculativeConfig(method="draft_model")
     worker = WorkerConfig(speculative_config=parse_speculative_config(DRAFT_MODEL))
     assert (worker.draft_model, worker.num_speculative_tokens) == ("dummy:llama-3.2-1b", 3)
