@@ -125,11 +125,14 @@ async def workloads(base_url: str, model: str, args) -> dict:
 def run_stack(spec: str, args) -> dict:
     from cli.stack import Stack, StackOptions, free_port
     from shared.models import resolve_model
+    from shared.sections.speculative import WORKER_METHODS
 
     scheduler = ["--speculative-config", spec] if spec else []
+    # the worker too where it drafts (a draft model, an EAGLE head), as flotilla serve does
+    worker = scheduler if spec and json.loads(spec).get("method") in WORKER_METHODS else []
     stack = Stack(StackOptions(model=args.model, port=free_port(), kvstore=False,
                                log_dir=Path(tempfile.mkdtemp(prefix="flotilla-spec-")),
-                               service_args={"scheduler": scheduler}))
+                               service_args={"scheduler": scheduler, "worker": worker}))
     stack.start(timeout_s=300)
     try:
         return asyncio.run(workloads(stack.base_url, resolve_model(args.model).name, args))

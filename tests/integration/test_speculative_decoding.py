@@ -78,3 +78,36 @@ def test_a_draft_model_through_the_stack_gives_the_reference_text(
             0.9 * metric(url, "flotilla_spec_decode_draft_tokens_total")
     finally:
         stack.stop()
+
+
+def test_an_eagle3_head_through_the_stack_gives_the_reference_text(
+        tmp_path, model_name, hf_model, hf_tokenizer):
+    """``method: "eagle3"``: the worker (overlapping steps) loads the head (random weights of
+    SmolLM2's shapes, a 4,096-token draft vocabulary), captures the served model's hidden
+    states, fills each verify step's draft slots from them; the text is Hugging Face's."""
+    from shared.models import _write_dummy_head
+
+    head = tmp_path / "head"
+    head.mkdir()
+    _write_dummy_head({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 576,
+                       "intermediate_size": 1536, "num_attention_heads": 9,
+                       "num_key_value_heads": 3, "head_dim": 64, "num_hidden_layers": 1,
+                       "vocab_size": 49152, "draft_vocab_size": 4096, "rms_norm_eps": 1e-5,
+                       "rope_theta": 100000.0, "max_position_embeddings": 8192}, head)
+    spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 4})
+    stack = start_stack(tmp_path / "logs", kvstore=False, service_args={
+        "scheduler": ["--speculative-config", spec],
+        "worker": ["--kv-cache-memory", "256MiB", "--speculative-config", spec,
+                   "--overlap-steps", "on"]})
+    try:
+        client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": CHATS[1]}]
+        response = client.chat.completions.create(model=model_name, messages=messages,
+                                                  temperature=0, max_tokens=32)
+        _, ref_ids = hf_greedy(hf_model, hf_tokenizer, messages, 32)
+        assert response.choices[0].message.content == hf_tokenizer.decode(
+            ref_ids, skip_special_tokens=True)
+        url = stack.base_url + "/metrics"
+        assert wait_for(lambda: metric(url, "flotilla_spec_decode_draft_tokens_total") > 0)
+    finally:
+        stack.stop()

@@ -149,3 +149,35 @@ def test_the_captured_features_are_the_hidden_states_transformers_gives(smollm2_
         got = capture.gather(metadata.slot_mapping)
         assert metadata.slot_mapping.tolist()[:2] == [32, 33]
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("eagle3", [True, False])
+def test_steps_in_pieces_capture_what_the_whole_forward_captures(dummy_model, eagle3):
+    """The piecewise graphs' pieces (run uncaptured on the CPU) write the features the
+    eager forward writes, padding rows into the spare row only."""
+    from services.worker.cuda_graphs import PiecewiseGraphs
+    from services.worker.runner_build import _allocate_cache
+
+    model = load_model(dummy_model.path, torch.device("cpu"), torch.float32)
+    chunks = [SequenceChunk(token_ids=[5, 9, 300, 41, 8, 8, 17], start=0, block_table=[1],
+                            sample=True),
+              SequenceChunk(token_ids=[77, 78], start=0, block_table=[3], sample=True)]
+    captured = {}
+    for mode in ("eager", "pieces"):
+        model.bind_kv_cache(_allocate_cache(model, 4, 16, torch.float32, torch.device("cpu")))
+        fc = torch.randn(64, 3 * 64, generator=torch.Generator().manual_seed(1))
+        capture = FeatureCapture(64, 64, torch.float32, torch.device("cpu"),
+                                 *(((0, 1, 1), fc) if eagle3 else ()))
+        model.hidden_capture = capture
+        input_ids, positions, metadata = build_step_inputs(chunks, 16, torch.device("cpu"))
+        with torch.no_grad():
+            if mode == "eager":
+                model(input_ids, positions, metadata)
+            else:  # (a 16-token bucket: 7 padding rows)
+                PiecewiseGraphs(model, 16, torch.device("cpu"), use_graphs=False).run(
+                    input_ids, positions, metadata)
+        captured[mode] = capture.cache.clone()
+    torch.testing.assert_close(captured["pieces"][:64], captured["eager"][:64],
+                               atol=1e-5, rtol=1e-5)
+    written = captured["eager"][:64].abs().sum(-1) > 0
+    assert written.nonzero().flatten().tolist() == [16, 17, 18, 19, 20, 21, 22, 48, 49]
