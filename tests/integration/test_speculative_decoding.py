@@ -80,6 +80,7 @@ def test_a_draft_model_through_the_stack_gives_the_reference_text(
         stack.stop()
 
 
+@pytest.mark.slow  # (a stack of its own: ~40 s on two cores)
 def test_an_eagle3_head_through_the_stack_gives_the_reference_text(
         tmp_path, model_name, hf_model, hf_tokenizer):
     """``method: "eagle3"``: the worker (overlapping steps) loads the head (random weights of
