@@ -124,3 +124,23 @@ def test_a_second_outage_while_idle_changes_nothing(nats_and_stack, model_name):
     else:
         pytest.fail(f"no success within {SERVE_AGAIN_S}s of NATS back")
     stack.check_alive()  # raises if a service exited
+
+
+def test_without_jetstream_the_stack_serves_and_store_is_a_400(nats_and_stack, model_name):
+    """This nats-server runs without JetStream (an external NATS as many are): the gateway
+    serves as before, store and background are a 400 naming them, no id is found."""
+    _, stack = nats_and_stack
+    request = {"model": model_name, "input": "Hi", "max_output_tokens": 4}
+    assert httpx.post(stack.base_url + "/v1/responses", json=request,
+                      timeout=60).json()["status"] in ("completed", "incomplete")
+    for field in ("store", "background"):
+        refused = httpx.post(stack.base_url + "/v1/responses", json={**request, field: True},
+                             timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+        assert "response store" in refused.json()["error"]["message"]
+    chat = {"model": model_name, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 4, "store": True}
+    refused = httpx.post(stack.base_url + "/v1/chat/completions", json=chat, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "store"
+    missing = httpx.get(stack.base_url + "/v1/responses/resp_" + "0" * 32, timeout=30)
+    assert missing.status_code == 404
