@@ -24,8 +24,9 @@ import structlog
 from nats.js.api import DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
 
 from shared.bus import Bus
-from shared.errors import ServiceUnavailable
-from shared.messages import ErrorInfo, GenerateRequest, OutputBatch, encode
+from shared.errors import FlotillaError, ServiceUnavailable
+from shared.messages import (AbortRequest, Empty, ErrorInfo, GenerateRequest, OutputBatch,
+                             encode)
 from shared.response_messages import CANCELLED_CODE, ResponseMark, ResponseRecord
 from shared.subjects import Subjects
 
@@ -171,6 +172,19 @@ class ResponseStore:
         await self.mark(gateway_id, stored_id, ResponseMark(
             event="migrated", request_id=request.request_id,
             num_output_tokens=len(request.output_token_ids)))
+
+    async def abort_everywhere(self, scheduler_ids: list[str], request_ids: list[str]) -> None:
+        """Abort these at every one of these schedulers (a cancel, from any gateway: the one
+        that submitted it may be gone, so which replica runs it is not known here)."""
+        async def abort(scheduler_id: str) -> None:
+            try:
+                await self.bus.request(self.subjects.scheduler_abort(scheduler_id),
+                                       AbortRequest(request_ids=request_ids), Empty,
+                                       timeout=SETUP_TIMEOUT_S)
+            except FlotillaError as exc:
+                log.warning("abort_failed", request_ids=request_ids, error=exc.message)
+
+        await asyncio.gather(*(abort(scheduler_id) for scheduler_id in scheduler_ids))
 
     async def exists(self, request_id: str) -> bool:
         """Whether the stream holds messages of this response (it is gone after the

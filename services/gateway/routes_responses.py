@@ -243,7 +243,8 @@ async def cancel_response(response_id: str, request: Request) -> Response:
     await service.store.record(gateway_id, request_id,
                                ResponseMark(event="cancelled", request_id=request_id))
     max_attempts = service.config.migration_limit
-    await service.abort_everywhere(
+    await service.store.abort_everywhere(
+        [stats.scheduler_id for stats in service.live_schedulers()],
         [request_id] + [f"{request_id}-m{attempt}" for attempt in range(1, max_attempts + 1)])
     replay.status = "cancelled"
     log.info("response_cancelled", request_id=request_id, gateway_id=gateway_id)

@@ -382,11 +382,6 @@ class GatewayService:
         if self._streams.get(request.request_id) is not stream:  # the client left meanwhile
             self._spawn(self._abort(reply.scheduler_id, [request.request_id]))
 
-    async def abort_everywhere(self, request_ids: list[str]) -> None:
-        """Abort these at every live scheduler (a stored response's cancel, from any gateway)."""
-        await asyncio.gather(*(self._abort(stats.scheduler_id, request_ids)
-                               for stats in self.live_schedulers()))
-
     def _cancelled(self, stored_id: str) -> None:
         """A cancel (from any gateway) of one of our stored requests stops it."""
         for stream in [s for s in self._streams.values() if s.stored_id == stored_id]:
