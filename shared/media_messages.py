@@ -33,3 +33,7 @@ class ImageInput(Struct, frozen=True, array_like=True, gc=False):
     # pixels (b"": every patch does)
     patch_mask: bytes = b""
     pixel_table: bytes = b""  # pixel_dtype "uint8": float32 [channels, 256]
+    # Qwen2.5-VL: the image's grid of patches (t, h, w); pixels are then [t * h * w, channels,
+    # temporal_patch * patch * patch], its placeholders t * h * w / merge^2 image tokens in a
+    # row (empty: a tiled model's image, Idefics3's)
+    grid_thw: list[int] = []

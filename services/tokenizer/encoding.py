@@ -15,6 +15,7 @@ import msgspec
 from transformers import AutoTokenizer
 
 from services.tokenizer.images import ImagePrompts, decode_image, is_vision_language
+from services.tokenizer.qwen_images import QWEN2_5_VL, QwenImagePrompts
 from shared.errors import InvalidRequest, check_token_ids
 from shared.messages import ChatMessage, DecodeRequest, EncodeRequest, ImageInput, TokenizerInfo
 from shared.models import read_eos_token_ids, read_generation_defaults
@@ -39,7 +40,7 @@ class TextCodec:
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.tokenizer.eos_token_id)
         self.generation_defaults = read_generation_defaults(self.model_dir)
         # a vision-language model's processor (images.py); None: the model reads text only
-        self.images = (ImagePrompts(self.model_dir, self.tokenizer)
+        self.images = (image_prompts(self.model_dir, self.tokenizer, model_config)
                        if is_vision_language(model_config) else None)
         self.max_image_pixels = max_image_pixels
 
@@ -151,6 +152,14 @@ class TextCodec:
         if not token_ids:
             return []  # the caller says what an empty list means
         return check_token_ids(token_ids, self.vocab_size, param)
+
+
+def image_prompts(model_dir: Path, tokenizer, model_config: dict[str, Any]
+                  ) -> ImagePrompts | QwenImagePrompts:
+    """The vision-language model's processor: Qwen2.5-VL's or Idefics3's."""
+    if (model_config.get("architectures") or [None])[0] == QWEN2_5_VL:
+        return QwenImagePrompts(model_dir, tokenizer)
+    return ImagePrompts(model_dir, tokenizer)
 
 
 def _with_parts(entry: dict[str, Any], message: ChatMessage) -> dict[str, Any]:

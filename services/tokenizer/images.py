@@ -26,8 +26,10 @@ IMAGE_TOKEN = "<image>"
 
 
 def is_vision_language(model_config: dict) -> bool:
-    """Whether config.json is a model this tier preprocesses images for (Idefics3)."""
-    return (model_config.get("architectures") or [None])[0] == "Idefics3ForConditionalGeneration"
+    """Whether config.json is a model this tier preprocesses images for (Idefics3,
+    Qwen2.5-VL: qwen_images.py)."""
+    return (model_config.get("architectures") or [None])[0] in (
+        "Idefics3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
 
 
 def decode_image(data: bytes, max_pixels: int, index: int = 0) -> Image.Image:

@@ -49,6 +49,13 @@ class NoImages:
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
 
+    def step_positions(self, chunks: Sequence[SequenceChunk], request_ids: Sequence[str],
+                       positions: torch.Tensor, cos_sin_cache: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the step's positions, a cos/sin table of its own or None): a model with
+        positions of its own for image prompts (M-RoPE: qwen_images.py) changes them."""
+        return positions, None
+
     def attach(self, results: list[StepResult]) -> list[StepResult]:
         return results
 
@@ -110,6 +117,8 @@ class ImageEncoder:
 
     def forget(self, request_id: str) -> None:
         self._images.pop(request_id, None)
+
+    step_positions = NoImages.step_positions  # (Idefics3: 1D positions as for text)
 
     def step_rows(self, chunks: Sequence[SequenceChunk], request_ids: Sequence[str],
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:

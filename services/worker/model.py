@@ -210,12 +210,15 @@ class Transformer(nn.Module):
                 metadata: AttentionMetadata,
                 layer_waits: Sequence[Sequence[torch.cuda.Event]] | None = None,
                 logits_out: torch.Tensor | None = None,
-                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+                cos_sin_cache: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens] -> logits [num_sampled, vocab_size] (fp32).
         ``layer_waits``: per layer, events its attention waits for (KV blocks loading in
         layer groups, kv_tiers.py). ``logits_out``: written and returned (a CUDA graph's
         static buffer). ``image_rows``: (rows [n] int64, embeddings [n, hidden_size]) that
-        replace those tokens' embeddings (an image's placeholders: image_inputs.py)."""
+        replace those tokens' embeddings (an image's placeholders: image_inputs.py).
+        ``cos_sin_cache``: the rows ``positions`` index instead of the model's own (a step's
+        M-RoPE table: qwen_images.py)."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         if image_rows is not None:
             x = x.index_copy(0, image_rows[0], image_rows[1].to(x.dtype))
@@ -229,11 +232,12 @@ class Transformer(nn.Module):
         capture = self.hidden_capture
         if capture.captures_final:  # every row's final norm, for the capture
             next_norms[-1] = self.norm
+        cos_sin = self.cos_sin_cache if cos_sin_cache is None else cos_sin_cache
         for index, (layer, next_norm) in enumerate(zip(self.layers, next_norms, strict=True)):
             if index in capture.layer_ids:  # the stream entering this layer
                 capture.take(index, residual if normed else x if residual is None
                              else x + residual, metadata.slot_mapping)
-            x, residual = layer(x, residual, positions, self.cos_sin_cache, metadata, normed,
+            x, residual = layer(x, residual, positions, cos_sin, metadata, normed,
                                 next_norm, layer_waits[index] if layer_waits is not None else (),
                                 valid_rows)
             normed = next_norm is not None

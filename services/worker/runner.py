@@ -297,12 +297,15 @@ class ModelRunner:
             metadata.pending_source_rows, self._in_flight.token_ids)  # tokens in flight
         pending = self.proposer.fill(input_ids, proposal, pending)
         image_rows = self.images.step_rows(chunks, request_ids, self._dtype)
-        if pending and (image_rows is not None or self._no_whole_graph(chunks, layout)):
+        positions, cos_sin = self.images.step_positions(chunks, request_ids, positions,
+                                                        self.model.cos_sin_cache)
+        eager = image_rows is not None or cos_sin is not None
+        if pending and (eager or self._no_whole_graph(chunks, layout)):
             fill_pending_inputs(input_ids, *pending)  # (else the graph's own launch does)
             pending = None
-        if image_rows is not None:
+        if eager:
             return self.model(input_ids, positions, metadata, layer_waits,
-                              image_rows=image_rows)
+                              image_rows=image_rows, cos_sin_cache=cos_sin)
         return self._forward(input_ids, positions, metadata, layer_waits, pending)
 
     def _sample(self, plan: StepPlan, chunks: list[SequenceChunk], layout: LogitsLayout | None,

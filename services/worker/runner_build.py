@@ -21,7 +21,7 @@ from services.worker.config import WorkerConfig
 from services.worker.cuda_graphs import capture_step_graphs, mixed_graph_tokens
 from services.worker.draft_model import DraftModel, NoDraftModel, load_draft_model
 from services.worker.eagle_proposer import build_eagle_proposer, load_eagle
-from services.worker.image_inputs import load_image_encoder
+from services.worker.qwen_images import load_any_image_encoder
 from services.worker.kv_connector import usable_load_groups
 from services.worker.kv_quant import resolve_kv_cache_dtype, set_fp8_kv_scales
 from services.worker.lora_slots import LoraSlots, NoLora
@@ -89,8 +89,8 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
         overlap_steps=config.overlap_steps == "on" or (
             config.overlap_steps == "auto" and device.type == "cuda"),
         kv_load_groups=usable_load_groups(config, model.config.num_layers, device), lora=lora,
-        images=load_image_encoder(model_files, device, dtype, config.encoder_cache_size,
-                                  ranks.tp.size))
+        images=load_any_image_encoder(model_files, device, dtype, config.encoder_cache_size,
+                                      ranks.tp.size))
     if device.type == "cuda" and ranks.tp.size == 1:
         warm_up_steps(runner)  # (a group's ranks take steps only once all are up)
         runner.zero_step_counts()  # the counts are serving's

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 IDEFICS3 = "Idefics3ForConditionalGeneration"
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"  # (its tower: qwen_vision.py)
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,10 @@ class VisionSpec:
 
 def text_config_of(config: dict) -> dict:
     """The language model's config.json within a vision-language one (itself otherwise)."""
-    if (config.get("architectures") or [None])[0] != IDEFICS3:
+    architecture = (config.get("architectures") or [None])[0]
+    if architecture == QWEN2_5_VL:
+        return qwen_text_config(config)
+    if architecture != IDEFICS3:
         return config
     text = dict(config["text_config"])
     # the family comes from its model_type (Idefics3's default: llama); SmolVLM's text_config
@@ -80,16 +84,45 @@ def text_config_of(config: dict) -> dict:
     return text
 
 
+def qwen_text_config(config: dict) -> dict:
+    """Qwen2.5-VL's language model, a Qwen2: transformers 5's ``text_config`` or the Hub's
+    top-level fields; its M-RoPE (``mrope_section``; the Hub's ``rope_scaling`` type
+    "mrope") rotates by the default frequencies, positions chosen per section
+    (qwen_mrope.py)."""
+    text = dict(config.get("text_config") or {key: value for key, value in config.items()
+                                              if key != "vision_config"})
+    rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
+    if rope.pop("type", None) == "mrope" or rope.get("rope_type") == "mrope":
+        rope["rope_type"] = "default"
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", text.get("rope_theta", 1000000.0))
+    text.update(architectures=[], model_type="qwen2", rope_parameters=rope)
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    return text
+
+
+# the language model's tensors in vision-language checkpoints -> the decoder's HF names
+_TEXT_PREFIXES = {"model.text_model.": "model.", "model.language_model.": "model."}
+_VISION_PREFIXES = ("model.vision_model.", "model.connector.", "model.visual.", "visual.")
+
+
 def split_checkpoint(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A vision-language checkpoint's tensors -> the language model's under the decoder's
-    HF names (``model.text_model.x`` -> ``model.x``; ``lm_head`` kept); the tower's and the
-    connector's are left out (``VisionTower`` loads them). A text checkpoint: unchanged."""
-    if not any(name.startswith("model.text_model.") for name in hf):
+    HF names (Idefics3's ``model.text_model.x`` and transformers 5's Qwen2.5-VL
+    ``model.language_model.x`` -> ``model.x``; the Hub's Qwen2.5-VL ``model.x`` and
+    ``lm_head`` kept); the towers' and the connector's are left out (the image encoder loads
+    them). A text checkpoint: unchanged."""
+    if not any(name.startswith((*_TEXT_PREFIXES, *_VISION_PREFIXES)) for name in hf):
         return hf
-    return {"model." + name.removeprefix("model.text_model.")
-            if name.startswith("model.text_model.") else name: tensor
-            for name, tensor in hf.items()
-            if not name.startswith(("model.vision_model.", "model.connector."))}
+    out = {}
+    for name, tensor in hf.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for prefix, replacement in _TEXT_PREFIXES.items():
+            if name.startswith(prefix):
+                name = replacement + name.removeprefix(prefix)
+        out[name] = tensor
+    return out
 
 
 class VisionEmbeddings(nn.Module):

@@ -1,0 +1,227 @@
+"""Qwen2.5-VL's image side: the windowed-attention vision transformer and its patch merger.
+
+A preprocessed image (the tokenizer tier's work, transformers' Qwen2VLImageProcessor) is
+``pixels [num_patches, channels * temporal_patch_size * patch_size ** 2]`` and its grid
+``(t, h, w)`` of patches (``num_patches = t * h * w``), the patches ordered in blocks of
+``merge_size x merge_size``. The tower: a Conv3d patch embedding (kernel = stride, so one
+matmul per patch), 2D rotary positions (each head's first half of frequencies rotated by the
+patch's row, the second by its column), pre-norm blocks (RMSNorm, bidirectional attention,
+RMSNorm, SwiGLU MLP with biases) attending within windows of ``window_size`` pixels, except
+the blocks ``fullatt_block_indexes`` that attend over the whole image; the merger (RMSNorm,
+each merge block's patches joined into one vector, a GELU MLP to the language model's width):
+``t * h * w / merge_size ** 2`` embeddings, one per ``<|image_pad|>`` token. Module names
+mirror the Hub checkpoint's (``visual.*``; transformers 5 saves ``model.visual.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+
+
+@dataclass(frozen=True)
+class QwenVisionSpec:
+    """The tower of a Qwen2.5-VL checkpoint, from its config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    depth: int
+    num_heads: int
+    out_hidden_size: int
+    num_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    window_size: int  # pixels
+    fullatt_block_indexes: tuple[int, ...]
+    rope_theta: float
+    image_token_id: int
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one flattened patch."""
+        return self.num_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @classmethod
+    def from_dict(cls, config: dict) -> QwenVisionSpec | None:
+        """None for another architecture's config.json."""
+        if (config.get("architectures") or [None])[0] != QWEN2_5_VL:
+            return None
+        vision = config["vision_config"]
+        if vision.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported vision hidden_act {vision['hidden_act']!r}")
+        rope = vision.get("rope_parameters") or {}
+        return cls(hidden_size=vision["hidden_size"],
+                   intermediate_size=vision["intermediate_size"], depth=vision["depth"],
+                   num_heads=vision["num_heads"], out_hidden_size=vision["out_hidden_size"],
+                   num_channels=vision.get("in_channels", vision.get("in_chans", 3)),
+                   patch_size=vision.get("patch_size", 14),
+                   temporal_patch_size=vision.get("temporal_patch_size", 2),
+                   merge_size=vision.get("spatial_merge_size", 2),
+                   window_size=vision.get("window_size", 112),
+                   fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", ())),
+                   rope_theta=rope.get("rope_theta", 10000.0),
+                   image_token_id=config["image_token_id"])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, spec: QwenVisionSpec):
+        super().__init__()
+        kernel = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
+        self.proj = nn.Conv3d(spec.num_channels, spec.hidden_size, kernel, kernel, bias=False)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[patches, patch_dim] -> [patches, hidden]: the convolution's one window a patch."""
+        return F.linear(pixels, self.proj.weight.flatten(1))
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, spec: QwenVisionSpec):
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size)
+        self.proj = nn.Linear(spec.hidden_size, spec.hidden_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                same_segment: torch.Tensor) -> torch.Tensor:
+        """x [patches, hidden]; cos, sin [patches, head_dim]; same_segment [patches, patches]
+        bool: which patches attend to which (a window, or the whole image)."""
+        patches = x.shape[0]
+        q, k, v = self.qkv(x).view(patches, 3, self.num_heads, -1).unbind(1)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                             v.transpose(0, 1), attn_mask=same_segment)
+        return self.proj(out.transpose(0, 1).reshape(patches, -1))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary by halves (in fp32): x [patches, heads, head_dim]."""
+    h = x.float()
+    half = h.shape[-1] // 2
+    rotated = torch.cat((-h[..., half:], h[..., :half]), dim=-1)
+    return (h * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, spec: QwenVisionSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, spec: QwenVisionSpec):
+        super().__init__()
+        self.norm1 = RMSNorm(spec.hidden_size)
+        self.norm2 = RMSNorm(spec.hidden_size)
+        self.attn = VisionAttention(spec)
+        self.mlp = VisionMLP(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                same_segment: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, same_segment)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, spec: QwenVisionSpec):
+        super().__init__()
+        self.merged_size = spec.hidden_size * spec.merge_size ** 2
+        self.ln_q = RMSNorm(spec.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.merged_size, self.merged_size), nn.GELU(),
+                                 nn.Linear(self.merged_size, spec.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[patches, hidden] in merge blocks -> [patches / merge^2, out_hidden]"""
+        return self.mlp(self.ln_q(x).view(-1, self.merged_size))
+
+
+class QwenVisionTower(nn.Module):
+    """Qwen2.5-VL's ``visual``: one image's patches -> its embeddings."""
+
+    def __init__(self, spec: QwenVisionSpec):
+        super().__init__()
+        self.spec = spec
+        self.patch_embed = PatchEmbed(spec)
+        self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
+        self.merger = PatchMerger(spec)
+        self.register_buffer("inv_freq", self.frequencies(spec), persistent=False)
+
+    @staticmethod
+    def frequencies(spec: QwenVisionSpec) -> torch.Tensor:
+        """Each axis' rotary frequencies: a quarter of the head (rows, columns, repeated)."""
+        half = spec.hidden_size // spec.num_heads // 2
+        exponents = torch.arange(0, half, 2, dtype=torch.float, device="cpu") / half
+        return 1.0 / spec.rope_theta ** exponents
+
+    def forward(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        """pixels [t * h * w, patch_dim] -> [t * h * w / merge^2, out_hidden], in the order of
+        the image's ``<|image_pad|>`` tokens."""
+        unit = self.spec.merge_size ** 2
+        order, window_of = window_order(grid_thw, self.spec)  # (in merge blocks)
+        x = self.patch_embed(pixels)
+        x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
+        angles = patch_angles(grid_thw, self.spec.merge_size, self.inv_freq.to(x.device))
+        angles = angles.view(-1, unit, angles.shape[-1])[order].flatten(0, 1)
+        cos, sin = angles.cos(), angles.sin()
+        window = window_of.to(x.device).repeat_interleave(unit)  # [patches]
+        in_window = window[:, None] == window[None, :]
+        whole = torch.ones_like(in_window)
+        for index, block in enumerate(self.blocks):
+            mask = whole if index in self.spec.fullatt_block_indexes else in_window
+            x = block(x, cos, sin, mask)
+        merged = self.merger(x)
+        return merged[torch.argsort(order.to(x.device))]
+
+
+def patch_angles(grid_thw: tuple[int, int, int], merge: int, inv_freq: torch.Tensor
+                 ) -> torch.Tensor:
+    """[t * h * w, head_dim] fp32: each patch's rotary angles (row frequencies, column
+    frequencies, both again), patches in merge-block order as the processor lays them out."""
+    t, h, w = grid_thw
+    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+    rows = rows.permute(0, 2, 1, 3).flatten().repeat(t).to(inv_freq.device)
+    cols = cols.permute(0, 2, 1, 3).flatten().repeat(t).to(inv_freq.device)
+    angles = torch.cat((rows[:, None] * inv_freq, cols[:, None] * inv_freq), dim=-1)
+    return torch.cat((angles, angles), dim=-1)
+
+
+def window_order(grid_thw: tuple[int, int, int], spec: QwenVisionSpec
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order [blocks]: the merge blocks window by window, each window's row-major;
+    window_of [blocks]: each reordered block's window). A window is ``window_size`` pixels
+    square (the last ones in a row or column cut short by the image's edge)."""
+    t, h, w = grid_thw
+    side = spec.window_size // spec.merge_size // spec.patch_size  # merge blocks a window
+    blocks_h, blocks_w = h // spec.merge_size, w // spec.merge_size
+    index = torch.arange(t * blocks_h * blocks_w).view(t, blocks_h, blocks_w)
+    window_row = torch.arange(blocks_h)[:, None] // side
+    window_col = torch.arange(blocks_w)[None, :] // side
+    windows_w = -(-blocks_w // side)
+    windows_per_frame = -(-blocks_h // side) * windows_w
+    window = (torch.arange(t)[:, None, None] * windows_per_frame
+              + window_row * windows_w + window_col)  # [t, blocks_h, blocks_w]
+    # stable: within a window the blocks keep their row-major order
+    order = torch.argsort(window.flatten(), stable=True)
+    return index.flatten()[order], window.flatten()[order]

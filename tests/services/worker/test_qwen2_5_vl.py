@@ -1,0 +1,175 @@
+"""Qwen2.5-VL in the worker, in process: a tiny random Qwen2.5-VL checkpoint saved by
+transformers (qwen2_5_vl_checkpoint.py), preprocessed by the tokenizer tier's code, gives
+transformers' pixel values, grids and placeholder counts, its tower's outputs, and its greedy
+tokens and logprobs (M-RoPE positions) for one image, two images in a message and a chat
+repeating an image, whole prompts a step and in chunks that split the images."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+from cli.engine import Engine
+from services.scheduler.config import SchedulerConfig
+from services.tokenizer.qwen_images import QwenImagePrompts
+from services.worker.config import WorkerConfig
+from services.worker.image_inputs import image_pixels
+from services.worker.qwen_images import load_any_image_encoder, mrope_positions
+from shared.messages import SamplingParams
+from shared.models import ModelFiles
+from tests.services.worker.qwen2_5_vl_checkpoint import shared_qwen2_5_vl_checkpoint
+from tests.services.worker.test_idefics3 import chat, make_image
+
+NUM_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    path = shared_qwen2_5_vl_checkpoint(tmp_path_factory)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32)
+    return ModelFiles(name="qwen2.5-vl-tiny", path=path), tokenizer, hf.eval()
+
+
+def hf_inputs(prompts: QwenImagePrompts, text: str, images: list[Image.Image]) -> dict:
+    """transformers' processor's tensors for the model (its image and text side)."""
+    out = prompts.processor(text=[text], images=images or None, add_special_tokens=False,
+                            return_tensors="pt")
+    out["mm_token_type_ids"] = (out["input_ids"] == prompts.image_token_id).int()
+    return dict(out)
+
+
+def hf_greedy(hf, inputs: dict):
+    with torch.inference_mode():
+        out = hf.generate(**inputs, do_sample=False, max_new_tokens=NUM_NEW_TOKENS,
+                          output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def conversations():
+    a, b = make_image(300, 200, seed=1), make_image(130, 250, seed=2)
+    return {
+        "one image": (chat(("user", [a, "What is in this image?"])), [a]),
+        "two images": (chat(("user", ["Compare", a, "with", b, "in one sentence."])), [a, b]),
+        "repeated image": (chat(("user", [a, "Describe it."]),
+                                ("assistant", ["It is a colourful picture."]),
+                                ("user", ["Here it is again:", a, "What colour is it?"])),
+                           [a, a]),
+    }
+
+
+def test_processor_matches_transformers(vlm):
+    """Pixel values, grid and placeholder count as transformers' Qwen2VLImageProcessor."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    model_files, tokenizer, _ = vlm
+    prompts = QwenImagePrompts(model_files.path, tokenizer)
+    reference = Qwen2VLImageProcessorPil.from_pretrained(str(model_files.path))
+    for width, height in ((300, 200), (130, 250), (40, 30), (1000, 900)):
+        image = make_image(width, height, seed=width)
+        ids, (image_input,) = prompts.encode("a <|vision_start|><|image_pad|><|vision_end|>",
+                                             [image])
+        expected = reference(images=[image], return_tensors="pt")
+        grid = expected["image_grid_thw"][0].tolist()
+        assert image_input.grid_thw == grid
+        assert image_input.length == grid[0] * grid[1] * grid[2] // 4
+        assert ids.count(prompts.image_token_id) == image_input.length
+        assert 4 <= image_input.length <= 48  # within min_pixels and max_pixels
+        pixels = image_pixels(image_input).reshape(image_input.pixel_shape[0], -1)
+        assert torch.equal(pixels, expected["pixel_values"])  # exactly, as codes and a table
+
+
+def test_tower_gives_transformers_image_features(vlm):
+    model_files, tokenizer, hf = vlm
+    prompts = QwenImagePrompts(model_files.path, tokenizer)
+    encoder = load_any_image_encoder(model_files, torch.device("cpu"), torch.float32, 4)
+    for width, height in ((300, 200), (130, 250), (1000, 900)):  # 1 to 9 windows
+        image = make_image(width, height, seed=width)
+        _, (image_input,) = prompts.encode("<|image_pad|>", [image])
+        pixels, grid = encoder._tensors(image_input)
+        with torch.inference_mode():
+            ours = encoder.tower(pixels, grid)
+            theirs = hf.model.visual(pixels, grid_thw=torch.tensor([grid])).pooler_output
+        assert ours.shape == theirs.shape == (image_input.length, 64)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_mrope_positions_match_transformers_get_rope_index(vlm):
+    model_files, tokenizer, hf = vlm
+    prompts = QwenImagePrompts(model_files.path, tokenizer)
+    messages, images = conversations()["two images"]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids, image_inputs = prompts.encode(text, images)
+    inputs = hf_inputs(prompts, text, images)
+    expected, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                              image_grid_thw=inputs["image_grid_thw"])
+    ours, our_delta = mrope_positions(len(ids), image_inputs, merge_size=2)
+    np.testing.assert_array_equal(ours, expected[:, 0].numpy())
+    assert our_delta == delta.item() < 0
+
+
+@pytest.fixture(scope="module")
+def cases(vlm):
+    model_files, tokenizer, hf = vlm
+    prompts = QwenImagePrompts(model_files.path, tokenizer)
+    token_ids, images, expected = [], [], []
+    for messages, pictures in conversations().values():
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False)
+        ids, image_inputs = prompts.encode(text, pictures)
+        inputs = hf_inputs(prompts, text, pictures)
+        assert ids == inputs["input_ids"][0].tolist()
+        token_ids.append(ids)
+        images.append(image_inputs)
+        expected.append(hf_greedy(hf, inputs))
+    return token_ids, images, expected
+
+
+@pytest.mark.parametrize("batched_tokens", [512, 24])
+def test_engine_greedy_equals_transformers_qwen2_5_vl(vlm, cases, batched_tokens):
+    """All three conversations at once: whole prompts a step, and 24-token steps that split
+    every image's placeholders over chunks (positions looked up per chunk)."""
+    model_files, tokenizer, _ = vlm
+    token_ids, images, expected = cases
+    engine = Engine(SchedulerConfig(max_num_batched_tokens=batched_tokens, max_num_seqs=4),
+                    WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="16MiB"),
+                    model_files)
+    completions, _ = engine.generate(token_ids, [SamplingParams(
+        max_tokens=NUM_NEW_TOKENS, temperature=0.0, logprobs=0)] * len(token_ids),
+        images=images)
+    assert [c.output_token_ids for c in completions] == [tokens for tokens, _ in expected]
+    for completion, (_, hf_logprobs) in zip(completions, expected):
+        np.testing.assert_allclose(completion.logprobs, hf_logprobs, atol=1e-3)
+    assert len({tuple(tokens) for tokens, _ in expected}) == len(expected)  # images matter
+    assert engine.runner.images.num_encoded == 2  # two distinct images; the rest cached
+
+
+def test_hub_configs_read_as_a_qwen2_and_a_tower():
+    """Qwen2.5-VL-7B-Instruct's Hub config.json shape: top-level text fields, rope_scaling
+    of type mrope, the tower's in_chans."""
+    from services.worker.model_config import ModelConfig
+    from services.worker.qwen_vision import QwenVisionSpec
+
+    config = {"architectures": ["Qwen2_5_VLForConditionalGeneration"],
+              "image_token_id": 151655, "hidden_size": 3584, "intermediate_size": 18944,
+              "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+              "vocab_size": 152064, "max_position_embeddings": 128000,
+              "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+              "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+              "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                                "num_heads": 16, "out_hidden_size": 3584, "in_chans": 3,
+                                "patch_size": 14, "spatial_merge_size": 2, "window_size": 112,
+                                "fullatt_block_indexes": [7, 15, 23, 31],
+                                "temporal_patch_size": 2, "hidden_act": "silu"}}
+    text = ModelConfig.from_dict(config)
+    assert (text.family, text.num_layers, text.head_dim, text.qkv_bias) == ("qwen2", 28, 128,
+                                                                            True)
+    assert text.rope_parameters["rope_type"] == "default"
+    spec = QwenVisionSpec.from_dict(config)
+    assert (spec.patch_dim, spec.fullatt_block_indexes) == (1176, (7, 15, 23, 31))
