@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from shared.lora_adapters import LoraRef
 from shared.messages import ImageInput, NewRequestData, SamplingParams, TokenLogprobs
 
@@ -91,13 +93,15 @@ class Request:
 
 
 def new_request_data(req: Request) -> NewRequestData:
-    """The request in full for the worker (its blocks so far; its adapter; the images a
-    chunk still needs)."""
+    """The request in full for the worker (its blocks so far; its adapter; its images, the
+    pixels only of those a chunk still needs: the others' spans and grids travel, since
+    M-RoPE positions depend on every image of the prompt)."""
     lora = req.lora
     return NewRequestData(
         req.request_id, req.all_token_ids, req.sampling, list(req.block_table),
         req.num_computed_tokens, len(req.prompt_token_ids),
         lora_name=lora.name if lora else "", lora_path=lora.path if lora else "",
         lora_hash=lora.content_hash if lora else "",
-        images=[image for image in req.images
-                if image.offset + image.length > req.num_computed_tokens])
+        images=[image if image.offset + image.length > req.num_computed_tokens
+                else msgspec.structs.replace(image, pixels=b"", pixel_table=b"")
+                for image in req.images])

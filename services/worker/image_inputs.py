@@ -153,6 +153,9 @@ class ImageEncoder:
         if output is not None:
             self.num_hits += 1
             return output
+        if not image.pixels:
+            raise ValueError(f"image {image.hash.hex()}: a chunk needs it but it came without "
+                             f"its pixels (the scheduler sends them for uncomputed images)")
         start = time.perf_counter()
         pixels, patch_mask = self._tensors(image)
         with torch.inference_mode():
@@ -195,7 +198,8 @@ class ImageEncoder:
         if image.pixels and len(image.pixels) != int(np.prod(shape)) * itemsize:
             raise ValueError(f"request {request_id}: {len(image.pixels)} pixel bytes for "
                              f"shape {shape}")
-        if image.pixel_dtype == "uint8" and len(image.pixel_table) != shape[1] * 256 * 4:
+        if image.pixels and image.pixel_dtype == "uint8" \
+                and len(image.pixel_table) != shape[1] * 256 * 4:
             raise ValueError(f"request {request_id}: uint8 pixels need a [{shape[1]}, 256] "
                              f"float32 table, not {len(image.pixel_table)} bytes")
 

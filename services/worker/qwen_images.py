@@ -131,6 +131,8 @@ class QwenImageEncoder(ImageEncoder):
                              f" values a patch")
         if image.pixel_dtype not in ("float32", "uint8"):
             raise ValueError(f"request {request_id}: image pixel dtype {image.pixel_dtype!r}")
+        if not image.pixels:
+            return  # an image of the cached prefix: its grid only (new_request_data)
         itemsize = 1 if image.pixel_dtype == "uint8" else 4
         if len(image.pixels) != int(np.prod(shape)) * itemsize:
             raise ValueError(f"request {request_id}: {len(image.pixels)} pixel bytes for "
