@@ -34,6 +34,7 @@ from pathlib import Path
 
 import structlog
 
+from shared.dummy_vision import is_dummy_vision_language, write_vision_files
 from shared.messages import GenerationDefaults
 
 log = structlog.get_logger()
@@ -152,11 +153,13 @@ def _write_dummy(config: dict, tokenizer_files: ModelFiles, staging: Path) -> No
                          f"tokenizer's {vocab_size} ids")
     for key in _SPECIAL_TOKEN_KEYS:
         config[key] = tokenizer_files.config.get(key)
-    (staging / "config.json").write_text(json.dumps(config, indent=2))
     for item in tokenizer_dir.iterdir():
         if item.is_file() and item.name not in ("config.json", _COMPLETE_MARKER) \
                 and item.suffix != ".safetensors":
             shutil.copy2(item, staging / item.name)
+    if is_dummy_vision_language(config):  # (the tokenizer rewritten with vision tokens)
+        write_vision_files(config, tokenizer_dir, staging)
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
     (staging / DUMMY_MARKER).write_text(f"random weights; tokenizer from {tokenizer_dir}\n")
 
 

@@ -18,6 +18,7 @@ graphs included); a step that holds image tokens passes the model a cos/sin tabl
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -142,6 +143,25 @@ class QwenImageEncoder(ImageEncoder):
                              f"float32 table, not {len(image.pixel_table)} bytes")
 
 
+def random_tower_tensors(spec: QwenVisionSpec, device: torch.device, dtype: torch.dtype,
+                         seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """A dummy model's tower: norms 1, the rest N(0, std), each tensor from a generator
+    seeded by (seed, name) on ``device`` (as weights.random_weights draws the decoder)."""
+    with torch.device("meta"):
+        tower = QwenVisionTower(spec)
+    tensors = {}
+    for name, param in tower.named_parameters():
+        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+        if name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
+            tensor.fill_(1.0)
+        else:
+            generator = torch.Generator(device=device)
+            generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            tensor.normal_(0.0, std, generator=generator)
+        tensors[name] = tensor
+    return tensors
+
+
 def load_any_image_encoder(model_files: ModelFiles, device: torch.device, dtype: torch.dtype,
                            cache_size: int, tensor_parallel_size: int = 1
                            ) -> QwenImageEncoder | ImageEncoder | NoImages:
@@ -150,8 +170,6 @@ def load_any_image_encoder(model_files: ModelFiles, device: torch.device, dtype:
     spec = QwenVisionSpec.from_dict(model_files.config)
     if spec is None:
         return load_image_encoder(model_files, device, dtype, cache_size, tensor_parallel_size)
-    if model_files.dummy:
-        raise ValueError("a dummy vision-language model is not built yet (docs/vision.md)")
     if tensor_parallel_size > 1:
         raise ValueError("a vision-language model runs on one worker process: "
                          "tensor_parallel_size > 1 is not built for its tower yet")
@@ -161,8 +179,9 @@ def load_any_image_encoder(model_files: ModelFiles, device: torch.device, dtype:
 def load_qwen_image_encoder(model_files: ModelFiles, spec: QwenVisionSpec,
                             device: torch.device, dtype: torch.dtype, cache_size: int
                             ) -> QwenImageEncoder:
-    """The tower from the checkpoint (``visual.*``, transformers 5's ``model.visual.*``)."""
-    tensors = {}
+    """The tower from the checkpoint (``visual.*``, transformers 5's ``model.visual.*``), or
+    random for a dummy model (``random_tower_tensors``)."""
+    tensors = random_tower_tensors(spec, device, dtype) if model_files.dummy else {}
     for file in sorted(model_files.path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():

@@ -173,3 +173,44 @@ def test_hub_configs_read_as_a_qwen2_and_a_tower():
     assert text.rope_parameters["rope_type"] == "default"
     spec = QwenVisionSpec.from_dict(config)
     assert (spec.patch_dim, spec.fullatt_block_indexes) == (1176, (7, 15, 23, 31))
+
+
+def test_dummy_qwen2_5_vl_7b_preset():
+    """``dummy:qwen2.5-vl-7b``: transformers' parameter count for the preset (language model
+    and tower, on the meta device); the tokenizer tier's processor reads its directory (a
+    640 x 640 image is 23 x 23 merge blocks, 529 placeholders); the tower draws random
+    weights under its own names."""
+    import json
+
+    from transformers import AutoConfig
+
+    from services.worker.model import Transformer
+    from services.worker.model_config import ModelConfig
+    from services.worker.qwen_images import random_tower_tensors
+    from services.worker.qwen_vision import QwenVisionSpec, QwenVisionTower
+    from shared.models import PRESETS_DIR, resolve_model
+
+    config = json.loads((PRESETS_DIR / "qwen2.5-vl-7b.json").read_text())
+    spec = QwenVisionSpec.from_dict(config)
+    with torch.device("meta"):
+        ours = sum(p.numel() for module in (Transformer(ModelConfig.from_dict(config)),
+                                            QwenVisionTower(spec)) for p in module.parameters())
+        hf = Qwen2_5_VLForConditionalGeneration(AutoConfig.for_model(**config))
+    assert ours == sum(p.numel() for p in hf.parameters())
+    assert round(ours / 1e9, 2) == 8.29  # Qwen2.5-VL-7B-Instruct's published 8.29B
+    model_files = resolve_model("dummy:qwen2.5-vl-7b")
+    assert model_files.dummy and model_files.name == "dummy-qwen2.5-vl-7b"
+    from services.tokenizer.encoding import TextCodec
+
+    codec = TextCodec(model_files.path)
+    text = codec.tokenizer.apply_chat_template(chat(("user", [make_image(640, 640, 5), "?"])),
+                                               add_generation_prompt=True, tokenize=False)
+    ids, (image,) = codec.images.encode(text, [make_image(640, 640, seed=5)])
+    assert image.grid_thw == [1, 46, 46] and image.length == 529
+    assert ids.count(model_files.config["image_token_id"]) == 529
+    small = QwenVisionSpec(**{**spec.__dict__, "depth": 2, "hidden_size": 32,
+                              "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 16})
+    tower = QwenVisionTower(small)
+    tower.load_state_dict(random_tower_tensors(small, torch.device("cpu"), torch.float32),
+                          strict=True)
+    assert torch.equal(tower.blocks[0].norm1.weight, torch.ones(32))
