@@ -121,6 +121,7 @@ def test_probes_fail_when_nothing_answers(nats_url):
     assert result.returncode == 1
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 def test_probes_follow_the_real_services(nats_url, tmp_path):
     gateway_port = free_port()
     stack = Stack(StackOptions(nats_url=nats_url, namespace=NAMESPACE, port=gateway_port,

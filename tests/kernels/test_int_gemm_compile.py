@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 H200_SHARED_BYTES = 232448  # the most dynamic shared memory a block may take (227 KiB)
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 def test_worker_launches_compile_for_hopper():
     assert_compiled_launches_fit()
 

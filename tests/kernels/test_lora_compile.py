@@ -11,10 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 H200_SHARED_BYTES = 232448  # the most dynamic shared memory a block may take (227 KiB)
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 def test_worker_launches_compile_for_hopper():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])

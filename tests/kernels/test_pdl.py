@@ -283,6 +283,7 @@ def compiled(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 def test_compiled_kernels_wait_before_touching_what_a_kernel_wrote():
     assert_waits_in_place(compiled("--pdl", "on"))
 
@@ -315,6 +316,7 @@ def assert_waits_in_place(results: dict) -> None:
             assert (sass["global_loads_before_wait"] > 0) == bool(r["weight_args"]), key
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 def test_compiled_kernels_off_have_no_grid_dependency_control():
     results = compiled("--pdl", "off", "--cases", "qkv,o_proj_split,rms_norm,"
                        "rotary_and_write_kv_cache,attention_decode_split")

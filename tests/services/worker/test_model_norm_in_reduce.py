@@ -131,6 +131,7 @@ def force_kernels(monkeypatch, fused: bool) -> dict:
     return record
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_decode_with_the_norm_in_the_reduce_is_bitwise_the_two_kernels(monkeypatch, variant):
     model = make_model(variant)
@@ -164,6 +165,7 @@ def test_decode_with_the_norm_in_the_reduce_is_bitwise_the_two_kernels(monkeypat
     assert fused["norm_launches"] == num_steps + 2 * num_layers
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 def test_piecewise_pieces_with_the_norm_in_the_reduce_equal_the_eager_forward(monkeypatch):
     """The piecewise graphs' pieces (run uncaptured, padded to 16 rows) take o_proj's reduce
     with the norm, down's without (they call ``after_attention`` without a next norm): the

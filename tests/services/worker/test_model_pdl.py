@@ -29,6 +29,7 @@ QWEN3 = dict(architectures=["Qwen3ForCausalLM"], head_dim=16, tie_word_embedding
 MAX_MODEL_LEN = 256  # decode graphs bounded at 256 tokens: their attention splits the context
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 @pytest.mark.parametrize("fused", [False, True], ids=["two_kernels", "norm_in_reduce"])
 def test_cpu_decode_with_pdl_is_bitwise_pdl_off(monkeypatch, fused):
     model = make_model("biases")

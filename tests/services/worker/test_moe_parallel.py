@@ -63,6 +63,7 @@ def _generate(files: ModelFiles, tensor_parallel_size: int, expert_parallel: boo
         engine.close()
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 def test_two_ranks_sliced_or_expert_parallel_give_one_ranks_text(qwen2_moe):
     files = ModelFiles(name="qwen2-moe", path=qwen2_moe)
     whole = _generate(files, 1)

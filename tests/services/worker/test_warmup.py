@@ -3,6 +3,7 @@ Triton's interpreter) and leaves the cache as it found it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.paged_attention_ref import allocate_kv_cache
@@ -15,6 +16,7 @@ from shared.models import resolve_model
 from tests.services.worker.model_checks import greedy_tokens
 
 
+@pytest.mark.slow  # (make test-slow: half a minute or more on 2 cores)
 def test_warm_up_attention_leaves_the_cache_untouched():
     model = load_model(resolve_model("dummy:tiny-llama").path, torch.device("cpu"), torch.float32)
     config = model.config
