@@ -42,7 +42,8 @@ def test_a_benchmarks_json_splits_into_the_products_config_and_its_modes(tmp_pat
                       ('{"synthetic_acceptance_length": 2.0}', "goes with"),
                       ('{"rejection_sample_method": "synthetic", "num_speculative_tokens": 2, '
                        '"synthetic_acceptance_length": 3.5}', "between 1 and"),
-                      ('{"method": "eagle"}', "not supported")):
+                      ('{"method": "eagle"}', "eagle, eagle3, and each needs one"),
+                      ('{"method": "medusa"}', "not supported")):
         with pytest.raises(ValueError, match=says):
             split_speculative_config(bad)
 
