@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -17,6 +18,25 @@ from shared.tracing import setup_tracing
 
 C = TypeVar("C", bound=ServiceConfig)
 log = structlog.get_logger()
+_IMPORTED_AT = time.monotonic()  # (the fallback start where /proc is absent)
+
+
+def process_age_s() -> float:
+    """Seconds since this process was started, its imports included (/proc/self/stat's
+    start time, in clock ticks since boot, against /proc/uptime)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # (field 22)
+            return max(0.0, float(uptime.read().split()[0])
+                       - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - _IMPORTED_AT
+
+
+def log_startup(phase: str, **fields) -> None:
+    """One step of a (re)start, timed from the process's start: where a restart spends
+    its seconds before the service serves again (docs/fault-tolerance.md reads them)."""
+    log.info("startup_phase", phase=phase, since_start_s=round(process_age_s(), 2), **fields)
 
 
 def setup_process(name: str, config_cls: type[C], argv: Sequence[str] | None = None) -> C:
@@ -25,6 +45,7 @@ def setup_process(name: str, config_cls: type[C], argv: Sequence[str] | None = N
     setup_logging(name, level=config.log_level, json=config.log_json)
     setup_tracing(name, config.otel_exporter, config.otlp_traces_endpoint)
     structlog.contextvars.bind_contextvars(service=name, instance=config.instance_id)
+    log_startup("imported")
     return config
 
 

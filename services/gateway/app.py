@@ -25,6 +25,7 @@ from services.gateway.limits import BodySizeLimit
 from services.gateway.openapi import install as install_openapi
 from services.gateway.service import GatewayService
 from shared.errors import FlotillaError
+from shared.runtime import log_startup
 from shared.tracing import spans_enabled
 
 log = structlog.get_logger()
@@ -41,6 +42,7 @@ def create_app(config: GatewayConfig, service: GatewayService) -> FastAPI:
     async def lifespan(_: FastAPI):
         await service.start()
         log.info("gateway_started", host=config.host, port=config.port)
+        log_startup("serving")
         yield
         await service.stop()
 

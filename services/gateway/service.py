@@ -10,6 +10,7 @@ The HTTP app (app.py) is handed a started-up service by its caller (__main__.py)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,20 +39,20 @@ from shared.messages import (
 from shared.models import resolve_model
 from shared.prefix_hash import image_keys
 from shared.scheduler_stats import SchedulerStats
+from shared.runtime import log_startup
 from shared.subjects import Subjects
+from shared.tokenizer_loading import load_tokenizer as load_hf_tokenizer
 
 log = structlog.get_logger()
 
 SERVICES = ("tokenizer", "scheduler", "worker")
 HEARTBEAT_CHECK_S = 1.0
-MIGRATION_RETRY_S = 0.5  # while no replica takes a moving request
+MIGRATION_RETRY_S = 0.5  # while no replica takes a moving request (or one becomes ready)
 
 
 def load_tokenizer(model: str, cache_dir: str):
     """The served model's tokenizer, for turning output tokens into text here."""
-    from transformers import AutoTokenizer  # heavy: only when a gateway starts
-
-    return AutoTokenizer.from_pretrained(str(resolve_model(model, cache_dir).path))
+    return load_hf_tokenizer(resolve_model(model, cache_dir).path, cache_dir)
 
 
 class GatewayService:
@@ -60,6 +61,7 @@ class GatewayService:
         """A service with the served model's tokenizer and its own NATS connection (which
         ``stop`` closes); ``start`` subscribes."""
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model, config.cache_dir)
+        log_startup("tokenizer_loaded")
         bus = await Bus.connect(config.nats_url, name=f"gateway-{config.instance_id}")
         return cls(config, bus, GatewayMetrics(config.fleet_metrics), tokenizer)
 
@@ -75,6 +77,7 @@ class GatewayService:
         self._streams: dict[str, RequestStream] = {}
         self.replicas = ReplicaTable(config.heartbeat_timeout_s, config.stall_timeout_s)
         self._tokenizer_info: TokenizerInfo | None = None
+        self._replica_ready = asyncio.Event()  # set when a replica becomes ready
         self._background: set[asyncio.Task] = set()
         self.index = BlockIndex()
         self.router = Router(RoutingParams(
@@ -374,7 +377,9 @@ class GatewayService:
                     stream.migrating = False
                     stream.fail(exc.to_info() if exc.status != 503 else error)
                     return
-                await asyncio.sleep(MIGRATION_RETRY_S)
+                self._replica_ready.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._replica_ready.wait(), MIGRATION_RETRY_S)
         stream.scheduler_id = reply.scheduler_id
         stream.migrating = False
         self.replicas.submitted(reply.scheduler_id, 1, time.monotonic())
@@ -403,6 +408,9 @@ class GatewayService:
 
     # ------------------------------------------------------------ inbound events
     async def _on_stats(self, stats: SchedulerStats) -> None:
+        before = self.replicas.stats(stats.scheduler_id)
+        if stats.worker_ready and not (before is not None and before.worker_ready):
+            self._replica_ready.set()  # moving requests try it now, not after their retry
         for old_id in self.replicas.heard(stats, time.monotonic()):
             self._replaced(old_id, stats)
         self.metrics.observe_scheduler(stats)

@@ -9,10 +9,9 @@ error outputs wait in the outbox (outbox.py) to be sent again once the link retu
 The kvstore enters through the KV connector (kv_connector.py, null without a kvstore):
 the core validates a request and gives it its place in line, then the connector's
 ``find_hit`` may await a lookup before the core queues it, so with ``--kv-node-id`` submits
-are handled concurrently (each keeps the place in line it arrived at).
-
-The core is always there: until a worker attaches (and while one re-attaches) it is a
-core over no blocks, and submits are refused as "not ready".
+are handled concurrently (each keeps the place in line it arrived at). The core is always
+there: until a worker attaches (and while one re-attaches) it is a core over no blocks,
+and submits are refused as "not ready"; once one attaches, stats say so at once.
 
 For the gateways' KV-aware routing, the prefix cache's blocks are published as they come
 and go, with a snapshot on request (block_events.py), and the stats name the prices.
@@ -49,13 +48,13 @@ from shared.messages import (
     AbortRequest, Empty, GenerateRequest, HealthReply, StepPlan, StepResult, SubmitReply,
     WorkerInfo,
 )
-from shared.runtime import freeze_startup_objects
+from shared.runtime import freeze_startup_objects, log_startup
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
 
 IDLE_CHECK_S = 1.0  # while idle, this often make sure the worker is the one attached
-ATTACH_RETRY_S = 0.5
+ATTACH_RETRY_S = 0.1  # (NATS refuses a request nothing answers at once: asking is cheap)
 # A final output this recent may have been written into a link found dead later: a dead
 # TCP link without a reset is found after about three ping intervals.
 RECENT_FINAL_S = 3.0 * PING_INTERVAL_S
@@ -248,9 +247,10 @@ class SchedulerService:
             self._bus_epoch = self.bus.num_disconnects  # attached over the link as it is now
             self._worker_link = None
             await self._ping_worker()  # learn its link count, to tell when it drops
-            log.info("worker_connected", worker_id=info.worker_id, num_blocks=info.num_blocks,
-                     block_size=info.block_size, max_model_len=info.max_model_len,
-                     kv_namespace=info.kv_namespace, kv_node_id=info.kv_node_id)
+            log_startup("worker_connected", worker_id=info.worker_id, num_blocks=info.num_blocks,
+                        block_size=info.block_size, max_model_len=info.max_model_len,
+                        kv_namespace=info.kv_namespace, kv_node_id=info.kv_node_id)
+            self._stats_now.set()  # ready: tell the gateways now, not at the next beat
             return
 
     def _learn_worker_kv(self, detail: dict) -> None:
@@ -441,7 +441,7 @@ async def serve(config: SchedulerConfig, stop: asyncio.Event) -> None:
     service = SchedulerService(config, bus)
     await service.start()
     freeze_startup_objects()
-    log.info("scheduler_started", replica_id=config.replica_id)
+    log_startup("serving", replica_id=config.replica_id)  # (the scheduler has started)
     try:
         await service.run(stop)
     finally:

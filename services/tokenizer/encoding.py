@@ -12,13 +12,13 @@ from typing import Any
 
 import jinja2
 import msgspec
-from transformers import AutoTokenizer
 
 from services.tokenizer.images import ImagePrompts, decode_image, is_vision_language
 from services.tokenizer.qwen_images import QWEN2_5_VL, QwenImagePrompts
 from shared.errors import InvalidRequest, check_token_ids
 from shared.messages import ChatMessage, DecodeRequest, EncodeRequest, ImageInput, TokenizerInfo
 from shared.models import read_eos_token_ids, read_generation_defaults
+from shared.tokenizer_loading import DEFAULT_CACHE_DIR, load_tokenizer
 
 # config.json keys that hold the context length, most common first.
 _DOCUMENT_SEPARATOR = "<|endoftext|>"
@@ -29,11 +29,12 @@ class TextCodec:
     """One model's tokenizer: chat templates, encode, decode."""
 
     def __init__(self, model_dir: str | Path, max_model_len: int = 0,
-                 max_image_pixels: int = 4096 * 4096) -> None:
+                 max_image_pixels: int = 4096 * 4096,
+                 cache_dir: str | Path = DEFAULT_CACHE_DIR) -> None:
         if max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0, got {max_model_len}")
         self.model_dir = Path(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.tokenizer = load_tokenizer(self.model_dir, cache_dir)  # (tokenizer_loading.py)
         model_config = _read_json(self.model_dir / "config.json")
         self.max_model_len = max_model_len or _context_length(model_config)
         self.vocab_size = len(self.tokenizer)  # includes added (special) tokens

@@ -15,7 +15,7 @@ from shared.messages import (
     EncodeRequest, HealthReply, TokenizerInfo,
 )
 from shared.models import resolve_model
-from shared.runtime import freeze_startup_objects
+from shared.runtime import freeze_startup_objects, log_startup
 from shared.subjects import Subjects
 
 log = structlog.get_logger()
@@ -63,7 +63,8 @@ class TokenizerService:
 async def serve(config: TokenizerConfig, stop: asyncio.Event) -> None:
     model_files = resolve_model(config.model, config.cache_dir)
     codec = await asyncio.to_thread(TextCodec, model_files.path, config.max_model_len,
-                                    config.max_image_pixels)
+                                    config.max_image_pixels, config.cache_dir)
+    log_startup("tokenizer_loaded")
     bus = await Bus.connect(config.nats_url, name=f"tokenizer-{config.instance_id}",
                             on_lost=stop.set)
     # The gateway learns the API's model name from here (TokenizerInfo); the engine keeps
@@ -72,6 +73,7 @@ async def serve(config: TokenizerConfig, stop: asyncio.Event) -> None:
     await service.start()
     freeze_startup_objects()
     log.info("tokenizer_started", model=model_files.name)
+    log_startup("serving")
     try:
         await stop.wait()
     finally:

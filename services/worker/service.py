@@ -38,7 +38,7 @@ from shared.bus import EXIT_NATS_LOST, Bus
 from shared.errors import ServiceUnavailable
 from shared.messages import Empty, HealthReply, StepPlan, StepResult, WorkerInfo
 from shared.models import resolve_model
-from shared.runtime import freeze_startup_objects
+from shared.runtime import freeze_startup_objects, log_startup
 from shared.subjects import Subjects
 from shared.tracing import spans_enabled
 
@@ -178,6 +178,7 @@ class WorkerService:
         runner = self.runner
         log.info("scheduler_attached", num_blocks=runner.num_blocks,
                  waited_s=round(time.monotonic() - started, 3))
+        log_startup("scheduler_attached")  # (each attach: the first is the one timed)
         return WorkerInfo(
             worker_id=self.config.instance_id, replica_id=self.config.replica_id,
             model_name=runner.model_name, num_blocks=runner.num_blocks,
@@ -218,6 +219,7 @@ async def serve_bus(config: WorkerConfig, runner: ModelRunner, forward: Executor
     service = WorkerService(config, bus, runner, forward)
     await service.start()
     log.info("worker_started", replica_id=config.replica_id)
+    log_startup("serving")
     try:
         await stop.wait()
         if not bus.lost_for_good:
@@ -244,6 +246,7 @@ def run(config: WorkerConfig) -> None:
     freeze_startup_objects()
     log.info("model_loaded", model=model_files.name, num_blocks=runner.num_blocks,
              kv_cache_bytes=runner.kv_cache_bytes, device=str(runner.device))
+    log_startup("model_loaded")
     forward = MainThreadExecutor()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
