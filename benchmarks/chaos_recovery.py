@@ -10,7 +10,9 @@ supervisor), N greedy streams are in flight, the victim gets SIGKILL, and it is 
 again (same flags; nats-server on the same port) ``--restart-after`` seconds later.
 Reported per victim: how the in-flight streams ended (same text as their solo run, an
 error event, a connection error, or still hanging at the deadline), the seconds from the
-restart to the first good request, and the migrations the gateway counted.
+restart to the first good request, the migrations the gateway counted, and where the
+restarted process spent its start (its ``startup_phase`` log lines: seconds from its exec
+to imports done, tokenizer or model loaded, serving, attached).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -90,6 +93,25 @@ def migrations(base_url: str) -> float:
         return float("nan")
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("flotilla_request_migrations_total{"))
+
+
+def startup_phases(log_path: Path) -> dict[str, float]:
+    """The restarted process's phases (its last start's ``startup_phase`` lines): phase ->
+    seconds since it was started."""
+    phases: dict[str, float] = {}
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return phases
+    for line in lines:
+        if "startup_phase" not in line:
+            continue
+        fields = dict(re.findall(r"(\w+)=(\S+)", line))
+        if fields.get("phase") == "imported":
+            phases = {}  # a later start: only the last one counts
+        if "phase" in fields and "since_start_s" in fields:
+            phases.setdefault(fields["phase"], float(fields["since_start_s"]))
+    return phases
 
 
 def first_good_request(base_url: str, model: str, timeout_s: float) -> float | None:
@@ -174,7 +196,10 @@ def run_victim(victim: str, args, model: str, log_dir: Path) -> dict:
             if outcome == "done":
                 outcome = "done, same text" if stream.text == expected else "done, DIFFERENT text"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        phases = {} if victim == "nats" else startup_phases(
+            log_dir / victim / f"{'worker' if victim == 'worker-rank' else victim}.log")
         return {"victim": victim, "outcomes": outcomes, "rank_0_exit_s": rank_0_exit_s,
+                "startup_phases_s": phases,
                 "streams_ended_s": round(time.monotonic() - restarted_at, 1),
                 "first_good_request_s": None if recovery_s is None else round(recovery_s, 1),
                 "migrations": migrations(stack.base_url) - before}
@@ -206,6 +231,9 @@ def main() -> None:
         outcomes = ", ".join(f"{n} {what}" for what, n in r["outcomes"].items())
         recovery = "never" if r["first_good_request_s"] is None else f"{r['first_good_request_s']} s"
         print(f"{r['victim']:<10} {outcomes:<45} {recovery:>20} {r['migrations']:>11g}")
+        if r["startup_phases_s"]:
+            print(f"{'':<10} its start: " + ", ".join(
+                f"{phase} {seconds:g} s" for phase, seconds in r["startup_phases_s"].items()))
         if r["rank_0_exit_s"] is not None:
             print(f"{'':<10} rank 0 exited {r['rank_0_exit_s']:.1f} s after rank 1 was killed; "
                   f"streams ended {r['streams_ended_s']} s after the restart")
