@@ -26,3 +26,20 @@ def test_freeze_moves_the_heap_out_and_logs_long_collections(monkeypatch):
     finally:
         gc.callbacks[:] = callbacks_before
         gc.unfreeze()
+
+
+def test_startup_phases_are_timed_from_the_process_start():
+    """process_age_s counts from the exec (imports included), so it is already past the
+    time this test module took to import, and it only grows."""
+    import time
+
+    first = runtime.process_age_s()
+    time.sleep(0.05)
+    second = runtime.process_age_s()
+    assert 0.0 < first <= second < 24 * 3600
+    assert second - first >= 0.04  # (its clock ticks are 10 ms)
+    with capture_logs() as logs:
+        runtime.log_startup("serving", replica_id="0")
+    (entry,) = [e for e in logs if e["event"] == "startup_phase"]
+    assert entry["phase"] == "serving" and entry["replica_id"] == "0"
+    assert entry["since_start_s"] >= round(second, 2)
