@@ -39,7 +39,6 @@ from shared.messages import (
 from shared.models import resolve_model
 from shared.prefix_hash import image_keys
 from shared.scheduler_stats import SchedulerStats
-from shared.runtime import log_startup
 from shared.subjects import Subjects
 from shared.tokenizer_loading import load_tokenizer as load_hf_tokenizer
 
@@ -61,7 +60,6 @@ class GatewayService:
         """A service with the served model's tokenizer and its own NATS connection (which
         ``stop`` closes); ``start`` subscribes."""
         tokenizer = await asyncio.to_thread(load_tokenizer, config.model, config.cache_dir)
-        log_startup("tokenizer_loaded")
         bus = await Bus.connect(config.nats_url, name=f"gateway-{config.instance_id}")
         return cls(config, bus, GatewayMetrics(config.fleet_metrics), tokenizer)
 
