@@ -49,6 +49,7 @@ class EagleSpec:
     aux_layer_ids: tuple[int, ...]  # eagle3: the target layers whose input stream is fused
     norm_before_residual: bool = False  # eagle3: the fused feature normed before the residual
     own_embeddings: bool = False  # the checkpoint has embed_tokens
+    fc_bias: bool = False  # eagle: fc.bias (some EAGLE-1 checkpoints have one)
 
     @property
     def captures_final(self) -> bool:
@@ -95,7 +96,7 @@ def read_eagle_spec(path: Path, method: str, target: ModelConfig) -> EagleSpec:
     config = dataclasses.replace(ModelConfig.from_dict(llama), quantization="none",
                                  batch_invariant=target.batch_invariant)
     return EagleSpec(method, config, aux, bool(raw.get("norm_before_residual", False)),
-                     "embed_tokens.weight" in names)
+                     "embed_tokens.weight" in names, "fc.bias" in names)
 
 
 def _tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -168,7 +169,7 @@ class EagleHead(nn.Module):
             self.lm_head = nn.Linear(hidden, config.vocab_size, bias=False)
             qkv_in = 2 * hidden
         else:
-            self.fc = Linear(2 * hidden, hidden, False, config)
+            self.fc = Linear(2 * hidden, hidden, spec.fc_bias, config)
             self.input_layernorm = self.hidden_norm = self.norm = self.lm_head = None
             qkv_in = hidden
         self.self_attn = Attention(config, TensorParallel())
