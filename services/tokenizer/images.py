@@ -81,6 +81,17 @@ def compact_pixels(tiles: np.ndarray, image_processor) -> tuple[np.ndarray, np.n
     return codes, table
 
 
+def check_pixel_bytes(inputs: list[ImageInput], units: str) -> None:
+    """A request's preprocessed pixels must fit the message that carries them (``units``:
+    what they were cut into, for the error)."""
+    num_bytes = sum(len(image.pixels) for image in inputs)
+    if num_bytes > MAX_PIXEL_BYTES:
+        raise InvalidRequest(f"the images are {num_bytes} bytes of pixels once preprocessed "
+                             f"({units}), over the {MAX_PIXEL_BYTES} a request's message "
+                             f"carries: send fewer or smaller images", param="messages",
+                             code="image_too_large")
+
+
 def image_hash(pixels: np.ndarray, patch_mask: bytes) -> bytes:
     """blake2b-128 of the tensor's shape, dtype, bytes and patch mask."""
     digest = hashlib.blake2b(digest_size=16)
@@ -125,13 +136,7 @@ class ImagePrompts:
                 pixel_mask[0][first_tile:first_tile + num_tiles])
             first_tile += num_tiles
             inputs.append(self.image_input(tiles, mask, offset, length))
-        num_bytes = sum(len(image.pixels) for image in inputs)
-        if num_bytes > MAX_PIXEL_BYTES:
-            raise InvalidRequest(f"the images are {num_bytes} bytes of pixels once "
-                                 f"preprocessed ({pixels.shape[0]} tiles), over the "
-                                 f"{MAX_PIXEL_BYTES} a request's message carries: send "
-                                 f"fewer or smaller images", param="messages",
-                                 code="image_too_large")
+        check_pixel_bytes(inputs, f"{pixels.shape[0]} tiles")
         return token_ids, inputs
 
     def image_input(self, tiles: np.ndarray, mask: bytes, offset: int, length: int

@@ -17,10 +17,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from services.tokenizer.images import compact_pixels, image_hash
+from services.tokenizer.images import check_pixel_bytes, compact_pixels, image_hash
 from shared.errors import InvalidRequest
 from shared.messages import ImageInput
-from shared.sections.media import MAX_PIXEL_BYTES
 
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 IMAGE_PAD = "<|image_pad|>"
@@ -72,13 +71,7 @@ class QwenImagePrompts:
             patches = pixels[first:first + num_patches].reshape(num_patches, self.channels, -1)
             first += num_patches
             inputs.append(self.image_input(np.ascontiguousarray(patches), grid, offset, length))
-        num_bytes = sum(len(image.pixels) for image in inputs)
-        if num_bytes > MAX_PIXEL_BYTES:
-            raise InvalidRequest(f"the images are {num_bytes} bytes of pixels once "
-                                 f"preprocessed ({pixels.shape[0]} patches), over the "
-                                 f"{MAX_PIXEL_BYTES} a request's message carries: send "
-                                 f"fewer or smaller images", param="messages",
-                                 code="image_too_large")
+        check_pixel_bytes(inputs, f"{pixels.shape[0]} patches")
         return token_ids, inputs
 
     def image_input(self, patches: np.ndarray, grid: np.ndarray, offset: int, length: int

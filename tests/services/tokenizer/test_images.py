@@ -5,6 +5,7 @@ image's placeholders), a text-only model refusing them."""
 from __future__ import annotations
 
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,9 +13,10 @@ import torch
 from PIL import Image
 
 from services.tokenizer.encoding import TextCodec
-from services.tokenizer.images import compact_pixels, decode_image
+from services.tokenizer.images import check_pixel_bytes, compact_pixels, decode_image
 from services.worker.image_inputs import image_pixels
 from shared.errors import InvalidRequest
+from shared.sections.media import MAX_PIXEL_BYTES
 from shared.messages import ChatMessage, ContentPart, EncodeRequest
 from tests.services.worker.idefics3_checkpoint import shared_idefics3_checkpoint
 
@@ -93,3 +95,11 @@ def test_pixels_without_an_exact_table_travel_as_float32():
     # two values of one code (a resize in float would make them): no exact table
     resampled = np.concatenate([exact, exact + np.float32(1e-4)], axis=-1)
     assert compact_pixels(resampled, Processor()) is None
+
+
+def test_pixels_over_what_a_message_carries_are_a_400_naming_the_cut():
+    half = SimpleNamespace(pixels=bytes(MAX_PIXEL_BYTES // 2 + 1))
+    check_pixel_bytes([half], "1 tile")
+    with pytest.raises(InvalidRequest, match=r"\(3 patches\), over the") as refused:
+        check_pixel_bytes([half, half], "3 patches")
+    assert refused.value.code == "image_too_large"
