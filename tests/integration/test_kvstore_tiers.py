@@ -208,7 +208,6 @@ def test_a_restarted_worker_keeps_the_hits(tiers, references):
         tier_hits_before, tiers.tier_hits())
 
 
-@pytest.mark.slow  # (make test-slow: a stack of its own, half a minute or more)
 def test_the_kvstore_killed_mid_load_leaves_requests_correct(tiers, references):
     """Requests in flight while the kvstore dies (one with a tier hit, one arriving after
     the kill) end with their uncached text; a request that comes as soon as the kvstore
