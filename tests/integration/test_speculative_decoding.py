@@ -55,37 +55,21 @@ def test_greedy_chats_equal_the_reference_and_drafts_are_counted(
 @pytest.mark.slow  # (make test-slow: a stack of its own, half a minute or more)
 def test_a_draft_model_through_the_stack_gives_the_reference_text(
         tmp_path, model_name, hf_model, hf_tokenizer):
-    """``method: "draft_model"``: the worker (overlapping steps, as on a GPU) loads the draft
-    (here the served model itself) from the --speculative-config flotilla serve gives it too,
-    fills each verify step's draft slots, and the text is Hugging Face's greedy text with
-    nearly every draft kept."""
+    """``method: "draft_model"``: the worker loads the draft (here the served model itself)
+    from the --speculative-config flotilla serve gives it too, fills each verify step's draft
+    slots, and the text is Hugging Face's greedy text with nearly every draft kept."""
     spec = json.dumps({"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4})
-    stack = start_stack(tmp_path, kvstore=False, service_args={
-        "scheduler": ["--speculative-config", spec],
-        "worker": ["--kv-cache-memory", "256MiB", "--speculative-config", spec,
-                   "--overlap-steps", "on"]})
-    try:
-        client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0)
-        messages = [{"role": "user", "content": CHATS[0]}]
-        response = client.chat.completions.create(model=model_name, messages=messages,
-                                                  temperature=0, max_tokens=32)
-        _, ref_ids = hf_greedy(hf_model, hf_tokenizer, messages, 32)
-        assert response.choices[0].message.content == hf_tokenizer.decode(
-            ref_ids, skip_special_tokens=True)
-        url = stack.base_url + "/metrics"
-        assert wait_for(lambda: metric(url, "flotilla_spec_decode_accepted_tokens_total") > 0)
-        assert metric(url, "flotilla_spec_decode_accepted_tokens_total") >= \
-            0.9 * metric(url, "flotilla_spec_decode_draft_tokens_total")
-    finally:
-        stack.stop()
+    accepted, drafted = _greedy_chat_with_drafts(tmp_path, spec, CHATS[0], model_name,
+                                                 hf_model, hf_tokenizer)
+    assert 0 < accepted and accepted >= 0.9 * drafted
 
 
 @pytest.mark.slow  # (a stack of its own: ~40 s on two cores)
 def test_an_eagle3_head_through_the_stack_gives_the_reference_text(
         tmp_path, model_name, hf_model, hf_tokenizer):
-    """``method: "eagle3"``: the worker (overlapping steps) loads the head (random weights of
-    SmolLM2's shapes, a 4,096-token draft vocabulary), captures the served model's hidden
-    states, fills each verify step's draft slots from them; the text is Hugging Face's."""
+    """``method: "eagle3"``: the worker loads the head (random weights of SmolLM2's shapes, a
+    4,096-token draft vocabulary), captures the served model's hidden states, fills each
+    verify step's draft slots from them; the text is Hugging Face's."""
     from shared.models import _write_dummy_head
 
     head = tmp_path / "head"
@@ -96,13 +80,22 @@ def test_an_eagle3_head_through_the_stack_gives_the_reference_text(
                        "vocab_size": 49152, "draft_vocab_size": 4096, "rms_norm_eps": 1e-5,
                        "rope_theta": 100000.0, "max_position_embeddings": 8192}, head)
     spec = json.dumps({"method": "eagle3", "model": str(head), "num_speculative_tokens": 4})
-    stack = start_stack(tmp_path / "logs", kvstore=False, service_args={
+    _greedy_chat_with_drafts(tmp_path / "logs", spec, CHATS[1], model_name, hf_model,
+                             hf_tokenizer)
+
+
+def _greedy_chat_with_drafts(log_dir, spec: str, chat: str, model_name, hf_model,
+                             hf_tokenizer) -> tuple[float, float]:
+    """A stack whose scheduler and worker (overlapping steps, as on a GPU) take ``spec``
+    answers ``chat`` with Hugging Face's greedy text, and drafts were made -> (draft tokens
+    accepted, draft tokens proposed)."""
+    stack = start_stack(log_dir, kvstore=False, service_args={
         "scheduler": ["--speculative-config", spec],
         "worker": ["--kv-cache-memory", "256MiB", "--speculative-config", spec,
                    "--overlap-steps", "on"]})
     try:
         client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0)
-        messages = [{"role": "user", "content": CHATS[1]}]
+        messages = [{"role": "user", "content": chat}]
         response = client.chat.completions.create(model=model_name, messages=messages,
                                                   temperature=0, max_tokens=32)
         _, ref_ids = hf_greedy(hf_model, hf_tokenizer, messages, 32)
@@ -110,5 +103,7 @@ def test_an_eagle3_head_through_the_stack_gives_the_reference_text(
             ref_ids, skip_special_tokens=True)
         url = stack.base_url + "/metrics"
         assert wait_for(lambda: metric(url, "flotilla_spec_decode_draft_tokens_total") > 0)
+        return (metric(url, "flotilla_spec_decode_accepted_tokens_total"),
+                metric(url, "flotilla_spec_decode_draft_tokens_total"))
     finally:
         stack.stop()
