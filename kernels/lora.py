@@ -15,21 +15,27 @@ made on the host from token_slots). A program takes BLOCK_M consecutive pairs, s
 holds one adapter, or a few where a slot's rows end inside it: it loops over the tile's
 slots, each pass masked to that slot's rows (a decode batch interleaving 8 adapters reads
 each adapter's A once per tile, not once per row). The grid comes from num_tokens (in a CUDA
-graph, the bucket's) and n from the device: programs past n return at once, so one capture
-serves any mix of adapter and base rows.
+graph, the bucket's) and n from the device: programs past n find no slot and do nothing, so
+one capture serves any mix of adapter and base rows. The count and the pairs are loaded
+together (the buffer's length is known), not one after the other.
 
 Decode has one tile of rows: a single program would read all of A. The shrink splits
 in_features into ``num_splits`` ranges, each writing its partial sums ([num_splits,
 num_tokens, width] fp32); the expand adds them in split order as it loads y: deterministic,
-no atomics and no launch more. Sizes that change per step are not specialized on (Triton
-would compile anew per token count); the tile shapes take two values (few rows or many).
+no atomics and no launch more; decode's small tiles load all the partial sums at once. Sizes
+that change per step are not specialized on (Triton would compile anew per token count); the
+configs change only with the row bucket (kernels/lora_configs.py).
+
+Programmatic dependent launch (kernels/pdl.py): before its wait a program loads the step's
+pairs (a host copy) and its first slot's first tile of A or B (slots change between steps
+only), so that work overlaps the kernel before it; it touches x, y and out after the wait.
 
 Numerics: y's sums in fp32, rounded to b's dtype for the expand's product (the torch path
 rounds x @ a^T to the activations' dtype too); the product is added to out in fp32 and rounded
-once. fp32 products in full precision (not tf32). Configs untuned: the shapes' first guess,
-not measured on a GPU yet; compiled for sm_90 without a GPU (tests/kernels/lora_compile.py),
-the rank-16 launches at the 8B's shapes spill no register (8 warps for 64-row shrink tiles;
-rank 64 still spills some).
+once. fp32 products in full precision (not tf32). Configs swept on the H200 at the 8B's rank-16
+shapes (``benchmarks/gpu/lora_kernels.py --sweep``); other shapes take lora_configs.py's
+default plan. Compiled for sm_90 without a GPU (tests/kernels/lora_compile.py), the rank-16
+default launches at the 8B's shapes spill no register (rank 64 still spills some).
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ import torch
 import triton
 import triton.language as tl
 
-TARGET_PROGRAMS = 64  # shrink programs a launch aims at (row tiles x splits)
-MAX_SPLITS = 16
-MIN_SPLIT_K = 256  # in_features a split covers at least
+from kernels import pdl
+from kernels.lora_configs import ExpandConfig, ShrinkConfig, block_w, default_plan
+
+MIN_SPLIT_K = 128  # in_features a split covers at least
+MAX_SPLITS_AT_ONCE = 16  # the expand's loads of partial sums in flight together
 
 
 def group_rows(token_slots: np.ndarray) -> np.ndarray:
@@ -63,12 +71,17 @@ def lora_rows_of(token_slots: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _tile_pairs(lora_rows_ptr, tile, num_pairs, BLOCK_M: tl.constexpr):
-    """(rows [BLOCK_M] int64, slots [BLOCK_M], which are pairs, first slot, last slot)."""
+def _tile_pairs(lora_rows_ptr, tile, max_pairs, BLOCK_M: tl.constexpr):
+    """(rows [BLOCK_M] int64, slots [BLOCK_M], which are pairs, first slot, last slot; first >
+    last where the tile has none). The count and the pairs load at once (the buffer holds
+    max_pairs), not one after the other."""
     index = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_buffer = index < max_pairs
+    num_pairs = tl.load(lora_rows_ptr)
+    rows = tl.load(lora_rows_ptr + 1 + 2 * index, mask=in_buffer, other=0).to(tl.int64)
+    slots = tl.load(lora_rows_ptr + 2 + 2 * index, mask=in_buffer, other=-1)
     in_tile = index < num_pairs
-    rows = tl.load(lora_rows_ptr + 1 + 2 * index, mask=in_tile, other=0).to(tl.int64)
-    slots = tl.load(lora_rows_ptr + 2 + 2 * index, mask=in_tile, other=-1)
+    slots = tl.where(in_tile, slots, -1)
     first = tl.min(tl.where(in_tile, slots, 2**30))
     return rows, slots, in_tile, first, tl.max(slots)
 
@@ -84,28 +97,40 @@ def _dot(x, w, acc, FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr):
     return tl.dot(x, tl.trans(w), acc)
 
 
-@triton.jit(do_not_specialize=["split_len", "y_stride_split"])
+@triton.jit(do_not_specialize=["split_len", "max_pairs", "y_stride_split"])
 def _shrink_kernel(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split_len,
-                   x_stride, a_stride_slot, y_stride_split, FP32_IEEE: tl.constexpr,
-                   WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr):
+                   max_pairs, x_stride, a_stride_slot, y_stride_split, FP32_IEEE: tl.constexpr,
+                   WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program (row tile, split): y[split, row] = x[row, split's k] @ a[slot, :, k]^T."""
     tile, split = tl.program_id(0), tl.program_id(1)
-    num_pairs = tl.load(lora_rows_ptr)
-    if tile * BLOCK_M >= num_pairs:
-        return
-    rows, slots, in_tile, first, last = _tile_pairs(lora_rows_ptr, tile, num_pairs, BLOCK_M)
+    # before the wait (kernels/pdl.py): the step's pairs (a host copy) and the first slot's
+    # first tile of A (slots change between steps only), while the kernel before still runs
+    rows, slots, in_tile, first, last = _tile_pairs(lora_rows_ptr, tile, max_pairs, BLOCK_M)
     cols = tl.arange(0, BLOCK_W)
     col_mask = cols < width
     offs_k = tl.arange(0, BLOCK_K)
     k_start = split * split_len
     k_end = tl.minimum(k_start + split_len, in_features)
+    has_rows = cols * 0 + first <= last  # (a vector: the interpreter takes no scalar mask)
+    first_mask = (col_mask & has_rows)[:, None] & (k_start + offs_k < k_end)[None, :]
+    a_first = tl.load(a_ptr + tl.cast(tl.minimum(first, last), tl.int64) * a_stride_slot
+                      + cols[:, None] * in_features + k_start + offs_k[None, :],
+                      mask=first_mask, other=0.0)
+    pdl.wait_then_launch_dependents(PDL)
     y_ptrs = y_ptr + split * y_stride_split + rows[:, None] * width + cols[None, :]
     for slot in range(first, last + 1):
         chosen = in_tile & (slots == slot)
         if tl.sum(chosen.to(tl.int32)) > 0:  # (slots between two present ones may be absent)
-            acc = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
             a_base = a_ptr + tl.cast(slot, tl.int64) * a_stride_slot + cols[:, None] * in_features
-            for k in range(k_start, k_end, BLOCK_K):
+            if slot == first:  # (the first tile peeled off the loop: loaded before the wait)
+                a = a_first
+            else:
+                a = tl.load(a_base + k_start + offs_k[None, :], mask=first_mask, other=0.0)
+            x = tl.load(x_ptr + rows[:, None] * x_stride + k_start + offs_k[None, :],
+                        mask=chosen[:, None] & (k_start + offs_k < k_end)[None, :], other=0.0)
+            acc = _dot(x, a, tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32), FP32_IEEE, WIDEN)
+            for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
                 ks = k + offs_k
                 k_mask = ks < k_end
                 x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :],
@@ -117,33 +142,43 @@ def _shrink_kernel(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split
             tl.store(y_ptrs, acc, mask=chosen[:, None] & col_mask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_splits", "y_stride_split"])
+@triton.jit(do_not_specialize=["num_splits", "max_pairs", "y_stride_split"])
 def _expand_kernel(y_ptr, b_ptr, lora_rows_ptr, out_ptr, out_features, width, num_splits,
-                   y_stride_split, out_stride, b_stride_slot, FP32_IEEE: tl.constexpr,
-                   WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                   max_pairs, y_stride_split, out_stride, b_stride_slot,
+                   FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr,
+                   PDL: tl.constexpr):
     """Program (row tile, column tile): out[row, cols] += (sum of y's splits) @ b[slot, cols]^T."""
     tile, n_tile = tl.program_id(0), tl.program_id(1)
-    num_pairs = tl.load(lora_rows_ptr)
-    if tile * BLOCK_M >= num_pairs:
-        return
-    rows, slots, in_tile, first, last = _tile_pairs(lora_rows_ptr, tile, num_pairs, BLOCK_M)
+    # before the wait: the pairs and the first slot's tile of B (as the shrink's A)
+    rows, slots, in_tile, first, last = _tile_pairs(lora_rows_ptr, tile, max_pairs, BLOCK_M)
     cols_w = tl.arange(0, BLOCK_W)
     w_mask = cols_w < width
+    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < out_features
+    b_tile = offs_n[:, None] * width + cols_w[None, :]
+    b_mask = n_mask[:, None] & w_mask[None, :]
+    b_first = tl.load(b_ptr + tl.cast(tl.minimum(first, last), tl.int64) * b_stride_slot
+                      + b_tile, mask=b_mask & (offs_n * 0 + first <= last)[:, None], other=0.0)
+    pdl.wait_then_launch_dependents(PDL)
     y_ptrs = y_ptr + rows[:, None] * width + cols_w[None, :]
     y_mask = in_tile[:, None] & w_mask[None, :]
     y = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
-    for split in range(0, num_splits):  # (in split order: the same sum every run)
-        y += tl.load(y_ptrs + split * y_stride_split, mask=y_mask, other=0.0)
+    for split0 in range(0, num_splits, SPLITS_AT_ONCE):  # (in split order: the same sum
+        for j in tl.static_range(SPLITS_AT_ONCE):       # every run; loads in flight together)
+            y += tl.load(y_ptrs + (split0 + j) * y_stride_split,
+                         mask=y_mask & (cols_w * 0 + split0 + j < num_splits)[None, :],
+                         other=0.0)
     y = y.to(b_ptr.dtype.element_ty)
-    offs_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < out_features
     out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
     for slot in range(first, last + 1):
         chosen = in_tile & (slots == slot)
         if tl.sum(chosen.to(tl.int32)) > 0:
-            b_ptrs = (b_ptr + tl.cast(slot, tl.int64) * b_stride_slot + offs_n[:, None] * width
-                      + cols_w[None, :])
-            b = tl.load(b_ptrs, mask=n_mask[:, None] & w_mask[None, :], other=0.0)
+            if slot == first:
+                b = b_first
+            else:
+                b = tl.load(b_ptr + tl.cast(slot, tl.int64) * b_stride_slot + b_tile,
+                            mask=b_mask, other=0.0)
             delta = _dot(y, b, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), FP32_IEEE,
                          WIDEN)
             out_mask = chosen[:, None] & n_mask[None, :]  # (this slot's rows alone)
@@ -151,18 +186,14 @@ def _expand_kernel(y_ptr, b_ptr, lora_rows_ptr, out_ptr, out_features, width, nu
             tl.store(out_ptrs, (out + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _block_m(num_tokens: int) -> int:
-    """Rows a tile takes: few at decode sizes (a tile per adapter's handful of rows)."""
-    return 16 if num_tokens <= 256 else 64
-
-
-def shrink_splits(num_tokens: int, in_features: int, block_k: int) -> tuple[int, int]:
+def shrink_splits(num_tokens: int, in_features: int, config: ShrinkConfig) -> tuple[int, int]:
     """(num_splits, split_len): enough programs to spread A's read over the GPU when the
-    rows make few tiles, each split a multiple of block_k and at least MIN_SPLIT_K long."""
-    num_tiles = triton.cdiv(num_tokens, _block_m(num_tokens))
-    num_splits = max(1, min(MAX_SPLITS, in_features // MIN_SPLIT_K,
-                            triton.cdiv(TARGET_PROGRAMS, num_tiles)))
-    split_len = triton.cdiv(triton.cdiv(in_features, num_splits), block_k) * block_k
+    rows make few tiles (config.target_programs), each split a multiple of block_k and at
+    least MIN_SPLIT_K long."""
+    num_tiles = triton.cdiv(num_tokens, config.block_m)
+    num_splits = max(1, min(config.max_splits, in_features // MIN_SPLIT_K,
+                            triton.cdiv(config.target_programs, num_tiles)))
+    split_len = triton.cdiv(triton.cdiv(in_features, num_splits), config.block_k) * config.block_k
     return triton.cdiv(in_features, split_len), split_len
 
 
@@ -170,37 +201,43 @@ def _widen(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.bfloat16
 
 
+def _max_pairs(lora_rows: torch.Tensor) -> int:
+    """The (row, slot) pairs the buffer holds (the count before them)."""
+    return (lora_rows.numel() - 1) // 2
+
+
 def _check(t: torch.Tensor, name: str) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name}: the last dim must be contiguous (strides {t.stride()})")
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, lora_rows: torch.Tensor) -> torch.Tensor:
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, lora_rows: torch.Tensor,
+                config: ShrinkConfig | None = None) -> torch.Tensor:
     """x [num_tokens, in_features], a [max_loras, width, in_features] (contiguous), lora_rows
     (``group_rows``) -> y [num_splits, num_tokens, width] fp32: per split of in_features its
-    partial sums at the adapter rows (other rows unwritten); ``lora_expand`` adds them."""
+    partial sums at the adapter rows (other rows unwritten); ``lora_expand`` adds them.
+    config: lora_configs.py's (None: its default plan)."""
     num_tokens, in_features = x.shape
     width = a.shape[1]
     _check(x, "x")
     if not a.is_contiguous() or a.shape[2] != in_features:
         raise ValueError(f"a {tuple(a.shape)} must be contiguous [max_loras, width, "
                          f"{in_features}]")
-    block_m, block_w = _block_m(num_tokens), max(16, triton.next_power_of_2(width))
-    block_k = 32 if block_w >= 256 else 64
-    num_splits, split_len = shrink_splits(num_tokens, in_features, block_k)
+    config = config or default_plan(num_tokens, width).shrink
+    num_splits, split_len = shrink_splits(num_tokens, in_features, config)
     y = torch.empty(num_splits, num_tokens, width, dtype=torch.float32, device=x.device)
     if num_tokens:
-        _shrink_kernel[(triton.cdiv(num_tokens, block_m), num_splits)](
-            x, a, lora_rows, y, in_features, width, split_len, x.stride(0), a.stride(0),
-            y.stride(0), FP32_IEEE=x.dtype == torch.float32, WIDEN=_widen(x), BLOCK_M=block_m,
-            BLOCK_W=block_w, BLOCK_K=block_k,
-            # (4 warps spilled registers at 64 rows or wide ranks, compiled for sm_90)
-            num_warps=8 if block_m == 64 or block_w >= 128 else 4)
+        _shrink_kernel[(triton.cdiv(num_tokens, config.block_m), num_splits)](
+            x, a, lora_rows, y, in_features, width, split_len, _max_pairs(lora_rows),
+            x.stride(0), a.stride(0), y.stride(0), FP32_IEEE=x.dtype == torch.float32,
+            WIDEN=_widen(x), BLOCK_M=config.block_m, BLOCK_W=block_w(width),
+            BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+            **pdl.launch_options())
     return y
 
 
 def lora_expand(y: torch.Tensor, b: torch.Tensor, lora_rows: torch.Tensor,
-                out: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor, config: ExpandConfig | None = None) -> torch.Tensor:
     """out [num_tokens, out_features] += y (``lora_shrink``'s, splits summed) @ b[slot]^T at
     the adapter rows, in place; b [max_loras, out_features, width] contiguous."""
     num_splits, num_tokens, width = y.shape
@@ -209,14 +246,18 @@ def lora_expand(y: torch.Tensor, b: torch.Tensor, lora_rows: torch.Tensor,
     if not b.is_contiguous() or b.shape[2] != width or out.shape != (num_tokens, out_features):
         raise ValueError(f"b {tuple(b.shape)}, out {tuple(out.shape)} do not fit y "
                          f"{tuple(y.shape)}")
-    block_m = _block_m(num_tokens)
-    block_w = max(16, triton.next_power_of_2(width))
-    block_n = 64 if block_w <= 128 else 32
+    config = config or default_plan(num_tokens, width).expand
+    tile_w = block_w(width)
+    # partial sums in flight together: all of decode's small tiles, fewer of large ones
+    splits_at_once = max(1, min(MAX_SPLITS_AT_ONCE, 16384 // (config.block_m * tile_w)))
     if num_tokens:
-        _expand_kernel[(triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, block_n))](
-            y, b, lora_rows, out, out_features, width, num_splits, y.stride(0), out.stride(0),
-            b.stride(0), FP32_IEEE=b.dtype == torch.float32, WIDEN=_widen(b), BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_W=block_w, num_warps=4)
+        _expand_kernel[(triton.cdiv(num_tokens, config.block_m),
+                        triton.cdiv(out_features, config.block_n))](
+            y, b, lora_rows, out, out_features, width, num_splits, _max_pairs(lora_rows),
+            y.stride(0), out.stride(0), b.stride(0), FP32_IEEE=b.dtype == torch.float32,
+            WIDEN=_widen(b), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_W=tile_w,
+            SPLITS_AT_ONCE=splits_at_once, num_warps=config.num_warps,
+            num_stages=config.num_stages, **pdl.launch_options())
     return out
 
 

@@ -4,6 +4,12 @@ at Llama-3.1-8B's projections, rank 16 over 8 adapters, against the base project
 graph of ``--calls`` launches (common.graph_us), median of the replays.
 
     python -m benchmarks.gpu.lora_kernels [--rank 16] [--rows 1,4,16,64,256,1024,4096]
+    python -m benchmarks.gpu.lora_kernels --sweep --out kernels/lora_configs.json
+
+``--sweep``: per projection and row bucket (kernels/lora_configs.py's), the shrink's
+candidates with the default expand, then the expand's with the best shrink, each pair timed
+as above; the fastest pair of each bucket is written as the table the worker reads, with the
+default plan's time beside it (a bucket where no candidate beats the default keeps it).
 
 Rows are every adapter's in turn (a decode batch spread round-robin, the kernels' worst
 grouping); the torch path gets the same rows sorted into 8 segments (its best case: one
@@ -15,12 +21,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import triton
+
 from benchmarks.gpu.common import device_name, graph_us, save
 from kernels.lora import lora_expand, lora_rows_of, lora_shrink
+from kernels.lora_configs import (
+    BUCKETS, ExpandConfig, LoraPlan, ShrinkConfig, default_plan, shape_key)
 
 # name -> (in_features, parts, out_features)
 SHAPES = {"qkv_proj": (4096, 3, 6144), "o_proj": (4096, 1, 4096),
@@ -56,13 +67,85 @@ def measure(name: str, num_rows: int, rank: int, calls: int, replays: int) -> di
             "torch_path_us": graph_us(torch_path, calls, replays)}
 
 
+def shrink_candidates(num_rows: int) -> list[ShrinkConfig]:
+    if num_rows <= 16:  # one tile of rows: how finely in_features is split decides
+        return [ShrinkConfig(16, block_k, target, max_splits)
+                for block_k in (64, 128, 256) for target in (64, 256)
+                for max_splits in (16, 64)]
+    return [ShrinkConfig(block_m, 64, target, 16, warps)
+            for block_m in (16, 32, 64) for target in (132, 528) for warps in (4, 8)]
+
+
+def expand_candidates(num_rows: int) -> list[ExpandConfig]:
+    if num_rows <= 16:
+        return [ExpandConfig(16, block_n) for block_n in (32, 64, 128)]
+    return [ExpandConfig(block_m, block_n, warps)
+            for block_m in (16, 32, 64) for block_n in (64, 128) for warps in (4, 8)]
+
+
+def sweep_shape(name: str, rank: int, calls: int, replays: int) -> tuple[dict, dict]:
+    """({bucket: plan json}, {bucket: {default_us, best_us}}) of one projection."""
+    in_features, parts, out_features = SHAPES[name]
+    width = parts * rank
+    device, dtype = "cuda", torch.bfloat16
+    a = torch.randn(NUM_ADAPTERS, width, in_features, device=device, dtype=dtype) / 64
+    b = torch.randn(NUM_ADAPTERS, out_features, width, device=device, dtype=dtype) / 8
+    plans, timings = {}, {}
+    for num_rows in BUCKETS:
+        x = torch.randn(num_rows, in_features, device=device, dtype=dtype)
+        out = torch.zeros(num_rows, out_features, device=device, dtype=dtype)
+        slots = (torch.arange(num_rows, device=device) % NUM_ADAPTERS).to(torch.int32)
+        lora_rows = lora_rows_of(slots)
+
+        def time_plan(plan: LoraPlan) -> float:
+            def pair(_):
+                y = lora_shrink(x, a, lora_rows, plan.shrink)
+                lora_expand(y, b, lora_rows, out, plan.expand)
+            try:
+                return graph_us(pair, calls, replays)
+            except (triton.runtime.errors.OutOfResources, RuntimeError):
+                return float("inf")  # (a config the GPU cannot launch)
+
+        default = default_plan(num_rows, width)
+        best_us, best = time_plan(default), default
+        default_us = best_us
+        for shrink in shrink_candidates(num_rows):
+            us = time_plan(LoraPlan(shrink, default.expand))
+            if us < best_us:
+                best_us, best = us, LoraPlan(shrink, default.expand)
+        for expand in expand_candidates(num_rows):
+            us = time_plan(LoraPlan(best.shrink, expand))
+            if us < best_us:
+                best_us, best = us, LoraPlan(best.shrink, expand)
+        plans[str(num_rows)] = best.to_json()
+        timings[str(num_rows)] = {"default_us": round(default_us, 2), "best_us": round(best_us, 2)}
+        print(f"{name:<14}{num_rows:>6}{default_us:>10.1f}{best_us:>10.1f}  {best}", flush=True)
+    return plans, timings
+
+
+def sweep(args) -> None:
+    table = {"device": device_name(), "triton": triton.__version__, "rank": args.rank,
+             "plans": {}, "timings_us": {}}
+    for name, (in_features, parts, out_features) in SHAPES.items():
+        key = shape_key(in_features, parts * args.rank, out_features, torch.bfloat16)
+        table["plans"][key], table["timings_us"][key] = sweep_shape(
+            name, args.rank, args.calls, args.replays)
+    Path(args.out).write_text(json.dumps(table, indent=1) + "\n")
+    save(f"lora_sweep_r{args.rank}", table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--out", default="kernels/lora_configs.json")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rows", default="1,4,16,64,256,1024,4096")
     parser.add_argument("--calls", type=int, default=20, help="launches a graph holds")
     parser.add_argument("--replays", type=int, default=20)
     args = parser.parse_args()
+    if args.sweep:
+        sweep(args)
+        return
     results = []
     for name in SHAPES:
         for num_rows in map(int, args.rows.split(",")):

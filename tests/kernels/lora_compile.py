@@ -15,13 +15,14 @@ import sys
 import torch
 
 from kernels import lora
+from kernels.lora_configs import BUCKETS, default_plan, plan_for
 from tests.kernels import pdl_check
 from tests.kernels.int_gemm_compile import sass_stats
 
 # name -> (in_features, parts * rank, out_features)
 SHAPES = {"qkv": (4096, 48, 6144), "o_proj": (4096, 16, 4096), "gate_up": (4096, 32, 28672),
           "down": (14336, 16, 4096), "qkv_r64": (4096, 192, 6144)}
-ROWS = (1, 4096)  # a tile of 16 rows (decode), of 64 (prefill)
+ROWS = BUCKETS  # every row bucket's plan (kernels/lora_configs.py: swept, or the default)
 DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -38,8 +39,11 @@ def main() -> None:
                 lora_rows = torch.zeros(1 + 2 * num_tokens, dtype=torch.int32)
                 out = torch.empty(num_tokens, out_features, dtype=dtype)
                 y = torch.empty(4, num_tokens, width, dtype=torch.float32)
-                recorded = pdl_check.record(lambda: (lora.lora_shrink(x, a, lora_rows),
-                                                     lora.lora_expand(y, b, lora_rows, out)))
+                plan = plan_for(in_features, width, out_features, num_tokens, dtype)
+                swept = plan != default_plan(num_tokens, width)
+                recorded = pdl_check.record(lambda: (
+                    lora.lora_shrink(x, a, lora_rows, plan.shrink),
+                    lora.lora_expand(y, b, lora_rows, out, plan.expand)))
                 for kernel, args, kwargs in recorded:
                     constexprs = tuple(sorted((k, v) for k, v in kwargs.items()
                                               if k.isupper()))
@@ -50,6 +54,7 @@ def main() -> None:
                     compiled = pdl_check.compile_launch(kernel, args, kwargs)
                     results[f"{kernel.__name__}_{name}_m{num_tokens}_{dtype}"] = {
                         "constexprs": dict(constexprs), "shared": compiled.metadata.shared,
+                        "swept": swept,
                         "sass": sass_stats(compiled.asm["cubin"])}
     json.dump(results, sys.stdout, indent=1)
 

@@ -30,12 +30,12 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import (activation, all_reduce_rms_norm, kv_cache, paged_attention, pdl, rms_norm,
-                     rotary, skinny_gemm, split_reduce)
+from kernels import (activation, all_reduce_rms_norm, kv_cache, lora, paged_attention, pdl,
+                     rms_norm, rotary, skinny_gemm, split_reduce)
 
 TARGET = GPUTarget("cuda", 90, 32)
-KERNEL_MODULES = (activation, all_reduce_rms_norm, kv_cache, paged_attention, rms_norm, rotary,
-                  skinny_gemm, split_reduce)
+KERNEL_MODULES = (activation, all_reduce_rms_norm, kv_cache, lora, paged_attention, rms_norm,
+                  rotary, skinny_gemm, split_reduce)
 OPTIONS = ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.int32: "i32", torch.int64: "i64"}
@@ -219,6 +219,17 @@ def _attention(max_query_len: int, num_segments: int):
         max_seq_len=1024, num_segments=num_segments)
 
 
+def _lora(num_tokens: int, in_features: int, width: int, out_features: int):
+    """A LoRA projection's shrink and expand over 8 slots (rank 16: qkv's 3 parts, or one)."""
+    def launch():
+        lora_rows = torch.zeros(1 + 2 * num_tokens, dtype=torch.int32)
+        y = lora.lora_shrink(_empty(num_tokens, in_features), _empty(8, width, in_features),
+                             lora_rows)
+        lora.lora_expand(y, _empty(8, out_features, width), lora_rows,
+                         _empty(num_tokens, out_features))
+    return launch
+
+
 def _rotary_kv():
     qkv = _empty(1, 6144)
     return kv_cache.rotary_and_write_kv_cache(
@@ -257,11 +268,15 @@ CASES = {
     "tp2_down_all_reduce_norm": lambda: all_reduce_rms_norm.all_reduce_add_rms_norm(
         _empty(2, 1, 4096, dtype=torch.float32), _empty(4096), _empty(1, 4096), _empty(4096),
         1e-5, torch.zeros(2, dtype=torch.int64), torch.zeros(256, dtype=torch.int64), 0, 2 << 20),
+    "lora_qkv_decode": _lora(1, 4096, 48, 6144),
+    "lora_down_prefill": _lora(1024, 14336, 16, 4096),
     "attention_decode_split": _attention(1, 16),
     "attention_chunk": _attention(16, 1),
 }
-# the arguments a kernel may load before its wait (never written by a kernel)
-WEIGHT_ARGS = {"_skinny_gemm_kernel": ["w_ptr"]}
+# the arguments a kernel may load before its wait (never written by a kernel: weights, LoRA
+# slots and the step's LoRA rows, which host copies fill between steps)
+WEIGHT_ARGS = {"_skinny_gemm_kernel": ["w_ptr"], "_shrink_kernel": ["a_ptr", "lora_rows_ptr"],
+               "_expand_kernel": ["b_ptr", "lora_rows_ptr"]}
 
 
 def main() -> None:

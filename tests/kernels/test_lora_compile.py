@@ -1,7 +1,8 @@
 """The LoRA kernels' worker launches compiled for sm_90 without a GPU (tests/kernels/
 lora_compile.py in a subprocess, no interpreter): each compiles (the interpreter runs code the
 compiler may refuse), fits an H200's shared memory, and at rank 16 in bf16 (issue 50's
-measurement) spills no register and multiplies on the tensor cores."""
+measurement) multiplies on the tensor cores, spilling no register where it runs the default
+plan (a swept plan may spill: the sweep timed it faster)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ def test_worker_launches_compile_for_hopper():
                             env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads(result.stdout)
-    for kernel in ("_shrink_kernel", "_expand_kernel"):  # decode's and prefill's tiles
+    for kernel in ("_shrink_kernel", "_expand_kernel"):  # decode's tiles: 16 rows
         assert {r["constexprs"]["BLOCK_M"] for name, r in results.items()
-                if name.startswith(kernel)} == {16, 64}
+                if name.startswith(kernel) and "_m1_" in name} == {16}
+    assert any(r["swept"] for r in results.values())  # (the H200's table is read)
     for name, r in results.items():
         assert r["shared"] <= H200_SHARED_BYTES, (name, r)
         if r["sass"] is not None and "bfloat16" in name and "r64" not in name:
-            assert r["sass"]["spills"] == 0 and r["sass"]["mma"] > 0, (name, r)
+            assert r["sass"]["mma"] > 0, (name, r)
+            # the default plan spills nothing; a swept one may (it was timed faster)
+            assert r["swept"] or r["sass"]["spills"] == 0, (name, r)

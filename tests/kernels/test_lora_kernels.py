@@ -14,6 +14,7 @@ import torch
 from kernels.lora import (
     _expand_kernel, _shrink_kernel, group_rows, lora_expand, lora_expand_ref, lora_rows_of,
     lora_shrink, lora_shrink_ref, shrink_splits)
+from kernels.lora_configs import ExpandConfig, LoraPlan, ShrinkConfig, default_plan
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,18 +57,28 @@ def test_group_rows_orders_adapter_rows_by_slot():
 def test_splits_cover_in_features_and_shrink_with_more_rows():
     for num_tokens in (1, 16, 64, 256, 4096):
         for in_features in (64, 300, 4096, 14336):
-            num_splits, split_len = shrink_splits(num_tokens, in_features, 64)
-            assert split_len % 64 == 0 and (num_splits - 1) * split_len < in_features
-            assert num_splits * split_len >= in_features
-    assert shrink_splits(1, 4096, 64)[0] == 16
-    assert shrink_splits(4096, 4096, 64)[0] == 1
+            for config in (default_plan(num_tokens, 48).shrink,
+                           ShrinkConfig(block_m=32, block_k=128, target_programs=512,
+                                        max_splits=64)):
+                num_splits, split_len = shrink_splits(num_tokens, in_features, config)
+                assert split_len % config.block_k == 0
+                assert (num_splits - 1) * split_len < in_features <= num_splits * split_len
+    assert shrink_splits(1, 4096, default_plan(1, 48).shrink)[0] == 16
+    assert shrink_splits(4096, 4096, default_plan(4096, 48).shrink)[0] == 1
+
+
+# a swept plan's shapes: the two kernels' tiles differ, many splits, 8 warps
+OTHER_PLAN = LoraPlan(ShrinkConfig(block_m=32, block_k=32, target_programs=512, max_splits=64,
+                                   num_warps=8, num_stages=2),
+                      ExpandConfig(block_m=16, block_n=128, num_warps=8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens,in_features,kind", [
-    (1, 96, "one"), (5, 1024, "interleaved"), (37, 200, "runs"), (300, 96, "runs"),
-    (24, 130, "base")])
-def test_shrink_and_expand_match_the_references(num_tokens, in_features, kind, dtype):
+@pytest.mark.parametrize("num_tokens,in_features,kind,plan", [
+    (1, 96, "one", None), (5, 1024, "interleaved", None), (37, 200, "runs", None),
+    (300, 96, "runs", None), (24, 130, "base", None), (5, 4096, "interleaved", OTHER_PLAN),
+    (70, 200, "runs", OTHER_PLAN)])
+def test_shrink_and_expand_match_the_references(num_tokens, in_features, kind, plan, dtype):
     gen = torch.Generator().manual_seed(num_tokens + in_features)
     num_slots, width, out_features = 3, 24, 80
     a, b = random_slots(num_slots, width, in_features, out_features, gen, dtype)
@@ -75,7 +86,7 @@ def test_shrink_and_expand_match_the_references(num_tokens, in_features, kind, d
     token_slots = slot_pattern(kind, num_tokens, num_slots, gen)
     lora_rows = lora_rows_of(token_slots)
     adapter = token_slots >= 0
-    y = lora_shrink(x, a, lora_rows)  # [num_splits, num_tokens, width]
+    y = lora_shrink(x, a, lora_rows, plan and plan.shrink)  # [num_splits, num_tokens, width]
     y_ref = lora_shrink_ref(x, a, token_slots)
     if adapter.any():
         assert rel_err(y.sum(0)[adapter], y_ref[adapter]) < 1e-5
@@ -83,7 +94,7 @@ def test_shrink_and_expand_match_the_references(num_tokens, in_features, kind, d
     out[~adapter] = float("nan")  # a base row is never read, nor written
     before = out.clone()
     expected = lora_expand_ref(y_ref, b, token_slots, out.clone())
-    assert lora_expand(y, b, lora_rows, out) is out
+    assert lora_expand(y, b, lora_rows, out, plan and plan.expand) is out
     assert out[~adapter].isnan().all()
     if adapter.any():
         assert rel_err(out[adapter] - before[adapter],

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import activation, kv_cache, paged_attention, pdl, rms_norm, rotary, skinny_gemm
+from kernels import activation, kv_cache, lora, paged_attention, pdl, rms_norm, rotary, skinny_gemm
 from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
 from kernels.skinny_gemm import SkinnyConfig
@@ -38,7 +38,8 @@ WIDE_SPLIT2 = SkinnyConfig(block_n=32, block_k=16, split_k=2)
 CONVERTED = {"_skinny_gemm_kernel", "_reduce_splits_kernel", "_reduce_splits_add_rms_norm_kernel",
              "_rms_norm_kernel", "_rotary_write_kv_cache_kernel", "_write_kv_cache_kernel",
              "_apply_rotary_kernel", "_silu_and_mul_kernel", "_paged_attention_kernel",
-             "_combine_segments_kernel", "_all_reduce_add_rms_norm_kernel"}
+             "_combine_segments_kernel", "_all_reduce_add_rms_norm_kernel", "_shrink_kernel",
+             "_expand_kernel"}
 
 
 # the on path runs with the instructions recorded: only the interpreter can call Python there
@@ -226,6 +227,24 @@ def test_write_kv_cache_and_apply_rotary(monkeypatch):
     record = assert_on_equals_off(monkeypatch, op)
     assert [launch[0] for launch in record.launches] == ["_apply_rotary_kernel",
                                                          "_write_kv_cache_kernel"]
+
+
+@interpreted
+@pytest.mark.parametrize("num_tokens", [3, 300], ids=["decode_tile", "prefill_tiles"])
+def test_lora_shrink_and_expand(monkeypatch, num_tokens):
+    """Rows of three slots and base rows between them, splits of in_features summed; the
+    tiles past the adapter rows wait and trigger too."""
+    def op():
+        gen = torch.Generator(device=DEVICE).manual_seed(num_tokens)
+        x, a = randn(num_tokens, 512, gen=gen), randn(3, 16, 512, gen=gen) / 8
+        b, out = randn(3, 40, 16, gen=gen) / 4, randn(num_tokens, 40, gen=gen)
+        token_slots = (torch.arange(num_tokens, device=DEVICE) % 5 - 2).clamp(min=-1)
+        lora_rows = lora.lora_rows_of(token_slots.to(torch.int32))  # (-1: a base row)
+        y = lora.lora_shrink(x, a, lora_rows)  # (unwritten at base rows: compared without)
+        return y[:, token_slots >= 0], lora.lora_expand(y, b, lora_rows, out)
+
+    record = assert_on_equals_off(monkeypatch, op)
+    assert [launch[0] for launch in record.launches] == ["_shrink_kernel", "_expand_kernel"]
 
 
 @interpreted
