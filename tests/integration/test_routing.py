@@ -160,7 +160,7 @@ def test_a_gateway_started_after_blocks_were_stored_learns_them_from_the_kvstore
         return gateway_metric(kv_stack, "flotilla_routing_index_blocks", 'tier="kvstore"')
 
     complete(kv_stack, model_name, [*PREFIXES["a"], 1, 2])  # its full blocks go to the host tier
-    assert wait_for(lambda: indexed_tier_blocks() >= PREFIX_TOKENS // BLOCK_SIZE, 30), \
+    assert wait_for(lambda: indexed_tier_blocks() >= PREFIX_TOKENS // BLOCK_SIZE, 60), \
         indexed_tier_blocks()
     held = indexed_tier_blocks()
 
