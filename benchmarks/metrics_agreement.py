@@ -182,10 +182,18 @@ def warm_up(base_url: str) -> None:
         assert "data: [DONE]" in "".join(reply.iter_text()), "the warm-up did not finish"
 
 
+BENCH_DEADLINE_S = 1800.0  # a bench still running then is killed and reported
+
+
 def watch(base_url: str, bench: subprocess.Popen, every_s: float) -> list[dict]:
-    """The gauges of a scrape every ``every_s`` while the bench runs."""
-    gauges = []
+    """The gauges of a scrape every ``every_s`` while the bench runs (killed at the deadline:
+    its non-zero exit is then the reported failure)."""
+    gauges, deadline = [], time.monotonic() + BENCH_DEADLINE_S
     while bench.poll() is None:
+        if time.monotonic() > deadline:
+            bench.kill()
+            bench.wait(timeout=30)
+            break
         started = time.monotonic()
         gauges.append(gauge_figures(scrape(base_url)))
         time.sleep(max(0.0, every_s - (time.monotonic() - started)))
