@@ -113,14 +113,16 @@ def cases(vlm):
     return token_ids, images, expected
 
 
-def test_engine_greedy_equals_transformers_idefics3(vlm, cases, batched_tokens=96):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_engine_greedy_equals_transformers_idefics3(vlm, cases, device, batched_tokens=96):
     """All three conversations at once, in 96-token steps: every image's placeholders are
     split over several chunks (each encode happens once: the cache serves the rest; the
-    stack's test, tests/integration/test_vision_serve.py, takes whole prompts a step)."""
+    stack's test, tests/integration/test_vision_serve.py, takes whole prompts a step). On
+    CUDA (fp32): the GPU path's kernels and decode graphs against transformers on the CPU."""
     model_files, processor, _ = vlm
     token_ids, images, expected = cases
     engine = Engine(SchedulerConfig(max_num_batched_tokens=batched_tokens, max_num_seqs=4),
-                    WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="64MiB"),
+                    WorkerConfig(device=device, dtype="float32", kv_cache_memory="64MiB"),
                     model_files)
     completions, _ = engine.generate(token_ids, [SamplingParams(
         max_tokens=NUM_NEW_TOKENS, temperature=0.0, logprobs=0)] * len(token_ids),

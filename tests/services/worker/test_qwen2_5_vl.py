@@ -131,14 +131,16 @@ def cases(vlm):
     return token_ids, images, expected
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("batched_tokens", [512, 24])
-def test_engine_greedy_equals_transformers_qwen2_5_vl(vlm, cases, batched_tokens):
+def test_engine_greedy_equals_transformers_qwen2_5_vl(vlm, cases, batched_tokens, device):
     """All three conversations at once: whole prompts a step, and 24-token steps that split
-    every image's placeholders over chunks (positions looked up per chunk)."""
+    every image's placeholders over chunks (positions looked up per chunk). On CUDA (fp32):
+    the GPU path (M-RoPE tables per step, decode graphs) against transformers on the CPU."""
     model_files, tokenizer, _ = vlm
     token_ids, images, expected = cases
     engine = Engine(SchedulerConfig(max_num_batched_tokens=batched_tokens, max_num_seqs=4),
-                    WorkerConfig(device="cpu", dtype="float32", kv_cache_memory="16MiB"),
+                    WorkerConfig(device=device, dtype="float32", kv_cache_memory="16MiB"),
                     model_files)
     completions, _ = engine.generate(token_ids, [SamplingParams(
         max_tokens=NUM_NEW_TOKENS, temperature=0.0, logprobs=0)] * len(token_ids),
