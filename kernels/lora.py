@@ -40,7 +40,6 @@ default launches at the 8B's shapes spill no register (rank 64 still spills some
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -54,7 +53,6 @@ from kernels.lora_configs import ExpandConfig, ShrinkConfig, block_w, default_pl
 MIN_SPLIT_K = 128  # in_features a split covers at least
 MAX_SPLITS_AT_ONCE = 16  # the expand's loads of partial sums in flight together
 DELTA_CHUNK = tl.constexpr(16)  # y's columns a GEMM epilogue's delta takes at a time
-SPLITS_IN_GEMM = tl.constexpr(MAX_SPLITS_AT_ONCE)  # y's partials a GEMM epilogue sums
 
 
 def group_rows(token_slots: np.ndarray) -> np.ndarray:
@@ -193,20 +191,13 @@ def _expand_kernel(y_ptr, b_ptr, lora_rows_ptr, out_ptr, out_features, width, nu
 
 class LoraDelta(NamedTuple):
     """A step's deltas for a projection whose GEMM adds them in its epilogue (the expand
-    fused into kernels/skinny_gemm.py): the shrink's partial sums ``y`` [num_splits <=
-    MAX_SPLITS_AT_ONCE, num_tokens, width] fp32 (``in_gemm_shrink`` caps the splits), the
-    projection's slots ``b`` [max_loras, out_features, width] and ``token_slots`` [>=
-    num_tokens] int32, each row's slot (-1: a base row)."""
+    fused into kernels/skinny_gemm.py): the shrink's partial sums ``y`` [num_splits,
+    num_tokens, width] fp32, the projection's slots ``b`` [max_loras, out_features, width]
+    and ``token_slots`` [>= num_tokens] int32, each row's slot (-1: a base row)."""
 
     y: torch.Tensor
     b: torch.Tensor
     token_slots: torch.Tensor
-
-
-def in_gemm_shrink(config: ShrinkConfig) -> ShrinkConfig:
-    """The shrink before a GEMM that adds the deltas: at most MAX_SPLITS_AT_ONCE partials,
-    so each GEMM program sums them with one round of loads."""
-    return replace(config, max_splits=min(config.max_splits, MAX_SPLITS_AT_ONCE))
 
 
 def splits_at_once(block_m: int, width: int) -> int:
@@ -216,52 +207,53 @@ def splits_at_once(block_m: int, width: int) -> int:
 
 
 @triton.jit
-def _split_sum(y_ptrs, y_mask, num_splits, y_stride_split):
-    """The sum of y's partials [<= SPLITS_IN_GEMM] at y_ptrs, in split order, all loads
-    issued at once (a GEMM epilogue's latency is its chains of loads, not their bytes)."""
-    y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    for split in tl.static_range(1, SPLITS_IN_GEMM):
-        in_splits = tl.arange(0, DELTA_CHUNK) * 0 + split < num_splits
-        y += tl.load(y_ptrs + split * y_stride_split, mask=y_mask & in_splits[None, :],
-                     other=0.0)
-    return y
-
-
-@triton.jit
-def add_gemm_deltas(acc, acc_up, y_ptr, b_ptr, token_slots_ptr, offs_m, m_mask, offs_n, n_mask,
-                    up_row0, num_splits, y_stride_split, b_stride_slot, WIDTH: tl.constexpr,
-                    GATED: tl.constexpr, FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    """A GEMM tile's fp32 sums acc [BLOCK_M, BLOCK_N] (rows offs_m, columns offs_n) plus each
-    adapter row's delta, y[row] (its <= SPLITS_IN_GEMM partials summed) @ b[slot(row), offs_n]^T; a
-    base row keeps acc's bits. GATED: acc_up too, from b's rows up_row0 on (b's up rows
-    follow its gate rows, as W's do; one y for both). A tile's rows may hold several slots: a
-    pass per slot present, each over y's WIDTH in unrolled chunks of DELTA_CHUNK (a whole
-    [BLOCK_N, WIDTH] tile of b held at once spilled registers in qkv's GEMM at rank 16)."""
+def add_delta_tile(acc, y_ptr, b_ptr, token_slots_ptr, offs_m, m_mask, offs_n, n_mask,
+                   b_row0, width, num_splits, y_stride_split, b_stride_slot,
+                   SPLITS_AT_ONCE: tl.constexpr, FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] (a GEMM's fp32 sums of rows offs_m, columns offs_n) plus each
+    adapter row's delta, y[row] (its splits summed) @ b[slot(row), b_row0 + offs_n]^T; a base
+    row keeps acc's bits. A tile's rows may hold several slots: a pass per slot present, each
+    over y's width in chunks of DELTA_CHUNK (a whole [BLOCK_N, width] tile of b held at once
+    spilled registers in qkv's GEMM at rank 16)."""
     slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1)
-    b_rows = b_ptr + offs_n[:, None] * WIDTH
+    b_rows = b_ptr + (b_row0 + offs_n)[:, None] * width
     first = tl.min(tl.where(slots >= 0, slots, 2**30))
     for slot in range(first, tl.max(slots) + 1):
         chosen = slots == slot
         if tl.sum(chosen.to(tl.int32)) > 0:
-            b_slot = b_rows + tl.cast(slot, tl.int64) * b_stride_slot
             delta = tl.zeros_like(acc)
-            delta_up = tl.zeros_like(acc)
-            for w0 in tl.static_range(0, WIDTH, DELTA_CHUNK):
+            for w0 in range(0, width, DELTA_CHUNK):
                 cols_w = w0 + tl.arange(0, DELTA_CHUNK)
-                w_mask = cols_w < WIDTH
-                y = _split_sum(y_ptr + offs_m[:, None] * WIDTH + cols_w[None, :],
-                               chosen[:, None] & w_mask[None, :], num_splits,
-                               y_stride_split).to(b_ptr.dtype.element_ty)
-                b_mask = n_mask[:, None] & w_mask[None, :]
-                b = tl.load(b_slot + cols_w[None, :], mask=b_mask, other=0.0)
-                delta = _dot(y, b, delta, FP32_IEEE, WIDEN)
-                if GATED:
-                    b_up = tl.load(b_slot + up_row0 * WIDTH + cols_w[None, :], mask=b_mask,
-                                   other=0.0)
-                    delta_up = _dot(y, b_up, delta_up, FP32_IEEE, WIDEN)
+                w_mask = cols_w < width
+                y_ptrs = y_ptr + offs_m[:, None] * width + cols_w[None, :]
+                y_mask = chosen[:, None] & w_mask[None, :]
+                y = tl.load(y_ptrs, mask=y_mask, other=0.0)
+                for split0 in range(1, num_splits, SPLITS_AT_ONCE):  # (in split order)
+                    for j in tl.static_range(SPLITS_AT_ONCE):
+                        in_splits = cols_w * 0 + split0 + j < num_splits
+                        y += tl.load(y_ptrs + (split0 + j) * y_stride_split,
+                                     mask=y_mask & in_splits[None, :], other=0.0)
+                b = tl.load(b_rows + tl.cast(slot, tl.int64) * b_stride_slot + cols_w[None, :],
+                            mask=n_mask[:, None] & w_mask[None, :], other=0.0)
+                delta = _dot(y.to(b_ptr.dtype.element_ty), b, delta, FP32_IEEE, WIDEN)
             acc = tl.where(chosen[:, None], acc + delta, acc)
-            if GATED:
-                acc_up = tl.where(chosen[:, None], acc_up + delta_up, acc_up)
+    return acc
+
+
+@triton.jit
+def add_gemm_deltas(acc, acc_up, y_ptr, b_ptr, token_slots_ptr, offs_m, m_mask, offs_n, n_mask,
+                    up_row0, width, num_splits, y_stride_split, b_stride_slot,
+                    GATED: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr,
+                    FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr):
+    """A GEMM tile's (acc, acc_up) plus the deltas (``add_delta_tile``); GATED: acc_up, the
+    up rows', takes b's rows from up_row0 on (b's up rows follow its gate rows, as W's do)."""
+    acc = add_delta_tile(acc, y_ptr, b_ptr, token_slots_ptr, offs_m, m_mask, offs_n, n_mask, 0,
+                         width, num_splits, y_stride_split, b_stride_slot, SPLITS_AT_ONCE,
+                         FP32_IEEE, WIDEN)
+    if GATED:
+        acc_up = add_delta_tile(acc_up, y_ptr, b_ptr, token_slots_ptr, offs_m, m_mask, offs_n,
+                                n_mask, up_row0, width, num_splits, y_stride_split,
+                                b_stride_slot, SPLITS_AT_ONCE, FP32_IEEE, WIDEN)
     return acc, acc_up
 
 

@@ -96,13 +96,13 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr,
     M, N, K, x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
     partial_stride_m, k_per_split,
-    lora_y_ptr, lora_b_ptr, token_slots_ptr, lora_splits, lora_y_stride_split,
+    lora_y_ptr, lora_b_ptr, token_slots_ptr, lora_width, lora_splits, lora_y_stride_split,
     lora_b_stride_slot,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
     FP32_IEEE: tl.constexpr, FP16_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_LORA: tl.constexpr,
-    LORA_WIDTH: tl.constexpr, LORA_WIDEN: tl.constexpr,
+    LORA_SPLITS_AT_ONCE: tl.constexpr, LORA_WIDEN: tl.constexpr,
 ):
     """Program (column tile, K split). GATED: W holds 2N rows (gate, then up), out silu(gate) *
     up. HAS_SCALE: W is FP8 (kernels/fp8.py). PDL: it waits for the previous kernel after its
@@ -146,8 +146,8 @@ def _skinny_gemm_kernel(
         if pid_k == 0:  # (one split's partial carries the deltas: the reduce adds them once)
             acc, acc_up = add_gemm_deltas(
                 acc, acc_up, lora_y_ptr, lora_b_ptr, token_slots_ptr, offs_m, m_mask, offs_n,
-                n_mask, N, lora_splits, lora_y_stride_split, lora_b_stride_slot, LORA_WIDTH,
-                GATED, FP32_IEEE, LORA_WIDEN)
+                n_mask, N, lora_width, lora_splits, lora_y_stride_split, lora_b_stride_slot,
+                GATED, LORA_SPLITS_AT_ONCE, FP32_IEEE, LORA_WIDEN)
     write_tile(acc, acc_up, x_ptr, bias_ptr, out_ptr, partial_ptr, pid_k, offs_m, offs_n,
                m_mask, n_mask, N, out_stride_m, partial_stride_split, partial_stride_m,
                HAS_BIAS, SPLIT_K, GATED)
@@ -184,24 +184,23 @@ def _check_lora(lora: LoraDelta | None, m: int, weight: torch.Tensor) -> None:
         return
     y, b, token_slots = lora
     if (y.dim() != 3 or y.shape[1] != m or y.dtype != torch.float32 or not y.is_contiguous()
-            or not 0 < y.shape[0] <= MAX_SPLITS_AT_ONCE
             or b.dim() != 3 or b.shape[1:] != (weight.shape[0], y.shape[2])
             or not b.is_contiguous() or token_slots.dtype != torch.int32
             or token_slots.numel() < m):
         raise ValueError(f"LoRA y {tuple(y.shape)} {y.dtype}, b {tuple(b.shape)}, "
                          f"token_slots {tuple(token_slots.shape)} do not fit {m} rows of "
-                         f"weight {tuple(weight.shape)} (y's splits at most "
-                         f"{MAX_SPLITS_AT_ONCE}: kernels/lora.py in_gemm_shrink)")
+                         f"weight {tuple(weight.shape)}")
 
 
 def _lora_operands(lora: LoraDelta | None, weight: torch.Tensor) -> tuple[list, dict]:
     """The kernel's LoRA arguments and constexprs (pointers of weight's where there is none)."""
     if lora is None:
-        return [weight, weight, weight, 0, 0, 0], dict(
-            HAS_LORA=False, LORA_WIDTH=16, LORA_WIDEN=False)
+        return [weight, weight, weight, 0, 0, 0, 0], dict(
+            HAS_LORA=False, LORA_SPLITS_AT_ONCE=1, LORA_WIDEN=False)
     y, b, token_slots = lora
-    return [y, b, token_slots, y.shape[0], y.stride(0), b.stride(0)], dict(
-        HAS_LORA=True, LORA_WIDTH=y.shape[2],
+    width = y.shape[2]
+    return [y, b, token_slots, width, y.shape[0], y.stride(0), b.stride(0)], dict(
+        HAS_LORA=True, LORA_SPLITS_AT_ONCE=MAX_SPLITS_AT_ONCE,
         LORA_WIDEN=b.device.type == "cpu" and b.dtype == torch.bfloat16)
 
 

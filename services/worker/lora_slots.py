@@ -42,7 +42,7 @@ import numpy as np
 import structlog
 import torch
 
-from kernels.lora import LoraDelta, group_rows, in_gemm_shrink, lora_expand, lora_shrink
+from kernels.lora import LoraDelta, group_rows, lora_expand, lora_shrink
 from kernels.lora_configs import LoraPlan, plan_for
 
 from services.worker.lora import (
@@ -110,8 +110,7 @@ class LinearLora:
     def delta(self, x: torch.Tensor) -> LoraDelta:
         """The shrink of x [num_tokens, in_features], launched now, and what the projection's
         GEMM needs to add the deltas in its epilogue (the expand fused: one launch less)."""
-        shrink = in_gemm_shrink(self._plan(x).shrink)  # (few partials: the GEMM sums them)
-        shrunk = lora_shrink(x, self.a, self.batch.lora_rows, shrink)
+        shrunk = lora_shrink(x, self.a, self.batch.lora_rows, self._plan(x).shrink)
         return LoraDelta(shrunk, self.b, self.batch.token_slots)
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

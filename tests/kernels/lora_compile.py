@@ -37,7 +37,7 @@ def gemm_launch(name: str, num_tokens: int, dtype: torch.dtype):
     x = torch.empty(num_tokens, in_features, dtype=torch.bfloat16)
     weight = torch.empty(out_features, in_features, dtype=dtype)
     scale = torch.empty(out_features) if dtype == FP8_DTYPE else None
-    delta = lora.LoraDelta(torch.empty(lora.MAX_SPLITS_AT_ONCE, num_tokens, width),
+    delta = lora.LoraDelta(torch.empty(8, num_tokens, width),
                            torch.empty(2, out_features, width, dtype=torch.bfloat16),
                            torch.zeros(num_tokens, dtype=torch.int32))
     if name == "gate_up":

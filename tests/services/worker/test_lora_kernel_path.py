@@ -14,12 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
-from services.worker import lora_slots, ops
+from services.worker import lora_slots
 from services.worker.config import WorkerConfig
 from shared.messages import SamplingParams
 from shared.models import ModelFiles
 from tests.cli.test_engine import TINY, hf_greedy
-from tests.services.worker.test_lora_gpu import tiny_skinny_tables
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, alpha, targets, rsLoRA)
@@ -90,21 +89,3 @@ def test_the_kernels_in_the_model_give_the_references_on_the_cpu(tiny_adapters, 
                         or shrink(x, a, rows, config))
     assert run(engine) == references
     assert launches  # (the kernels ran)
-
-
-def test_the_expand_in_the_skinny_gemm_gives_the_references_on_the_cpu(tiny_adapters,
-                                                                       monkeypatch):
-    """As above with every projection of up to 16 rows on the skinny GEMM (the interpreter):
-    its epilogue adds the deltas (qkv and o_proj, gate_up before SwiGLU, down and o_proj with
-    the norm in the reduce), the expand kernel only for larger steps."""
-    model_files, dirs, expected = tiny_adapters
-    engine = lora_engine(model_files, dirs, device="cpu", dtype="float32")
-    lora = engine.runner.lora
-    lora.batch.lora_rows = torch.zeros(1 + 2 * lora.max_num_tokens, dtype=torch.int32)
-    lora.batch.token_slots = torch.full((lora.max_num_tokens,), -1, dtype=torch.int32)
-    launches = tiny_skinny_tables(monkeypatch)  # (o_proj and down split K: the norm's path)
-    decode_sized = lambda x, *args: x.shape[0] <= 16  # noqa: E731 (CPU tensors taken)
-    for name in ("runs_skinny", "runs_skinny_gated", "runs_skinny_norm"):
-        monkeypatch.setattr(ops, name, decode_sized)
-    assert run(engine) == [expected[request] for request in REQUESTS]
-    assert {(False, True), (True, True)} <= set(launches)
