@@ -217,9 +217,9 @@ def _int_gemm_kernel(
         else:
             acc = _dequant_dot(words, s, z, acc, x_ptr, perm_ptr, offs_m, m_mask, offs_kw, K,
                                x_stride, BITS, HAS_PERM, FP32_IEEE)
-    write_tile(acc, acc, x_ptr, bias_ptr, out_ptr, partial_ptr, pid_k, offs_m, offs_n,
-               m_mask, n_mask, N, out_stride_m, partial_stride_split, partial_stride_m,
-               HAS_BIAS, SPLIT_K, False)
+    write_tile(acc, acc, x_ptr, bias_ptr, bias_ptr, out_ptr, partial_ptr, pid_k, offs_m,
+               offs_n, m_mask, n_mask, N, out_stride_m, partial_stride_split, partial_stride_m,
+               HAS_BIAS, False, SPLIT_K, False)
 
 
 def _check(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None) -> None:

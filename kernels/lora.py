@@ -40,8 +40,6 @@ default launches at the 8B's shapes spill no register (rank 64 still spills some
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 import triton
@@ -52,7 +50,6 @@ from kernels.lora_configs import ExpandConfig, ShrinkConfig, block_w, default_pl
 
 MIN_SPLIT_K = 128  # in_features a split covers at least
 MAX_SPLITS_AT_ONCE = 16  # the expand's loads of partial sums in flight together
-DELTA_CHUNK = tl.constexpr(16)  # y's columns a GEMM epilogue's delta takes at a time
 
 
 def group_rows(token_slots: np.ndarray) -> np.ndarray:
@@ -189,74 +186,6 @@ def _expand_kernel(y_ptr, b_ptr, lora_rows_ptr, out_ptr, out_features, width, nu
             tl.store(out_ptrs, (out + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-class LoraDelta(NamedTuple):
-    """A step's deltas for a projection whose GEMM adds them in its epilogue (the expand
-    fused into kernels/skinny_gemm.py): the shrink's partial sums ``y`` [num_splits,
-    num_tokens, width] fp32, the projection's slots ``b`` [max_loras, out_features, width]
-    and ``token_slots`` [>= num_tokens] int32, each row's slot (-1: a base row)."""
-
-    y: torch.Tensor
-    b: torch.Tensor
-    token_slots: torch.Tensor
-
-
-def splits_at_once(block_m: int, width: int) -> int:
-    """Partial sums an expand loads in flight together: all of decode's small tiles, fewer
-    of large ones."""
-    return max(1, min(MAX_SPLITS_AT_ONCE, 16384 // (block_m * block_w(width))))
-
-
-@triton.jit
-def add_delta_tile(acc, y_ptr, b_ptr, token_slots_ptr, offs_m, m_mask, offs_n, n_mask,
-                   b_row0, width, num_splits, y_stride_split, b_stride_slot,
-                   SPLITS_AT_ONCE: tl.constexpr, FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] (a GEMM's fp32 sums of rows offs_m, columns offs_n) plus each
-    adapter row's delta, y[row] (its splits summed) @ b[slot(row), b_row0 + offs_n]^T; a base
-    row keeps acc's bits. A tile's rows may hold several slots: a pass per slot present, each
-    over y's width in chunks of DELTA_CHUNK (a whole [BLOCK_N, width] tile of b held at once
-    spilled registers in qkv's GEMM at rank 16)."""
-    slots = tl.load(token_slots_ptr + offs_m, mask=m_mask, other=-1)
-    b_rows = b_ptr + (b_row0 + offs_n)[:, None] * width
-    first = tl.min(tl.where(slots >= 0, slots, 2**30))
-    for slot in range(first, tl.max(slots) + 1):
-        chosen = slots == slot
-        if tl.sum(chosen.to(tl.int32)) > 0:
-            delta = tl.zeros_like(acc)
-            for w0 in range(0, width, DELTA_CHUNK):
-                cols_w = w0 + tl.arange(0, DELTA_CHUNK)
-                w_mask = cols_w < width
-                y_ptrs = y_ptr + offs_m[:, None] * width + cols_w[None, :]
-                y_mask = chosen[:, None] & w_mask[None, :]
-                y = tl.load(y_ptrs, mask=y_mask, other=0.0)
-                for split0 in range(1, num_splits, SPLITS_AT_ONCE):  # (in split order)
-                    for j in tl.static_range(SPLITS_AT_ONCE):
-                        in_splits = cols_w * 0 + split0 + j < num_splits
-                        y += tl.load(y_ptrs + (split0 + j) * y_stride_split,
-                                     mask=y_mask & in_splits[None, :], other=0.0)
-                b = tl.load(b_rows + tl.cast(slot, tl.int64) * b_stride_slot + cols_w[None, :],
-                            mask=n_mask[:, None] & w_mask[None, :], other=0.0)
-                delta = _dot(y.to(b_ptr.dtype.element_ty), b, delta, FP32_IEEE, WIDEN)
-            acc = tl.where(chosen[:, None], acc + delta, acc)
-    return acc
-
-
-@triton.jit
-def add_gemm_deltas(acc, acc_up, y_ptr, b_ptr, token_slots_ptr, offs_m, m_mask, offs_n, n_mask,
-                    up_row0, width, num_splits, y_stride_split, b_stride_slot,
-                    GATED: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr,
-                    FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr):
-    """A GEMM tile's (acc, acc_up) plus the deltas (``add_delta_tile``); GATED: acc_up, the
-    up rows', takes b's rows from up_row0 on (b's up rows follow its gate rows, as W's do)."""
-    acc = add_delta_tile(acc, y_ptr, b_ptr, token_slots_ptr, offs_m, m_mask, offs_n, n_mask, 0,
-                         width, num_splits, y_stride_split, b_stride_slot, SPLITS_AT_ONCE,
-                         FP32_IEEE, WIDEN)
-    if GATED:
-        acc_up = add_delta_tile(acc_up, y_ptr, b_ptr, token_slots_ptr, offs_m, m_mask, offs_n,
-                                n_mask, up_row0, width, num_splits, y_stride_split,
-                                b_stride_slot, SPLITS_AT_ONCE, FP32_IEEE, WIDEN)
-    return acc, acc_up
-
-
 def shrink_splits(num_tokens: int, in_features: int, config: ShrinkConfig) -> tuple[int, int]:
     """(num_splits, split_len): enough programs to spread A's read over the GPU when the
     rows make few tiles (config.target_programs), each split a multiple of block_k and at
@@ -318,14 +247,17 @@ def lora_expand(y: torch.Tensor, b: torch.Tensor, lora_rows: torch.Tensor,
         raise ValueError(f"b {tuple(b.shape)}, out {tuple(out.shape)} do not fit y "
                          f"{tuple(y.shape)}")
     config = config or default_plan(num_tokens, width).expand
+    tile_w = block_w(width)
+    # partial sums in flight together: all of decode's small tiles, fewer of large ones
+    splits_at_once = max(1, min(MAX_SPLITS_AT_ONCE, 16384 // (config.block_m * tile_w)))
     if num_tokens:
         _expand_kernel[(triton.cdiv(num_tokens, config.block_m),
                         triton.cdiv(out_features, config.block_n))](
             y, b, lora_rows, out, out_features, width, num_splits, _max_pairs(lora_rows),
             y.stride(0), out.stride(0), b.stride(0), FP32_IEEE=b.dtype == torch.float32,
-            WIDEN=_widen(b), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            BLOCK_W=block_w(width), SPLITS_AT_ONCE=splits_at_once(config.block_m, width),
-            num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())
+            WIDEN=_widen(b), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_W=tile_w,
+            SPLITS_AT_ONCE=splits_at_once, num_warps=config.num_warps,
+            num_stages=config.num_stages, **pdl.launch_options())
     return out
 
 

@@ -31,10 +31,6 @@ tail of one launch. This kernel is a plain weight stream.
   launches a row, so the result is bitwise the two ops' and the norm's own launch goes. The
   worker takes it wherever ``serves_add_rms_norm`` holds (on one H200, batch-1 decode of
   Llama-3.1-8B 4.62 -> 4.55 ms/token in two alternating pairs).
-- LoRA (``lora``, kernels/lora.py's ``LoraDelta``): the expand in the epilogue. After the
-  weight scales, split 0's program adds each adapter row's ``y @ b[slot]^T`` for its columns
-  (gated: to gate and up before SwiGLU); a base row keeps its bits. A decode step with an
-  adapter then runs the shrink and this launch, not the shrink, the GEMM and the expand.
 - FP8 weights (``--quantization fp8``, kernels/fp8.py): each tile is read as FP8 and widened to
   fp16 for the product (``fp16_dot``; with fp16 or fp32 x, to x's dtype), and a column's sum
   is multiplied by its weight scale: half the bytes a decode step streams, x unrounded.
@@ -60,9 +56,8 @@ import triton.language as tl
 from kernels import pdl, split_reduce
 from kernels.fp8 import FP8_DTYPE, dequantize_per_channel
 from kernels.rms_norm import MAX_SINGLE_PASS
-from kernels.lora import MAX_SPLITS_AT_ONCE, LoraDelta, add_gemm_deltas
 from kernels.skinny_tiles import (first_tile_then_wait, row_and_column_tile, tile_dot,
-                                  tile_masks, times_weight_scales, write_tile)
+                                  tile_masks, write_tile)
 from kernels.skinny_configs import (CONFIGS, FP8_CONFIGS, FP8_GATED_CONFIGS,  # noqa: F401
                                     GATED_CONFIGS, SkinnyConfig, config_for, default_config,
                                     gated_config_for, gated_table, table)
@@ -96,17 +91,14 @@ def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr,
     M, N, K, x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
     partial_stride_m, k_per_split,
-    lora_y_ptr, lora_b_ptr, token_slots_ptr, lora_width, lora_splits, lora_y_stride_split,
-    lora_b_stride_slot,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
     FP32_IEEE: tl.constexpr, FP16_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr, HAS_LORA: tl.constexpr,
-    LORA_SPLITS_AT_ONCE: tl.constexpr, LORA_WIDEN: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (column tile, K split). GATED: W holds 2N rows (gate, then up), out silu(gate) *
-    up. HAS_SCALE: W is FP8 (kernels/fp8.py). PDL: it waits for the previous kernel after its
-    first weight tile (kernels/pdl.py). HAS_LORA: split 0 adds LoRA deltas (kernels/lora.py)."""
+    up. HAS_SCALE: W is FP8, each row's sum times its scale (kernels/fp8.py). PDL: it waits
+    for the previous kernel after its first weight tile (kernels/pdl.py)."""
     pid_m, pid_n = row_and_column_tile(M, BLOCK_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -140,17 +132,9 @@ def _skinny_gemm_kernel(
             acc_up = tile_dot(x, w_up, acc_up, FP32_IEEE, FP16_DOT)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    acc, acc_up = times_weight_scales(acc, acc_up, scale_ptr, offs_n, n_mask, N, HAS_SCALE,
-                                      GATED)
-    if HAS_LORA:
-        if pid_k == 0:  # (one split's partial carries the deltas: the reduce adds them once)
-            acc, acc_up = add_gemm_deltas(
-                acc, acc_up, lora_y_ptr, lora_b_ptr, token_slots_ptr, offs_m, m_mask, offs_n,
-                n_mask, N, lora_width, lora_splits, lora_y_stride_split, lora_b_stride_slot,
-                GATED, LORA_SPLITS_AT_ONCE, FP32_IEEE, LORA_WIDEN)
-    write_tile(acc, acc_up, x_ptr, bias_ptr, out_ptr, partial_ptr, pid_k, offs_m, offs_n,
-               m_mask, n_mask, N, out_stride_m, partial_stride_split, partial_stride_m,
-               HAS_BIAS, SPLIT_K, GATED)
+    write_tile(acc, acc_up, x_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr, pid_k, offs_m,
+                offs_n, m_mask, n_mask, N, out_stride_m, partial_stride_split, partial_stride_m,
+                HAS_BIAS, HAS_SCALE, SPLIT_K, GATED)
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -179,38 +163,12 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
     return k_per_split, triton.cdiv(k, k_per_split)
 
 
-def _check_lora(lora: LoraDelta | None, m: int, weight: torch.Tensor) -> None:
-    if lora is None:
-        return
-    y, b, token_slots = lora
-    if (y.dim() != 3 or y.shape[1] != m or y.dtype != torch.float32 or not y.is_contiguous()
-            or b.dim() != 3 or b.shape[1:] != (weight.shape[0], y.shape[2])
-            or not b.is_contiguous() or token_slots.dtype != torch.int32
-            or token_slots.numel() < m):
-        raise ValueError(f"LoRA y {tuple(y.shape)} {y.dtype}, b {tuple(b.shape)}, "
-                         f"token_slots {tuple(token_slots.shape)} do not fit {m} rows of "
-                         f"weight {tuple(weight.shape)}")
-
-
-def _lora_operands(lora: LoraDelta | None, weight: torch.Tensor) -> tuple[list, dict]:
-    """The kernel's LoRA arguments and constexprs (pointers of weight's where there is none)."""
-    if lora is None:
-        return [weight, weight, weight, 0, 0, 0, 0], dict(
-            HAS_LORA=False, LORA_SPLITS_AT_ONCE=1, LORA_WIDEN=False)
-    y, b, token_slots = lora
-    width = y.shape[2]
-    return [y, b, token_slots, width, y.shape[0], y.stride(0), b.stride(0)], dict(
-        HAS_LORA=True, LORA_SPLITS_AT_ONCE=MAX_SPLITS_AT_ONCE,
-        LORA_WIDEN=b.device.type == "cpu" and b.dtype == torch.bfloat16)
-
-
 def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None, out: torch.Tensor | None,
-                 config: SkinnyConfig, gated: bool, lora: LoraDelta | None = None
-                 ) -> torch.Tensor | None:
+                 config: SkinnyConfig, gated: bool) -> torch.Tensor | None:
     """The GEMM launch alone: when K is split, the fp32 partials [split_k, M, N] with the
     bias not added (``out`` [M, N], which may then be None, is not written); else None, out
-    written (bias in). ``lora``: the deltas its epilogue adds (kernels/lora.py)."""
+    written (bias in)."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     k_per_split, split_k = _split(k, config)
@@ -222,35 +180,32 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if split_k == 1:
             raise ValueError(f"{config} does not split K = {k}: the GEMM needs an out")
         out = x  # a pointer of x's dtype, never written: split launches write the partials
-    _check_lora(lora, m, weight)
-    lora_args, lora_constexprs = _lora_operands(lora, weight)
     _skinny_gemm_kernel[(num_tiles * triton.cdiv(m, MAX_M), split_k)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, partial,
         m, n, k, x.stride(0), weight.stride(0), n * weight.stride(0) if gated else 0,
         out.stride(0),
         partial.stride(0) if split_k > 1 else 0, partial.stride(1) if split_k > 1 else 0,
-        k_per_split, *lora_args,
+        k_per_split,
         HAS_BIAS=bias is not None and split_k == 1, HAS_SCALE=weight_scale is not None,
         EVEN_K=k % config.block_k == 0,
         FP32_IEEE=x.dtype == torch.float32,
         FP16_DOT=weight.dtype == FP8_DTYPE and x.dtype == torch.bfloat16,
         SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **lora_constexprs,
-        **pdl.launch_options(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
     )
     return partial if split_k > 1 else None
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight_scale: torch.Tensor | None, out: torch.Tensor, config: SkinnyConfig,
-            gated: bool, norm: tuple | None = None, lora: LoraDelta | None = None) -> None:
+            gated: bool, norm: tuple | None = None) -> None:
     """One launch writing out [M, N] (N = weight rows, or half of them when gated), and the
     reduce when K is split; ``weight_scale`` [weight rows] with an FP8 weight. With ``norm`` =
     (residual, norm_weight, eps) (split K only) the reduce adds each row to the residual, in
-    place, and writes its RMSNorm to out instead. ``lora``: deltas added to the sums."""
-    partial = _launch_gemm(x, weight, bias, weight_scale, out, config, gated, lora)
+    place, and writes its RMSNorm to out instead."""
+    partial = _launch_gemm(x, weight, bias, weight_scale, out, config, gated)
     split_k = partial.shape[0] if partial is not None else 1
     if split_k > 1 and norm is not None:
         residual, norm_weight, eps = norm
@@ -300,15 +255,12 @@ def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
-                weight_scale: torch.Tensor | None = None, lora: LoraDelta | None = None
-                ) -> torch.Tensor:
+                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K] (last dim contiguous; any M, in tiles of MAX_M rows), weight: [N, K]
     contiguous, bias: [N] or None -> [M, N] in x's dtype. ``config``: the launch (default:
     ``config_for(N, K)``). An FP8 weight comes with ``weight_scale`` [N] fp32 (per output
     channel, kernels/fp8.py). ``out`` may be fp32 for bf16/fp16 x: the values rounded to x's
-    dtype, stored widened (logits straight into an fp32 buffer, no conversion launch).
-    ``lora``: each adapter row's LoRA delta added to its sums before the rounding (the
-    expand in the epilogue; kernels/lora.py ``LoraDelta``)."""
+    dtype, stored widened (logits straight into an fp32 buffer, no conversion launch)."""
     _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
@@ -319,25 +271,23 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                          "last dim")
     if m == 0 or n == 0:
         return out
-    if k == 0 and lora is None:
+    if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     _launch(x, weight, bias, weight_scale, out, config or config_for(n, k, weight.dtype),
-            gated=False, lora=lora)
+            gated=False)
     return out
 
 
 def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              config: SkinnyConfig | None = None,
-                             weight_scale: torch.Tensor | None = None,
-                             lora: LoraDelta | None = None
+                             weight_scale: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm(skinny_gemm(x, weight, bias), norm_weight, eps, residual)`` with the add and the
     norm in the split-K reduce, bitwise the same: x [M, K], weight [N, K], residual [M, N]
     (last dim contiguous; ``residual += y`` in place), norm_weight [N], all of x's dtype ->
     (normed [M, N], residual). ``config`` (default ``config_for(N, K)``) must split K and N be
-    at most kernels/rms_norm.py's MAX_SINGLE_PASS. An FP8 weight comes with ``weight_scale``;
-    ``lora`` as ``skinny_gemm``'s, in the projection before the add."""
+    at most kernels/rms_norm.py's MAX_SINGLE_PASS. An FP8 weight comes with ``weight_scale``."""
     _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
@@ -354,21 +304,19 @@ def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m > 0 and n > 0:
         _launch(x, weight, bias, weight_scale, out, config, gated=False,
-                norm=(residual, norm_weight, eps), lora=lora)
+                norm=(residual, norm_weight, eps))
     return out, residual
 
 
 def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
                              bias: torch.Tensor | None = None,
                              config: SkinnyConfig | None = None,
-                             weight_scale: torch.Tensor | None = None,
-                             lora: LoraDelta | None = None) -> torch.Tensor:
+                             weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU of a fused gate_up projection in one launch: x [M, K], weight [2 * d, K] (gate
     rows then up rows), bias [2 * d] or None -> [M, d] = silu(gate) * up, rounded as
     ``silu_and_mul(skinny_gemm(x, weight, bias))`` rounds it (bitwise the same).
     ``config``: its block_n counts output columns (default: ``gated_config_for(2 * d, K)``).
-    An FP8 weight comes with ``weight_scale`` [2 * d]; ``lora`` (b over the 2 * d rows) adds
-    the deltas to gate and up before SwiGLU."""
+    An FP8 weight comes with ``weight_scale`` [2 * d]."""
     _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     d = weight.shape[0] // 2
@@ -379,7 +327,7 @@ def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
         raise ValueError("the gated GEMM does not split K")
     out = torch.empty(m, d, dtype=x.dtype, device=x.device)
     if m > 0 and d > 0:
-        _launch(x, weight, bias, weight_scale, out, config, gated=True, lora=lora)
+        _launch(x, weight, bias, weight_scale, out, config, gated=True)
     return out
 
 

@@ -1,8 +1,8 @@
 """The skinny GEMM's steps on a program's tile (Triton device functions, inlined into
 kernels/skinny_gemm.py's ``_skinny_gemm_kernel``, which says what the kernel does): which
 tile a program takes, the masks of a K tile, the product on the tensor cores (FP8 weights
-widened, or multiplied in fp16), the first tile around the PDL wait, the weight scales and
-the tile written (bias, SwiGLU, the rounding; or an fp32 partial of a K split)."""
+widened, or multiplied in fp16), the first tile around the PDL wait, and the tile written
+(weight scales, bias, SwiGLU, the rounding; or an fp32 partial of a K split)."""
 
 from __future__ import annotations
 
@@ -56,16 +56,12 @@ def fp16_dot(x, w, acc):
 
 
 @triton.jit
-def times_weight_scales(acc, acc_up, scale_ptr, offs_n, n_mask, N, HAS_SCALE: tl.constexpr,
-                        GATED: tl.constexpr):
-    """With HAS_SCALE (an FP8 weight), each column's sum times its weight scale (gated: the
-    up rows' scales follow the gate rows'). Per output channel, so scaling each split's
-    partial scales their sum."""
+def times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE: tl.constexpr):
+    """With HAS_SCALE (an FP8 weight), each column's sum times its weight scale.
+    Per output channel, so scaling each split's partial scales their sum."""
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-        if GATED:
-            acc_up *= tl.load(scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
-    return acc, acc_up
+    return acc
 
 
 @triton.jit
@@ -110,11 +106,15 @@ def first_tile_then_wait(w_ptrs, x_ptrs, up_offset, k_start, offs_k, k_end, m_ma
 
 
 @triton.jit
-def write_tile(acc, acc_up, x_ptr, bias_ptr, out_ptr, partial_ptr, pid_k, offs_m,
+def write_tile(acc, acc_up, x_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr, pid_k, offs_m,
                 offs_n, m_mask, n_mask, N, out_stride_m, partial_stride_split, partial_stride_m,
-                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, GATED: tl.constexpr):
-    """The program's tile of sums (weight scales applied), written: with K split as an fp32
-    partial (kernels/split_reduce.py adds them), else biased, gated and rounded."""
+                HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, SPLIT_K: tl.constexpr,
+                GATED: tl.constexpr):
+    """The program's tile of sums, times the weight scales (FP8), written: with K split as
+    an fp32 partial (kernels/split_reduce.py adds them), else biased, gated and rounded."""
+    acc = times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE)
+    if GATED:  # the up rows' scales follow the gate rows'
+        acc_up = times_weight_scale(acc_up, scale_ptr + N, offs_n, n_mask, HAS_SCALE)
     out_mask = m_mask[:, None] & n_mask[None, :]
     out_ptrs = out_ptr + offs_m[:, None] * out_stride_m + offs_n[None, :]
     if SPLIT_K > 1:  # an fp32 partial per split; kernels/split_reduce.py adds them

@@ -3,11 +3,9 @@ per-channel scales, summed over tensor-parallel ranks where it is row-parallel),
 into the residual stream with the norm after it (``add_rms_norm``), and the SwiGLU MLP. model.py
 builds attention and layers from them; moe.py its sparse blocks (Qwen2-MoE's shared expert is an
 ``MLP``). A LoRA-targeted ``Linear`` adds its adapters' deltas (``lora``, lora_slots.py);
-where the skinny GEMM runs a projection at the step's size the GEMM adds them in its epilogue
-(the shrink launched just before, ``LinearLora.delta``), fused ops included; elsewhere the
-fused projection-and-SiLU path runs as the projection, then the op after it, so the deltas
-are in before it; so does projection-and-norm on the torch path, while the kernels add the
-deltas to its residual and keep it fused."""
+in a step with adapter rows the fused projection-and-SiLU path runs as the projection, then
+the op after it, so the deltas are in before it; so does projection-and-norm on the torch
+path, while the kernels add the deltas to its residual and keep it fused."""
 
 from __future__ import annotations
 
@@ -69,16 +67,10 @@ class Linear(nn.Linear):
                          self.int_layout.bits, self.int_layout.group_size, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, lora = self.kernel_weight, self.lora
-        if lora is not None and lora.in_gemm and ops.runs_skinny(x, weight,
-                                                                 self.batch_invariant):
-            out = ops.linear(x, weight, self.bias, self.weight_scale,
-                             batch_invariant=self.batch_invariant, lora=lora.delta(x))
-        else:
-            out = ops.linear(x, weight, self.bias, self.weight_scale,
-                             batch_invariant=self.batch_invariant)
-            if lora is not None:
-                out = lora.add(x, out)
+        out = ops.linear(x, self.kernel_weight, self.bias, self.weight_scale,
+                         batch_invariant=self.batch_invariant)
+        if self.lora is not None:
+            out = self.lora.add(x, out)
         return out if self.reduce is None else self.reduce.all_reduce(out)
 
 
@@ -89,16 +81,12 @@ def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RM
     tensor parallel."""
     if proj.reduce is not None:
         return proj.reduce.linear_add_rms_norm(x, proj, residual, norm)
-    weight, lora, delta = proj.kernel_weight, proj.lora, None
-    if lora is not None and lora.active:  # the deltas go in before the norm
-        if lora.in_gemm and ops.runs_skinny_norm(x, weight, residual, norm.weight):
-            delta = lora.delta(x)  # (added by the GEMM's epilogue)
-        elif not lora.kernels:
+    if proj.lora is not None and proj.lora.active:  # the deltas go in before the norm
+        if not proj.lora.kernels:
             return norm(proj(x), residual)
-        else:  # (the kernels add them to the residual: the op stays fused)
-            lora.add(x, residual)
-    return ops.linear_add_rms_norm(x, weight, proj.bias, residual, norm.weight, norm.eps,
-                                   proj.weight_scale, proj.batch_invariant, lora=delta)
+        proj.lora.add(x, residual)  # (the kernels add them to the residual: the op stays fused)
+    return ops.linear_add_rms_norm(x, proj.kernel_weight, proj.bias, residual, norm.weight,
+                                   norm.eps, proj.weight_scale, proj.batch_invariant)
 
 
 class MLP(nn.Module):
@@ -117,11 +105,8 @@ class MLP(nn.Module):
 
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of gate_up: [num_tokens, hidden_size] -> [num_tokens, intermediate_size]."""
-        up, delta = self.gate_up_proj, None
+        up = self.gate_up_proj
         if up.lora is not None and up.lora.active:  # the deltas go in before SiLU-and-mul
-            if not (up.lora.in_gemm and ops.runs_skinny_gated(x, up.kernel_weight,
-                                                               up.batch_invariant)):
-                return ops.silu_and_mul(up(x))
-            delta = up.lora.delta(x)  # (added to gate and up by the GEMM's epilogue)
+            return ops.silu_and_mul(up(x))
         return ops.linear_silu_and_mul(x, up.kernel_weight, up.bias, up.weight_scale,
-                                       up.batch_invariant, lora=delta)
+                                       up.batch_invariant)

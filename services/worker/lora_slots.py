@@ -17,10 +17,8 @@ columns [p*max_rank, p*max_rank + r); everything else is exact zeros, so a small
 untargeted part adds exactly nothing. The scaling is folded into B.
 
 On CUDA the deltas are kernels/lora.py's shrink and expand, one launch each per projection,
-over the step's adapter rows grouped by slot; where the skinny GEMM runs the projection
-(decode-sized steps) it does the expand in its epilogue, reading each row's slot from
-``token_slots``. The runner's ``begin`` writes both (``lora_rows``, that module's layout) into
-static device buffers the holder keeps, so a CUDA graph
+over the step's adapter rows grouped by slot: the runner's ``begin`` writes them (``lora_rows``,
+that module's layout) into one static device buffer the holder keeps, so a CUDA graph
 captured with LoRA active (``capturing``: cuda_graphs.py keeps a second set of graphs) serves
 any step with adapter rows; a step without any runs the graphs captured without LoRA, the
 same kernels as with LoRA off. On the CPU (and with ``lora_rows`` None) the segments above
@@ -42,7 +40,7 @@ import numpy as np
 import structlog
 import torch
 
-from kernels.lora import LoraDelta, group_rows, lora_expand, lora_shrink
+from kernels.lora import group_rows, lora_expand, lora_shrink
 from kernels.lora_configs import LoraPlan, plan_for
 
 from services.worker.lora import (
@@ -69,14 +67,11 @@ class LoraBatch:
     """The holder the model's ``LinearLora``s share. ``active``: the step in progress has
     adapter rows (or a capture holds the deltas); ``step``: its segments (None between steps
     and in steps without adapter rows); ``lora_rows``: CUDA, the static buffer [1 + 2 *
-    max_num_tokens] int32 the kernels read (None: the segments' torch ops); ``token_slots``:
-    CUDA, [max_num_tokens] int32, each row's slot (-1: base), read by a GEMM's epilogue."""
+    max_num_tokens] int32 the kernels read (None: the segments' torch ops)."""
 
-    def __init__(self, lora_rows: torch.Tensor | None = None,
-                 token_slots: torch.Tensor | None = None) -> None:
+    def __init__(self, lora_rows: torch.Tensor | None = None) -> None:
         self.step: LoraStep | None = None
         self.lora_rows = lora_rows
-        self.token_slots = token_slots
         self.active = False
 
 
@@ -100,18 +95,6 @@ class LinearLora:
         """The deltas come from kernels/lora.py, added into any tensor of out's shape (a
         fused op's residual may take them); else the segments' torch ops."""
         return self.batch.lora_rows is not None
-
-    @property
-    def in_gemm(self) -> bool:
-        """The step has adapter rows and kernels: a skinny GEMM may add the deltas (``delta``)."""
-        return (self.batch.active and self.batch.lora_rows is not None
-                and self.batch.token_slots is not None)
-
-    def delta(self, x: torch.Tensor) -> LoraDelta:
-        """The shrink of x [num_tokens, in_features], launched now, and what the projection's
-        GEMM needs to add the deltas in its epilogue (the expand fused: one launch less)."""
-        shrunk = lora_shrink(x, self.a, self.batch.lora_rows, self._plan(x).shrink)
-        return LoraDelta(shrunk, self.b, self.batch.token_slots)
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features], out [num_tokens, out_features]: out plus each
@@ -203,13 +186,8 @@ class LoraSlots:
         self.tp = model.tp
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.max_num_tokens, self.staging, self.device = max_num_tokens, staging, device
-        cuda = device.type == "cuda"
-        self.batch = LoraBatch(
-            torch.zeros(1 + 2 * max_num_tokens, dtype=torch.int32, device=device) if cuda
-            else None,
-            torch.full((max_num_tokens,), -1, dtype=torch.int32, device=device) if cuda
-            else None)
-        self.slots_written = 0  # token_slots' rows a step may have left >= 0
+        self.batch = LoraBatch(torch.zeros(1 + 2 * max_num_tokens, dtype=torch.int32,
+                                           device=device) if device.type == "cuda" else None)
         attach_linear_loras(model, self.batch, max_loras, max_rank, device, dtype)
         self.layers = list(model.layers)
         self.paths: dict[str, str] = {}  # registered key -> directory
@@ -237,8 +215,6 @@ class LoraSlots:
         """LoRA active over no adapter rows (the kernels launch and add nothing): the graphs
         captured inside replay any step's rows from ``lora_rows``."""
         self.batch.lora_rows[:1].zero_()
-        self.batch.token_slots.fill_(-1)
-        self.slots_written = 0
         self.batch.active = True
         try:
             yield
@@ -330,21 +306,15 @@ class LoraSlots:
         if num_tokens > self.max_num_tokens:
             raise ValueError(f"a LoRA step of {num_tokens} tokens, more than max_num_tokens "
                              f"{self.max_num_tokens}")
-        # [num_tokens, and the rows an earlier step set past them]: a graph's padded rows
-        # stay base rows
-        token_slots = np.full(max(num_tokens, self.slots_written), -1, np.int32)
+        token_slots = np.full(num_tokens, -1, np.int32)  # [num_tokens]
         for slot, first, end in segments:
             token_slots[first:end] = slot
-        self.slots_written = num_tokens
         grouped = group_rows(token_slots)  # [1 + 2 * num adapter rows]
         if self.staging is not None:
-            grouped_on_device, slots_on_device = self.staging.to_device([grouped, token_slots],
-                                                                        np.int32)
+            source = self.staging.to_device([grouped], np.int32)[0]
         else:
-            grouped_on_device = torch.from_numpy(grouped).to(self.device)
-            slots_on_device = torch.from_numpy(token_slots).to(self.device)
-        self.batch.lora_rows[:len(grouped)].copy_(grouped_on_device)
-        self.batch.token_slots[:len(token_slots)].copy_(slots_on_device)
+            source = torch.from_numpy(grouped).to(self.device)
+        self.batch.lora_rows[:len(grouped)].copy_(source)
 
     def end(self) -> None:
         self.batch.step = None

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from kernels import (activation, fp8, int_gemm, kv_cache, paged_attention, paged_attention_ref,
                      rms_norm as rms_norm_kernels, rotary, sampling, skinny_gemm)
 from kernels.int_pack import IntWeight, int_gemm_ref
-from kernels.lora import LoraDelta
 from services.worker import cpu_attention
 
 # ``batch_invariant`` (--batch-invariant, held by the model: ModelConfig.batch_invariant and
@@ -22,40 +21,9 @@ from services.worker import cpu_attention
 # never changes with batching or speculation
 
 
-def runs_skinny(x: torch.Tensor, weight: torch.Tensor | IntWeight,
-                batch_invariant: bool = False) -> bool:
-    """Whether ``linear`` runs x on the skinny GEMM, which adds LoRA deltas in its epilogue."""
-    return (isinstance(weight, torch.Tensor) and x.is_cuda and x.dim() == 2
-            and x.stride(1) == 1 and (skinny_gemm.serves(x.shape[0], weight)
-                                      or (batch_invariant and skinny_gemm.takes(weight))))
-
-
-def runs_skinny_gated(x: torch.Tensor, weight: torch.Tensor | IntWeight,
-                      batch_invariant: bool = False) -> bool:
-    """Whether ``linear_silu_and_mul`` runs x as one skinny launch (SwiGLU in its epilogue)."""
-    # (not under --batch-invariant: the gated launch's config may tile K otherwise than the
-    # plain launch's at rows it does not serve)
-    return (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and not batch_invariant
-            and isinstance(weight, torch.Tensor)
-            and skinny_gemm.serves_gated(x.shape[0], weight))
-
-
-def runs_skinny_norm(x: torch.Tensor, weight: torch.Tensor | IntWeight,
-                     residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-    """Whether ``linear_add_rms_norm`` runs x on the skinny GEMM with the norm in its reduce."""
-    return (isinstance(weight, torch.Tensor) and x.dim() == 2 and x.stride(1) == 1
-            and norm_in_reduce(x.shape[0], weight, residual, norm_weight))
-
-
-def _no_lora(lora: LoraDelta | None) -> None:
-    if lora is not None:
-        raise ValueError("LoRA deltas are added by the skinny GEMM only (ops.runs_skinny*)")
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor | IntWeight,
            bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, batch_invariant: bool = False,
-           lora: LoraDelta | None = None) -> torch.Tensor:
+           out: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
     """x [num_tokens, in_features] -> [num_tokens, out_features], as nn.Linear. Decode-sized
     batches of the shapes the skinny GEMM was measured faster on take it (batch invariant up
     to its row bound); everything else, and the CPU, F.linear. An FP8 weight comes with its
@@ -63,13 +31,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | IntWeight,
     (``int_linear``). Under ``batch_invariant`` every CUDA projection takes the skinny GEMM
     (a packed one the int GEMM's decode launch). ``out``: written and returned, in x's dtype
     or fp32 (the result's values either way; the skinny GEMM stores fp32 without another
-    launch). ``lora``: LoRA deltas, where ``runs_skinny`` holds (kernels/lora.py)."""
-    if runs_skinny(x, weight, batch_invariant):
-        return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale, out=out,
-                                       lora=lora)
-    _no_lora(lora)
+    launch)."""
     if isinstance(weight, IntWeight):
         return int_linear(x, weight, bias, out, batch_invariant)
+    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and (
+            skinny_gemm.serves(x.shape[0], weight)
+            or (batch_invariant and skinny_gemm.takes(weight))):
+        return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale, out=out)
     if weight_scale is not None:
         result = fp8_linear(x, weight, weight_scale, bias)
     else:
@@ -108,16 +76,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor | IntWeight,
                         bias: torch.Tensor | None = None,
                         weight_scale: torch.Tensor | None = None,
-                        batch_invariant: bool = False,
-                        lora: LoraDelta | None = None) -> torch.Tensor:
+                        batch_invariant: bool = False) -> torch.Tensor:
     """SwiGLU of the fused gate_up projection: x [num_tokens, in_features], weight
     [2 * intermediate_size, in_features] -> [num_tokens, intermediate_size]. Where the skinny
-    GEMM serves it, one launch with SwiGLU in its epilogue (bitwise the two ops), which adds
-    ``lora``'s deltas (only there: ``runs_skinny_gated``)."""
-    if runs_skinny_gated(x, weight, batch_invariant):
-        return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias, weight_scale=weight_scale,
-                                                    lora=lora)
-    _no_lora(lora)
+    GEMM serves it, one launch with SwiGLU in its epilogue (bitwise the two ops)."""
+    # (not under --batch-invariant: the gated launch's config may tile K otherwise than the
+    # plain launch's at rows it does not serve)
+    if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and not batch_invariant
+            and isinstance(weight, torch.Tensor)
+            and skinny_gemm.serves_gated(x.shape[0], weight)):
+        return skinny_gemm.skinny_gemm_silu_and_mul(x, weight, bias, weight_scale=weight_scale)
     return silu_and_mul(linear(x, weight, bias, weight_scale, batch_invariant=batch_invariant))
 
 
@@ -140,21 +108,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor | IntWeight,
                         bias: torch.Tensor | None,
                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight_scale: torch.Tensor | None = None, batch_invariant: bool = False,
-                        lora: LoraDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        weight_scale: torch.Tensor | None = None, batch_invariant: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """A projection into the residual stream and the RMSNorm after it: x [num_tokens,
     in_features] -> (norm(linear(x) + residual), linear(x) + residual), the sum written into
     residual [num_tokens, out_features] in place. Where ``norm_in_reduce`` holds, the add and
     the norm run in the skinny GEMM's split-K reduce (bitwise the two ops, one launch less);
-    everywhere else, the two ops. ``lora``: deltas in the projection (``runs_skinny_norm``)."""
-    if runs_skinny_norm(x, weight, residual, norm_weight):
-        return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps,
-                                                    weight_scale=weight_scale, lora=lora)
-    _no_lora(lora)
+    everywhere else, the two ops."""
     if isinstance(weight, IntWeight) and x.dim() == 2 and norm_in_reduce(
             x.shape[0], weight, residual, norm_weight):
         return int_gemm.int_gemm_add_rms_norm(x if x.stride(1) == 1 else x.contiguous(),
                                               weight, bias, residual, norm_weight, eps)
+    if x.dim() == 2 and x.stride(1) == 1 and norm_in_reduce(x.shape[0], weight, residual,
+                                                            norm_weight):
+        return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps,
+                                                    weight_scale=weight_scale)
     return rms_norm(linear(x, weight, bias, weight_scale, batch_invariant=batch_invariant),
                     norm_weight, eps, residual)
 

@@ -1,6 +1,5 @@
-"""Compile the LoRA kernels' launches (kernels/lora.py, and the skinny GEMM with the expand in
-its epilogue at decode's row buckets) for sm_90 as the worker makes them, at Llama-3.1-8B's
-projections (rank 16 on all seven, and rank 64 on q/k/v): no GPU needed, only
+"""Compile the LoRA kernels' launches (kernels/lora.py) for sm_90 as the worker makes them, at
+Llama-3.1-8B's projections (rank 16 on all seven, and rank 64 on q/k/v): no GPU needed, only
 Triton without TRITON_INTERPRET (tests/kernels/test_lora_compile.py runs it in a subprocess).
 Per distinct launch: the shared memory it asks for and, from the SASS (nvdisasm from
 Triton's wheel), its register spills and tensor-core instructions. Prints one JSON object.
@@ -15,8 +14,7 @@ import sys
 
 import torch
 
-from kernels import lora, skinny_gemm, split_reduce
-from kernels.fp8 import FP8_DTYPE
+from kernels import lora
 from kernels.lora_configs import BUCKETS, default_plan, plan_for
 from tests.kernels import pdl_check
 from tests.kernels.int_gemm_compile import sass_stats
@@ -26,44 +24,6 @@ SHAPES = {"qkv": (4096, 48, 6144), "o_proj": (4096, 16, 4096), "gate_up": (4096,
           "down": (14336, 16, 4096), "qkv_r64": (4096, 192, 6144)}
 ROWS = BUCKETS  # every row bucket's plan (kernels/lora_configs.py: swept, or the default)
 DTYPES = (torch.bfloat16, torch.float32)
-
-
-GEMM_ROWS = (1, 4, 16)  # the skinny GEMM's row counts (it serves up to 16)
-
-
-def gemm_launch(name: str, num_tokens: int, dtype: torch.dtype):
-    """The skinny GEMM launch the worker makes for projection ``name`` with LoRA deltas."""
-    in_features, width, out_features = SHAPES[name]
-    x = torch.empty(num_tokens, in_features, dtype=torch.bfloat16)
-    weight = torch.empty(out_features, in_features, dtype=dtype)
-    scale = torch.empty(out_features) if dtype == FP8_DTYPE else None
-    delta = lora.LoraDelta(torch.empty(8, num_tokens, width),
-                           torch.empty(2, out_features, width, dtype=torch.bfloat16),
-                           torch.zeros(num_tokens, dtype=torch.int32))
-    if name == "gate_up":
-        return lambda: skinny_gemm.skinny_gemm_silu_and_mul(x, weight, weight_scale=scale,
-                                                            lora=delta)
-    if name in ("o_proj", "down"):
-        residual = torch.empty(num_tokens, out_features, dtype=torch.bfloat16)
-        norm_weight = torch.empty(out_features, dtype=torch.bfloat16)
-        return lambda: skinny_gemm.skinny_gemm_add_rms_norm(
-            x, weight, None, residual, norm_weight, 1e-5, weight_scale=scale, lora=delta)
-    return lambda: skinny_gemm.skinny_gemm(x, weight, weight_scale=scale, lora=delta)
-
-
-def compile_gemms(results: dict) -> None:
-    """The skinny GEMM's LoRA launches, bf16 and FP8 weights (never swept with LoRA)."""
-    pdl_check.KERNEL_MODULES = (skinny_gemm, split_reduce)
-    for name in SHAPES:
-        for dtype in (torch.bfloat16, FP8_DTYPE):
-            for num_tokens in GEMM_ROWS:
-                for kernel, args, kwargs in pdl_check.record(gemm_launch(name, num_tokens, dtype)):
-                    if kernel.__name__ == "_skinny_gemm_kernel":
-                        compiled = pdl_check.compile_launch(kernel, args, kwargs)
-                        results[f"{kernel.__name__}_{name}_m{num_tokens}_{dtype}"] = {
-                            "constexprs": {"BLOCK_M": kwargs["BLOCK_M"]},
-                            "shared": compiled.metadata.shared, "swept": False,
-                            "sass": sass_stats(compiled.asm["cubin"])}
 
 
 def main() -> None:
@@ -96,7 +56,6 @@ def main() -> None:
                         "constexprs": dict(constexprs), "shared": compiled.metadata.shared,
                         "swept": swept,
                         "sass": sass_stats(compiled.asm["cubin"])}
-    compile_gemms(results)
     json.dump(results, sys.stdout, indent=1)
 
 

@@ -38,8 +38,7 @@ KERNEL_MODULES = (activation, all_reduce_rms_norm, kv_cache, lora, paged_attenti
                   rotary, skinny_gemm, split_reduce)
 OPTIONS = ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-          torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
-          torch.float8_e4m3fn: "fp8e4nv"}
+          torch.int32: "i32", torch.int64: "i64"}
 BF16 = torch.bfloat16
 
 

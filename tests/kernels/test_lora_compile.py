@@ -2,8 +2,7 @@
 lora_compile.py in a subprocess, no interpreter): each compiles (the interpreter runs code the
 compiler may refuse), fits an H200's shared memory, and at rank 16 in bf16 (issue 50's
 measurement) multiplies on the tensor cores, spilling no register where it runs the default
-plan (a swept plan may spill: the sweep timed it faster); so do the skinny GEMM's launches
-with the expand in the epilogue, on bf16 and FP8 weights."""
+plan (a swept plan may spill: the sweep timed it faster)."""
 
 from __future__ import annotations
 
@@ -31,15 +30,9 @@ def test_worker_launches_compile_for_hopper():
         assert {r["constexprs"]["BLOCK_M"] for name, r in results.items()
                 if name.startswith(kernel) and "_m1_" in name} == {16}
     assert any(r["swept"] for r in results.values())  # (the H200's table is read)
-    # five shapes (four projections, q/k/v also at rank 64) x bf16/FP8 weights x 1/4/16 rows
-    assert sum(name.startswith("_skinny_gemm_kernel") for name in results) == 5 * 2 * 3
     for name, r in results.items():
         assert r["shared"] <= H200_SHARED_BYTES, (name, r)
-        if r["sass"] is not None and "r64" not in name and (
-                "bfloat16" in name or name.startswith("_skinny_gemm_kernel")):
+        if r["sass"] is not None and "bfloat16" in name and "r64" not in name:
             assert r["sass"]["mma"] > 0, (name, r)
-            # the default plan spills nothing; a swept one may (it was timed faster). The FP8
-            # down GEMM's wide tiles spill 7 with the expand in (as many with 4 or 8 partial
-            # sums in flight: the tile, not the delta, holds the registers)
-            fp8_down = name.startswith("_skinny_gemm_kernel_down") and "float8" in name
-            assert r["swept"] or r["sass"]["spills"] == (7 if fp8_down else 0), (name, r)
+            # the default plan spills nothing; a swept one may (it was timed faster)
+            assert r["swept"] or r["sass"]["spills"] == 0, (name, r)

@@ -18,8 +18,6 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.gpu.dummy_loras import write_adapter
 from cli.engine import Engine
-from kernels import skinny_configs, skinny_gemm
-from kernels.skinny_configs import SkinnyConfig
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
 from services.worker.model_config import ModelConfig
@@ -171,58 +169,3 @@ def test_base_steps_with_lora_on_replay_the_graphs_without_it_bitwise(tiny_adapt
     off = lora_engine(model_files, dirs, device="cuda", dtype="bfloat16", enable_lora=False,
                       lora_modules="")
     assert run(off, requests, logprobs=1) == with_lora
-
-
-def tiny_skinny_tables(monkeypatch) -> list[tuple[bool, bool]]:
-    """The tiny Llama's projections put in the skinny GEMM's tables (as the 8B's are: o_proj
-    and down split K, so the norm runs in their reduce; gate_up gated), up to 16 rows; returns
-    the (gated, with LoRA) of every skinny launch from then on."""
-    hidden, inter = TINY["hidden_size"], TINY["intermediate_size"]
-    kv = TINY["num_key_value_heads"] * hidden // TINY["num_attention_heads"]
-    one_pass, split = SkinnyConfig(16, 32, max_m=16), SkinnyConfig(16, 32, split_k=2, max_m=16)
-    for shape, config in [((hidden + 2 * kv, hidden), one_pass), ((hidden, hidden), split),
-                          ((2 * inter, hidden), one_pass), ((hidden, inter), split)]:
-        monkeypatch.setitem(skinny_configs.CONFIGS, shape, config)
-    monkeypatch.setitem(skinny_configs.GATED_CONFIGS, (2 * inter, hidden), one_pass)
-    launches = []
-    launch = skinny_gemm._launch_gemm
-
-    def counted(x, weight, bias, weight_scale, out, config, gated, lora=None):
-        launches.append((gated, lora is not None))
-        return launch(x, weight, bias, weight_scale, out, config, gated, lora)
-
-    monkeypatch.setattr(skinny_gemm, "_launch_gemm", counted)
-    return launches
-
-
-def test_the_expand_in_the_skinny_gemm_matches_the_torch_path(tiny_adapters, monkeypatch):
-    """bf16, decode-sized steps on the skinny GEMM: its epilogue adds the deltas (qkv, o_proj
-    and down with the norm in the reduce, gate_up before SwiGLU) near the torch path's, base
-    rows bitwise; the decode graphs captured with them give the eager kernels' tokens."""
-    model_files, dirs = tiny_adapters
-    launches = tiny_skinny_tables(monkeypatch)
-    requests = [(0, "r8"), (0, ""), (0, "r16")]  # 15 rows: the skinny GEMM's
-    runner = lora_engine(model_files, dirs, device="cuda", dtype="bfloat16", max_loras=3,
-                         enforce_eager=True).runner
-    lora_rows = runner.lora.batch.lora_rows
-    launches.clear()
-    fused = step_logits(runner, requests)
-    assert {(False, True), (True, True)} <= set(launches), "the epilogue must add the deltas"
-    runner.lora.batch.lora_rows = None  # (the torch path)
-    torch_path = step_logits(runner, requests)
-    base = step_logits(runner, [(index, "") for index, _ in requests])
-    runner.lora.batch.lora_rows = lora_rows
-    rows = [len(PROMPTS[i]) for i, _ in requests]
-    for (_, name), got, expected, plain in zip(requests, fused.split(rows),
-                                               torch_path.split(rows), base.split(rows)):
-        if not name:
-            assert torch.equal(got, expected)
-            continue
-        delta, expected_delta = got - plain, expected - plain
-        assert expected_delta.abs().max() > 0.1, "the adapter must change the logits"
-        assert ((delta - expected_delta).norm() / expected_delta.norm()).item() < 0.05
-    eager = run(lora_engine(model_files, dirs, device="cuda", dtype="bfloat16",
-                            enforce_eager=True))
-    graphs = lora_engine(model_files, dirs, device="cuda", dtype="bfloat16")
-    decode, _ = count_lora_replays(graphs.runner)
-    assert run(graphs) == eager and decode[0] > 0

@@ -81,7 +81,6 @@ def test_the_kernels_in_the_model_give_the_references_on_the_cpu(tiny_adapters, 
     lora = engine.runner.lora
     assert lora.batch.lora_rows is None  # (the CPU's torch path)
     lora.batch.lora_rows = torch.zeros(1 + 2 * lora.max_num_tokens, dtype=torch.int32)
-    lora.batch.token_slots = torch.full((lora.max_num_tokens,), -1, dtype=torch.int32)
     launches = []
     shrink = lora_slots.lora_shrink
     monkeypatch.setattr(lora_slots, "lora_shrink",
