@@ -27,6 +27,8 @@ DIGESTED = (
     "flotilla_inter_token_latency_seconds", "flotilla_step_time_seconds",
     "flotilla_scheduled_tokens_per_step", "flotilla_queue_time_seconds",
     "flotilla_preemptions", "flotilla_time_to_first_token_seconds",
+    "flotilla_image_preprocess_seconds", "flotilla_encoder_images",
+    "flotilla_encoder_cache_hits", "flotilla_encoder_seconds", "flotilla_worker_busy_seconds",
     "vllm:num_preemptions", "vllm:inter_token_latency_seconds",
     "vllm:iteration_tokens_total", "vllm:request_queue_time_seconds",
 )

@@ -211,6 +211,9 @@ class GatewayMetrics:
                                          "Time from request to last token")
         self.queue_time = self._latency("flotilla_queue_time_seconds",
                                         "Time from arrival at the scheduler to first scheduled")
+        self.image_preprocess_time = self._latency(
+            "flotilla_image_preprocess_seconds", "Time a request with images waited on the "
+            "tokenizer tier (decode, resize, tile, normalize; the round trip from this gateway)")
 
     def _add_step_metrics(self, r: CollectorRegistry) -> None:
         """The schedulers' recent steps, and replaced schedulers: figures every gateway hears

@@ -137,8 +137,12 @@ class GatewayService:
 
     async def encode_reply(self, request: EncodeRequest) -> EncodeReply:
         """The token ids, and the images preprocessed when the request has some."""
-        return await self.bus.request(self.subjects.tokenizer_encode, request, EncodeReply,
-                                      timeout=self.config.request_timeout_s)
+        started = time.perf_counter()
+        reply = await self.bus.request(self.subjects.tokenizer_encode, request, EncodeReply,
+                                       timeout=self.config.request_timeout_s)
+        if request.images:
+            self.metrics.image_preprocess_time.observe(time.perf_counter() - started)
+        return reply
 
     async def decode(self, token_ids: list[int]) -> str:
         reply = await self.bus.request(self.subjects.tokenizer_decode,

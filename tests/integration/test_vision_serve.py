@@ -106,7 +106,7 @@ def chat(stack, messages, max_tokens=NUM_NEW_TOKENS) -> httpx.Response:
 def metric(stack, name: str) -> float:
     text = httpx.get(stack.base_url + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "_total{") or line.startswith(name + "{"))
+               if line.startswith((name + "_total{", name + "{", name + " ")))
 
 
 def test_served_idefics3_gives_transformers_greedy_text(served):
@@ -150,6 +150,9 @@ def test_served_idefics3_gives_transformers_greedy_text(served):
     assert wait_for(lambda: metric(stack, "flotilla_encoder_cache_hits") >= hits_before + 1)
     assert metric(stack, "flotilla_encoder_images") == 2  # a was never encoded again
     assert metric(stack, "flotilla_encoder_seconds") > 0
+    # every request with images waited on the tokenizer tier: 3 above, then the two turns
+    assert metric(stack, "flotilla_image_preprocess_seconds_count") == 5
+    assert metric(stack, "flotilla_image_preprocess_seconds_sum") > 0
 
 
 def noise_png(width: int, height: int) -> Image.Image:
