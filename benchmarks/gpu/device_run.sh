@@ -9,7 +9,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl ${EXTRA_WHEELS:-} >/dev/null 2>&1 || echo "wheel install failed"
-M=.devmodels
+M=${M:-.devmodels}  # M=/tmp/dm: a copy an earlier call of this lease left (stage keep-models)
 D_HF=${D_HF-"--hf-batch-sizes 256"}  # set empty: no HF run in throughput-d
 E_DATA=${E_DATA-"--dataset-path $M/sharegpt-1000.json"}
 for stage in "$@"; do
@@ -102,6 +102,28 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
                        "bench_args": "--goodput ttft:2000 itl:100 --per-chunk-usage"}]' 2>&1 \
             | grep -E "outside:|client:|^  [a-z]+_poisson \|  +[0-9]+ |rate +req/s|poisson@|healthy|skipped"
         tar czf "$OUT/poisson-$engine.tgz" -C /tmp "poisson-$engine";;
+    # issue 53: copy the wheels' install and .devmodels to /tmp, so later calls of the lease
+    # can carry a vLLM kit part instead (M=/tmp/dm)
+    keep-models) rm -rf /tmp/dm && cp -r .devmodels /tmp/dm && ls /tmp/dm;;
+    vision-tests) python3 -m pytest -q -m gpu tests/services/worker/test_qwen2_5_vl.py \
+        tests/services/worker/test_idefics3.py -p no:cacheprovider -W ignore --tb=short 2>&1 \
+        | grep -v "^$" | tail -30;;
+    # issue 53's online row: dummy Qwen2.5-VL-7B, VISION_IMAGES images of 640x640 a request
+    # (400 text tokens in, 150 out), 500 requests at each of VISION_RATES (Poisson; inf:
+    # saturation), goodput at TTFT < 2 s and ITL < 100 ms; flotilla's half or vLLM's (kit
+    # installed), each the only stage of its call. Files in $OUT/vision-ENGINE.
+    vision-flotilla|vision-vllm) engine=${stage#vision-}
+        skip=$([ "$engine" = flotilla ] && echo --skip-vllm || echo --skip-flotilla)
+        loads="" seed=0  # a seed a load: no load's images or prompts are cached by another's
+        for n in ${VISION_IMAGES:-1 4}; do for rate in ${VISION_RATES:-8 inf}; do seed=$((seed + 1))
+          loads="$loads${loads:+,}{\"name\": \"img${n}_r${rate}\", \"request_rate\": \"$rate\", \"bench_args\": \"--seed $seed --endpoint chat --images-per-request $n --image-size 640x640 --random-input-len 400 --random-output-len 150 --goodput ttft:2000 itl:100\"}"
+        done; done
+        python3 -m benchmarks.gpu.online_serve --model $M/dummy-qwen2.5-vl-7b --dataset-name random \
+            --num-prompts ${VISION_PROMPTS:-500} $skip --budget 570 --max-duration 120 --vllm-start-timeout 240 \
+            --out "$OUT/vision-$engine" --loads "[$loads]" \
+            --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192 ${VISION_SERVE_ARGS:-}" \
+            --vllm-args "--max-num-seqs 256 --max-num-batched-tokens 8192 --limit-mm-per-prompt '{\"image\":4}'" \
+            2>&1 | grep -vE "outside:|^\[online.*(waiting|polling)" | tail -120;;
     # issue 14 (docs/kvstore.md): the tiered KV store through the stack; one part per call
     # (each ~3-8 minutes): KV_PARTS=prefix16k, offload or prefill512; KV_ARGS: more flags.
     # The result JSON goes to $OUT.
