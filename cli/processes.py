@@ -58,15 +58,16 @@ def replica_gpus(replica_index: int, tensor_parallel_size: int, visible: str | N
 
 
 def nats_config_file() -> str:
-    """A nats-server config raising max_payload to NATS_MAX_PAYLOAD (a prompt's images
+    """A nats-server config raising max_payload and max_pending (a prompt's images
     travel in its messages: docs/vision.md); written once per process, in a temp dir."""
     global _NATS_CONFIG
     if _NATS_CONFIG is None or not Path(_NATS_CONFIG).is_file():
-        from shared.sections.media import NATS_MAX_PAYLOAD
+        from shared.sections.media import NATS_MAX_PAYLOAD, NATS_MAX_PENDING
 
         directory = tempfile.mkdtemp(prefix="flotilla-nats-")
         _NATS_CONFIG = str(Path(directory) / "nats.conf")
-        Path(_NATS_CONFIG).write_text(f"max_payload: {NATS_MAX_PAYLOAD}\n")
+        Path(_NATS_CONFIG).write_text(f"max_payload: {NATS_MAX_PAYLOAD}\n"
+                                      f"max_pending: {NATS_MAX_PENDING}\n")
     return _NATS_CONFIG
 
 

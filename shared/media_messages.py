@@ -37,3 +37,6 @@ class ImageInput(Struct, frozen=True, array_like=True, gc=False):
     # temporal_patch * patch * patch], its placeholders t * h * w / merge^2 image tokens in a
     # row (empty: a tiled model's image, Idefics3's)
     grid_thw: list[int] = []
+    # Qwen2.5-VL: pixels hold one temporal frame of each patch ([t * h * w, channels, patch *
+    # patch]); the tower's patch repeats it this many times (an image's frames are equal)
+    temporal_repeat: int = 1

@@ -19,6 +19,7 @@ NATS_EDGES = {
     "shared/bus.py": "the typed request/publish/subscribe layer over nats-py",
     "shared/healthcheck.py": "the container probe: one health request, without the Bus",
     "services/gateway/service.py": "the gateway's edge: tokenizer calls, submits, outputs",
+    "services/gateway/health_checks.py": "health calls to the other tiers (/health)",
     "services/gateway/block_feed.py": "the block index's events and snapshots",
     "services/gateway/lora_directory.py": "LoRA loads and unloads sent to every scheduler",
     "services/gateway/response_store.py": "stored responses in JetStream: the stream, records, replays",

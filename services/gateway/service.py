@@ -19,6 +19,7 @@ import structlog
 
 from services.gateway.block_feed import BlockFeed
 from services.gateway.block_index import BlockIndex
+from services.gateway.health_checks import services_health
 from services.gateway.config import GatewayConfig, RoutingPolicy
 from services.gateway.lora_directory import LoraControl, LoraDirectory
 from services.gateway.metrics import GatewayMetrics
@@ -33,7 +34,7 @@ from shared.errors import FlotillaError, ServiceUnavailable
 from shared.lora_adapters import LoraRef
 from shared.messages import (
     AbortRequest, DecodeReply, DecodeRequest, Empty, EncodeReply, EncodeRequest, ErrorInfo,
-    GenerateRequest, HealthReply, ImageInput, OutputBatch, SamplingParams, SubmitReply,
+    GenerateRequest, ImageInput, OutputBatch, SamplingParams, SubmitReply,
     TokenizerInfo, choice_request_ids,
 )
 from shared.models import resolve_model
@@ -44,7 +45,6 @@ from shared.tokenizer_loading import load_tokenizer as load_hf_tokenizer
 
 log = structlog.get_logger()
 
-SERVICES = ("tokenizer", "scheduler", "worker")
 HEARTBEAT_CHECK_S = 1.0
 MIGRATION_RETRY_S = 0.5  # while no replica takes a moving request (or one becomes ready)
 
@@ -137,12 +137,13 @@ class GatewayService:
 
     async def encode_reply(self, request: EncodeRequest) -> EncodeReply:
         """The token ids, and the images preprocessed when the request has some."""
-        started = time.perf_counter()
-        reply = await self.bus.request(self.subjects.tokenizer_encode, request, EncodeReply,
-                                       timeout=self.config.request_timeout_s)
-        if request.images:
-            self.metrics.image_preprocess_time.observe(time.perf_counter() - started)
-        return reply
+        subject = self.subjects.tokenizer_encode
+        if not request.images:
+            return await self.bus.request(subject, request, EncodeReply,
+                                          timeout=self.config.request_timeout_s)
+        with self.metrics.image_preprocess_time.time():  # (a failed wait counts too)
+            return await self.bus.request(subject, request, EncodeReply,
+                                          timeout=self.config.image_preprocess_timeout_s)
 
     async def decode(self, token_ids: list[int]) -> str:
         reply = await self.bus.request(self.subjects.tokenizer_decode,
@@ -151,16 +152,7 @@ class GatewayService:
         return reply.text
 
     async def health(self) -> dict[str, dict]:
-        async def check(service: str) -> dict:
-            try:
-                reply = await self.bus.request(self.subjects.health(service), Empty(), HealthReply,
-                                               timeout=self.config.health_timeout_s)
-                return {"status": reply.status, "instance_id": reply.instance_id, **reply.detail}
-            except FlotillaError as exc:
-                return {"status": "unavailable", "error": exc.message}
-
-        results = await asyncio.gather(*(check(service) for service in SERVICES))
-        return dict(zip(SERVICES, results))
+        return await services_health(self.bus, self.subjects, self.config.health_timeout_s)
 
     # ------------------------------------------------------------ generation
     async def submit(self, prompt_token_ids: list[int], sampling: SamplingParams,

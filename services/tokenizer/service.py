@@ -35,7 +35,10 @@ class TokenizerService:
     async def start(self) -> None:
         s = self.subjects
         queue = s.queue_group("tokenizer")
-        await self.bus.serve(s.tokenizer_encode, EncodeRequest, self._on_encode, queue=queue)
+        # concurrent: a request with images waits for the image pool, not for the requests
+        # before it (text ones are answered at once, beside it)
+        await self.bus.serve(s.tokenizer_encode, EncodeRequest, self._on_encode, queue=queue,
+                             concurrent=True)
         await self.bus.serve(s.tokenizer_decode, DecodeRequest, self._on_decode, queue=queue)
         await self.bus.serve(s.tokenizer_info, Empty, self._on_info, queue=queue)
         await self.bus.serve(s.health("tokenizer"), Empty, self._on_health, queue=queue)

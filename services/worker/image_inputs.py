@@ -25,6 +25,7 @@ from services.worker.step_inputs import SequenceChunk
 from services.worker.vision import VisionSpec, VisionTower, vision_tensors
 from shared.messages import ImageInput, StepResult
 from shared.models import ModelFiles
+from shared.sections.media import EncoderCache
 
 log = structlog.get_logger()
 
@@ -60,7 +61,7 @@ class NoImages:
         return results
 
 
-class EncoderCache:
+class EncoderOutputCache:
     """Encoder outputs by image hash, least recently used evicted past ``capacity`` images
     (0: none kept, every chunk that needs an image encodes it)."""
 
@@ -92,9 +93,10 @@ class ImageEncoder:
     active = True
 
     def __init__(self, tower: VisionTower, cache_size: int, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, max_batch_tokens: int = 8192):
         self.tower, self.device, self.dtype = tower, device, dtype
-        self.cache = EncoderCache(cache_size)
+        self.max_batch_tokens = max_batch_tokens  # image tokens in one tower call
+        self.cache = EncoderOutputCache(cache_size)
         self._images: dict[str, list[tuple[ImageInput, np.ndarray]]] = {}
         self.num_encoded = self.num_hits = 0  # since start
         self.encoder_time_s = 0.0
@@ -124,57 +126,104 @@ class ImageEncoder:
                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's image rows: (indices [n] int64 into the step's tokens, embeddings
         [n, text_hidden]), or None when no chunk reaches an image's placeholders. An image
-        is encoded (or found in the cache) by the first chunk that needs it; a chunk that
-        ends inside its placeholders takes the rows it covers, the next chunk the rest."""
-        rows: list[np.ndarray] = []
-        embeds: list[torch.Tensor] = []
+        is encoded (or found in the cache) by the first chunk that needs it, the step's
+        images together (``_outputs``); a chunk that ends inside its placeholders takes the
+        rows it covers, the next chunk the rest."""
+        needed = []  # (request, image, its token positions, rows lo:hi, step row of position 0)
         first_row = 0
         for chunk, request_id in zip(chunks, request_ids, strict=True):
             start, end = chunk.start, chunk.start + len(chunk.token_ids)
             for image, positions in self._images.get(request_id, ()):
                 lo, hi = np.searchsorted(positions, (start, end))
-                if lo == hi:
-                    continue
-                output = self._encoded(image)
-                if output.shape[0] != len(positions):
-                    raise ValueError(f"request {request_id}: {len(positions)} image tokens "
-                                     f"for {output.shape[0]} image embeddings")
-                rows.append(first_row + positions[lo:hi] - start)
-                embeds.append(output[lo:hi])
+                if lo != hi:
+                    needed.append((request_id, image, positions, lo, hi, first_row - start))
             first_row += len(chunk.token_ids)
-        if not rows:
+        if not needed:
             return None
+        outputs = self._outputs([image for _, image, *_ in needed])
+        rows: list[np.ndarray] = []
+        embeds: list[torch.Tensor] = []
+        for request_id, image, positions, lo, hi, row_of_zero in needed:
+            output = outputs[image.hash]
+            if output.shape[0] != len(positions):
+                raise ValueError(f"request {request_id}: {len(positions)} image tokens "
+                                 f"for {output.shape[0]} image embeddings")
+            rows.append(row_of_zero + positions[lo:hi])
+            embeds.append(output[lo:hi])
         indices = torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(self.device)
         return indices, torch.cat(embeds).to(dtype)
 
-    def _encoded(self, image: ImageInput) -> torch.Tensor:
-        """The image's embeddings [tokens, text_hidden]: from the cache, or encoded now."""
-        output = self.cache.get(image.hash)
-        if output is not None:
-            self.num_hits += 1
-            return output
-        if not image.pixels:
-            raise ValueError(f"image {image.hash.hex()}: a chunk needs it but it came without "
-                             f"its pixels (the scheduler sends them for uncomputed images)")
+    def _outputs(self, images: Sequence[ImageInput]) -> dict[bytes, torch.Tensor]:
+        """Each image's embeddings [tokens, text_hidden] by hash: from the cache, or encoded
+        now, the missing ones in tower calls of up to ``max_batch_tokens`` image tokens."""
+        outputs: dict[bytes, torch.Tensor] = {}
+        missing: dict[bytes, ImageInput] = {}
+        for image in images:
+            if image.hash in outputs or image.hash in missing:
+                continue
+            cached = self.cache.get(image.hash)
+            if cached is not None:
+                self.num_hits += 1
+                outputs[image.hash] = cached
+            elif not image.pixels:
+                raise ValueError(f"image {image.hash.hex()}: a chunk needs it but it came "
+                                 f"without its pixels (the scheduler sends them for "
+                                 f"uncomputed images)")
+            else:
+                missing[image.hash] = image
+        for group in self._groups(list(missing.values())):
+            outputs.update(zip((image.hash for image in group), self._encode(group)))
+        return outputs
+
+    def _groups(self, images: list[ImageInput]) -> list[list[ImageInput]]:
+        """The images in tower calls: consecutive images of one batch key, each call up to
+        ``max_batch_tokens`` image tokens (an image larger than that alone)."""
+        groups: list[list[ImageInput]] = []
+        tokens = 0
+        for image in images:
+            size = self._num_tokens(image)
+            if groups and self._batch_key(groups[-1][0]) == self._batch_key(image) \
+                    and tokens + size <= self.max_batch_tokens:
+                groups[-1].append(image)
+                tokens += size
+            else:
+                groups.append([image])
+                tokens = size
+        return groups
+
+    def _encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """One tower call over ``images``: each one's embeddings, kept in the cache."""
         start = time.perf_counter()
-        pixels, patch_mask = self._tensors(image)
         with torch.inference_mode():
-            output = self.tower(pixels, patch_mask)
+            outputs = self._run_tower(images)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         seconds = time.perf_counter() - start
-        self.num_encoded += 1
+        self.num_encoded += len(images)
         self.encoder_time_s += seconds
-        self.cache.put(image.hash, output)
-        log.debug("image_encoded", hash=image.hash.hex(), num_tiles=image.pixel_shape[0],
-                  seconds=round(seconds, 4))
-        return output
+        for image, output in zip(images, outputs, strict=True):
+            self.cache.put(image.hash, output)
+        log.debug("images_encoded", num_images=len(images), seconds=round(seconds, 4))
+        return outputs
+
+    def _num_tokens(self, image: ImageInput) -> int:
+        return image.pixel_shape[0] * self.tower.spec.tokens_per_tile
+
+    def _batch_key(self, image: ImageInput) -> tuple[int, ...]:
+        """Images batch when their tiles have one shape."""
+        return tuple(image.pixel_shape[1:])
+
+    def _run_tower(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """The images' tiles in one batch -> each image's [tiles * tokens_per_tile, hidden]."""
+        pixels, masks = zip(*(self._tensors(image) for image in images))
+        output = self.tower(torch.cat(pixels), torch.cat(masks))
+        return list(output.split([self._num_tokens(image) for image in images]))
 
     def _tensors(self, image: ImageInput) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixels [tiles, C, H, W] on the device in the tower's dtype, patch_mask [tiles,
         H/p, W/p] bool)."""
         shape = tuple(image.pixel_shape)
-        pixels = image_pixels(image).to(self.device, self.dtype)
+        pixels = image_pixels(image, self.device).to(self.dtype)
         patch = self.tower.spec.patch_size
         mask_shape = (shape[0], shape[2] // patch, shape[3] // patch)
         if image.patch_mask:
@@ -218,24 +267,27 @@ class ImageEncoder:
         return results
 
 
-def image_pixels(image: ImageInput) -> torch.Tensor:
-    """The image's pixel tensor [tiles, C, H, W] on the host, in its own dtype (float32 for
-    codes and a table: table[c][code] per channel)."""
+def image_pixels(image: ImageInput, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The image's pixel tensor [tiles, C, H, W] on ``device``, in its own dtype (float32 for
+    codes and a table: table[c][code] per channel). Codes are looked up on ``device``: a
+    quarter of the bytes cross to a GPU, and the gather runs there."""
     shape = tuple(image.pixel_shape)
     pixels = torch.frombuffer(bytearray(image.pixels), dtype=_DTYPES[image.pixel_dtype])
-    pixels = pixels.view(shape)
+    pixels = pixels.view(shape).to(device, non_blocking=True)
     if image.pixel_dtype != "uint8":
         return pixels
     table = torch.frombuffer(bytearray(image.pixel_table), dtype=torch.float32)
-    table = table.view(shape[1], 256)  # each channel's value of each code
-    return torch.stack([table[c][pixels[:, c].long()] for c in range(shape[1])], dim=1)
+    table = table.view(shape[1], 256).to(device)  # each channel's value of each code
+    # table[c, code] for every value: the flat table indexed by c * 256 + code
+    channel_base = (torch.arange(shape[1], device=device) * 256).view(1, -1, *[1] * (len(shape) - 2))
+    return table.flatten()[pixels.long() + channel_base]
 
 
 def load_image_encoder(model_files: ModelFiles, device: torch.device, dtype: torch.dtype,
-                       cache_size: int, tensor_parallel_size: int = 1
+                       encoder: EncoderCache, tensor_parallel_size: int = 1
                        ) -> ImageEncoder | NoImages:
     """The model's image side: ``NoImages`` for a text-only model, else its tower and
-    connector from the checkpoint (in ``dtype``) and an encoder cache of ``cache_size``."""
+    connector from the checkpoint (in ``dtype``), with ``encoder``'s cache and batch sizes."""
     spec = VisionSpec.from_dict(model_files.config)
     if spec is None:
         return NoImages()
@@ -255,5 +307,6 @@ def load_image_encoder(model_files: ModelFiles, device: torch.device, dtype: tor
     tower.requires_grad_(False)
     tower.load_state_dict(vision_tensors(tensors), strict=True, assign=True)
     log.info("vision_tower_loaded", num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-             tokens_per_tile=spec.tokens_per_tile, encoder_cache_size=cache_size)
-    return ImageEncoder(tower.eval(), cache_size, device, dtype)
+             tokens_per_tile=spec.tokens_per_tile, encoder_cache_size=encoder.encoder_cache_size)
+    return ImageEncoder(tower.eval(), encoder.encoder_cache_size, device, dtype,
+                        encoder.max_encoder_batch_tokens)

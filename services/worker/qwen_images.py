@@ -32,6 +32,7 @@ from services.worker.qwen_vision import QwenVisionSpec, QwenVisionTower
 from services.worker.step_inputs import SequenceChunk
 from shared.messages import ImageInput
 from shared.models import ModelFiles
+from shared.sections.media import EncoderCache
 
 log = structlog.get_logger()
 
@@ -69,8 +70,8 @@ class QwenImageEncoder(ImageEncoder):
     """Qwen2.5-VL's images: the tower, the encoder cache, and each request's positions."""
 
     def __init__(self, tower: QwenVisionTower, mrope_section: Sequence[int], cache_size: int,
-                 device: torch.device, dtype: torch.dtype):
-        super().__init__(tower, cache_size, device, dtype)
+                 device: torch.device, dtype: torch.dtype, max_batch_tokens: int = 8192):
+        super().__init__(tower, cache_size, device, dtype, max_batch_tokens)
         sections = np.repeat(np.arange(3), list(mrope_section))  # each frequency's section
         self.section_of_column = torch.from_numpy(np.concatenate([sections, sections])).to(
             device)
@@ -113,10 +114,17 @@ class QwenImageEncoder(ImageEncoder):
                                 self.section_of_column)
         return torch.arange(step.shape[1], device=positions.device), cos_sin
 
-    def _tensors(self, image: ImageInput) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """(pixels [t * h * w, patch_dim] on the device in the tower's dtype, the grid)."""
-        pixels = image_pixels(image).to(self.device, self.dtype)
-        return pixels.reshape(pixels.shape[0], -1), tuple(image.grid_thw)
+    def _num_tokens(self, image: ImageInput) -> int:
+        return int(np.prod(image.grid_thw)) // self.tower.spec.merge_size ** 2
+
+    def _batch_key(self, image: ImageInput) -> tuple[int, ...]:
+        return ()  # any sizes batch: the tower pads only within its attention groups
+
+    def _run_tower(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """The images' patches one after another, in one pass of the tower."""
+        pixels = torch.cat([patch_pixels(image, self.device) for image in images])
+        return self.tower.encode(pixels.to(self.dtype),
+                                 [tuple(image.grid_thw) for image in images])
 
     def _check(self, request_id: str, image: ImageInput) -> None:
         """A clear error for an image the tower cannot take (the tokenizer tier made it)."""
@@ -125,11 +133,12 @@ class QwenImageEncoder(ImageEncoder):
         if len(image.grid_thw) != 3 or image.grid_thw[1] % merge or image.grid_thw[2] % merge:
             raise ValueError(f"request {request_id}: image grid {image.grid_thw} is not (t, h, "
                              f"w) in {merge} x {merge} merge blocks")
-        if len(shape) != 3 or shape[0] != int(np.prod(image.grid_thw)) \
-                or shape[1] * shape[2] != spec.patch_dim:
-            raise ValueError(f"request {request_id}: image pixel shape {shape} is not [t * h * "
-                             f"w, C, T * P * P] for grid {image.grid_thw} and {spec.patch_dim}"
-                             f" values a patch")
+        repeat = image.temporal_repeat
+        if len(shape) != 3 or shape[0] != int(np.prod(image.grid_thw)) or repeat < 1 \
+                or shape[1] * shape[2] * repeat != spec.patch_dim:
+            raise ValueError(f"request {request_id}: image pixel shape {shape} repeated "
+                             f"{repeat} times is not [t * h * w, C, T * P * P] "
+                             f"for grid {image.grid_thw} and {spec.patch_dim} values a patch")
         if image.pixel_dtype not in ("float32", "uint8"):
             raise ValueError(f"request {request_id}: image pixel dtype {image.pixel_dtype!r}")
         if not image.pixels:
@@ -162,22 +171,31 @@ def random_tower_tensors(spec: QwenVisionSpec, device: torch.device, dtype: torc
     return tensors
 
 
+def patch_pixels(image: ImageInput, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A Qwen2.5-VL image's patches [t * h * w, patch_dim] float32 on ``device``, each
+    patch's sent frame repeated ``temporal_repeat`` times (the processor's layout)."""
+    pixels = image_pixels(image, device)  # [patches, C, frame]
+    if image.temporal_repeat > 1:  # [patches, C, T, frame]
+        pixels = pixels.unsqueeze(2).expand(-1, -1, image.temporal_repeat, -1)
+    return pixels.reshape(pixels.shape[0], -1)
+
+
 def load_any_image_encoder(model_files: ModelFiles, device: torch.device, dtype: torch.dtype,
-                           cache_size: int, tensor_parallel_size: int = 1
+                           encoder: EncoderCache, tensor_parallel_size: int = 1
                            ) -> QwenImageEncoder | ImageEncoder | NoImages:
     """The model's image side: Qwen2.5-VL's, else image_inputs.load_image_encoder's
     (Idefics3's, or ``NoImages`` for a text-only model)."""
     spec = QwenVisionSpec.from_dict(model_files.config)
     if spec is None:
-        return load_image_encoder(model_files, device, dtype, cache_size, tensor_parallel_size)
+        return load_image_encoder(model_files, device, dtype, encoder, tensor_parallel_size)
     if tensor_parallel_size > 1:
         raise ValueError("a vision-language model runs on one worker process: "
                          "tensor_parallel_size > 1 is not built for its tower yet")
-    return load_qwen_image_encoder(model_files, spec, device, dtype, cache_size)
+    return load_qwen_image_encoder(model_files, spec, device, dtype, encoder)
 
 
 def load_qwen_image_encoder(model_files: ModelFiles, spec: QwenVisionSpec,
-                            device: torch.device, dtype: torch.dtype, cache_size: int
+                            device: torch.device, dtype: torch.dtype, encoder: EncoderCache
                             ) -> QwenImageEncoder:
     """The tower from the checkpoint (``visual.*``, transformers 5's ``model.visual.*``), or
     random for a dummy model (``random_tower_tensors``)."""
@@ -196,5 +214,6 @@ def load_qwen_image_encoder(model_files: ModelFiles, spec: QwenVisionSpec,
     text = model_files.config.get("text_config") or model_files.config
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     log.info("vision_tower_loaded", architecture="qwen2_5_vl", depth=spec.depth,
-             hidden_size=spec.hidden_size, encoder_cache_size=cache_size)
-    return QwenImageEncoder(tower.eval(), rope["mrope_section"], cache_size, device, dtype)
+             hidden_size=spec.hidden_size, encoder_cache_size=encoder.encoder_cache_size)
+    return QwenImageEncoder(tower.eval(), rope["mrope_section"], encoder.encoder_cache_size,
+                            device, dtype, encoder.max_encoder_batch_tokens)

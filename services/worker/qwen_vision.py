@@ -14,6 +14,7 @@ mirror the Hub checkpoint's (``visual.*``; transformers 5 saves ``model.visual.*
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -99,15 +100,47 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(spec.hidden_size, spec.hidden_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                same_segment: torch.Tensor) -> torch.Tensor:
-        """x [patches, hidden]; cos, sin [patches, head_dim]; same_segment [patches, patches]
-        bool: which patches attend to which (a window, or the whole image)."""
+                windows: Windows) -> torch.Tensor:
+        """x [patches, hidden]; cos, sin [patches, head_dim]; windows: the groups of patches
+        that attend to each other (an image's windows, or whole images)."""
         patches = x.shape[0]
         q, k, v = self.qkv(x).view(patches, 3, self.num_heads, -1).unbind(1)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                             v.transpose(0, 1), attn_mask=same_segment)
-        return self.proj(out.transpose(0, 1).reshape(patches, -1))
+        return self.proj(windows.attend(q, k, v).reshape(patches, -1))
+
+
+class Windows:
+    """Attention within windows, as one batched SDPA: the patches of each window (contiguous
+    in the tower's order) padded to the longest window, the padding masked out as keys (none
+    when every window is whole, so the fused kernels take it without a mask)."""
+
+    def __init__(self, window_of_patch: torch.Tensor):
+        """window_of_patch [patches] int64, ascending: each patch's window."""
+        counts = torch.bincount(window_of_patch)
+        self.num_windows, self.length = counts.numel(), int(counts.max())
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(window_of_patch.numel(), device=window_of_patch.device) \
+            - starts[window_of_patch]
+        self.padded_index = window_of_patch * self.length + slot  # [patches]
+        # every window whole: the padded layout is the patches' own (no copies, no mask)
+        self.whole = bool((counts == self.length).all())
+        self.key_mask = None if self.whole else (  # [windows, 1, 1, length]
+            torch.arange(self.length, device=counts.device)[None] < counts[:, None]
+        ).view(self.num_windows, 1, 1, self.length)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q, k, v [patches, heads, head_dim] -> [patches, heads, head_dim]"""
+        padded = [self._padded(t) for t in (q, k, v)]  # [windows, heads, length, head_dim]
+        out = F.scaled_dot_product_attention(*padded, attn_mask=self.key_mask)
+        out = out.transpose(1, 2).flatten(0, 1)  # [windows * length, heads, head_dim]
+        return out if self.whole else out[self.padded_index]
+
+    def _padded(self, x: torch.Tensor) -> torch.Tensor:
+        if self.whole:
+            return x.view(self.num_windows, self.length, *x.shape[1:]).transpose(1, 2)
+        padded = x.new_zeros(self.num_windows * self.length, *x.shape[1:])
+        padded[self.padded_index] = x
+        return padded.view(self.num_windows, self.length, *x.shape[1:]).transpose(1, 2)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -138,8 +171,8 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(spec)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                same_segment: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, same_segment)
+                windows: Windows) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, windows)
         return x + self.mlp(self.norm2(x))
 
 
@@ -177,21 +210,47 @@ class QwenVisionTower(nn.Module):
     def forward(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
         """pixels [t * h * w, patch_dim] -> [t * h * w / merge^2, out_hidden], in the order of
         the image's ``<|image_pad|>`` tokens."""
+        return self.encode(pixels, [grid_thw])[0]
+
+    def encode(self, pixels: torch.Tensor, grids: Sequence[tuple[int, int, int]]
+               ) -> list[torch.Tensor]:
+        """Several images in one pass: pixels [sum of t * h * w, patch_dim], the images'
+        patches one after another -> each image's [t * h * w / merge^2, out_hidden]. The
+        windows of all images attend as one batch, and so does each full-attention block's
+        whole images (padded to the largest)."""
         unit = self.spec.merge_size ** 2
-        order, window_of = window_order(grid_thw, self.spec)  # (in merge blocks)
+        order, window_of, image_of = batch_order(grids, self.spec)  # (in merge blocks)
+        device = pixels.device
         x = self.patch_embed(pixels)
-        x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
-        angles = patch_angles(grid_thw, self.spec.merge_size, self.inv_freq.to(x.device))
-        angles = angles.view(-1, unit, angles.shape[-1])[order].flatten(0, 1)
+        x = x.view(-1, unit, x.shape[-1])[order.to(device)].flatten(0, 1)
+        inv_freq = self.inv_freq.to(device)
+        angles = torch.cat([patch_angles(grid, self.spec.merge_size, inv_freq)
+                            for grid in grids])
+        angles = angles.view(-1, unit, angles.shape[-1])[order.to(device)].flatten(0, 1)
         cos, sin = angles.cos(), angles.sin()
-        window = window_of.to(x.device).repeat_interleave(unit)  # [patches]
-        in_window = window[:, None] == window[None, :]
-        whole = torch.ones_like(in_window)
+        windows = Windows(window_of.to(device).repeat_interleave(unit))
+        whole_images = Windows(image_of.to(device).repeat_interleave(unit))
         for index, block in enumerate(self.blocks):
-            mask = whole if index in self.spec.fullatt_block_indexes else in_window
-            x = block(x, cos, sin, mask)
-        merged = self.merger(x)
-        return merged[torch.argsort(order.to(x.device))]
+            full = index in self.spec.fullatt_block_indexes
+            x = block(x, cos, sin, whole_images if full else windows)
+        merged = self.merger(x)[torch.argsort(order.to(device))]
+        return list(merged.split([t * h * w // unit for t, h, w in grids]))
+
+
+def batch_order(grids: Sequence[tuple[int, int, int]], spec: QwenVisionSpec
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """window_order over several images, their merge blocks one image after another:
+    (order, window_of with windows numbered across the images, image_of) [blocks] each."""
+    orders, windows_of, images_of = [], [], []
+    num_blocks = num_windows = 0
+    for image, grid in enumerate(grids):
+        order, window_of = window_order(grid, spec)
+        orders.append(order + num_blocks)
+        windows_of.append(window_of + num_windows)
+        images_of.append(torch.full_like(order, image))
+        num_blocks += order.numel()
+        num_windows += int(window_of.max()) + 1
+    return torch.cat(orders), torch.cat(windows_of), torch.cat(images_of)
 
 
 def patch_angles(grid_thw: tuple[int, int, int], merge: int, inv_freq: torch.Tensor

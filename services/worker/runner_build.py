@@ -89,8 +89,7 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
         overlap_steps=config.overlap_steps == "on" or (
             config.overlap_steps == "auto" and device.type == "cuda"),
         kv_load_groups=usable_load_groups(config, model.config.num_layers, device), lora=lora,
-        images=load_any_image_encoder(model_files, device, dtype, config.encoder_cache_size,
-                                      ranks.tp.size))
+        images=load_any_image_encoder(model_files, device, dtype, config, ranks.tp.size))
     if device.type == "cuda" and ranks.tp.size == 1:
         warm_up_steps(runner)  # (a group's ranks take steps only once all are up)
         runner.zero_step_counts()  # the counts are serving's

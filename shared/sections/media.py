@@ -12,6 +12,10 @@ DEFAULT_IMAGES_PER_PROMPT = 4
 # the nats-server flotilla serve starts takes messages up to this size (NATS' own cap; its
 # default is 1 MiB): a prompt's preprocessed images travel in its messages (docs/vision.md)
 NATS_MAX_PAYLOAD = 64 * 1024 * 1024
+# ... and buffers this much for one connection before closing it as a slow consumer (its
+# default, 64 MiB, is a burst of a few dozen requests' pixels for a gateway whose loop is busy
+# reading their bodies)
+NATS_MAX_PENDING = 512 * 1024 * 1024
 # a request's pixel tensors, in all, may take this much of one message (the rest: its tokens)
 MAX_PIXEL_BYTES = 48 * 1024 * 1024
 
@@ -35,6 +39,9 @@ class MediaInput(Section, frozen=True, kw_only=True):
         "most pixels (width x height) of one decoded image")] = 4096 * 4096
     media_fetch_timeout_s: Annotated[float, knob(
         "deadline of one http(s) image fetch")] = 5.0
+    image_preprocess_timeout_s: Annotated[float, knob(
+        "deadline of the tokenizer tier's work on one request's images, its wait for a "
+        "free image worker included (a burst of image requests queues there)")] = 60.0
 
     def __post_init__(self) -> None:
         self.mm_limits  # (parsed: a bad value names itself)
@@ -92,7 +99,13 @@ class EncoderCache(Section, frozen=True, kw_only=True):
     encoder_cache_size: Annotated[int, knob(
         "images whose encoder outputs the worker keeps (LRU by image hash), so a repeated "
         "image encodes once (0: none kept)")] = 64
+    max_encoder_batch_tokens: Annotated[int, knob(
+        "image tokens (the language model's, one per encoder output row) in one vision tower "
+        "call: a step's images encode together up to this, which bounds the encoder's "
+        "activation memory (an image larger than it encodes alone)")] = 8192
 
     def __post_init__(self) -> None:
         if self.encoder_cache_size < 0:
             raise ValueError("encoder_cache_size must be 0 or more")
+        if self.max_encoder_batch_tokens < 1:
+            raise ValueError("max_encoder_batch_tokens must be at least 1")

@@ -18,6 +18,7 @@ from services.tokenizer.images import ImagePrompts
 from services.worker.config import WorkerConfig
 from services.worker.image_inputs import image_pixels, load_image_encoder
 from shared.messages import SamplingParams
+from shared.sections.media import EncoderCache
 from shared.models import ModelFiles
 from tests.services.worker.idefics3_checkpoint import shared_idefics3_checkpoint
 
@@ -85,7 +86,8 @@ def test_tower_gives_transformers_image_features(vlm):
     assert image_input.pixel_dtype == "uint8"  # codes and a table, 1/4 of float32's bytes
     assert len(image_input.pixels) == 5 * 3 * 512 * 512
     assert torch.equal(image_pixels(image_input), inputs["pixel_values"][0])  # exactly
-    encoder = load_image_encoder(model_files, torch.device("cpu"), torch.float32, 4)
+    encoder = load_image_encoder(model_files, torch.device("cpu"), torch.float32,
+                                     EncoderCache(encoder_cache_size=4))
     pixels, mask = encoder._tensors(image_input)
     with torch.inference_mode():
         ours = encoder.tower(pixels, mask)

@@ -16,9 +16,9 @@ from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.tokenizer.qwen_images import QwenImagePrompts
 from services.worker.config import WorkerConfig
-from services.worker.image_inputs import image_pixels
-from services.worker.qwen_images import load_any_image_encoder, mrope_positions
+from services.worker.qwen_images import load_any_image_encoder, mrope_positions, patch_pixels
 from shared.messages import SamplingParams
+from shared.sections.media import EncoderCache
 from shared.models import ModelFiles
 from tests.services.worker.qwen2_5_vl_checkpoint import shared_qwen2_5_vl_checkpoint
 from tests.services.worker.test_idefics3 import chat, make_image
@@ -81,23 +81,44 @@ def test_processor_matches_transformers(vlm):
         assert image_input.length == grid[0] * grid[1] * grid[2] // 4
         assert ids.count(prompts.image_token_id) == image_input.length
         assert 4 <= image_input.length <= 48  # within min_pixels and max_pixels
-        pixels = image_pixels(image_input).reshape(image_input.pixel_shape[0], -1)
+        pixels = patch_pixels(image_input)
         assert torch.equal(pixels, expected["pixel_values"])  # exactly, as codes and a table
 
 
-def test_tower_gives_transformers_image_features(vlm):
+def test_tower_gives_transformers_image_features_alone_and_batched(vlm):
     model_files, tokenizer, hf = vlm
     prompts = QwenImagePrompts(model_files.path, tokenizer)
-    encoder = load_any_image_encoder(model_files, torch.device("cpu"), torch.float32, 4)
+    encoder = load_any_image_encoder(model_files, torch.device("cpu"), torch.float32,
+                                     EncoderCache(encoder_cache_size=4))
+    inputs, expected = [], []
     for width, height in ((300, 200), (130, 250), (1000, 900)):  # 1 to 9 windows
         image = make_image(width, height, seed=width)
         _, (image_input,) = prompts.encode("<|image_pad|>", [image])
-        pixels, grid = encoder._tensors(image_input)
+        pixels, grid = patch_pixels(image_input), tuple(image_input.grid_thw)
         with torch.inference_mode():
             ours = encoder.tower(pixels, grid)
             theirs = hf.model.visual(pixels, grid_thw=torch.tensor([grid])).pooler_output
         assert ours.shape == theirs.shape == (image_input.length, 64)
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        inputs.append(image_input)
+        expected.append(theirs)
+    with torch.inference_mode():  # one tower call over the three (different windows, sizes)
+        batched = encoder._run_tower(inputs)
+    for ours, theirs in zip(batched, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_steps_images_encode_in_tower_calls_within_the_token_budget(vlm):
+    model_files, tokenizer, _ = vlm
+    prompts = QwenImagePrompts(model_files.path, tokenizer)
+    encoder = load_any_image_encoder(model_files, torch.device("cpu"), torch.float32,
+                                     EncoderCache(encoder_cache_size=0))
+    inputs = [prompts.encode("<|image_pad|>", [make_image(200, 200, seed=s)])[1][0]
+              for s in range(3)]
+    encoder.max_batch_tokens = 2 * inputs[0].length
+    assert [len(group) for group in encoder._groups(inputs)] == [2, 1]
+    outputs = encoder._outputs(inputs + inputs[:1])  # a repeat within the step encodes once
+    assert encoder.num_encoded == 3 and set(outputs) == {image.hash for image in inputs}
 
 
 def test_mrope_positions_match_transformers_get_rope_index(vlm):
