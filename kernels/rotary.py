@@ -147,3 +147,68 @@ def apply_rotary_ref(query: torch.Tensor, key: torch.Tensor, positions: torch.Te
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat((-x2, x1), dim=-1)
         x.copy_(x * x_cos + rotated * x_sin)
+
+
+@triton.jit
+def _rotate_heads_fp32(x_ptr, stride_token, stride_head, token, num_heads, cos, sin, half,
+                       BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Rotate all heads of one token in place, the math in fp32 and one rounding at the end."""
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    first = x_ptr + token * stride_token + heads * stride_head + dims
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    dtype = x_ptr.dtype.element_ty
+    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(first + half, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_fp32_kernel(query_ptr, key_ptr, cos_sin_ptr, query_stride_token, query_stride_head,
+                        key_stride_token, key_stride_head, cos_sin_stride, num_heads, half,
+                        BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    row = cos_sin_ptr + token * cos_sin_stride + dims
+    cos = tl.load(row, mask=dims < half, other=0.0)
+    sin = tl.load(row + half, mask=dims < half, other=0.0)
+    _rotate_heads_fp32(query_ptr, query_stride_token, query_stride_head, token, num_heads,
+                       cos, sin, half, BLOCK_HEADS, BLOCK_HALF)
+    _rotate_heads_fp32(key_ptr, key_stride_token, key_stride_head, token, num_heads,
+                       cos, sin, half, BLOCK_HEADS, BLOCK_HALF)
+
+
+def apply_rotary_fp32(query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate query and key in place by each token's own angles, in fp32 math rounded once
+    (the numerics of transformers' vision rotary, e.g. Qwen2.5-VL's tower, where the LM's
+    apply_rotary rounds each product): query, key [num_tokens, num_heads, head_dim] (head_dim
+    contiguous), cos_sin [num_tokens, head_dim] fp32: each token's cos, then sin, of its
+    head_dim // 2 angles."""
+    num_tokens, num_heads, head_dim = query.shape
+    if key.shape != query.shape or cos_sin.shape != (num_tokens, head_dim) \
+            or cos_sin.dtype != torch.float32:
+        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)}, cos_sin "
+                         f"{tuple(cos_sin.shape)} {cos_sin.dtype}: not one fp32 row a token")
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or cos_sin.stride(-1) != 1:
+        raise ValueError("head_dim must be contiguous in query, key and cos_sin")
+    if num_tokens == 0:
+        return
+    _rotary_fp32_kernel[(num_tokens,)](
+        query, key, cos_sin, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        cos_sin.stride(0), num_heads, head_dim // 2,
+        BLOCK_HEADS=triton.next_power_of_2(num_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        enable_fp_fusion=False)  # an FMA would round x1 * cos once less than torch does
+
+
+def apply_rotary_fp32_ref(query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor
+                          ) -> None:
+    """Plain torch, same semantics as apply_rotary_fp32."""
+    cos, sin = cos_sin.chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), -1)[:, None], torch.cat((sin, sin), -1)[:, None]
+    for x in (query, key):
+        h = x.float()
+        half = h.shape[-1] // 2
+        rotated = torch.cat((-h[..., half:], h[..., :half]), dim=-1)
+        x.copy_(h * cos + rotated * sin)

@@ -105,6 +105,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     # issue 53: copy the wheels' install and .devmodels to /tmp, so later calls of the lease
     # can carry a vLLM kit part instead (M=/tmp/dm)
     keep-models) rm -rf /tmp/dm && cp -r .devmodels /tmp/dm && ls /tmp/dm;;
+    # issue 53: the Qwen2.5-VL-7B vision tower's time per 640x640 image, alone and batched,
+    # against transformers' (VENC_ARGS: --size, --batches, --no-hf)
+    vision-encoder) python3 -m benchmarks.gpu.vision_encoder --model $M/dummy-qwen2.5-vl-7b \
+        ${VENC_ARGS:-} 2>&1 | grep -v "^ \|^{\|^}" | tail -45;;
     vision-tests) python3 -m pytest -q -m gpu tests/services/worker/test_qwen2_5_vl.py \
         tests/services/worker/test_idefics3.py -p no:cacheprovider -W ignore --tb=short 2>&1 \
         | grep -v "^$" | tail -30;;
@@ -119,11 +123,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
           loads="$loads${loads:+,}{\"name\": \"img${n}_r${rate}\", \"request_rate\": \"$rate\", \"bench_args\": \"--seed $seed --endpoint chat --images-per-request $n --image-size 640x640 --random-input-len 400 --random-output-len 150 --goodput ttft:2000 itl:100\"}"
         done; done
         python3 -m benchmarks.gpu.online_serve --model $M/dummy-qwen2.5-vl-7b --dataset-name random \
-            --num-prompts ${VISION_PROMPTS:-500} $skip --budget 570 --max-duration 120 --vllm-start-timeout 240 \
+            --num-prompts ${VISION_PROMPTS:-500} $skip --budget ${VISION_BUDGET:-570} --max-duration 120 --vllm-start-timeout 240 \
             --out "$OUT/vision-$engine" --loads "[$loads]" \
             --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192 ${VISION_SERVE_ARGS:-}" \
             --vllm-args "--max-num-seqs 256 --max-num-batched-tokens 8192 --limit-mm-per-prompt '{\"image\":4}'" \
-            2>&1 | grep -vE "outside:|^\[online.*(waiting|polling)" | tail -120;;
+            2>&1 | grep -vE "outside:|^\[online.*(waiting|polling)" | tail -120
+        # (the device returns a limited number of files: the run's folder as one archive)
+        tar czf "$OUT/vision-$engine.tgz" -C "$OUT" "vision-$engine" && rm -rf "$OUT/vision-$engine";;
     # issue 14 (docs/kvstore.md): the tiered KV store through the stack; one part per call
     # (each ~3-8 minutes): KV_PARTS=prefix16k, offload or prefill512; KV_ARGS: more flags.
     # The result JSON goes to $OUT.

@@ -160,6 +160,12 @@ def apply_rotary(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor
     op(query, key, positions, cos_sin_cache)
 
 
+def apply_rotary_fp32(query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """In place, each token by its own cos/sin row, fp32 math (a vision tower's rotary)."""
+    op = rotary.apply_rotary_fp32 if query.is_cuda else rotary.apply_rotary_fp32_ref
+    op(query, key, cos_sin)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[num_tokens, 2 * intermediate_size] -> [num_tokens, intermediate_size]."""
     op = activation.silu_and_mul if gate_up.is_cuda else activation.silu_and_mul_ref

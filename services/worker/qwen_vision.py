@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker import ops
+
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 
 
@@ -76,9 +78,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class PatchEmbed(nn.Module):
@@ -99,13 +99,14 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(spec.hidden_size, 3 * spec.hidden_size)
         self.proj = nn.Linear(spec.hidden_size, spec.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                windows: Windows) -> torch.Tensor:
-        """x [patches, hidden]; cos, sin [patches, head_dim]; windows: the groups of patches
-        that attend to each other (an image's windows, or whole images)."""
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, windows: Windows
+                ) -> torch.Tensor:
+        """x [patches, hidden]; cos_sin [patches, head_dim] fp32 (each patch's cos, then sin,
+        of its head_dim // 2 angles); windows: the groups of patches that attend to each
+        other (an image's windows, or whole images)."""
         patches = x.shape[0]
         q, k, v = self.qkv(x).view(patches, 3, self.num_heads, -1).unbind(1)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        ops.apply_rotary_fp32(q, k, cos_sin)  # (in place, in the qkv output)
         return self.proj(windows.attend(q, k, v).reshape(patches, -1))
 
 
@@ -143,14 +144,6 @@ class Windows:
         return padded.view(self.num_windows, self.length, *x.shape[1:]).transpose(1, 2)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary by halves (in fp32): x [patches, heads, head_dim]."""
-    h = x.float()
-    half = h.shape[-1] // 2
-    rotated = torch.cat((-h[..., half:], h[..., :half]), dim=-1)
-    return (h * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
-
-
 class VisionMLP(nn.Module):
     def __init__(self, spec: QwenVisionSpec):
         super().__init__()
@@ -159,7 +152,8 @@ class VisionMLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gated = F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x))
+        return self.down_proj(gated)
 
 
 class VisionBlock(nn.Module):
@@ -170,10 +164,13 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(spec)
         self.mlp = VisionMLP(spec)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                windows: Windows) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, windows)
-        return x + self.mlp(self.norm2(x))
+    def forward(self, normed: torch.Tensor, residual: torch.Tensor, cos_sin: torch.Tensor,
+                windows: Windows, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm1(x), x) -> (next_norm(y), y) for the block's output y: each residual add
+        runs in the RMSNorm after it (ops.rms_norm), ``residual`` updated in place."""
+        attended = self.attn(normed, cos_sin, windows)
+        normed, residual = ops.rms_norm(attended, self.norm2.weight, self.norm2.eps, residual)
+        return ops.rms_norm(self.mlp(normed), next_norm.weight, next_norm.eps, residual)
 
 
 class PatchMerger(nn.Module):
@@ -186,7 +183,11 @@ class PatchMerger(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[patches, hidden] in merge blocks -> [patches / merge^2, out_hidden]"""
-        return self.mlp(self.ln_q(x).view(-1, self.merged_size))
+        return self.project(self.ln_q(x))
+
+    def project(self, normed: torch.Tensor) -> torch.Tensor:
+        """The merger after its norm (the tower runs ln_q with the last block's add)."""
+        return self.mlp(normed.view(-1, self.merged_size))
 
 
 class QwenVisionTower(nn.Module):
@@ -227,13 +228,15 @@ class QwenVisionTower(nn.Module):
         angles = torch.cat([patch_angles(grid, self.spec.merge_size, inv_freq)
                             for grid in grids])
         angles = angles.view(-1, unit, angles.shape[-1])[order.to(device)].flatten(0, 1)
-        cos, sin = angles.cos(), angles.sin()
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [patches, head_dim]
         windows = Windows(window_of.to(device).repeat_interleave(unit))
         whole_images = Windows(image_of.to(device).repeat_interleave(unit))
-        for index, block in enumerate(self.blocks):
+        norms = [block.norm1 for block in self.blocks[1:]] + [self.merger.ln_q]
+        normed = ops.rms_norm(x, self.blocks[0].norm1.weight, self.blocks[0].norm1.eps)
+        for index, (block, next_norm) in enumerate(zip(self.blocks, norms, strict=True)):
             full = index in self.spec.fullatt_block_indexes
-            x = block(x, cos, sin, whole_images if full else windows)
-        merged = self.merger(x)[torch.argsort(order.to(device))]
+            normed, x = block(normed, x, cos_sin, whole_images if full else windows, next_norm)
+        merged = self.merger.project(normed)[torch.argsort(order.to(device))]
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
 
@@ -255,15 +258,14 @@ def batch_order(grids: Sequence[tuple[int, int, int]], spec: QwenVisionSpec
 
 def patch_angles(grid_thw: tuple[int, int, int], merge: int, inv_freq: torch.Tensor
                  ) -> torch.Tensor:
-    """[t * h * w, head_dim] fp32: each patch's rotary angles (row frequencies, column
-    frequencies, both again), patches in merge-block order as the processor lays them out."""
+    """[t * h * w, head_dim // 2] fp32: each patch's rotary angles (row frequencies, then
+    column frequencies), patches in merge-block order as the processor lays them out."""
     t, h, w = grid_thw
     rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
     cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
     rows = rows.permute(0, 2, 1, 3).flatten().repeat(t).to(inv_freq.device)
     cols = cols.permute(0, 2, 1, 3).flatten().repeat(t).to(inv_freq.device)
-    angles = torch.cat((rows[:, None] * inv_freq, cols[:, None] * inv_freq), dim=-1)
-    return torch.cat((angles, angles), dim=-1)
+    return torch.cat((rows[:, None] * inv_freq, cols[:, None] * inv_freq), dim=-1)
 
 
 def window_order(grid_thw: tuple[int, int, int], spec: QwenVisionSpec

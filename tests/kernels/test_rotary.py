@@ -164,3 +164,23 @@ def test_gpu_cuda_graph_capture():
     graph.replay()
     apply_rotary_ref(new_q, new_k, positions, cache)
     assert torch.equal(q, new_q) and torch.equal(k, new_k)
+
+
+# (bf16 on the GPU only: the interpreter's fp32 -> bf16 conversion does not round to nearest)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(
+    torch.bfloat16, marks=[pytest.mark.gpu, gpu])])
+@pytest.mark.parametrize("num_tokens,num_heads,head_dim", [(5, 16, 80), (33, 3, 64)])
+def test_fp32_math_rotary_equals_its_ref_exactly_on_qkv_views(dtype, num_tokens, num_heads,
+                                                               head_dim):
+    """The vision tower's rotary (one rounding at the end): bitwise its torch reference, on
+    q and k views of one fused qkv output, v untouched."""
+    from kernels.rotary import apply_rotary_fp32, apply_rotary_fp32_ref
+    gen = torch.Generator(device=DEVICE).manual_seed(num_tokens)
+    qkv = torch.randn(num_tokens, 3, num_heads, head_dim, generator=gen, device=DEVICE).to(dtype)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen, device=DEVICE) * 50
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    original, expected = qkv.clone(), qkv.clone()
+    apply_rotary_fp32_ref(*expected.unbind(1)[:2], cos_sin)
+    apply_rotary_fp32(*qkv.unbind(1)[:2], cos_sin)
+    assert torch.equal(qkv, expected)
+    assert torch.equal(qkv[:, 2], original[:, 2]) and not torch.equal(qkv[:, 0], original[:, 0])
