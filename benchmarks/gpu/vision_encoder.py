@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.gpu.common import device_name, save
 from services.worker.qwen_images import random_tower_tensors
-from services.worker.qwen_vision import QwenVisionSpec, QwenVisionTower
+from services.worker.qwen_vision import QwenVisionSpec, QwenVisionTower, build_tower
 from shared.models import resolve_model
 
 
@@ -84,11 +84,7 @@ def main() -> None:
     spec = QwenVisionSpec.from_dict(model_files.config)
     device, dtype = torch.device("cuda"), torch.bfloat16
     tensors = random_tower_tensors(spec, device, dtype)
-    with torch.device("meta"):
-        tower = QwenVisionTower(spec)
-    tower.load_state_dict(tensors, strict=True, assign=True)
-    tower.inv_freq = QwenVisionTower.frequencies(spec).to(device)
-    tower.requires_grad_(False).eval()
+    tower = build_tower(spec, tensors, device)
     hf = None if args.no_hf else hf_visual(model_files.config, tensors)
     grid = grid_of(args.size, spec)
     num_patches = grid[0] * grid[1] * grid[2]

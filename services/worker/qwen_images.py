@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from services.worker.image_inputs import (ImageEncoder, NoImages, image_pixels,
                                           load_image_encoder)
-from services.worker.qwen_vision import QwenVisionSpec, QwenVisionTower
+from services.worker.qwen_vision import QwenVisionSpec, QwenVisionTower, build_tower
 from services.worker.step_inputs import SequenceChunk
 from shared.messages import ImageInput
 from shared.models import ModelFiles
@@ -206,14 +206,10 @@ def load_qwen_image_encoder(model_files: ModelFiles, spec: QwenVisionSpec,
                 if name.startswith(("visual.", "model.visual.")):
                     key = name.removeprefix("model.").removeprefix("visual.")
                     tensors[key] = f.get_tensor(name).to(device=device, dtype=dtype)
-    with torch.device("meta"):
-        tower = QwenVisionTower(spec)
-    tower.requires_grad_(False)
-    tower.load_state_dict(tensors, strict=True, assign=True)
-    tower.inv_freq = QwenVisionTower.frequencies(spec).to(device)  # (meta until now)
+    tower = build_tower(spec, tensors, device)
     text = model_files.config.get("text_config") or model_files.config
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     log.info("vision_tower_loaded", architecture="qwen2_5_vl", depth=spec.depth,
              hidden_size=spec.hidden_size, encoder_cache_size=encoder.encoder_cache_size)
-    return QwenImageEncoder(tower.eval(), rope["mrope_section"], encoder.encoder_cache_size,
+    return QwenImageEncoder(tower, rope["mrope_section"], encoder.encoder_cache_size,
                             device, dtype, encoder.max_encoder_batch_tokens)

@@ -15,7 +15,7 @@ mirror the Hub checkpoint's (``visual.*``; transformers 5 saves ``model.visual.*
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,10 @@ from torch import nn
 from services.worker import ops
 
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+# The MLP's width is padded with zeros to a multiple of this: cuBLAS's Hopper GEMMs need rows
+# of 16 bytes (Qwen2.5-VL's 3420 bf16 are not) and fell back to an SM80 kernel, 62 of the
+# tower's 101 ms for eight 640x640 images on an H200 (benchmarks/gpu/vision_encoder.py).
+MLP_ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
@@ -105,15 +109,17 @@ class VisionAttention(nn.Module):
         of its head_dim // 2 angles); windows: the groups of patches that attend to each
         other (an image's windows, or whole images)."""
         patches = x.shape[0]
-        q, k, v = self.qkv(x).view(patches, 3, self.num_heads, -1).unbind(1)
-        ops.apply_rotary_fp32(q, k, cos_sin)  # (in place, in the qkv output)
-        return self.proj(windows.attend(q, k, v).reshape(patches, -1))
+        qkv = self.qkv(x).view(patches, 3, self.num_heads, -1)
+        query, key, _ = qkv.unbind(1)
+        ops.apply_rotary_fp32(query, key, cos_sin)  # (in place, in qkv)
+        return self.proj(windows.attend(qkv).reshape(patches, -1))
 
 
 class Windows:
     """Attention within windows, as one batched SDPA: the patches of each window (contiguous
-    in the tower's order) padded to the longest window, the padding masked out as keys (none
-    when every window is whole, so the fused kernels take it without a mask)."""
+    in the tower's order) gathered into rows of the longest window's length, a short window's
+    spare slots repeating its first patch and masked out as keys (no gather and no mask when
+    every window is whole, so the fused kernels take the patches as they lie)."""
 
     def __init__(self, window_of_patch: torch.Tensor):
         """window_of_patch [patches] int64, ascending: each patch's window."""
@@ -122,26 +128,23 @@ class Windows:
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(window_of_patch.numel(), device=window_of_patch.device) \
             - starts[window_of_patch]
-        self.padded_index = window_of_patch * self.length + slot  # [patches]
-        # every window whole: the padded layout is the patches' own (no copies, no mask)
+        self.padded_index = window_of_patch * self.length + slot  # [patches]: each one's slot
         self.whole = bool((counts == self.length).all())
-        self.key_mask = None if self.whole else (  # [windows, 1, 1, length]
-            torch.arange(self.length, device=counts.device)[None] < counts[:, None]
-        ).view(self.num_windows, 1, 1, self.length)
+        self.patch_of_slot = self.key_mask = None
+        if not self.whole:
+            slots = torch.arange(self.length, device=counts.device)[None]  # [1, length]
+            self.patch_of_slot = (starts[:, None] + torch.minimum(  # [windows * length]
+                slots, counts[:, None] - 1)).flatten()
+            self.key_mask = (slots < counts[:, None]).view(self.num_windows, 1, 1, self.length)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v [patches, heads, head_dim] -> [patches, heads, head_dim]"""
-        padded = [self._padded(t) for t in (q, k, v)]  # [windows, heads, length, head_dim]
-        out = F.scaled_dot_product_attention(*padded, attn_mask=self.key_mask)
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv [patches, 3, heads, head_dim] -> [patches, heads, head_dim]"""
+        padded = qkv if self.whole else qkv[self.patch_of_slot]  # [windows * length, 3, ...]
+        query, key, value = padded.view(self.num_windows, self.length, *qkv.shape[1:]) \
+            .permute(2, 0, 3, 1, 4).unbind(0)  # [windows, heads, length, head_dim] each
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=self.key_mask)
         out = out.transpose(1, 2).flatten(0, 1)  # [windows * length, heads, head_dim]
         return out if self.whole else out[self.padded_index]
-
-    def _padded(self, x: torch.Tensor) -> torch.Tensor:
-        if self.whole:
-            return x.view(self.num_windows, self.length, *x.shape[1:]).transpose(1, 2)
-        padded = x.new_zeros(self.num_windows * self.length, *x.shape[1:])
-        padded[self.padded_index] = x
-        return padded.view(self.num_windows, self.length, *x.shape[1:]).transpose(1, 2)
 
 
 class VisionMLP(nn.Module):
@@ -286,3 +289,28 @@ def window_order(grid_thw: tuple[int, int, int], spec: QwenVisionSpec
     # stable: within a window the blocks keep their row-major order
     order = torch.argsort(window.flatten(), stable=True)
     return index.flatten()[order], window.flatten()[order]
+
+
+def build_tower(spec: QwenVisionSpec, tensors: dict[str, torch.Tensor], device: torch.device
+                ) -> QwenVisionTower:
+    """The tower from a checkpoint's tensors (names without ``visual.``, on ``device``), its
+    MLP padded to MLP_ALIGNMENT: zero gate/up rows and biases give silu(0) * 0 = 0, and the
+    down projection's zero columns add nothing, so the output is the checkpoint's."""
+    size = -(-spec.intermediate_size // MLP_ALIGNMENT) * MLP_ALIGNMENT
+    extra = size - spec.intermediate_size
+    tensors = dict(tensors)
+    for index in range(spec.depth if extra else 0):
+        prefix = f"blocks.{index}.mlp."
+        for name in ("gate_proj.weight", "up_proj.weight"):
+            tensors[prefix + name] = F.pad(tensors[prefix + name], (0, 0, 0, extra))
+        for name in ("gate_proj.bias", "up_proj.bias"):
+            tensors[prefix + name] = F.pad(tensors[prefix + name], (0, extra))
+        tensors[prefix + "down_proj.weight"] = F.pad(tensors[prefix + "down_proj.weight"],
+                                                     (0, extra))
+    spec = replace(spec, intermediate_size=size)
+    with torch.device("meta"):
+        tower = QwenVisionTower(spec)
+    tower.requires_grad_(False)
+    tower.load_state_dict(tensors, strict=True, assign=True)
+    tower.inv_freq = QwenVisionTower.frequencies(spec).to(device)  # (meta until now)
+    return tower.eval()

@@ -237,3 +237,22 @@ def test_dummy_qwen2_5_vl_7b_preset():
     tower.load_state_dict(random_tower_tensors(small, torch.device("cpu"), torch.float32),
                           strict=True)
     assert torch.equal(tower.blocks[0].norm1.weight, torch.ones(32))
+
+
+def test_the_towers_mlp_padded_to_the_gemm_alignment_gives_the_checkpoints_output(vlm):
+    """build_tower pads an MLP width of 40 to 64 with zeros: the same embeddings as the
+    tower at the checkpoint's own shapes."""
+    from dataclasses import replace
+    from services.worker.qwen_images import random_tower_tensors
+    from services.worker.qwen_vision import QwenVisionSpec, QwenVisionTower, build_tower
+    model_files, _, _ = vlm
+    spec = replace(QwenVisionSpec.from_dict(model_files.config), intermediate_size=40)
+    tensors = random_tower_tensors(spec, torch.device("cpu"), torch.float32, std=0.2)
+    padded = build_tower(spec, tensors, torch.device("cpu"))
+    assert padded.blocks[0].mlp.gate_proj.weight.shape[0] == 64
+    plain = QwenVisionTower(spec)
+    plain.load_state_dict(tensors, strict=True)
+    pixels = torch.randn(2 * 8 * 8, spec.patch_dim, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(padded(pixels, (2, 8, 8)), plain(pixels, (2, 8, 8)),
+                                   rtol=1e-5, atol=1e-6)
