@@ -50,6 +50,10 @@ class Serve(Section, frozen=True, kw_only=True):
     gateway_workers: Annotated[int, knob(
         "gateway processes sharing --port (SO_REUSEPORT; each its own NATS client and "
         "streams): more streams' chunks written per second (docs/deploy.md)")] = 1
+    tokenizer_workers: Annotated[int, knob(
+        "tokenizer processes (one NATS queue group: each encode goes to one of them); images "
+        "are decoded and preprocessed there, so a vision model on a many-core host takes "
+        "more (docs/vision.md)")] = 1
     kvstore: Annotated[bool, knob(
         "run the node's kvstore: KV blocks below the worker's cache in host RAM and optionally "
         "on disk, loaded instead of recomputed when faster (docs/kvstore.md)")] = True
@@ -67,6 +71,9 @@ class Serve(Section, frozen=True, kw_only=True):
             raise ValueError(f"replicas must be at least 1, not {self.replicas}")
         if self.gateway_workers < 1:
             raise ValueError(f"gateway_workers must be at least 1, not {self.gateway_workers}")
+        if self.tokenizer_workers < 1:
+            raise ValueError(f"tokenizer_workers must be at least 1, not "
+                             f"{self.tokenizer_workers}")
 
 
 ServeConfig = compose("ServeConfig", "flotilla serve: the whole stack.", (Serve,),
@@ -138,6 +145,7 @@ def stack_options(configs: Mapping[str, Any], *, supervise: bool) -> StackOption
         model=worker.model, host=gateway.host, port=gateway.port,
         nats_url=stack.nats_url or None, namespace=worker.namespace, cache_dir=worker.cache_dir,
         log_level=worker.log_level, replicas=stack.replicas, gateways=stack.gateway_workers,
+        tokenizers=stack.tokenizer_workers,
         log_dir=Path(stack.log_dir) if stack.log_dir else None, service_args=service_args,
         supervise=supervise, shutdown_timeout_s=stack.shutdown_timeout,
         # a tensor-parallel worker has no kvstore yet

@@ -49,6 +49,7 @@ class StackOptions:
     namespace: str = "flotilla"
     replicas: int = 1  # scheduler + worker pairs
     gateways: int = 1  # gateway processes sharing the port (SO_REUSEPORT when more than one)
+    tokenizers: int = 1  # tokenizer processes (one queue group)
     cache_dir: str = "~/.cache/flotilla"
     log_level: str = "info"
     log_dir: Path | None = None  # None: children's output goes to our stderr
@@ -187,7 +188,9 @@ class Stack:
 
     def service_names(self) -> list[str]:
         """'worker' and 'scheduler' for replica 0, 'worker-1', 'scheduler-1', ... after."""
-        names = ["tokenizer"] + (["kvstore"] if self.options.kvstore else [])
+        names = [f"tokenizer-{index}" if index else "tokenizer"
+                 for index in range(self.options.tokenizers)]
+        names += ["kvstore"] if self.options.kvstore else []
         for replica_id in range(self.options.replicas):
             names += [f"{kind}-{replica_id}" if replica_id else kind for kind in REPLICATED]
         return names + [f"gateway-{index}" if index else "gateway"

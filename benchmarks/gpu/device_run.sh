@@ -115,7 +115,8 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     # issue 53's online row: dummy Qwen2.5-VL-7B, VISION_IMAGES images of 640x640 a request
     # (400 text tokens in, 150 out), 500 requests at each of VISION_RATES (Poisson; inf:
     # saturation), goodput at TTFT < 2 s and ITL < 100 ms; flotilla's half or vLLM's (kit
-    # installed), each the only stage of its call. Files in $OUT/vision-ENGINE.
+    # installed), each the only stage of its call; flotilla with 4 tokenizer processes of 4
+    # image threads (VISION_SERVE_ARGS replaces them). Files in $OUT/vision-ENGINE.tgz.
     vision-flotilla|vision-vllm) engine=${stage#vision-}
         skip=$([ "$engine" = flotilla ] && echo --skip-vllm || echo --skip-flotilla)
         loads="" seed=0  # a seed a load: no load's images or prompts are cached by another's
@@ -125,7 +126,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
         python3 -m benchmarks.gpu.online_serve --model $M/dummy-qwen2.5-vl-7b --dataset-name random \
             --num-prompts ${VISION_PROMPTS:-500} $skip --budget ${VISION_BUDGET:-570} --max-duration 120 --vllm-start-timeout 240 \
             --out "$OUT/vision-$engine" --loads "[$loads]" \
-            --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192 ${VISION_SERVE_ARGS:-}" \
+            --serve-args "--max-num-seqs 256 --max-num-batched-tokens 8192 ${VISION_SERVE_ARGS:---tokenizer-workers 4 --image-workers 4}" \
             --vllm-args "--max-num-seqs 256 --max-num-batched-tokens 8192 --limit-mm-per-prompt '{\"image\":4}'" \
             2>&1 | grep -vE "outside:|^\[online.*(waiting|polling)" | tail -120
         # (the device returns a limited number of files: the run's folder as one archive)

@@ -31,10 +31,12 @@ def transformers_greedy_texts(model_dir: Path, prompts: list[str], num_new_token
 
 
 def start_stack_on(model_dir: Path, log_dir: Path,
-                   service_args: dict[str, list[str]] | None = None) -> Stack:
+                   service_args: dict[str, list[str]] | None = None,
+                   tokenizers: int = 1) -> Stack:
     """``flotilla serve --model model_dir`` (a 64 MiB worker cache unless ``service_args``
-    say otherwise), started and healthy."""
+    say otherwise; ``tokenizers`` processes), started and healthy."""
     stack = Stack(StackOptions(model=str(model_dir), host="127.0.0.1", port=free_port(),
+                               tokenizers=tokenizers,
                                log_dir=log_dir, service_args=service_args or {
                                    "worker": ["--kv-cache-memory", "64MiB"]}))
     stack.start(timeout_s=300)

@@ -90,7 +90,8 @@ def served(tmp_path_factory):
               "--allowed-media-domains", "images.example.com"]
     stack = start_stack_on(model_dir, root / "logs", service_args={
         "gateway": limits, "tokenizer": ["--max-image-pixels", str(MAX_IMAGE_PIXELS)],
-        "worker": ["--kv-cache-memory", "64MiB", "--encoder-cache-size", "8"]})
+        "worker": ["--kv-cache-memory", "64MiB", "--encoder-cache-size", "8"]},
+        tokenizers=2)  # (one queue group: the tests' encodes go to either)
     try:
         yield stack, model_dir, media, root / "logs"
     finally:
