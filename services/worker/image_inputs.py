@@ -60,6 +60,9 @@ class NoImages:
     def attach(self, results: list[StepResult]) -> list[StepResult]:
         return results
 
+    def warm_up(self) -> None:
+        pass
+
 
 class EncoderOutputCache:
     """Encoder outputs by image hash, least recently used evicted past ``capacity`` images
@@ -205,6 +208,27 @@ class ImageEncoder:
             self.cache.put(image.hash, output)
         log.debug("images_encoded", num_images=len(images), seconds=round(seconds, 4))
         return outputs
+
+    def warm_up(self) -> None:
+        """One tower call on blank input before serving, so what compiles or plans on first
+        use (Triton kernels, cuDNN's attention plans) does so before the first image: in
+        issue 53's first run on an H200, the first image's step took 2.5-5 s."""
+        started = time.perf_counter()
+        with torch.inference_mode():
+            self._warm_up_tower()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        log.info("encoder_warmed_up", seconds=round(time.perf_counter() - started, 2))
+
+    def _warm_up_tower(self) -> None:
+        spec = self.tower.spec
+        side = spec.image_size
+        pixels = torch.zeros(2, spec.num_channels, side, side, device=self.device,
+                             dtype=self.dtype)
+        mask = torch.ones(2, side // spec.patch_size, side // spec.patch_size,
+                          dtype=torch.bool, device=self.device)
+        mask[1, -1] = False  # a padded tile's path too
+        self.tower(pixels, mask)
 
     def _num_tokens(self, image: ImageInput) -> int:
         return image.pixel_shape[0] * self.tower.spec.tokens_per_tile

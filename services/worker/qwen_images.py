@@ -114,6 +114,16 @@ class QwenImageEncoder(ImageEncoder):
                                 self.section_of_column)
         return torch.arange(step.shape[1], device=positions.device), cos_sin
 
+    def _warm_up_tower(self) -> None:
+        """Two images in one call: one of whole windows, one whose edge windows are cut
+        short (the masked attention)."""
+        spec = self.tower.spec
+        window = spec.window_size // spec.patch_size  # patches along a window's side
+        grids = [(1, 2 * window, 2 * window), (1, window + spec.merge_size, 2 * window)]
+        pixels = torch.zeros(sum(t * h * w for t, h, w in grids), spec.patch_dim,
+                             device=self.device, dtype=self.dtype)
+        self.tower.encode(pixels, grids)
+
     def _num_tokens(self, image: ImageInput) -> int:
         return int(np.prod(image.grid_thw)) // self.tower.spec.merge_size ** 2
 

@@ -92,6 +92,7 @@ def build_runner(config: WorkerConfig, model_files: ModelFiles,
         images=load_any_image_encoder(model_files, device, dtype, config, ranks.tp.size))
     if device.type == "cuda" and ranks.tp.size == 1:
         warm_up_steps(runner)  # (a group's ranks take steps only once all are up)
+        runner.images.warm_up()
         runner.zero_step_counts()  # the counts are serving's
     log.info("model_runner_ready", model=runner.model_name, device=runner.device,
              dtype=runner.dtype, num_blocks=runner.num_blocks, block_size=runner.block_size,

@@ -87,7 +87,9 @@ def test_tower_gives_transformers_image_features(vlm):
     assert len(image_input.pixels) == 5 * 3 * 512 * 512
     assert torch.equal(image_pixels(image_input), inputs["pixel_values"][0])  # exactly
     encoder = load_image_encoder(model_files, torch.device("cpu"), torch.float32,
-                                     EncoderCache(encoder_cache_size=4))
+                                 EncoderCache(encoder_cache_size=4))
+    encoder.warm_up()  # blank tiles, one padded; neither counted nor cached
+    assert encoder.num_encoded == 0 and len(encoder.cache) == 0
     pixels, mask = encoder._tensors(image_input)
     with torch.inference_mode():
         ours = encoder.tower(pixels, mask)

@@ -116,6 +116,8 @@ def test_a_steps_images_encode_in_tower_calls_within_the_token_budget(vlm):
     inputs = [prompts.encode("<|image_pad|>", [make_image(200, 200, seed=s)])[1][0]
               for s in range(3)]
     encoder.max_batch_tokens = 2 * inputs[0].length
+    encoder.warm_up()  # whole and cut-short windows; neither counted nor cached
+    assert encoder.num_encoded == 0 and len(encoder.cache) == 0
     assert [len(group) for group in encoder._groups(inputs)] == [2, 1]
     outputs = encoder._outputs(inputs + inputs[:1])  # a repeat within the step encodes once
     assert encoder.num_encoded == 3 and set(outputs) == {image.hash for image in inputs}
