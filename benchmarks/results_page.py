@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "BENCHMARKS.md"
 CATALOG = "catalog.json"
-MAX_PAGE_LINES = 250
+MAX_PAGE_LINES = 275  # (wave 4 adds a workload a model family)
 _OPS = {">=": ("≥", lambda a, b: a >= b), "<=": ("≤", lambda a, b: a <= b),
         ">": (">", lambda a, b: a > b), "<": ("<", lambda a, b: a < b)}
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
