@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "BENCHMARKS.md"
 CATALOG = "catalog.json"
-MAX_PAGE_LINES = 275  # (wave 4 adds a workload a model family)
+MAX_PAGE_LINES = 250
 _OPS = {">=": ("≥", lambda a, b: a >= b), "<=": ("≤", lambda a, b: a <= b),
         ">": (">", lambda a, b: a > b), "<": ("<", lambda a, b: a < b)}
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
@@ -205,21 +205,8 @@ model directories in `.devmodels/`). Compare figures only within one machine kin
 ADDING = """\
 ## Adding a result
 
-1. Write `benchmarks/results/<machine>-<date>-<what>.json`: `machine` (a key of `catalog.json`),
-   `date` (YYYY-MM-DD; `session`, an integer, orders runs of one day), `commit`, `journal` (what
-   the run was), and `rows`, each with `workload` (an id in `catalog.json`), `metric`, `value`,
-   `unit`, `better` (`higher` or `lower`), `command`, and where measured in the same run, `peer`
-   (`name`, `value`); `note` and a row's own `commit` are optional.
-2. `python -m benchmarks.results_page`. The newest run of a (machine, workload, metric) replaces
-   its row; a new workload or target goes into `catalog.json` first.
-   `tests/benchmarks/test_results_page.py` fails while this page and the JSON disagree.
-
-For example, a new batch-1 decode figure on the H200 (`<...>` stands for what was measured):
-```json
-{"machine": "h200", "date": "<YYYY-MM-DD>", "commit": "<sha>", "journal": "<what the run was>",
- "rows": [{"workload": "b", "metric": "ms/token", "value": <ms>, "unit": "ms/token",
-           "better": "lower", "command": "bash benchmarks/gpu/device_run.sh decode"}]}
-```
+A run's JSON in `benchmarks/results/`, then `python -m benchmarks.results_page`: the fields and
+an example are in docs/bench.md ("Adding a result to BENCHMARKS.md").
 """
 
 
