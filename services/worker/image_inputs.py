@@ -303,7 +303,8 @@ def image_pixels(image: ImageInput, device: torch.device | str = "cpu") -> torch
     table = torch.frombuffer(bytearray(image.pixel_table), dtype=torch.float32)
     table = table.view(shape[1], 256).to(device)  # each channel's value of each code
     # table[c, code] for every value: the flat table indexed by c * 256 + code
-    channel_base = (torch.arange(shape[1], device=device) * 256).view(1, -1, *[1] * (len(shape) - 2))
+    channel_base = torch.arange(shape[1], device=device) * 256
+    channel_base = channel_base.view(1, -1, *[1] * (len(shape) - 2))
     return table.flatten()[pixels.long() + channel_base]
 
 

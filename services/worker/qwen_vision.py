@@ -76,13 +76,13 @@ class QwenVisionSpec:
 
 
 class RMSNorm(nn.Module):
+    """A norm's weight and eps: the tower runs each with the residual add before it
+    (ops.rms_norm in QwenVisionTower.encode and VisionBlock)."""
+
     def __init__(self, size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class PatchEmbed(nn.Module):
@@ -125,13 +125,13 @@ class Windows:
         """window_of_patch [patches] int64, ascending: each patch's window."""
         counts = torch.bincount(window_of_patch)
         self.num_windows, self.length = counts.numel(), int(counts.max())
-        starts = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(window_of_patch.numel(), device=window_of_patch.device) \
-            - starts[window_of_patch]
-        self.padded_index = window_of_patch * self.length + slot  # [patches]: each one's slot
         self.whole = bool((counts == self.length).all())
-        self.patch_of_slot = self.key_mask = None
+        self.padded_index = self.patch_of_slot = self.key_mask = None
         if not self.whole:
+            starts = torch.cumsum(counts, 0) - counts
+            slot = torch.arange(window_of_patch.numel(), device=window_of_patch.device) \
+                - starts[window_of_patch]
+            self.padded_index = window_of_patch * self.length + slot  # [patches]: their slots
             slots = torch.arange(self.length, device=counts.device)[None]  # [1, length]
             self.patch_of_slot = (starts[:, None] + torch.minimum(  # [windows * length]
                 slots, counts[:, None] - 1)).flatten()
@@ -184,12 +184,9 @@ class PatchMerger(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(self.merged_size, self.merged_size), nn.GELU(),
                                  nn.Linear(self.merged_size, spec.out_hidden_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[patches, hidden] in merge blocks -> [patches / merge^2, out_hidden]"""
-        return self.project(self.ln_q(x))
-
-    def project(self, normed: torch.Tensor) -> torch.Tensor:
-        """The merger after its norm (the tower runs ln_q with the last block's add)."""
+    def forward(self, normed: torch.Tensor) -> torch.Tensor:
+        """ln_q's output [patches, hidden] in merge blocks (the tower runs ln_q with the last
+        block's residual add) -> [patches / merge^2, out_hidden]"""
         return self.mlp(normed.view(-1, self.merged_size))
 
 
@@ -239,7 +236,7 @@ class QwenVisionTower(nn.Module):
         for index, (block, next_norm) in enumerate(zip(self.blocks, norms, strict=True)):
             full = index in self.spec.fullatt_block_indexes
             normed, x = block(normed, x, cos_sin, whole_images if full else windows, next_norm)
-        merged = self.merger.project(normed)[torch.argsort(order.to(device))]
+        merged = self.merger(normed)[torch.argsort(order.to(device))]
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
 
