@@ -128,12 +128,12 @@ def _rotary_write_kv_cache_kernel(
     q_cos = cos.to(query_ptr.dtype.element_ty).to(tl.float32)
     q_sin = sin.to(query_ptr.dtype.element_ty).to(tl.float32)
     _rotate_heads(query_ptr, query_stride_token, query_stride_head, token, num_heads,
-                  q_cos, q_sin, half, BLOCK_HEADS, BLOCK_HALF)
+                  q_cos, q_sin, half, BLOCK_HEADS, BLOCK_HALF, True)
     k_cos = cos.to(key_ptr.dtype.element_ty).to(tl.float32)
     k_sin = sin.to(key_ptr.dtype.element_ty).to(tl.float32)
     key1, key2, half_mask = _rotated_heads(key_ptr, key_stride_token, key_stride_head, token,
                                            num_kv_heads, k_cos, k_sin, half, BLOCK_KV_HEADS,
-                                           BLOCK_HALF)
+                                           BLOCK_HALF, True)
     kv_heads = tl.arange(0, BLOCK_KV_HEADS)[:, None]  # [BLOCK_KV_HEADS, 1]
     half_dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
     key_first = key_ptr + token * key_stride_token + kv_heads * key_stride_head + half_dims

@@ -23,10 +23,12 @@ from kernels import pdl
 
 @triton.jit
 def _rotated_heads(x_ptr, stride_token, stride_head, token, num_heads, cos, sin, half,
-                   BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                   ROUND_PRODUCTS: tl.constexpr):
     """All heads of one token, rotated, in x's dtype: (first half, second half), each
     [BLOCK_HEADS, BLOCK_HALF], with the mask of real heads and dims. cos, sin: [1, BLOCK_HALF]
-    fp32, already rounded to x's dtype."""
+    fp32 (for ROUND_PRODUCTS, already rounded to x's dtype: the LM's numerics; without, fp32
+    math rounded once: a vision tower's)."""
     dtype = x_ptr.dtype.element_ty
     heads = tl.arange(0, BLOCK_HEADS)[:, None]  # [BLOCK_HEADS, 1]
     dims = tl.arange(0, BLOCK_HALF)[None, :]  # [1, BLOCK_HALF]
@@ -34,18 +36,23 @@ def _rotated_heads(x_ptr, stride_token, stride_head, token, num_heads, cos, sin,
     first = x_ptr + token * stride_token + heads * stride_head + dims  # [BLOCK_HEADS, BLOCK_HALF]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    # each product rounded to the activation dtype before the sum, as torch does
-    out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
-    out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    # ROUND_PRODUCTS: each product rounded to the activation dtype before the sum, as torch does
+    if ROUND_PRODUCTS:
+        out1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
+        out2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
+    else:
+        out1 = x1 * cos - x2 * sin
+        out2 = x2 * cos + x1 * sin
     return out1.to(dtype), out2.to(dtype), mask
 
 
 @triton.jit
 def _rotate_heads(x_ptr, stride_token, stride_head, token, num_heads, cos, sin, half,
-                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                  BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                  ROUND_PRODUCTS: tl.constexpr):
     """Rotate all heads of one token in place. cos, sin: [1, BLOCK_HALF] fp32."""
     out1, out2, mask = _rotated_heads(x_ptr, stride_token, stride_head, token, num_heads,
-                                      cos, sin, half, BLOCK_HEADS, BLOCK_HALF)
+                                      cos, sin, half, BLOCK_HEADS, BLOCK_HALF, ROUND_PRODUCTS)
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     first = x_ptr + token * stride_token + heads * stride_head + dims
@@ -80,11 +87,11 @@ def _apply_rotary_kernel(
     q_cos = cos.to(query_ptr.dtype.element_ty).to(tl.float32)
     q_sin = sin.to(query_ptr.dtype.element_ty).to(tl.float32)
     _rotate_heads(query_ptr, query_stride_token, query_stride_head, token, num_heads,
-                  q_cos, q_sin, half, BLOCK_HEADS, BLOCK_HALF)
+                  q_cos, q_sin, half, BLOCK_HEADS, BLOCK_HALF, True)
     k_cos = cos.to(key_ptr.dtype.element_ty).to(tl.float32)
     k_sin = sin.to(key_ptr.dtype.element_ty).to(tl.float32)
     _rotate_heads(key_ptr, key_stride_token, key_stride_head, token, num_kv_heads,
-                  k_cos, k_sin, half, BLOCK_KV_HEADS, BLOCK_HALF)
+                  k_cos, k_sin, half, BLOCK_KV_HEADS, BLOCK_HALF, True)
 
 
 def build_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
@@ -150,21 +157,6 @@ def apply_rotary_ref(query: torch.Tensor, key: torch.Tensor, positions: torch.Te
 
 
 @triton.jit
-def _rotate_heads_fp32(x_ptr, stride_token, stride_head, token, num_heads, cos, sin, half,
-                       BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rotate all heads of one token in place, the math in fp32 and one rounding at the end."""
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    dims = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (heads < num_heads) & (dims < half)
-    first = x_ptr + token * stride_token + heads * stride_head + dims
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
-    dtype = x_ptr.dtype.element_ty
-    tl.store(first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(first + half, (x2 * cos + x1 * sin).to(dtype), mask=mask)
-
-
-@triton.jit
 def _rotary_fp32_kernel(query_ptr, key_ptr, cos_sin_ptr, query_stride_token, query_stride_head,
                         key_stride_token, key_stride_head, cos_sin_stride, num_heads, half,
                         BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -173,10 +165,10 @@ def _rotary_fp32_kernel(query_ptr, key_ptr, cos_sin_ptr, query_stride_token, que
     row = cos_sin_ptr + token * cos_sin_stride + dims
     cos = tl.load(row, mask=dims < half, other=0.0)
     sin = tl.load(row + half, mask=dims < half, other=0.0)
-    _rotate_heads_fp32(query_ptr, query_stride_token, query_stride_head, token, num_heads,
-                       cos, sin, half, BLOCK_HEADS, BLOCK_HALF)
-    _rotate_heads_fp32(key_ptr, key_stride_token, key_stride_head, token, num_heads,
-                       cos, sin, half, BLOCK_HEADS, BLOCK_HALF)
+    _rotate_heads(query_ptr, query_stride_token, query_stride_head, token, num_heads,
+                  cos, sin, half, BLOCK_HEADS, BLOCK_HALF, False)
+    _rotate_heads(key_ptr, key_stride_token, key_stride_head, token, num_heads,
+                  cos, sin, half, BLOCK_HEADS, BLOCK_HALF, False)
 
 
 def apply_rotary_fp32(query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor) -> None:
