@@ -115,10 +115,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     # issue 53's online row: dummy Qwen2.5-VL-7B, VISION_IMAGES images of 640x640 a request
     # (400 text tokens in, 150 out), 500 requests at each of VISION_RATES (Poisson; inf:
     # saturation), goodput at TTFT < 2 s and ITL < 100 ms; flotilla's half or vLLM's (kit
-    # installed), each the only stage of its call; flotilla with 4 tokenizer processes of 4
-    # image threads (VISION_SERVE_ARGS replaces them). Files in $OUT/vision-ENGINE.tgz.
-    vision-flotilla|vision-vllm) engine=${stage#vision-}
-        skip=$([ "$engine" = flotilla ] && echo --skip-vllm || echo --skip-flotilla)
+    # installed), each the only stage of its call (vision-both: flotilla then vLLM in one
+    # call, for a short load); flotilla with 4 tokenizer processes of 4 image threads
+    # (VISION_SERVE_ARGS replaces them). Files in $OUT/vision-ENGINE.tgz.
+    vision-flotilla|vision-vllm|vision-both) engine=${stage#vision-}
+        skip=$(case $engine in flotilla) echo --skip-vllm;; vllm) echo --skip-flotilla;; esac)
         loads="" seed=0  # a seed a load: no load's images or prompts are cached by another's
         for n in ${VISION_IMAGES:-1 4}; do for rate in ${VISION_RATES:-8 inf}; do seed=$((seed + 1))
           loads="$loads${loads:+,}{\"name\": \"img${n}_r${rate}\", \"request_rate\": \"$rate\", \"bench_args\": \"--seed $seed --endpoint chat --images-per-request $n --image-size 640x640 --random-input-len 400 --random-output-len 150 --goodput ttft:2000 itl:100\"}"

@@ -84,7 +84,7 @@ def main() -> None:
     spec = QwenVisionSpec.from_dict(model_files.config)
     device, dtype = torch.device("cuda"), torch.bfloat16
     tensors = random_tower_tensors(spec, device, dtype)
-    tower = build_tower(spec, tensors, device)
+    tower = build_tower(spec, tensors)
     hf = None if args.no_hf else hf_visual(model_files.config, tensors)
     grid = grid_of(args.size, spec)
     num_patches = grid[0] * grid[1] * grid[2]

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.step_inputs import SequenceChunk
+from services.worker.transfer import to_device
 from services.worker.vision import VisionSpec, VisionTower, vision_tensors
 from shared.messages import ImageInput, StepResult
 from shared.models import ModelFiles
@@ -102,7 +103,8 @@ class ImageEncoder:
         self.cache = EncoderOutputCache(cache_size)
         self._images: dict[str, list[tuple[ImageInput, np.ndarray]]] = {}
         self.num_encoded = self.num_hits = 0  # since start
-        self.encoder_time_s = 0.0
+        self.encoder_time_s = 0.0  # the tower's calls that have ended (GPU: by their events)
+        self._timed_calls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._reported = (0, 0, 0.0)
 
     def add(self, request_id: str, images: Sequence[ImageInput],
@@ -153,7 +155,7 @@ class ImageEncoder:
                                  f"for {output.shape[0]} image embeddings")
             rows.append(row_of_zero + positions[lo:hi])
             embeds.append(output[lo:hi])
-        indices = torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(self.device)
+        indices = to_device(torch.from_numpy(np.concatenate(rows).astype(np.int64)), self.device)
         return indices, torch.cat(embeds).to(dtype)
 
     def _outputs(self, images: Sequence[ImageInput]) -> dict[bytes, torch.Tensor]:
@@ -195,19 +197,32 @@ class ImageEncoder:
         return groups
 
     def _encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        """One tower call over ``images``: each one's embeddings, kept in the cache."""
-        start = time.perf_counter()
+        """One tower call over ``images``: each one's embeddings, kept in the cache. On a GPU
+        the call is only queued (the step's forward follows it on the stream) and timed by
+        events, read once they have passed (``_collect_times``)."""
+        cuda = self.device.type == "cuda"
+        started = time.perf_counter()
+        if cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         with torch.inference_mode():
             outputs = self._run_tower(images)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        seconds = time.perf_counter() - start
+        if cuda:
+            events[1].record()
+            self._timed_calls.append(events)
+        else:
+            self.encoder_time_s += time.perf_counter() - started
         self.num_encoded += len(images)
-        self.encoder_time_s += seconds
         for image, output in zip(images, outputs, strict=True):
             self.cache.put(image.hash, output)
-        log.debug("images_encoded", num_images=len(images), seconds=round(seconds, 4))
+        log.debug("images_encoded", num_images=len(images))
         return outputs
+
+    def _collect_times(self) -> None:
+        """Add the GPU time of the tower calls whose end has passed."""
+        while self._timed_calls and self._timed_calls[0][1].query():
+            start, end = self._timed_calls.pop(0)
+            self.encoder_time_s += start.elapsed_time(end) / 1000
 
     def warm_up(self) -> None:
         """One tower call on blank input before serving, so what compiles or plans on first
@@ -252,7 +267,7 @@ class ImageEncoder:
         mask_shape = (shape[0], shape[2] // patch, shape[3] // patch)
         if image.patch_mask:
             mask = torch.frombuffer(bytearray(image.patch_mask), dtype=torch.bool)
-            mask = mask.view(mask_shape).to(self.device)
+            mask = to_device(mask.view(mask_shape), self.device)
         else:
             mask = torch.ones(mask_shape, dtype=torch.bool, device=self.device)
         return pixels, mask
@@ -280,6 +295,7 @@ class ImageEncoder:
         """The last result carries the encoder's counts since the previous one that did."""
         if not results:
             return results
+        self._collect_times()
         now = (self.num_encoded, self.num_hits, self.encoder_time_s)
         if now == self._reported:
             return results
@@ -295,13 +311,13 @@ def image_pixels(image: ImageInput, device: torch.device | str = "cpu") -> torch
     """The image's pixel tensor [tiles, C, H, W] on ``device``, in its own dtype (float32 for
     codes and a table: table[c][code] per channel). Codes are looked up on ``device``: a
     quarter of the bytes cross to a GPU, and the gather runs there."""
-    shape = tuple(image.pixel_shape)
+    shape, device = tuple(image.pixel_shape), torch.device(device)
     pixels = torch.frombuffer(bytearray(image.pixels), dtype=_DTYPES[image.pixel_dtype])
-    pixels = pixels.view(shape).to(device, non_blocking=True)
+    pixels = to_device(pixels.view(shape), device)
     if image.pixel_dtype != "uint8":
         return pixels
     table = torch.frombuffer(bytearray(image.pixel_table), dtype=torch.float32)
-    table = table.view(shape[1], 256).to(device)  # each channel's value of each code
+    table = to_device(table.view(shape[1], 256), device)  # each channel's value of each code
     # table[c, code] for every value: the flat table indexed by c * 256 + code
     channel_base = torch.arange(shape[1], device=device) * 256
     channel_base = channel_base.view(1, -1, *[1] * (len(shape) - 2))

@@ -30,6 +30,7 @@ from services.worker.image_inputs import (ImageEncoder, NoImages, image_pixels,
                                           load_image_encoder)
 from services.worker.qwen_vision import QwenVisionSpec, QwenVisionTower, build_tower
 from services.worker.step_inputs import SequenceChunk
+from services.worker.transfer import to_device
 from shared.messages import ImageInput
 from shared.models import ModelFiles
 from shared.sections.media import EncoderCache
@@ -109,9 +110,9 @@ class QwenImageEncoder(ImageEncoder):
                                   index + delta))
         step = np.concatenate(parts, axis=1)  # [3, num_tokens]
         if (step == step[0]).all():
-            return torch.from_numpy(step[0].copy()).to(positions.device), None
-        cos_sin = mrope_cos_sin(torch.from_numpy(step).to(positions.device), cos_sin_cache,
-                                self.section_of_column)
+            return to_device(torch.from_numpy(step[0].copy()), positions.device), None
+        cos_sin = mrope_cos_sin(to_device(torch.from_numpy(step), positions.device),
+                                cos_sin_cache, self.section_of_column)
         return torch.arange(step.shape[1], device=positions.device), cos_sin
 
     def _warm_up_tower(self) -> None:
@@ -216,7 +217,7 @@ def load_qwen_image_encoder(model_files: ModelFiles, spec: QwenVisionSpec,
                 if name.startswith(("visual.", "model.visual.")):
                     key = name.removeprefix("model.").removeprefix("visual.")
                     tensors[key] = f.get_tensor(name).to(device=device, dtype=dtype)
-    tower = build_tower(spec, tensors, device)
+    tower = build_tower(spec, tensors)
     text = model_files.config.get("text_config") or model_files.config
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     log.info("vision_tower_loaded", architecture="qwen2_5_vl", depth=spec.depth,

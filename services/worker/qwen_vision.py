@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker import ops
+from services.worker.transfer import to_device
 
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 # The MLP's width is padded with zeros to a multiple of this: cuBLAS's Hopper GEMMs need rows
@@ -121,21 +122,25 @@ class Windows:
     spare slots repeating its first patch and masked out as keys (no gather and no mask when
     every window is whole, so the fused kernels take the patches as they lie)."""
 
-    def __init__(self, window_of_patch: torch.Tensor):
-        """window_of_patch [patches] int64, ascending: each patch's window."""
+    def __init__(self, window_of_patch: torch.Tensor, device: torch.device):
+        """window_of_patch [patches] int64 on the CPU, ascending: each patch's window. The
+        sizes are read on the host and the indices copied to ``device`` without a wait: a
+        sync here held the step's host work until the step before it was done (the GPU
+        then idle while the host prepared the language model's inputs)."""
         counts = torch.bincount(window_of_patch)
         self.num_windows, self.length = counts.numel(), int(counts.max())
         self.whole = bool((counts == self.length).all())
         self.padded_index = self.patch_of_slot = self.key_mask = None
         if not self.whole:
             starts = torch.cumsum(counts, 0) - counts
-            slot = torch.arange(window_of_patch.numel(), device=window_of_patch.device) \
-                - starts[window_of_patch]
-            self.padded_index = window_of_patch * self.length + slot  # [patches]: their slots
-            slots = torch.arange(self.length, device=counts.device)[None]  # [1, length]
-            self.patch_of_slot = (starts[:, None] + torch.minimum(  # [windows * length]
+            slot = torch.arange(window_of_patch.numel()) - starts[window_of_patch]
+            padded_index = window_of_patch * self.length + slot  # [patches]: their slots
+            slots = torch.arange(self.length)[None]  # [1, length]
+            patch_of_slot = (starts[:, None] + torch.minimum(  # [windows * length]
                 slots, counts[:, None] - 1)).flatten()
-            self.key_mask = (slots < counts[:, None]).view(self.num_windows, 1, 1, self.length)
+            key_mask = (slots < counts[:, None]).view(self.num_windows, 1, 1, self.length)
+            self.padded_index, self.patch_of_slot, self.key_mask = (
+                to_device(t, device) for t in (padded_index, patch_of_slot, key_mask))
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [patches, 3, heads, head_dim] -> [patches, heads, head_dim]"""
@@ -199,7 +204,7 @@ class QwenVisionTower(nn.Module):
         self.patch_embed = PatchEmbed(spec)
         self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
         self.merger = PatchMerger(spec)
-        self.register_buffer("inv_freq", self.frequencies(spec), persistent=False)
+        self.cpu_inv_freq = self.frequencies(spec)  # (patch angles are made on the host)
 
     @staticmethod
     def frequencies(spec: QwenVisionSpec) -> torch.Tensor:
@@ -220,23 +225,24 @@ class QwenVisionTower(nn.Module):
         windows of all images attend as one batch, and so does each full-attention block's
         whole images (padded to the largest)."""
         unit = self.spec.merge_size ** 2
+        # the layout is the grids' alone: built on the host, copied without a wait
         order, window_of, image_of = batch_order(grids, self.spec)  # (in merge blocks)
         device = pixels.device
-        x = self.patch_embed(pixels)
-        x = x.view(-1, unit, x.shape[-1])[order.to(device)].flatten(0, 1)
-        inv_freq = self.inv_freq.to(device)
-        angles = torch.cat([patch_angles(grid, self.spec.merge_size, inv_freq)
+        angles = torch.cat([patch_angles(grid, self.spec.merge_size, self.cpu_inv_freq)
                             for grid in grids])
-        angles = angles.view(-1, unit, angles.shape[-1])[order.to(device)].flatten(0, 1)
+        angles = to_device(angles.view(-1, unit, angles.shape[-1])[order].flatten(0, 1), device)
+        order = to_device(order, device)
+        x = self.patch_embed(pixels)
+        x = x.view(-1, unit, x.shape[-1])[order].flatten(0, 1)
         cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)  # [patches, head_dim]
-        windows = Windows(window_of.to(device).repeat_interleave(unit))
-        whole_images = Windows(image_of.to(device).repeat_interleave(unit))
+        windows = Windows(window_of.repeat_interleave(unit), device)
+        whole_images = Windows(image_of.repeat_interleave(unit), device)
         norms = [block.norm1 for block in self.blocks[1:]] + [self.merger.ln_q]
         normed = ops.rms_norm(x, self.blocks[0].norm1.weight, self.blocks[0].norm1.eps)
         for index, (block, next_norm) in enumerate(zip(self.blocks, norms, strict=True)):
             full = index in self.spec.fullatt_block_indexes
             normed, x = block(normed, x, cos_sin, whole_images if full else windows, next_norm)
-        merged = self.merger(normed)[torch.argsort(order.to(device))]
+        merged = self.merger(normed)[torch.argsort(order)]
         return list(merged.split([t * h * w // unit for t, h, w in grids]))
 
 
@@ -258,13 +264,14 @@ def batch_order(grids: Sequence[tuple[int, int, int]], spec: QwenVisionSpec
 
 def patch_angles(grid_thw: tuple[int, int, int], merge: int, inv_freq: torch.Tensor
                  ) -> torch.Tensor:
-    """[t * h * w, head_dim // 2] fp32: each patch's rotary angles (row frequencies, then
-    column frequencies), patches in merge-block order as the processor lays them out."""
+    """[t * h * w, head_dim // 2] fp32 on the CPU (``inv_freq``'s): each patch's rotary angles
+    (row frequencies, then column frequencies), patches in merge-block order as the
+    processor lays them out."""
     t, h, w = grid_thw
     rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
     cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
-    rows = rows.permute(0, 2, 1, 3).flatten().repeat(t).to(inv_freq.device)
-    cols = cols.permute(0, 2, 1, 3).flatten().repeat(t).to(inv_freq.device)
+    rows = rows.permute(0, 2, 1, 3).flatten().repeat(t)
+    cols = cols.permute(0, 2, 1, 3).flatten().repeat(t)
     return torch.cat((rows[:, None] * inv_freq, cols[:, None] * inv_freq), dim=-1)
 
 
@@ -288,9 +295,8 @@ def window_order(grid_thw: tuple[int, int, int], spec: QwenVisionSpec
     return index.flatten()[order], window.flatten()[order]
 
 
-def build_tower(spec: QwenVisionSpec, tensors: dict[str, torch.Tensor], device: torch.device
-                ) -> QwenVisionTower:
-    """The tower from a checkpoint's tensors (names without ``visual.``, on ``device``), its
+def build_tower(spec: QwenVisionSpec, tensors: dict[str, torch.Tensor]) -> QwenVisionTower:
+    """The tower from a checkpoint's tensors (names without ``visual.``, on their device), its
     MLP padded to MLP_ALIGNMENT: zero gate/up rows and biases give silu(0) * 0 = 0, and the
     down projection's zero columns add nothing, so the output is the checkpoint's."""
     size = -(-spec.intermediate_size // MLP_ALIGNMENT) * MLP_ALIGNMENT
@@ -309,5 +315,4 @@ def build_tower(spec: QwenVisionSpec, tensors: dict[str, torch.Tensor], device: 
         tower = QwenVisionTower(spec)
     tower.requires_grad_(False)
     tower.load_state_dict(tensors, strict=True, assign=True)
-    tower.inv_freq = QwenVisionTower.frequencies(spec).to(device)  # (meta until now)
     return tower.eval()

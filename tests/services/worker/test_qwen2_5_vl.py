@@ -250,7 +250,7 @@ def test_the_towers_mlp_padded_to_the_gemm_alignment_gives_the_checkpoints_outpu
     model_files, _, _ = vlm
     spec = replace(QwenVisionSpec.from_dict(model_files.config), intermediate_size=40)
     tensors = random_tower_tensors(spec, torch.device("cpu"), torch.float32, std=0.2)
-    padded = build_tower(spec, tensors, torch.device("cpu"))
+    padded = build_tower(spec, tensors)
     assert padded.blocks[0].mlp.gate_proj.weight.shape[0] == 64
     plain = QwenVisionTower(spec)
     plain.load_state_dict(tensors, strict=True)
