@@ -40,16 +40,26 @@ default launches at the 8B's shapes spill no register (rank 64 still spills some
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.lora_configs import ExpandConfig, ShrinkConfig, block_w, default_plan
+from kernels.lora_configs import ExpandConfig, LoraPlan, ShrinkConfig, block_w, default_plan
 
 MIN_SPLIT_K = 128  # in_features a split covers at least
 MAX_SPLITS_AT_ONCE = 16  # the expand's loads of partial sums in flight together
+# The shrink run beside a projection's GEMM (``LoraDelta.beside``, where the plan says so):
+# programs it adds after the GEMM's in the launch at most, its K tile at most (its shared
+# memory stays within the GEMM's), its K loop's pipeline stages (1 and 3 timed alike on the
+# H200; placed after the GEMM's programs it beat placed before them at 1 and 4 rows)
+BESIDE_PROGRAMS = 64
+BESIDE_MAX_BLOCK_K = 64
+BESIDE_STAGES = 1
 
 
 def group_rows(token_slots: np.ndarray) -> np.ndarray:
@@ -97,13 +107,16 @@ def _dot(x, w, acc, FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr):
     return tl.dot(x, tl.trans(w), acc)
 
 
-@triton.jit(do_not_specialize=["split_len", "max_pairs", "y_stride_split"])
-def _shrink_kernel(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split_len,
-                   max_pairs, x_stride, a_stride_slot, y_stride_split, FP32_IEEE: tl.constexpr,
-                   WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Program (row tile, split): y[split, row] = x[row, split's k] @ a[slot, :, k]^T."""
-    tile, split = tl.program_id(0), tl.program_id(1)
+@triton.jit
+def shrink_program(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split_len,
+                   max_pairs, x_stride, a_stride_slot, y_stride_split, tile, split,
+                   FP32_IEEE: tl.constexpr, WIDEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   PDL: tl.constexpr):
+    """One shrink program's work, (row tile, split of in_features): y[split, row] = x[row,
+    split's k] @ a[slot, :, k]^T. A tile past the adapter rows (or a split past in_features)
+    finds none and only waits (kernels/pdl.py). Run by ``_shrink_kernel`` and, beside a
+    projection's own programs, by the skinny GEMM's launch (kernels/skinny_gemm.py)."""
     # before the wait (kernels/pdl.py): the step's pairs (a host copy) and the first slot's
     # first tile of A (slots change between steps only), while the kernel before still runs
     rows, slots, in_tile, first, last = _tile_pairs(lora_rows_ptr, tile, max_pairs, BLOCK_M)
@@ -130,7 +143,7 @@ def _shrink_kernel(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split
             x = tl.load(x_ptr + rows[:, None] * x_stride + k_start + offs_k[None, :],
                         mask=chosen[:, None] & (k_start + offs_k < k_end)[None, :], other=0.0)
             acc = _dot(x, a, tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32), FP32_IEEE, WIDEN)
-            for k in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            for k in tl.range(k_start + BLOCK_K, k_end, BLOCK_K, num_stages=NUM_STAGES):
                 ks = k + offs_k
                 k_mask = ks < k_end
                 x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :],
@@ -140,6 +153,18 @@ def _shrink_kernel(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split
                 acc = _dot(x, a, acc, FP32_IEEE, WIDEN)
             # (each row is one slot's: stored by its pass, no second accumulator held)
             tl.store(y_ptrs, acc, mask=chosen[:, None] & col_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["split_len", "max_pairs", "y_stride_split"])
+def _shrink_kernel(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split_len,
+                   max_pairs, x_stride, a_stride_slot, y_stride_split, FP32_IEEE: tl.constexpr,
+                   WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr):
+    """Program (row tile, split): ``shrink_program``."""
+    shrink_program(x_ptr, a_ptr, lora_rows_ptr, y_ptr, in_features, width, split_len,
+                   max_pairs, x_stride, a_stride_slot, y_stride_split, tl.program_id(0),
+                   tl.program_id(1), FP32_IEEE, WIDEN, BLOCK_M, BLOCK_W, BLOCK_K, NUM_STAGES,
+                   PDL)
 
 
 @triton.jit(do_not_specialize=["num_splits", "max_pairs", "y_stride_split"])
@@ -231,8 +256,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, lora_rows: torch.Tensor,
             x, a, lora_rows, y, in_features, width, split_len, _max_pairs(lora_rows),
             x.stride(0), a.stride(0), y.stride(0), FP32_IEEE=x.dtype == torch.float32,
             WIDEN=_widen(x), BLOCK_M=config.block_m, BLOCK_W=block_w(width),
-            BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-            **pdl.launch_options())
+            BLOCK_K=config.block_k, NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+            num_stages=config.num_stages, **pdl.launch_options())
     return y
 
 
@@ -259,6 +284,60 @@ def lora_expand(y: torch.Tensor, b: torch.Tensor, lora_rows: torch.Tensor,
             SPLITS_AT_ONCE=splits_at_once, num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl.launch_options())
     return out
+
+
+@dataclass(frozen=True)
+class ShrinkBeside:
+    """The shrink's launch arguments for programs run inside another kernel's launch (the
+    skinny GEMM's: kernels/skinny_gemm.py), y its output ([num_splits, num_tokens, width])."""
+
+    y: torch.Tensor
+    num_programs: int  # row tiles x splits
+    num_splits: int
+    split_len: int
+    block_m: int
+    block_w: int
+    block_k: int
+    num_stages: int
+    max_registers: int | None  # a cap on the shared launch's registers a thread (the plan's)
+
+
+@dataclass(frozen=True)
+class LoraDelta:
+    """One projection's adapter deltas in a step: its slots (``a`` [max_loras, width,
+    in_features], ``b`` [max_loras, out_features, width]), the step's grouped rows and the
+    plan of this row count. ``add`` is the two launches; a projection on the skinny GEMM whose
+    plan has ``beside`` runs the shrink inside its own launch (``beside``), then ``expand``."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    lora_rows: torch.Tensor
+    plan: LoraPlan
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [num_tokens, out_features] plus the adapter rows' deltas of x, in place."""
+        return self.expand(lora_shrink(x, self.a, self.lora_rows, self.plan.shrink), out)
+
+    def expand(self, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return lora_expand(y, self.b, self.lora_rows, out, self.plan.expand)
+
+    def beside(self, x: torch.Tensor) -> ShrinkBeside:
+        """The shrink of x as programs beside another launch's: the plan's row tiles, its K
+        tile capped at BESIDE_MAX_BLOCK_K, splits for about BESIDE_PROGRAMS programs."""
+        num_tokens, in_features = x.shape
+        width = self.a.shape[1]
+        if not self.a.is_contiguous() or self.a.shape[2] != in_features:
+            raise ValueError(f"a {tuple(self.a.shape)} must be contiguous [max_loras, width, "
+                             f"{in_features}]")
+        config = dataclasses.replace(
+            self.plan.shrink, block_k=min(self.plan.shrink.block_k, BESIDE_MAX_BLOCK_K),
+            target_programs=BESIDE_PROGRAMS)
+        num_splits, split_len = shrink_splits(num_tokens, in_features, config)
+        y = torch.empty(num_splits, num_tokens, width, dtype=torch.float32, device=x.device)
+        num_tiles = triton.cdiv(num_tokens, config.block_m)
+        return ShrinkBeside(y, num_tiles * num_splits, num_splits, split_len, config.block_m,
+                            block_w(width), config.block_k, BESIDE_STAGES,
+                            self.plan.beside_max_registers)
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor

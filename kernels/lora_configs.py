@@ -46,13 +46,25 @@ class ExpandConfig:
 class LoraPlan:
     shrink: ShrinkConfig
     expand: ExpandConfig
+    # the shrink as programs inside the projection's skinny GEMM launch (kernels/lora.py
+    # ``LoraDelta.beside``), where benchmarks/gpu/lora_beside.py timed it faster, and the cap
+    # on that launch's registers a thread it was timed with (None: the compiler's choice; the
+    # shrink's code may otherwise take the GEMM's programs per SM)
+    beside: bool = False
+    beside_max_registers: int | None = None
 
     def to_json(self) -> dict:
-        return {"shrink": asdict(self.shrink), "expand": asdict(self.expand)}
+        entry = {"shrink": asdict(self.shrink), "expand": asdict(self.expand)}
+        if self.beside:
+            entry["beside"] = True
+            if self.beside_max_registers is not None:
+                entry["beside_max_registers"] = self.beside_max_registers
+        return entry
 
     @staticmethod
     def from_json(entry: dict) -> LoraPlan:
-        return LoraPlan(ShrinkConfig(**entry["shrink"]), ExpandConfig(**entry["expand"]))
+        return LoraPlan(ShrinkConfig(**entry["shrink"]), ExpandConfig(**entry["expand"]),
+                        entry.get("beside", False), entry.get("beside_max_registers"))
 
 
 def block_w(width: int) -> int:

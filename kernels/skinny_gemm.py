@@ -55,6 +55,7 @@ import triton.language as tl
 
 from kernels import pdl, split_reduce
 from kernels.fp8 import FP8_DTYPE, dequantize_per_channel
+from kernels.lora import LoraDelta, ShrinkBeside, shrink_program
 from kernels.rms_norm import MAX_SINGLE_PASS
 from kernels.skinny_tiles import (first_tile_then_wait, row_and_column_tile, tile_dot,
                                   tile_masks, write_tile)
@@ -86,9 +87,9 @@ def _serves(num_rows: int, weight: torch.Tensor, configs: dict) -> bool:
     return config is not None and 0 < num_rows <= config.max_m
 
 
-@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M: batch invariance
-def _skinny_gemm_kernel(
-    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr,
+@triton.jit
+def _gemm_program(
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr, pid0,
     M, N, K, x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
     partial_stride_m, k_per_split,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
@@ -96,10 +97,8 @@ def _skinny_gemm_kernel(
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (column tile, K split). GATED: W holds 2N rows (gate, then up), out silu(gate) *
-    up. HAS_SCALE: W is FP8, each row's sum times its scale (kernels/fp8.py). PDL: it waits
-    for the previous kernel after its first weight tile (kernels/pdl.py)."""
-    pid_m, pid_n = row_and_column_tile(M, BLOCK_M)
+    """The GEMM's program (column tile, K split) of index pid0 along the grid's first axis."""
+    pid_m, pid_n = row_and_column_tile(pid0, M, BLOCK_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,6 +136,45 @@ def _skinny_gemm_kernel(
                 HAS_BIAS, HAS_SCALE, SPLIT_K, GATED)
 
 
+# one compiled kernel for every M (batch invariance), and for every LoRA step
+@triton.jit(do_not_specialize=["M", "lora_split_len", "lora_max_pairs", "y_stride_split",
+                               "lora_programs", "gemm_columns"])
+def _skinny_gemm_kernel(
+    x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr,
+    M, N, K, x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
+    partial_stride_m, k_per_split,
+    a_ptr, lora_rows_ptr, y_ptr, lora_width, lora_split_len, lora_max_pairs, a_stride_slot,
+    y_stride_split, lora_splits, lora_programs, gemm_columns,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
+    FP32_IEEE: tl.constexpr, FP16_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, LORA: tl.constexpr, LORA_BLOCK_M: tl.constexpr,
+    LORA_BLOCK_W: tl.constexpr, LORA_BLOCK_K: tl.constexpr, LORA_STAGES: tl.constexpr,
+    WIDEN: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (column tile, K split): ``_gemm_program``. GATED: W holds 2N rows (gate, then
+    up), out silu(gate) * up. HAS_SCALE: W is FP8, each row's sum times its scale
+    (kernels/fp8.py). PDL: it waits for the previous kernel after its first weight tile
+    (kernels/pdl.py). LORA: the grid's columns past the GEMM's ``gemm_columns`` are the LoRA
+    shrink's programs (kernels/lora.py ``shrink_program``, ``lora_programs`` of them over
+    ``lora_splits`` splits of K; the rest only wait): y = x @ a[slot]^T runs beside the GEMM,
+    not after it."""
+    pid0 = tl.program_id(0)
+    if LORA and pid0 >= gemm_columns:
+        flat = (pid0 - gemm_columns) * SPLIT_K + tl.program_id(1)
+        # (a program past the shrink's finds no rows: its tile starts past the buffer)
+        tile = tl.where(flat < lora_programs, flat // lora_splits, lora_max_pairs)
+        shrink_program(x_ptr, a_ptr, lora_rows_ptr, y_ptr, K, lora_width, lora_split_len,
+                       lora_max_pairs, x_stride, a_stride_slot, y_stride_split, tile,
+                       flat % lora_splits, FP32_IEEE, WIDEN, LORA_BLOCK_M, LORA_BLOCK_W,
+                       LORA_BLOCK_K, LORA_STAGES, PDL)
+    else:
+        _gemm_program(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, partial_ptr, pid0, M, N, K,
+                      x_stride, w_stride, up_offset, out_stride_m, partial_stride_split,
+                      partial_stride_m, k_per_split, HAS_BIAS, HAS_SCALE, EVEN_K, FP32_IEEE,
+                      FP16_DOT, SPLIT_K, GATED, BLOCK_M, BLOCK_N, BLOCK_K, PDL)
+
+
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     weight_scale: torch.Tensor | None) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -163,12 +201,33 @@ def _split(k: int, config: SkinnyConfig) -> tuple[int, int]:
     return k_per_split, triton.cdiv(k, k_per_split)
 
 
+def _lora_args(x: torch.Tensor, lora: LoraDelta | None, split_k: int, gemm_columns: int
+               ) -> tuple[ShrinkBeside | None, int, tuple, dict]:
+    """(the shrink's outputs or None, grid columns it takes, its runtime arguments and its
+    constexprs) for the GEMM's launch; without LoRA, placeholders of its dtypes."""
+    if lora is None:
+        return None, 0, (x, x, x, 0, 0, 0, 0, 0, 1, 0, gemm_columns), dict(
+            LORA=False, LORA_BLOCK_M=16, LORA_BLOCK_W=16, LORA_BLOCK_K=16, LORA_STAGES=1,
+            WIDEN=False)
+    shrink = lora.beside(x)
+    columns = triton.cdiv(shrink.num_programs, split_k)
+    args = (lora.a, lora.lora_rows, shrink.y, lora.a.shape[1], shrink.split_len,
+            (lora.lora_rows.numel() - 1) // 2, lora.a.stride(0), shrink.y.stride(0),
+            shrink.num_splits, shrink.num_programs, gemm_columns)
+    return shrink, columns, args, dict(
+        LORA=True, LORA_BLOCK_M=shrink.block_m, LORA_BLOCK_W=shrink.block_w,
+        LORA_BLOCK_K=shrink.block_k, LORA_STAGES=shrink.num_stages,
+        WIDEN=x.device.type == "cpu" and x.dtype == torch.bfloat16)
+
+
 def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  weight_scale: torch.Tensor | None, out: torch.Tensor | None,
-                 config: SkinnyConfig, gated: bool) -> torch.Tensor | None:
-    """The GEMM launch alone: when K is split, the fp32 partials [split_k, M, N] with the
-    bias not added (``out`` [M, N], which may then be None, is not written); else None, out
-    written (bias in)."""
+                 config: SkinnyConfig, gated: bool, lora: LoraDelta | None = None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The GEMM launch alone -> (partial, y). partial: when K is split, the fp32 partials
+    [split_k, M, N] with the bias not added (``out`` [M, N], which may then be None, is not
+    written); else None, out written (bias in). y: with ``lora``, its shrink's partial sums,
+    run by programs of the same launch (``lora.expand`` adds the deltas), else None."""
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     k_per_split, split_k = _split(k, config)
@@ -180,38 +239,56 @@ def _launch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         if split_k == 1:
             raise ValueError(f"{config} does not split K = {k}: the GEMM needs an out")
         out = x  # a pointer of x's dtype, never written: split launches write the partials
-    _skinny_gemm_kernel[(num_tiles * triton.cdiv(m, MAX_M), split_k)](
+    gemm_columns = num_tiles * triton.cdiv(m, MAX_M)
+    shrink, lora_columns, lora_args, lora_constexprs = _lora_args(x, lora, split_k,
+                                                                  gemm_columns)
+    _skinny_gemm_kernel[(lora_columns + gemm_columns, split_k)](
         x, weight, bias if bias is not None else weight,
         weight_scale if weight_scale is not None else weight, out, partial,
         m, n, k, x.stride(0), weight.stride(0), n * weight.stride(0) if gated else 0,
         out.stride(0),
         partial.stride(0) if split_k > 1 else 0, partial.stride(1) if split_k > 1 else 0,
-        k_per_split,
+        k_per_split, *lora_args,
         HAS_BIAS=bias is not None and split_k == 1, HAS_SCALE=weight_scale is not None,
         EVEN_K=k % config.block_k == 0,
         FP32_IEEE=x.dtype == torch.float32,
         FP16_DOT=weight.dtype == FP8_DTYPE and x.dtype == torch.bfloat16,
         SPLIT_K=split_k, GATED=gated, BLOCK_M=MAX_M,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, **lora_constexprs,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(),
+        **({"maxnreg": shrink.max_registers} if shrink is not None and shrink.max_registers
+           and x.is_cuda else {}),
     )
-    return partial if split_k > 1 else None
+    return (partial if split_k > 1 else None), (shrink.y if shrink is not None else None)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             weight_scale: torch.Tensor | None, out: torch.Tensor, config: SkinnyConfig,
-            gated: bool, norm: tuple | None = None) -> None:
+            gated: bool, norm: tuple | None = None, lora: LoraDelta | None = None) -> None:
     """One launch writing out [M, N] (N = weight rows, or half of them when gated), and the
     reduce when K is split; ``weight_scale`` [weight rows] with an FP8 weight. With ``norm`` =
     (residual, norm_weight, eps) (split K only) the reduce adds each row to the residual, in
-    place, and writes its RMSNorm to out instead."""
-    partial = _launch_gemm(x, weight, bias, weight_scale, out, config, gated)
+    place, and writes its RMSNorm to out instead. With ``lora`` its deltas are added: into
+    out, or with ``norm`` into the residual before the reduce (the shrink in the GEMM's
+    launch where its plan has ``beside``, the expand after it; else the two LoRA launches
+    after the GEMM, or with ``norm`` before it)."""
+    beside = lora if lora is not None and lora.plan.beside else None
+    if lora is not None and beside is None and norm is not None:
+        lora.add(x, norm[0])
+    partial, y = _launch_gemm(x, weight, bias, weight_scale, out, config, gated, beside)
     split_k = partial.shape[0] if partial is not None else 1
     if split_k > 1 and norm is not None:
         residual, norm_weight, eps = norm
+        if beside is not None:
+            beside.expand(y, residual)
         split_reduce.reduce_splits_add_rms_norm(partial, bias, residual, norm_weight, out, eps)
-    elif split_k > 1:
+        return
+    if split_k > 1:
         split_reduce.reduce_splits(partial, bias, x, out)
+    if beside is not None:
+        beside.expand(y, out)
+    elif lora is not None:
+        lora.add(x, out)
 
 
 def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor,
@@ -222,7 +299,7 @@ def skinny_gemm_partials(x: torch.Tensor, weight: torch.Tensor,
     _check_operands(x, weight, None, weight_scale)
     n, k = weight.shape
     return _launch_gemm(x, weight, None, weight_scale, None, config_for(n, k, weight.dtype),
-                        gated=False)
+                        gated=False)[0]
 
 
 def splits_k(num_rows: int, weight: torch.Tensor) -> bool:
@@ -255,12 +332,15 @@ def serves_gated(num_rows: int, weight: torch.Tensor) -> bool:
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 config: SkinnyConfig | None = None, out: torch.Tensor | None = None,
-                weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+                weight_scale: torch.Tensor | None = None, lora: LoraDelta | None = None
+                ) -> torch.Tensor:
     """x: [M, K] (last dim contiguous; any M, in tiles of MAX_M rows), weight: [N, K]
     contiguous, bias: [N] or None -> [M, N] in x's dtype. ``config``: the launch (default:
     ``config_for(N, K)``). An FP8 weight comes with ``weight_scale`` [N] fp32 (per output
     channel, kernels/fp8.py). ``out`` may be fp32 for bf16/fp16 x: the values rounded to x's
-    dtype, stored widened (logits straight into an fp32 buffer, no conversion launch)."""
+    dtype, stored widened (logits straight into an fp32 buffer, no conversion launch).
+    ``lora``: the step's adapter deltas added (its shrink inside this launch); out in x's
+    dtype then."""
     _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
@@ -272,22 +352,25 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if m == 0 or n == 0:
         return out
     if k == 0:
-        return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+        out = out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+        return out if lora is None else lora.add(x, out)
     _launch(x, weight, bias, weight_scale, out, config or config_for(n, k, weight.dtype),
-            gated=False)
+            gated=False, lora=lora)
     return out
 
 
 def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                              config: SkinnyConfig | None = None,
-                             weight_scale: torch.Tensor | None = None
+                             weight_scale: torch.Tensor | None = None,
+                             lora: LoraDelta | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm(skinny_gemm(x, weight, bias), norm_weight, eps, residual)`` with the add and the
     norm in the split-K reduce, bitwise the same: x [M, K], weight [N, K], residual [M, N]
     (last dim contiguous; ``residual += y`` in place), norm_weight [N], all of x's dtype ->
     (normed [M, N], residual). ``config`` (default ``config_for(N, K)``) must split K and N be
-    at most kernels/rms_norm.py's MAX_SINGLE_PASS. An FP8 weight comes with ``weight_scale``."""
+    at most kernels/rms_norm.py's MAX_SINGLE_PASS. An FP8 weight comes with ``weight_scale``.
+    ``lora``: the step's adapter deltas go into the residual before the reduce."""
     _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
@@ -304,7 +387,7 @@ def skinny_gemm_add_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m > 0 and n > 0:
         _launch(x, weight, bias, weight_scale, out, config, gated=False,
-                norm=(residual, norm_weight, eps))
+                norm=(residual, norm_weight, eps), lora=lora)
     return out, residual
 
 

@@ -65,12 +65,13 @@ def times_weight_scale(acc, scale_ptr, offs_n, n_mask, HAS_SCALE: tl.constexpr):
 
 
 @triton.jit
-def row_and_column_tile(M, BLOCK_M: tl.constexpr):
-    """(row tile, column tile) of this program: the programs of one column tile, one a
-    BLOCK_M-row tile of x, run side by side (row tiles vary fastest), so a weight tile read
-    once from memory serves them all from L2. At most BLOCK_M rows: (0, program id)."""
+def row_and_column_tile(pid0, M, BLOCK_M: tl.constexpr):
+    """(row tile, column tile) of the GEMM's program ``pid0`` (along the grid's first axis):
+    the programs of one column tile, one a BLOCK_M-row tile of x, run side by side (row tiles
+    vary fastest), so a weight tile read once from memory serves them all from L2. At most
+    BLOCK_M rows: (0, pid0)."""
     num_m_tiles = tl.cdiv(M, BLOCK_M)
-    return tl.program_id(0) % num_m_tiles, tl.program_id(0) // num_m_tiles
+    return pid0 % num_m_tiles, pid0 // num_m_tiles
 
 
 @triton.jit

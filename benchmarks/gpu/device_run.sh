@@ -309,11 +309,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
     # issue 50 (docs/lora.md): the LoRA kernels against torch at the 8B's shapes, one capture
     # for any rows, no recompile per token count; the CUDA path's greedy text against the
     # eager torch path and the CPU, base steps bitwise (no peft needed)
-    lora-tests) python3 -m pytest -q -m gpu tests/kernels/test_lora_kernels.py \
+    lora-tests) python3 -m pytest -q -m gpu tests/kernels/test_lora_kernels.py tests/kernels/test_lora_beside_gemm.py \
         tests/services/worker/test_lora_gpu.py -p no:cacheprovider -W ignore --tb=short 2>&1 | tail -20;;
     # issue 50: the LoRA kernels' GPU time per projection and row count against the base GEMM
     # and the torch path's ops (benchmarks/gpu/lora_kernels.py; LORA_KERNEL_ARGS: e.g. --rank 64)
     lora-kernels) python3 -m benchmarks.gpu.lora_kernels ${LORA_KERNEL_ARGS:-} 2>&1 | tail -30;;
+    # the shrink beside the skinny GEMM against the two launches per projection at 1-16 rows
+    # (benchmarks/gpu/lora_beside.py; LORA_BESIDE_ARGS: --write marks lora_configs.json)
+    lora-beside) python3 -m benchmarks.gpu.lora_beside ${LORA_BESIDE_ARGS:-} 2>&1 | grep -v '^ \|^\[\|^{\|^}' | tail -14;;
     # issue 50: 8 random rank-16 adapters on all seven projections of the 8B (written once, to
     # /tmp/loras), ShareGPT 1,000 base / --enable-lora with no adapter request / spread
     # round-robin over the 8 (--max-loras 8), then batch-1 decode base and with lora0.

@@ -5,7 +5,8 @@ builds attention and layers from them; moe.py its sparse blocks (Qwen2-MoE's sha
 ``MLP``). A LoRA-targeted ``Linear`` adds its adapters' deltas (``lora``, lora_slots.py);
 in a step with adapter rows the fused projection-and-SiLU path runs as the projection, then
 the op after it, so the deltas are in before it; so does projection-and-norm on the torch
-path, while the kernels add the deltas to its residual and keep it fused."""
+path, while the kernels add the deltas to its residual and keep it fused. On the skinny GEMM
+the deltas' shrink runs inside the projection's own launch (kernels/skinny_gemm.py)."""
 
 from __future__ import annotations
 
@@ -67,9 +68,10 @@ class Linear(nn.Linear):
                          self.int_layout.bits, self.int_layout.group_size, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = self.lora.delta(x) if self.lora is not None else None  # (the kernels' deltas)
         out = ops.linear(x, self.kernel_weight, self.bias, self.weight_scale,
-                         batch_invariant=self.batch_invariant)
-        if self.lora is not None:
+                         batch_invariant=self.batch_invariant, lora=delta)
+        if self.lora is not None and delta is None:  # (the torch path's, if any)
             out = self.lora.add(x, out)
         return out if self.reduce is None else self.reduce.all_reduce(out)
 
@@ -81,12 +83,13 @@ def add_rms_norm(x: torch.Tensor, proj: Linear, residual: torch.Tensor, norm: RM
     tensor parallel."""
     if proj.reduce is not None:
         return proj.reduce.linear_add_rms_norm(x, proj, residual, norm)
+    delta = None
     if proj.lora is not None and proj.lora.active:  # the deltas go in before the norm
         if not proj.lora.kernels:
             return norm(proj(x), residual)
-        proj.lora.add(x, residual)  # (the kernels add them to the residual: the op stays fused)
+        delta = proj.lora.delta(x)  # (the kernels add them to the residual: the op stays fused)
     return ops.linear_add_rms_norm(x, proj.kernel_weight, proj.bias, residual, norm.weight,
-                                   norm.eps, proj.weight_scale, proj.batch_invariant)
+                                   norm.eps, proj.weight_scale, proj.batch_invariant, delta)
 
 
 class MLP(nn.Module):

@@ -40,7 +40,7 @@ import numpy as np
 import structlog
 import torch
 
-from kernels.lora import group_rows, lora_expand, lora_shrink
+from kernels.lora import LoraDelta, group_rows
 from kernels.lora_configs import LoraPlan, plan_for
 
 from services.worker.lora import (
@@ -96,18 +96,23 @@ class LinearLora:
         fused op's residual may take them); else the segments' torch ops."""
         return self.batch.lora_rows is not None
 
+    def delta(self, x: torch.Tensor) -> LoraDelta | None:
+        """The kernels' deltas of x [num_tokens, in_features] in this step (the projection's
+        op adds them: kernels/lora.py's shrink inside the skinny GEMM's launch, or its two
+        launches after the base GEMM); None without adapter rows or on the torch path."""
+        lora_rows = self.batch.lora_rows
+        if not self.batch.active or lora_rows is None:
+            return None
+        return LoraDelta(self.a, self.b, lora_rows, self._plan(x))
+
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in_features], out [num_tokens, out_features]: out plus each
         adapter row's delta (in place); out unchanged without a LoRA step."""
         if not self.batch.active:
             return out
-        lora_rows = self.batch.lora_rows
-        if lora_rows is not None:  # [num_splits, num_tokens, parts * max_rank] fp32 between
-            # (both after the base GEMM: the shrink before it was 0.16 ms/token slower at
-            # batch 1 on an H200, its PDL overlap with the GEMM's first tiles no gain)
-            plan = self._plan(x)
-            shrunk = lora_shrink(x, self.a, lora_rows, plan.shrink)
-            return lora_expand(shrunk, self.b, lora_rows, out, plan.expand)
+        delta = self.delta(x)
+        if delta is not None:  # (after the base GEMM: the shrink before it was 0.16 ms/token
+            return delta.add(x, out)  # slower at batch 1 on an H200)
         for slot, start, end in self.batch.step.segments:
             shrunk = x[start:end] @ self.a[slot].T  # [rows, parts * max_rank]
             out[start:end] += shrunk @ self.b[slot].T  # [rows, out_features]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kernels import (activation, fp8, int_gemm, kv_cache, paged_attention, paged_attention_ref,
                      rms_norm as rms_norm_kernels, rotary, sampling, skinny_gemm)
 from kernels.int_pack import IntWeight, int_gemm_ref
+from kernels.lora import LoraDelta
 from services.worker import cpu_attention
 
 # ``batch_invariant`` (--batch-invariant, held by the model: ModelConfig.batch_invariant and
@@ -23,7 +24,8 @@ from services.worker import cpu_attention
 
 def linear(x: torch.Tensor, weight: torch.Tensor | IntWeight,
            bias: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
-           out: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
+           out: torch.Tensor | None = None, batch_invariant: bool = False,
+           lora: LoraDelta | None = None) -> torch.Tensor:
     """x [num_tokens, in_features] -> [num_tokens, out_features], as nn.Linear. Decode-sized
     batches of the shapes the skinny GEMM was measured faster on take it (batch invariant up
     to its row bound); everything else, and the CPU, F.linear. An FP8 weight comes with its
@@ -31,18 +33,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor | IntWeight,
     (``int_linear``). Under ``batch_invariant`` every CUDA projection takes the skinny GEMM
     (a packed one the int GEMM's decode launch). ``out``: written and returned, in x's dtype
     or fp32 (the result's values either way; the skinny GEMM stores fp32 without another
-    launch)."""
+    launch). ``lora`` (CUDA): a step's adapter deltas added, the shrink inside the skinny
+    GEMM's launch where it runs."""
     if isinstance(weight, IntWeight):
-        return int_linear(x, weight, bias, out, batch_invariant)
-    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and (
+        result = int_linear(x, weight, bias, out, batch_invariant)
+    elif x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and (
             skinny_gemm.serves(x.shape[0], weight)
             or (batch_invariant and skinny_gemm.takes(weight))):
-        return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale, out=out)
-    if weight_scale is not None:
-        result = fp8_linear(x, weight, weight_scale, bias)
+        return skinny_gemm.skinny_gemm(x, weight, bias, weight_scale=weight_scale, out=out,
+                                       lora=lora)
     else:
-        result = F.linear(x, weight, bias)
-    return result if out is None else out.copy_(result)
+        result = (fp8_linear(x, weight, weight_scale, bias) if weight_scale is not None
+                  else F.linear(x, weight, bias))
+        result = result if out is None else out.copy_(result)
+    return result if lora is None else lora.add(x, result)
 
 
 def int_linear(x: torch.Tensor, weight: IntWeight, bias: torch.Tensor | None,
@@ -108,21 +112,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def linear_add_rms_norm(x: torch.Tensor, weight: torch.Tensor | IntWeight,
                         bias: torch.Tensor | None,
                         residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight_scale: torch.Tensor | None = None, batch_invariant: bool = False
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        weight_scale: torch.Tensor | None = None, batch_invariant: bool = False,
+                        lora: LoraDelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A projection into the residual stream and the RMSNorm after it: x [num_tokens,
     in_features] -> (norm(linear(x) + residual), linear(x) + residual), the sum written into
     residual [num_tokens, out_features] in place. Where ``norm_in_reduce`` holds, the add and
     the norm run in the skinny GEMM's split-K reduce (bitwise the two ops, one launch less);
-    everywhere else, the two ops."""
+    everywhere else, the two ops. ``lora`` (CUDA): a step's adapter deltas, added to the
+    residual before the norm (on the skinny GEMM, the shrink inside its launch)."""
     if isinstance(weight, IntWeight) and x.dim() == 2 and norm_in_reduce(
             x.shape[0], weight, residual, norm_weight):
+        if lora is not None:
+            lora.add(x, residual)
         return int_gemm.int_gemm_add_rms_norm(x if x.stride(1) == 1 else x.contiguous(),
                                               weight, bias, residual, norm_weight, eps)
     if x.dim() == 2 and x.stride(1) == 1 and norm_in_reduce(x.shape[0], weight, residual,
                                                             norm_weight):
         return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps,
-                                                    weight_scale=weight_scale)
+                                                    weight_scale=weight_scale, lora=lora)
+    if lora is not None:
+        lora.add(x, residual)
     return rms_norm(linear(x, weight, bias, weight_scale, batch_invariant=batch_invariant),
                     norm_weight, eps, residual)
 

@@ -32,6 +32,7 @@ from triton.compiler import ASTSource
 
 from kernels import (activation, all_reduce_rms_norm, kv_cache, lora, paged_attention, pdl,
                      rms_norm, rotary, skinny_gemm, split_reduce)
+from kernels.lora_configs import LoraPlan, default_plan
 
 TARGET = GPUTarget("cuda", 90, 32)
 KERNEL_MODULES = (activation, all_reduce_rms_norm, kv_cache, lora, paged_attention, rms_norm,
@@ -230,6 +231,22 @@ def _lora(num_tokens: int, in_features: int, width: int, out_features: int):
     return launch
 
 
+def _lora_beside(n: int, k: int, width: int, norm: bool = False):
+    """A projection on the skinny GEMM with the LoRA shrink in its launch, then the expand
+    (with ``norm``: into the residual before the reduce-and-norm)."""
+    def launch():
+        plan = default_plan(1, width)
+        delta = lora.LoraDelta(_empty(8, width, k), _empty(8, n, width),
+                               torch.zeros(3, dtype=torch.int32),
+                               LoraPlan(plan.shrink, plan.expand, beside=True))
+        if norm:
+            skinny_gemm.skinny_gemm_add_rms_norm(_empty(1, k), _empty(n, k), None,
+                                                 _empty(1, n), _empty(n), 1e-5, lora=delta)
+        else:
+            skinny_gemm.skinny_gemm(_empty(1, k), _empty(n, k), lora=delta)
+    return launch
+
+
 def _rotary_kv():
     qkv = _empty(1, 6144)
     return kv_cache.rotary_and_write_kv_cache(
@@ -270,6 +287,8 @@ CASES = {
         1e-5, torch.zeros(2, dtype=torch.int64), torch.zeros(256, dtype=torch.int64), 0, 2 << 20),
     "lora_qkv_decode": _lora(1, 4096, 48, 6144),
     "lora_down_prefill": _lora(1024, 14336, 16, 4096),
+    "lora_qkv_beside_gemm": _lora_beside(6144, 4096, 48),
+    "lora_down_beside_gemm_norm": _lora_beside(4096, 14336, 16, norm=True),
     "attention_decode_split": _attention(1, 16),
     "attention_chunk": _attention(16, 1),
 }
@@ -298,7 +317,11 @@ def main() -> None:
                       "ttir": analyze_ttir(compiled.asm["ttir"], runtime_args),
                       "ptx": analyze_ptx(compiled.asm["ptx"]),
                       "sass": analyze_sass(compiled.asm["cubin"]),
-                      "weight_args": WEIGHT_ARGS.get(kernel.__name__, [])}
+                      "weight_args": WEIGHT_ARGS.get(kernel.__name__, []),
+                      "branch_waits": 1}
+            if kwargs.get("LORA"):  # the skinny GEMM with LoRA shrink programs: a wait in each
+                # branch (one program runs one), the shrink's first in the TTIR
+                result.update(weight_args=WEIGHT_ARGS["_shrink_kernel"], branch_waits=2)
             if args.ptx_digests:
                 result["ptx_digest"] = ptx_digest(compiled.asm["ptx"])
             results[f"{case}/{index}"] = result

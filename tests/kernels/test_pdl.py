@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from kernels import activation, kv_cache, lora, paged_attention, pdl, rms_norm, rotary, skinny_gemm
+from kernels.lora_configs import LoraPlan, default_plan
 from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
 from kernels.skinny_gemm import SkinnyConfig
@@ -177,6 +178,32 @@ def test_skinny_gemm_add_rms_norm(monkeypatch):
 
 
 @interpreted
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "add_rms_norm"])
+def test_skinny_gemm_with_the_lora_shrink_beside(monkeypatch, norm):
+    """Shrink programs in the GEMM's launch (past the step's rows too) wait and trigger once
+    each, like the GEMM's; the expand then goes into out or the residual."""
+    def op():
+        gen = torch.Generator(device=DEVICE).manual_seed(8)
+        x, weight = randn(5, 96, gen=gen), randn(40, 96, gen=gen) / 10
+        token_slots = torch.tensor([1, -1, 0, 1, -1], dtype=torch.int32, device=DEVICE)
+        plan = default_plan(5, 16)
+        delta = lora.LoraDelta(randn(2, 16, 96, gen=gen) / 8, randn(2, 40, 16, gen=gen) / 4,
+                               lora.lora_rows_of(token_slots),
+                               LoraPlan(plan.shrink, plan.expand, beside=True))
+        if not norm:
+            return (skinny_gemm.skinny_gemm(x, weight, config=WIDE_SPLIT2, lora=delta),)
+        residual, norm_weight = randn(5, 40, gen=gen), 1 + randn(40, gen=gen) / 2
+        return skinny_gemm.skinny_gemm_add_rms_norm(x, weight, None, residual, norm_weight,
+                                                    1e-5, config=WIDE_SPLIT2, lora=delta)
+
+    record = assert_on_equals_off(monkeypatch, op)
+    reduce = "_reduce_splits_add_rms_norm_kernel" if norm else "_reduce_splits_kernel"
+    assert [launch[0] for launch in record.launches] == (
+        ["_skinny_gemm_kernel", "_expand_kernel", reduce] if norm
+        else ["_skinny_gemm_kernel", reduce, "_expand_kernel"])
+
+
+@interpreted
 @pytest.mark.parametrize("hidden", [64, 9000], ids=["single_pass", "two_pass"])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(monkeypatch, hidden, with_residual):
@@ -322,15 +349,18 @@ def assert_waits_in_place(results: dict) -> None:
     for key, r in results.items():
         ttir, ptx, sass = r["ttir"], r["ptx"], r["sass"]
         assert r["PDL"] and r["launch_pdl"], key
-        assert (ttir["waits"], ttir["triggers"], ptx["waits"], ptx["triggers"]) == (1, 1, 1, 1), key
-        assert ttir["wait_top_level"] and ttir["trigger_after_wait"], key
+        # one wait a program: at the top level, or one in each branch of the skinny GEMM with
+        # LoRA shrink programs (the interpreted tests count each program's waits)
+        waits = r["branch_waits"]
+        assert (ttir["waits"], ttir["triggers"], ptx["waits"], ptx["triggers"]) == (waits,) * 4, key
+        assert (ttir["wait_top_level"] or waits > 1) and ttir["trigger_after_wait"], key
         assert ttir["stores_before_wait"] == ptx["global_stores_before_wait"] == 0, key
         # before the wait: the weights only, where the kernel has any (the skinny GEMM's
         # first tile, which the PTX keeps there)
         assert ttir["loads_before_wait"] == r["weight_args"], key
         assert (ptx["global_loads_before_wait"] > 0) == bool(r["weight_args"]), key
         if sass is not None:  # what ptxas scheduled
-            assert (sass["waits"], sass["triggers"]) == (1, 1), key
+            assert (sass["waits"], sass["triggers"]) == (waits, waits), key
             assert sass["global_stores_before_wait"] == 0, key
             assert (sass["global_loads_before_wait"] > 0) == bool(r["weight_args"]), key
 
