@@ -40,26 +40,17 @@ default launches at the 8B's shapes spill no register (rank 64 still spills some
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.lora_configs import ExpandConfig, LoraPlan, ShrinkConfig, block_w, default_plan
+from kernels.lora_configs import ExpandConfig, ShrinkConfig, block_w, default_plan
 
 MIN_SPLIT_K = 128  # in_features a split covers at least
 MAX_SPLITS_AT_ONCE = 16  # the expand's loads of partial sums in flight together
-# The shrink run beside a projection's GEMM (``LoraDelta.beside``, where the plan says so):
-# programs it adds after the GEMM's in the launch at most, its K tile at most (its shared
-# memory stays within the GEMM's), its K loop's pipeline stages (1 and 3 timed alike on the
-# H200; placed after the GEMM's programs it beat placed before them at 1 and 4 rows)
-BESIDE_PROGRAMS = 64
-BESIDE_MAX_BLOCK_K = 64
-BESIDE_STAGES = 1
+EXPAND_SILU_MAX_ROWS = 16  # the rows (one tile) ``lora_expand_silu_and_mul`` takes
 
 
 def group_rows(token_slots: np.ndarray) -> np.ndarray:
@@ -186,15 +177,8 @@ def _expand_kernel(y_ptr, b_ptr, lora_rows_ptr, out_ptr, out_features, width, nu
     b_first = tl.load(b_ptr + tl.cast(tl.minimum(first, last), tl.int64) * b_stride_slot
                       + b_tile, mask=b_mask & (offs_n * 0 + first <= last)[:, None], other=0.0)
     pdl.wait_then_launch_dependents(PDL)
-    y_ptrs = y_ptr + rows[:, None] * width + cols_w[None, :]
-    y_mask = in_tile[:, None] & w_mask[None, :]
-    y = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
-    for split0 in range(0, num_splits, SPLITS_AT_ONCE):  # (in split order: the same sum
-        for j in tl.static_range(SPLITS_AT_ONCE):       # every run; loads in flight together)
-            y += tl.load(y_ptrs + (split0 + j) * y_stride_split,
-                         mask=y_mask & (cols_w * 0 + split0 + j < num_splits)[None, :],
-                         other=0.0)
-    y = y.to(b_ptr.dtype.element_ty)
+    y = _summed_y(y_ptr, rows, in_tile, cols_w, w_mask, width, num_splits, y_stride_split,
+                  BLOCK_M, BLOCK_W, SPLITS_AT_ONCE).to(b_ptr.dtype.element_ty)
     out_ptrs = out_ptr + rows[:, None] * out_stride + offs_n[None, :]
     for slot in range(first, last + 1):
         chosen = in_tile & (slots == slot)
@@ -209,6 +193,73 @@ def _expand_kernel(y_ptr, b_ptr, lora_rows_ptr, out_ptr, out_features, width, nu
             out_mask = chosen[:, None] & n_mask[None, :]  # (this slot's rows alone)
             out = tl.load(out_ptrs, mask=out_mask, other=0.0).to(tl.float32)
             tl.store(out_ptrs, (out + delta).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _summed_y(y_ptr, rows, in_tile, cols_w, w_mask, width, num_splits, y_stride_split,
+              BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr):
+    """y's partial sums of the tile's rows added in split order ([BLOCK_M, BLOCK_W] fp32)."""
+    y_ptrs = y_ptr + rows[:, None] * width + cols_w[None, :]
+    y_mask = in_tile[:, None] & w_mask[None, :]
+    y = tl.zeros((BLOCK_M, BLOCK_W), dtype=tl.float32)
+    for split0 in range(0, num_splits, SPLITS_AT_ONCE):  # (in split order: the same sum
+        for j in tl.static_range(SPLITS_AT_ONCE):       # every run; loads in flight together)
+            y += tl.load(y_ptrs + (split0 + j) * y_stride_split,
+                         mask=y_mask & (cols_w * 0 + split0 + j < num_splits)[None, :],
+                         other=0.0)
+    return y
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "max_pairs", "y_stride_split"])
+def _expand_silu_kernel(y_ptr, b_ptr, lora_rows_ptr, gate_up_ptr, out_ptr, num_tokens, d,
+                        width, num_splits, max_pairs, y_stride_split, gate_up_stride,
+                        out_stride, b_stride_slot, FP32_IEEE: tl.constexpr,
+                        WIDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_W: tl.constexpr, SPLITS_AT_ONCE: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Program (column tile of d), every row of a step of at most BLOCK_M: out = silu(gate) *
+    up of gate_up [num_tokens, 2d] with each adapter row's delta added to its gate and up
+    (rounded as the expand, then kernels/activation.py, round them)."""
+    # before the wait: the pairs (one tile holds them all) and the first slot's B tiles
+    pair_rows, slots, in_tile, first, last = _tile_pairs(lora_rows_ptr, 0, max_pairs, BLOCK_M)
+    cols_w = tl.arange(0, BLOCK_W)
+    w_mask = cols_w < width
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < d
+    b_tile = offs_n[:, None] * width + cols_w[None, :]  # gate's rows of B (up's d further)
+    b_mask = n_mask[:, None] & w_mask[None, :] & (offs_n * 0 + first <= last)[:, None]
+    b_first = b_ptr + tl.cast(tl.minimum(first, last), tl.int64) * b_stride_slot + b_tile
+    b_gate = tl.load(b_first, mask=b_mask, other=0.0)
+    b_up = tl.load(b_first + d * width, mask=b_mask, other=0.0)
+    pdl.wait_then_launch_dependents(PDL)
+    y = _summed_y(y_ptr, pair_rows, in_tile, cols_w, w_mask, width, num_splits, y_stride_split,
+                  BLOCK_M, BLOCK_W, SPLITS_AT_ONCE).to(b_ptr.dtype.element_ty)
+    delta_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # [pairs, columns]
+    delta_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for slot in range(first, last + 1):
+        chosen = in_tile & (slots == slot)
+        if tl.sum(chosen.to(tl.int32)) > 0:
+            if slot != first:
+                b_slot = b_ptr + tl.cast(slot, tl.int64) * b_stride_slot + b_tile
+                b_gate = tl.load(b_slot, mask=b_mask, other=0.0)
+                b_up = tl.load(b_slot + d * width, mask=b_mask, other=0.0)
+            y_slot = tl.where(chosen[:, None], y, 0.0)  # (this slot's rows alone)
+            delta_gate = _dot(y_slot, b_gate, delta_gate, FP32_IEEE, WIDEN)
+            delta_up = _dot(y_slot, b_up, delta_up, FP32_IEEE, WIDEN)
+    # each pair's delta to its row: a 0/1 [rows, pairs] product, exact in fp32
+    step_rows = tl.arange(0, BLOCK_M)
+    to_row = ((step_rows[:, None] == pair_rows[None, :]) & in_tile[None, :]).to(tl.float32)
+    delta_gate = tl.dot(to_row, delta_gate, input_precision="ieee")
+    delta_up = tl.dot(to_row, delta_up, input_precision="ieee")
+    row_mask = (step_rows < num_tokens)[:, None] & n_mask[None, :]
+    base = gate_up_ptr + step_rows[:, None] * gate_up_stride + offs_n[None, :]
+    dtype = out_ptr.dtype.element_ty
+    gate = (tl.load(base, mask=row_mask, other=0.0).to(tl.float32) + delta_gate).to(dtype)
+    up = (tl.load(base + d, mask=row_mask, other=0.0).to(tl.float32) + delta_up).to(dtype)
+    gate = gate.to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype)  # (F.silu, rounded)
+    tl.store(out_ptr + step_rows[:, None] * out_stride + offs_n[None, :],
+             (silu.to(tl.float32) * up.to(tl.float32)).to(dtype), mask=row_mask)
 
 
 def shrink_splits(num_tokens: int, in_features: int, config: ShrinkConfig) -> tuple[int, int]:
@@ -286,58 +337,32 @@ def lora_expand(y: torch.Tensor, b: torch.Tensor, lora_rows: torch.Tensor,
     return out
 
 
-@dataclass(frozen=True)
-class ShrinkBeside:
-    """The shrink's launch arguments for programs run inside another kernel's launch (the
-    skinny GEMM's: kernels/skinny_gemm.py), y its output ([num_splits, num_tokens, width])."""
-
-    y: torch.Tensor
-    num_programs: int  # row tiles x splits
-    num_splits: int
-    split_len: int
-    block_m: int
-    block_w: int
-    block_k: int
-    num_stages: int
-    max_registers: int | None  # a cap on the shared launch's registers a thread (the plan's)
-
-
-@dataclass(frozen=True)
-class LoraDelta:
-    """One projection's adapter deltas in a step: its slots (``a`` [max_loras, width,
-    in_features], ``b`` [max_loras, out_features, width]), the step's grouped rows and the
-    plan of this row count. ``add`` is the two launches; a projection on the skinny GEMM whose
-    plan has ``beside`` runs the shrink inside its own launch (``beside``), then ``expand``."""
-
-    a: torch.Tensor
-    b: torch.Tensor
-    lora_rows: torch.Tensor
-    plan: LoraPlan
-
-    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out [num_tokens, out_features] plus the adapter rows' deltas of x, in place."""
-        return self.expand(lora_shrink(x, self.a, self.lora_rows, self.plan.shrink), out)
-
-    def expand(self, y: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return lora_expand(y, self.b, self.lora_rows, out, self.plan.expand)
-
-    def beside(self, x: torch.Tensor) -> ShrinkBeside:
-        """The shrink of x as programs beside another launch's: the plan's row tiles, its K
-        tile capped at BESIDE_MAX_BLOCK_K, splits for about BESIDE_PROGRAMS programs."""
-        num_tokens, in_features = x.shape
-        width = self.a.shape[1]
-        if not self.a.is_contiguous() or self.a.shape[2] != in_features:
-            raise ValueError(f"a {tuple(self.a.shape)} must be contiguous [max_loras, width, "
-                             f"{in_features}]")
-        config = dataclasses.replace(
-            self.plan.shrink, block_k=min(self.plan.shrink.block_k, BESIDE_MAX_BLOCK_K),
-            target_programs=BESIDE_PROGRAMS)
-        num_splits, split_len = shrink_splits(num_tokens, in_features, config)
-        y = torch.empty(num_splits, num_tokens, width, dtype=torch.float32, device=x.device)
-        num_tiles = triton.cdiv(num_tokens, config.block_m)
-        return ShrinkBeside(y, num_tiles * num_splits, num_splits, split_len, config.block_m,
-                            block_w(width), config.block_k, BESIDE_STAGES,
-                            self.plan.beside_max_registers)
+def lora_expand_silu_and_mul(y: torch.Tensor, b: torch.Tensor, lora_rows: torch.Tensor,
+                             gate_up: torch.Tensor, config: ExpandConfig | None = None
+                             ) -> torch.Tensor:
+    """SwiGLU of a gate_up projection's output with its adapter rows' deltas in, one launch:
+    y (``lora_shrink``'s), b [max_loras, 2d, width], gate_up [num_tokens, 2d] (the base GEMM's,
+    num_tokens at most EXPAND_SILU_MAX_ROWS) -> [num_tokens, d], bitwise ``lora_expand`` into
+    gate_up then kernels/activation.py's silu_and_mul (gate_up is not written)."""
+    num_splits, num_tokens, width = y.shape
+    d = gate_up.shape[1] // 2
+    _check(gate_up, "gate_up")
+    if (not b.is_contiguous() or b.shape[1:] != (2 * d, width)
+            or gate_up.shape != (num_tokens, 2 * d) or num_tokens > EXPAND_SILU_MAX_ROWS):
+        raise ValueError(f"b {tuple(b.shape)}, gate_up {tuple(gate_up.shape)} do not fit y "
+                         f"{tuple(y.shape)} (at most {EXPAND_SILU_MAX_ROWS} rows)")
+    config = config or default_plan(num_tokens, width).expand
+    tile_w = block_w(width)
+    out = torch.empty(num_tokens, d, dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens and d:
+        _expand_silu_kernel[(triton.cdiv(d, config.block_n),)](
+            y, b, lora_rows, gate_up, out, num_tokens, d, width, num_splits,
+            _max_pairs(lora_rows), y.stride(0), gate_up.stride(0), out.stride(0), b.stride(0),
+            FP32_IEEE=b.dtype == torch.float32, WIDEN=_widen(b),
+            BLOCK_M=EXPAND_SILU_MAX_ROWS, BLOCK_N=config.block_n, BLOCK_W=tile_w,
+            SPLITS_AT_ONCE=max(1, min(MAX_SPLITS_AT_ONCE, 16384 // (16 * tile_w))),
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options())
+    return out
 
 
 def lora_shrink_ref(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor

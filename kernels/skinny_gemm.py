@@ -55,7 +55,8 @@ import triton.language as tl
 
 from kernels import pdl, split_reduce
 from kernels.fp8 import FP8_DTYPE, dequantize_per_channel
-from kernels.lora import LoraDelta, ShrinkBeside, shrink_program
+from kernels.lora import lora_shrink, shrink_program
+from kernels.lora_delta import LoraDelta, ShrinkBeside
 from kernels.rms_norm import MAX_SINGLE_PASS
 from kernels.skinny_tiles import (first_tile_then_wait, row_and_column_tile, tile_dot,
                                   tile_masks, write_tile)
@@ -412,6 +413,27 @@ def skinny_gemm_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     if m > 0 and d > 0:
         _launch(x, weight, bias, weight_scale, out, config, gated=True)
     return out
+
+
+def skinny_gemm_lora_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
+                                  bias: torch.Tensor | None, lora: LoraDelta,
+                                  weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU of a gate_up projection with a step's adapter deltas (``lora``), at most
+    kernels/lora.py's EXPAND_SILU_MAX_ROWS rows: the projection on the plain launch (the
+    shrink beside it where its plan says so, else after it), then the expand and SwiGLU in one
+    launch -> [M, d]; bitwise ``silu_and_mul(skinny_gemm(x, weight, bias, lora=lora))``."""
+    _check_operands(x, weight, bias, weight_scale)
+    m, k = x.shape
+    n = weight.shape[0]
+    config = config_for(n, k, weight.dtype)
+    gate_up = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    beside = lora if lora.plan.beside else None
+    partial, y = _launch_gemm(x, weight, bias, weight_scale, gate_up, config, False, beside)
+    if partial is not None:
+        split_reduce.reduce_splits(partial, bias, x, gate_up)
+    if beside is None:
+        y = lora_shrink(x, lora.a, lora.lora_rows, lora.plan.shrink)
+    return lora.expand_silu_and_mul(y, gate_up)
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

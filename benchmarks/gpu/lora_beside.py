@@ -22,7 +22,8 @@ import torch
 from benchmarks.gpu.common import device_name, graph_us, save
 from benchmarks.gpu.lora_kernels import NUM_ADAPTERS, SHAPES
 from kernels import skinny_gemm
-from kernels.lora import LoraDelta, lora_rows_of
+from kernels.lora import lora_rows_of
+from kernels.lora_delta import LoraDelta
 from kernels.lora_configs import TABLE_PATH, LoraPlan, bucket, plan_for, shape_key
 
 NORMED = ("o_proj", "down_proj")  # projections into the residual stream, norm after

@@ -109,7 +109,10 @@ class MLP(nn.Module):
     def gated(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU of gate_up: [num_tokens, hidden_size] -> [num_tokens, intermediate_size]."""
         up = self.gate_up_proj
+        delta = None
         if up.lora is not None and up.lora.active:  # the deltas go in before SiLU-and-mul
-            return ops.silu_and_mul(up(x))
+            delta = up.lora.delta(x)
+            if delta is None:  # (the torch path)
+                return ops.silu_and_mul(up(x))
         return ops.linear_silu_and_mul(x, up.kernel_weight, up.bias, up.weight_scale,
-                                       up.batch_invariant)
+                                       up.batch_invariant, delta)

@@ -40,7 +40,8 @@ import numpy as np
 import structlog
 import torch
 
-from kernels.lora import LoraDelta, group_rows
+from kernels.lora import group_rows
+from kernels.lora_delta import LoraDelta
 from kernels.lora_configs import LoraPlan, plan_for
 
 from services.worker.lora import (

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from kernels import (activation, fp8, int_gemm, kv_cache, paged_attention, paged_attention_ref,
                      rms_norm as rms_norm_kernels, rotary, sampling, skinny_gemm)
 from kernels.int_pack import IntWeight, int_gemm_ref
-from kernels.lora import LoraDelta
+from kernels.lora import EXPAND_SILU_MAX_ROWS
+from kernels.lora_delta import LoraDelta
 from services.worker import cpu_attention
 
 # ``batch_invariant`` (--batch-invariant, held by the model: ModelConfig.batch_invariant and
@@ -80,10 +81,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 def linear_silu_and_mul(x: torch.Tensor, weight: torch.Tensor | IntWeight,
                         bias: torch.Tensor | None = None,
                         weight_scale: torch.Tensor | None = None,
-                        batch_invariant: bool = False) -> torch.Tensor:
+                        batch_invariant: bool = False,
+                        lora: LoraDelta | None = None) -> torch.Tensor:
     """SwiGLU of the fused gate_up projection: x [num_tokens, in_features], weight
     [2 * intermediate_size, in_features] -> [num_tokens, intermediate_size]. Where the skinny
-    GEMM serves it, one launch with SwiGLU in its epilogue (bitwise the two ops)."""
+    GEMM serves it, one launch with SwiGLU in its epilogue (bitwise the two ops). ``lora``
+    (CUDA): a step's adapter deltas in before the SwiGLU; at decode sizes on the skinny GEMM
+    the SwiGLU then runs in the expand's launch."""
+    if lora is not None:
+        if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and isinstance(weight, torch.Tensor)
+                and x.shape[0] <= EXPAND_SILU_MAX_ROWS and skinny_gemm.serves(x.shape[0], weight)):
+            return skinny_gemm.skinny_gemm_lora_silu_and_mul(x, weight, bias, lora, weight_scale)
+        return silu_and_mul(linear(x, weight, bias, weight_scale, batch_invariant=batch_invariant,
+                                   lora=lora))
     # (not under --batch-invariant: the gated launch's config may tile K otherwise than the
     # plain launch's at rows it does not serve)
     if (x.is_cuda and x.dim() == 2 and x.stride(1) == 1 and not batch_invariant

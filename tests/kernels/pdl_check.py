@@ -30,8 +30,8 @@ import triton.backends.nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import (activation, all_reduce_rms_norm, kv_cache, lora, paged_attention, pdl,
-                     rms_norm, rotary, skinny_gemm, split_reduce)
+from kernels import (activation, all_reduce_rms_norm, kv_cache, lora, lora_delta, paged_attention,
+                     pdl, rms_norm, rotary, skinny_gemm, split_reduce)
 from kernels.lora_configs import LoraPlan, default_plan
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -236,7 +236,7 @@ def _lora_beside(n: int, k: int, width: int, norm: bool = False):
     (with ``norm``: into the residual before the reduce-and-norm)."""
     def launch():
         plan = default_plan(1, width)
-        delta = lora.LoraDelta(_empty(8, width, k), _empty(8, n, width),
+        delta = lora_delta.LoraDelta(_empty(8, width, k), _empty(8, n, width),
                                torch.zeros(3, dtype=torch.int32),
                                LoraPlan(plan.shrink, plan.expand, beside=True))
         if norm:
@@ -289,13 +289,17 @@ CASES = {
     "lora_down_prefill": _lora(1024, 14336, 16, 4096),
     "lora_qkv_beside_gemm": _lora_beside(6144, 4096, 48),
     "lora_down_beside_gemm_norm": _lora_beside(4096, 14336, 16, norm=True),
+    "lora_gate_up_swiglu_expand": lambda: lora.lora_expand_silu_and_mul(
+        _empty(16, 1, 32, dtype=torch.float32), _empty(8, 28672, 32),
+        torch.zeros(3, dtype=torch.int32), _empty(1, 28672)),
     "attention_decode_split": _attention(1, 16),
     "attention_chunk": _attention(16, 1),
 }
 # the arguments a kernel may load before its wait (never written by a kernel: weights, LoRA
 # slots and the step's LoRA rows, which host copies fill between steps)
 WEIGHT_ARGS = {"_skinny_gemm_kernel": ["w_ptr"], "_shrink_kernel": ["a_ptr", "lora_rows_ptr"],
-               "_expand_kernel": ["b_ptr", "lora_rows_ptr"]}
+               "_expand_kernel": ["b_ptr", "lora_rows_ptr"],
+               "_expand_silu_kernel": ["b_ptr", "lora_rows_ptr"]}
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """The LoRA shrink run inside the skinny GEMM's launch (kernels/skinny_gemm.py with a
-kernels/lora.py ``LoraDelta``): the projection's output plus each adapter row's delta, base
-rows bitwise the GEMM's alone, with and without K split, into the residual of the fused
-add-and-norm, and past the step's rows nothing written.
+kernels/lora_delta.py ``LoraDelta``): the projection's output plus each adapter row's delta,
+base rows bitwise the GEMM's alone, with and without K split, into the residual of the fused
+add-and-norm, and past the step's rows nothing written; gate_up's SwiGLU in the expand's
+launch, bitwise the expand then kernels/activation.py.
 
 On CPU under TRITON_INTERPRET=1 (tests/conftest.py), small shapes; the 8B's projections on the
 GPU (-m gpu), against the two-launch path."""
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 from kernels import skinny_gemm
-from kernels.lora import LoraDelta, lora_expand_ref, lora_rows_of, lora_shrink_ref
+from kernels.activation import silu_and_mul
+from kernels.lora import lora_expand_ref, lora_rows_of, lora_shrink_ref
+from kernels.lora_delta import LoraDelta
 from kernels.lora_configs import default_plan, plan_for
 from kernels.rms_norm import rms_norm_ref
 from kernels.skinny_gemm import SkinnyConfig
@@ -142,5 +145,49 @@ def test_real_shapes_match_the_two_launches_on_the_gpu(shape, num_tokens):
     graph = torch.cuda.CUDAGraph()  # one capture replays the same
     with torch.cuda.graph(graph):
         captured = skinny_gemm.skinny_gemm(x, weight, lora=delta)
+    graph.replay()
+    assert torch.equal(captured, got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("num_tokens,kind,beside", [
+    (1, "one", True), (4, "interleaved", False), (16, "runs", True), (6, "base", True)])
+def test_gate_up_swiglu_in_the_expand_is_the_two_ops_bitwise(num_tokens, kind, beside, dtype):
+    """skinny_gemm_lora_silu_and_mul against silu_and_mul of the projection with its deltas
+    in: every row's bits, base rows' too (rows of several slots interleaved)."""
+    x, weight, token_slots, delta = make_step(num_tokens, 64, 2 * 24, kind, dtype, num_tokens,
+                                              beside=beside)
+    expected = silu_and_mul(skinny_gemm.skinny_gemm(x, weight, lora=delta))
+    got = skinny_gemm.skinny_gemm_lora_silu_and_mul(x, weight, None, delta)
+    assert torch.equal(got, expected)
+    base = token_slots < 0
+    alone = silu_and_mul(skinny_gemm.skinny_gemm(x, weight))
+    assert torch.equal(got[base], alone[base])
+    if (~base).any():
+        assert not torch.equal(got[~base], alone[~base])
+
+
+def test_the_swiglu_expand_refuses_more_rows_than_a_tile():
+    x, weight, _, delta = make_step(17, 64, 48, "runs", torch.float32, 3)
+    y = torch.zeros(1, 17, 24, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        delta.expand_silu_and_mul(y, torch.zeros(17, 48, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 4])
+def test_the_8b_gate_up_swiglu_expand_on_the_gpu(num_tokens):
+    """Bitwise the expand then silu_and_mul, with the table's plan (beside under its register
+    cap), and in a CUDA graph."""
+    in_features, width, out_features = SHAPES["gate_up"]
+    x, weight, _, delta = make_step(num_tokens, in_features, out_features, "interleaved",
+                                    torch.bfloat16, 2, width)
+    expected = silu_and_mul(skinny_gemm.skinny_gemm(x, weight, lora=delta))
+    got = skinny_gemm.skinny_gemm_lora_silu_and_mul(x, weight, None, delta)
+    assert torch.equal(got, expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = skinny_gemm.skinny_gemm_lora_silu_and_mul(x, weight, None, delta)
     graph.replay()
     assert torch.equal(captured, got)

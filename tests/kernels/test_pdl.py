@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import activation, kv_cache, lora, paged_attention, pdl, rms_norm, rotary, skinny_gemm
+from kernels import (activation, kv_cache, lora, lora_delta, paged_attention, pdl, rms_norm, rotary,
+                     skinny_gemm)
 from kernels.lora_configs import LoraPlan, default_plan
 from kernels.paged_attention_ref import allocate_kv_cache
 from kernels.rotary import build_cos_sin_cache
@@ -40,7 +41,7 @@ CONVERTED = {"_skinny_gemm_kernel", "_reduce_splits_kernel", "_reduce_splits_add
              "_rms_norm_kernel", "_rotary_write_kv_cache_kernel", "_write_kv_cache_kernel",
              "_apply_rotary_kernel", "_silu_and_mul_kernel", "_paged_attention_kernel",
              "_combine_segments_kernel", "_all_reduce_add_rms_norm_kernel", "_shrink_kernel",
-             "_expand_kernel"}
+             "_expand_kernel", "_expand_silu_kernel"}
 
 
 # the on path runs with the instructions recorded: only the interpreter can call Python there
@@ -187,7 +188,7 @@ def test_skinny_gemm_with_the_lora_shrink_beside(monkeypatch, norm):
         x, weight = randn(5, 96, gen=gen), randn(40, 96, gen=gen) / 10
         token_slots = torch.tensor([1, -1, 0, 1, -1], dtype=torch.int32, device=DEVICE)
         plan = default_plan(5, 16)
-        delta = lora.LoraDelta(randn(2, 16, 96, gen=gen) / 8, randn(2, 40, 16, gen=gen) / 4,
+        delta = lora_delta.LoraDelta(randn(2, 16, 96, gen=gen) / 8, randn(2, 40, 16, gen=gen) / 4,
                                lora.lora_rows_of(token_slots),
                                LoraPlan(plan.shrink, plan.expand, beside=True))
         if not norm:
@@ -201,6 +202,22 @@ def test_skinny_gemm_with_the_lora_shrink_beside(monkeypatch, norm):
     assert [launch[0] for launch in record.launches] == (
         ["_skinny_gemm_kernel", "_expand_kernel", reduce] if norm
         else ["_skinny_gemm_kernel", reduce, "_expand_kernel"])
+
+
+@interpreted
+def test_lora_gate_up_swiglu_expand(monkeypatch):
+    def op():
+        gen = torch.Generator(device=DEVICE).manual_seed(9)
+        x, a = randn(5, 64, gen=gen), randn(2, 16, 64, gen=gen) / 8
+        b, gate_up = randn(2, 80, 16, gen=gen) / 4, randn(5, 80, gen=gen)
+        token_slots = torch.tensor([1, -1, 0, 1, -1], dtype=torch.int32, device=DEVICE)
+        lora_rows = lora.lora_rows_of(token_slots)
+        y = lora.lora_shrink(x, a, lora_rows)
+        return (lora.lora_expand_silu_and_mul(y, b, lora_rows, gate_up),)
+
+    record = assert_on_equals_off(monkeypatch, op)
+    assert [launch[0] for launch in record.launches] == ["_shrink_kernel",
+                                                         "_expand_silu_kernel"]
 
 
 @interpreted

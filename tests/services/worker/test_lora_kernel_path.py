@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import kernels.lora
+import kernels.lora_delta
 from cli.engine import Engine
 from services.scheduler.config import SchedulerConfig
 from services.worker.config import WorkerConfig
@@ -82,8 +82,8 @@ def test_the_kernels_in_the_model_give_the_references_on_the_cpu(tiny_adapters, 
     assert lora.batch.lora_rows is None  # (the CPU's torch path)
     lora.batch.lora_rows = torch.zeros(1 + 2 * lora.max_num_tokens, dtype=torch.int32)
     launches = []
-    shrink = kernels.lora.lora_shrink
-    monkeypatch.setattr(kernels.lora, "lora_shrink",
+    shrink = kernels.lora_delta.lora_shrink
+    monkeypatch.setattr(kernels.lora_delta, "lora_shrink",
                         lambda x, a, rows, config=None: launches.append(len(x))
                         or shrink(x, a, rows, config))
     assert run(engine) == references
