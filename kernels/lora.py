@@ -26,6 +26,11 @@ no atomics and no launch more; decode's small tiles load all the partial sums at
 that change per step are not specialized on (Triton would compile anew per token count); the
 configs change only with the row bucket (kernels/lora_configs.py).
 
+At decode sizes the shrink's programs may run inside another launch (``shrink_program``: the
+skinny GEMM's, kernels/lora_delta.py), and gate_up's expand may take the SwiGLU after it
+(``lora_expand_silu_and_mul``: every row of a step of at most 16, bitwise the expand then
+kernels/activation.py).
+
 Programmatic dependent launch (kernels/pdl.py): before its wait a program loads the step's
 pairs (a host copy) and its first slot's first tile of A or B (slots change between steps
 only), so that work overlaps the kernel before it; it touches x, y and out after the wait.

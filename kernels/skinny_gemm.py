@@ -34,6 +34,12 @@ tail of one launch. This kernel is a plain weight stream.
 - FP8 weights (``--quantization fp8``, kernels/fp8.py): each tile is read as FP8 and widened to
   fp16 for the product (``fp16_dot``; with fp16 or fp32 x, to x's dtype), and a column's sum
   is multiplied by its weight scale: half the bytes a decode step streams, x unrounded.
+- LoRA (``lora``, a kernels/lora_delta.py ``LoraDelta``): where the adapter plan says
+  ``beside``, the LoRA shrink's programs (kernels/lora.py) follow the GEMM's in the grid of the
+  same launch, so y is ready with the GEMM's output and only the expand follows; on the H200
+  that beat the two LoRA launches after the GEMM for qkv, o_proj and gate_up (under a register
+  cap) at decode sizes (docs/lora.md). ``skinny_gemm_lora_silu_and_mul``: gate_up with the
+  deltas, its SwiGLU in the expand's launch.
 - the kernel's steps on a tile are device functions in kernels/skinny_tiles.py.
 - CUDA-graph capturable: the grid and the scratch depend on shapes only.
 - with PDL on (kernels/pdl.py), each launch (the reduce's too) is a programmatic dependent

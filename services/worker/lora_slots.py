@@ -16,8 +16,10 @@ p*max_rank + r) of ``a``, its B in ``b``'s rows of p (q, then k, then v; gate, t
 columns [p*max_rank, p*max_rank + r); everything else is exact zeros, so a smaller rank or an
 untargeted part adds exactly nothing. The scaling is folded into B.
 
-On CUDA the deltas are kernels/lora.py's shrink and expand, one launch each per projection,
-over the step's adapter rows grouped by slot: the runner's ``begin`` writes them (``lora_rows``,
+On CUDA the deltas are kernels/lora.py's shrink and expand over the step's adapter rows
+grouped by slot (handed to the ops as a kernels/lora_delta.py ``LoraDelta``: at decode sizes
+the shrink may run inside the projection's own GEMM launch, gate_up's SwiGLU inside its
+expand's): the runner's ``begin`` writes them (``lora_rows``,
 that module's layout) into one static device buffer the holder keeps, so a CUDA graph
 captured with LoRA active (``capturing``: cuda_graphs.py keeps a second set of graphs) serves
 any step with adapter rows; a step without any runs the graphs captured without LoRA, the
