@@ -102,8 +102,8 @@ def force_kernels(monkeypatch, fused: bool) -> dict:
         monkeypatch.setitem(skinny_module.CONFIGS, shape, SPLIT)
     record = {"residuals": [], "norm_launches": 0, "reduce_norms": 0}
 
-    def linear(x, weight, bias=None, weight_scale=None, batch_invariant=False):
-        assert weight_scale is None and not batch_invariant  # the model's own dtype
+    def linear(x, weight, bias=None, weight_scale=None, batch_invariant=False, lora=None):
+        assert weight_scale is None and not batch_invariant and lora is None  # (no adapters)
         if x.dim() == 2 and x.shape[0] <= MAX_M:
             return skinny_gemm(x, weight, bias)
         return F.linear(x, weight, bias)
