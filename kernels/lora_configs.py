@@ -46,8 +46,8 @@ class ExpandConfig:
 class LoraPlan:
     shrink: ShrinkConfig
     expand: ExpandConfig
-    # the shrink as programs inside the projection's skinny GEMM launch
-    # (kernels/lora_delta.py ``LoraDelta.beside``), where benchmarks/gpu/lora_beside.py timed it faster, and the cap
+    # the shrink as programs inside the projection's skinny GEMM launch (kernels/lora_delta.py
+    # ``LoraDelta.beside``), where benchmarks/gpu/lora_beside.py timed it faster, and the cap
     # on that launch's registers a thread it was timed with (None: the compiler's choice; the
     # shrink's code may otherwise take the GEMM's programs per SM)
     beside: bool = False

@@ -1,6 +1,6 @@
 """A LoRA projection at decode sizes on the skinny GEMM, three ways, one H200 (issue 50): the
 base GEMM alone, the GEMM then the shrink and expand launches (the two launches), and the
-shrink as programs beside the GEMM's in its launch, then the expand (kernels/lora.py
+shrink as programs beside the GEMM's in its launch, then the expand (kernels/lora_delta.py
 ``LoraDelta.beside``). o_proj and down_proj run as the decoder runs them, with the residual
 add and RMSNorm in the split reduce (the two launches before the GEMM, into the residual).
 Time per call: a CUDA graph of ``--calls`` back-to-back calls (PDL on, as in a decode step).
