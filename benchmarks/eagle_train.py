@@ -23,6 +23,7 @@ keys after them; every step predicts the served model's argmax, loss weights 0.8
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -34,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-TRAIN_VERSION = "1"
+DATA_VERSION = "1"  # the replies and hidden states (eagle_data.py)
+TRAIN_VERSION = "2"  # the training (2: padded batches, a held-out set)
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,8 @@ class TrainOptions:
     epochs: int = 3
     ttt_steps: int = 3
     lr: float = 1e-3
-    accumulate: int = 4  # conversations per optimizer step
+    batch_size: int = 8  # conversations per optimizer step (one padded batch)
+    held_out: int = 32  # the last conversations, not trained on (when there are 4x as many)
     context_tokens: int = 96  # of each prompt, the last ones the head attends to in training
     scored_prompt: int = 16  # of those, the last ones whose predictions count (then the reply)
     seed: int = 0
@@ -89,7 +92,7 @@ class HeadWeights(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [heads, T, dim] rotated as Llama (halves)."""
+        """x [..., T, dim] rotated as Llama (halves)."""
         angles = positions[:, None].float() * self.inv_freq[None]  # [T, dim / 2]
         cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
         half = x.shape[-1] // 2
@@ -97,67 +100,100 @@ class HeadWeights(torch.nn.Module):
         return x * cos + rotated * sin
 
     def qkv(self, features: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor):
-        """features [T, hidden] (one step's), the next tokens [T] -> q [heads, T, dim], k and
-        v [heads, T, dim] (kv heads repeated), the residual [T, hidden]."""
+        """features [B, T, hidden] (one step's), the next tokens [B, T] -> q [B, heads, T,
+        dim], k and v [B, heads, T, dim] (kv heads repeated), the residual [B, T, hidden]."""
         embeds = self.rms(self.embeddings[token_ids], self.input_layernorm)
         h = torch.cat([embeds, self.rms(features, self.hidden_norm)], -1)
-        count = h.shape[0]
-        split = lambda t, n: t.view(count, n, self.head_dim).transpose(0, 1)  # noqa: E731
+        batch, count = h.shape[:2]
+        split = lambda t, n: t.view(batch, count, n, self.head_dim).transpose(1, 2)  # noqa: E731
         repeat = self.num_heads // self.num_kv_heads
         q = self.rotate(split(self.q_proj(h), self.num_heads), positions)
         k = self.rotate(split(self.k_proj(h), self.num_kv_heads), positions)
         v = split(self.v_proj(h), self.num_kv_heads)
-        return q, k.repeat_interleave(repeat, 0), v.repeat_interleave(repeat, 0), features
+        return q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), features
 
-    def finish(self, attention: torch.Tensor, residual: torch.Tensor, first_scored: int
+    def finish(self, attention: torch.Tensor, residual: torch.Tensor, scored: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """attention [heads, T, dim] -> (logits of rows first_scored.. [n, draft_vocab],
-        output feature [T, hidden])."""
-        x = self.o_proj(attention.transpose(0, 1).flatten(1)) + residual
+        """attention [B, heads, T, dim] -> (logits of the ``scored`` [B, T] rows [n,
+        draft_vocab], output feature [B, T, hidden])."""
+        x = self.o_proj(attention.transpose(1, 2).flatten(2)) + residual
         h = self.rms(x, self.post_attention_layernorm)
         stream = self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)) + x
-        return self.rms(stream[first_scored:], self.norm) @ self.lm_head.T, stream
+        return self.rms(stream[scored], self.norm) @ self.lm_head.T, stream
 
 
 def ttt_loss(head: HeadWeights, aux: torch.Tensor, token_ids: torch.Tensor,
-             labels: torch.Tensor, steps: int, first_scored: int = 0
-             ) -> tuple[torch.Tensor, list[float]]:
-    """One conversation's loss over ``steps`` chained steps, and each step's accuracy.
-    Row i (position i) takes token i + 1 and predicts labels[i] (the draft index of the
-    target's argmax at i + 1, -1: not in the draft vocabulary or past the end); rows before
-    ``first_scored`` are context only (no logits: the lm_head is most of the cost)."""
-    count = token_ids.shape[0] - 1
+             labels: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """A padded batch's loss over ``steps`` chained steps, and each step's (correct,
+    scored) counts. aux [B, T, 3 * hidden], token_ids [B, T + 1], labels [B, T]: row i
+    (position i) takes token i + 1 and predicts labels[i] (the draft index of the target's
+    argmax at i + 1; -1: not scored: context only, not in the draft vocabulary, padding or
+    past the end). Padding sits at the end, so the causal mask keeps it out of real rows."""
+    count = token_ids.shape[1] - 1
     positions = torch.arange(count)
-    next_ids = token_ids[1:]
-    features = head.fc(aux[:count])
+    next_ids = token_ids[:, 1:]
+    features = head.fc(aux[:, :count])
     scale = head.head_dim ** -0.5
     keys, values = [], []
-    total, accuracies = 0.0, []
+    total, counts = 0.0, []
     for step in range(steps):
         q, k, v, residual = head.qkv(features, next_ids, positions)
         keys.append(k)
         values.append(v)
         # target-fed keys up to i - step, then the chain's own keys at i - step + s
-        scores = [(q @ keys[0].transpose(1, 2)) * scale]
+        scores = [(q @ keys[0].transpose(2, 3)) * scale]
         scores[0] = scores[0].masked_fill(positions[None, :] > positions[:, None] - step,
                                           float("-inf"))
         for s in range(1, step + 1):
-            shifted = torch.roll(keys[s], step - s, dims=1)  # row i: key of row i - (step - s)
+            shifted = torch.roll(keys[s], step - s, dims=2)  # row i: key of row i - (step - s)
             scores.append(((q * shifted).sum(-1, keepdim=True) * scale).masked_fill(
-                (positions < step - s)[None, :, None], float("-inf")))
+                (positions < step - s)[:, None], float("-inf")))
         weights = torch.softmax(torch.cat(scores, -1), -1)
         out = weights[..., :count] @ values[0]
         for s in range(1, step + 1):
-            out = out + weights[..., count + s - 1:count + s] * torch.roll(values[s], step - s, 1)
-        first = max(first_scored, step)  # (rows before step have no chain base)
-        logits, stream = head.finish(out, residual, first)
-        target = labels[first:count]
-        total = total + 0.8 ** step * F.cross_entropy(logits, target, ignore_index=-1)
-        valid = target >= 0
-        accuracies.append(float((logits.argmax(-1)[valid] == target[valid]).float().mean())
-                          if valid.any() else 0.0)
-        features = torch.cat([torch.zeros_like(stream[:1]), stream[:-1]])  # row i <- i - 1
-    return total, accuracies
+            out = out + weights[..., count + s - 1:count + s] * torch.roll(values[s], step - s, 2)
+        scored = (labels >= 0) & (positions >= step)[None]  # (rows before step: no chain base)
+        logits, stream = head.finish(out, residual, scored)
+        target = labels[scored]
+        if target.numel():
+            total = total + 0.8 ** step * F.cross_entropy(logits, target)
+        counts.append((int((logits.argmax(-1) == target).sum()), target.numel()))
+        features = torch.cat([torch.zeros_like(stream[:, :1]), stream[:, :-1]], 1)  # i <- i - 1
+    return total, counts
+
+
+def conversation_rows(c, to_draft: torch.Tensor, options: "TrainOptions"
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A conversation's training rows: the prompt's last ``context_tokens`` and the reply ->
+    (aux [N, 3 * hidden] fp32, token ids [N], labels [N - 1]); labels -1 before the prompt's
+    last ``scored_prompt`` rows (context only)."""
+    start = max(0, c.prompt_len - options.context_tokens)
+    labels = to_draft[c.target_ids[start + 1:]]
+    labels[:max(0, c.prompt_len - 1 - start - options.scored_prompt)] = -1
+    return c.aux_hidden[start:].float(), c.token_ids[start:], labels
+
+
+def padded_batches(conversations, to_draft: torch.Tensor, options: "TrainOptions",
+                   generator: torch.Generator):
+    """An epoch's batches of ``batch_size`` conversations, of similar lengths (shuffled,
+    sorted by length in windows of 16 batches, the batches shuffled), padded at the end
+    -> (aux [B, T, 3 * hidden], token ids [B, T], labels [B, T - 1])."""
+    order = torch.randperm(len(conversations), generator=generator).tolist()
+    window = 16 * options.batch_size
+    batches = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w:w + window], key=lambda i: len(conversations[i].token_ids))
+        batches += [chunk[b:b + options.batch_size]
+                    for b in range(0, len(chunk), options.batch_size)]
+    for b in torch.randperm(len(batches), generator=generator).tolist():
+        rows = [conversation_rows(conversations[i], to_draft, options) for i in batches[b]]
+        length = max(len(ids) for _, ids, _ in rows)
+        aux = torch.zeros(len(rows), length, rows[0][0].shape[1])
+        token_ids = torch.zeros(len(rows), length, dtype=torch.int64)
+        labels = torch.full((len(rows), length - 1), -1, dtype=torch.int64)
+        for j, (a, ids, lab) in enumerate(rows):
+            aux[j, :len(ids)], token_ids[j, :len(ids)], labels[j, :len(lab)] = a, ids, lab
+        yield aux, token_ids, labels
 
 
 def draft_vocabulary(conversations, vocab_size: int, draft_vocab: int) -> torch.Tensor:
@@ -175,39 +211,56 @@ def train_head(model_dir: Path, conversations, options: TrainOptions, log=print)
     target = load_file(str(model_dir / "model.safetensors"))
     embeddings = target["model.embed_tokens.weight"].float()
     vocab = config["vocab_size"]
-    draft_ids = draft_vocabulary(conversations, vocab, options.draft_vocab)
+    # the last conversations are held out (when there are enough): accuracy on unseen replies
+    num_held = options.held_out if len(conversations) >= 4 * options.held_out else 0
+    train = conversations[:len(conversations) - num_held]
+    held = conversations[len(conversations) - num_held:]
+    draft_ids = draft_vocabulary(train, vocab, options.draft_vocab)
     to_draft = torch.full((vocab,), -1, dtype=torch.int64)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
     head = HeadWeights(config, len(draft_ids), embeddings, draft_ids,
                        target["model.norm.weight"].float())
     params = [p for p in head.parameters()]
     optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=0.0)
-    total_steps = options.epochs * math.ceil(len(conversations) / options.accumulate)
+    total_steps = options.epochs * math.ceil(len(train) / options.batch_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / total_steps)))
     generator = torch.Generator().manual_seed(options.seed)
     started = time.perf_counter()
     for epoch in range(options.epochs):
-        order = torch.randperm(len(conversations), generator=generator).tolist()
-        sums, seen = [0.0] * options.ttt_steps, 0
-        for index, i in enumerate(order):
-            c = conversations[i]
-            start = max(0, c.prompt_len - options.context_tokens)  # the prompt's end only
-            labels = torch.cat([to_draft[c.target_ids[start + 1:]], torch.tensor([-1])])
-            loss, accuracies = ttt_loss(head, c.aux_hidden[start:].float(), c.token_ids[start:],
-                                        labels, options.ttt_steps,
-                                        max(0, c.prompt_len - 1 - start - options.scored_prompt))
-            (loss / options.accumulate).backward()
-            sums = [a + b for a, b in zip(sums, accuracies)]
-            seen += 1
-            if (index + 1) % options.accumulate == 0 or index + 1 == len(order):
-                torch.nn.utils.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                schedule.step()
-                optimizer.zero_grad()
+        sums = [(0, 0)] * options.ttt_steps
+        for aux, token_ids, labels in padded_batches(train, to_draft, options, generator):
+            loss, counts = ttt_loss(head, aux, token_ids, labels, options.ttt_steps)
+            if not isinstance(loss, torch.Tensor):
+                continue  # (no row of the batch scored)
+            loss.backward()
+            sums = [(a + c, b + n) for (a, b), (c, n) in zip(sums, counts)]
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
         log(f"eagle train: epoch {epoch + 1}/{options.epochs}, accuracy by step "
-            f"{[round(s / seen, 3) for s in sums]}, {time.perf_counter() - started:.0f} s")
+            f"{_rates(sums)}, held out {_rates(held_accuracy(head, held, to_draft, options))}, "
+            f"{time.perf_counter() - started:.0f} s")
     return checkpoint(head, config, draft_ids, options)
+
+
+@torch.no_grad()
+def held_accuracy(head: HeadWeights, held, to_draft: torch.Tensor, options: TrainOptions
+                  ) -> list[tuple[int, int]]:
+    """Each chained step's (correct, scored) counts over the held-out conversations' replies
+    (what drafting serves, whatever ``scored_prompt`` training used)."""
+    sums = [(0, 0)] * options.ttt_steps
+    generator = torch.Generator().manual_seed(0)
+    replies_only = dataclasses.replace(options, scored_prompt=0)
+    for aux, token_ids, labels in padded_batches(held, to_draft, replies_only, generator):
+        _, counts = ttt_loss(head, aux, token_ids, labels, options.ttt_steps)
+        sums = [(a + c, b + n) for (a, b), (c, n) in zip(sums, counts)]
+    return sums
+
+
+def _rates(counts: list[tuple[int, int]]) -> list[float]:
+    return [round(correct / max(1, scored), 3) for correct, scored in counts]
 
 
 def checkpoint(head: HeadWeights, config: dict, draft_ids: torch.Tensor,
@@ -257,8 +310,9 @@ def ensure_head(options: TrainOptions = TrainOptions(), cache_dir: str = "~/.cac
     num_layers = model.config["num_hidden_layers"]
     data_key = hashlib.sha256(json.dumps([str(model.path), options.prompts, options.max_prompt_tokens,
                                           options.max_new_tokens, options.seed,
-                                          TRAIN_VERSION]).encode()).hexdigest()[:12]
-    key = hashlib.sha256(f"{data_key}|{json.dumps(asdict(options))}".encode()).hexdigest()[:12]
+                                          DATA_VERSION]).encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{data_key}|{TRAIN_VERSION}|{json.dumps(asdict(options))}".encode()
+                         ).hexdigest()[:12]
     root = Path(cache_dir).expanduser() / "models"
     target = root / f"eagle3-{model.name}-{key}"
 

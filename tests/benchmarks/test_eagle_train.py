@@ -44,7 +44,7 @@ def trained(tmp_path_factory):
     conversations = [hidden_states(hf, p + r, len(p), aux_layers(30))
                      for p, r in zip(prompts, replies)]
     head = train_head(model.path, conversations, TrainOptions(
-        draft_vocab=512, epochs=25, accumulate=1, lr=2e-3, context_tokens=32))
+        draft_vocab=512, epochs=25, batch_size=1, lr=2e-3, context_tokens=32))
     path = tmp_path_factory.mktemp("eagle3-head")
     write_head(head, path)
     return model, prompts, replies, path
