@@ -126,10 +126,10 @@ class HeadWeights(torch.nn.Module):
 def ttt_loss(head: HeadWeights, aux: torch.Tensor, token_ids: torch.Tensor,
              labels: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
     """A padded batch's loss over ``steps`` chained steps, and each step's (correct,
-    scored) counts. aux [B, T, 3 * hidden], token_ids [B, T + 1], labels [B, T]: row i
-    (position i) takes token i + 1 and predicts labels[i] (the draft index of the target's
-    argmax at i + 1; -1: not scored: context only, not in the draft vocabulary, padding or
-    past the end). Padding sits at the end, so the causal mask keeps it out of real rows."""
+    scored) counts. aux [B, T + 1, 3 * hidden] (its last row unused), token_ids [B, T + 1],
+    labels [B, T]: row i (position i) takes token i + 1 and predicts labels[i] (the draft
+    index of the target's argmax at i + 1; -1: not scored: context only, not in the draft
+    vocabulary, padding or past the end). Padding sits at the end, so the causal mask keeps it out of real rows."""
     count = token_ids.shape[1] - 1
     positions = torch.arange(count)
     next_ids = token_ids[:, 1:]
