@@ -4,6 +4,7 @@ ShareGPT prompts (benchmarks/eagle_data.py), and write it in the public checkpoi
 DIR}'``.
 
     python -m benchmarks.eagle_train [--prompts 2048] [--epochs 4]   # prints DIR
+    python -m benchmarks.eagle_train --device cuda --prompts 8192     # on a GPU: minutes
 
 Made on first use and cached like the default model's conversion: the head goes to
 ``<cache_dir>/models/eagle3-SmolLM2-135M-Instruct-<key>/`` (the key: the settings, the served
@@ -55,6 +56,7 @@ class TrainOptions:
     context_tokens: int = 96  # of each prompt, the last ones the head attends to in training
     scored_prompt: int = 16  # of those, the last ones whose predictions count (then the reply)
     seed: int = 0
+    device: str = "cpu"  # where the replies, hidden states and training run ("cuda": minutes)
 
 
 def aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -84,10 +86,11 @@ class HeadWeights(torch.nn.Module):
             setattr(self, name, torch.nn.Parameter(torch.ones(hidden)))
         self.norm = torch.nn.Parameter(final_norm.clone())
         self.lm_head = torch.nn.Parameter(embeddings[draft_ids].clone())  # [draft_vocab, hidden]
-        self.embeddings = embeddings  # frozen: the served model's
-        theta = config.get("rope_theta") or (config.get("rope_parameters") or {}).get(
-            "rope_theta", 10000.0)
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        # frozen: the served model's
+        self.register_buffer("embeddings", embeddings, persistent=False)
+        exponents = torch.arange(0, self.head_dim, 2).float() / self.head_dim
+        inv_freq = 1.0 / _rope_theta(config) ** exponents
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
@@ -131,7 +134,7 @@ def ttt_loss(head: HeadWeights, aux: torch.Tensor, token_ids: torch.Tensor,
     index of the target's argmax at i + 1; -1: not scored: context only, not in the draft
     vocabulary, padding or past the end). Padding sits at the end, so the causal mask keeps it out of real rows."""
     count = token_ids.shape[1] - 1
-    positions = torch.arange(count)
+    positions = torch.arange(count, device=token_ids.device)
     next_ids = token_ids[:, 1:]
     features = head.fc(aux[:, :count])
     scale = head.head_dim ** -0.5
@@ -220,7 +223,7 @@ def train_head(model_dir: Path, conversations, options: TrainOptions, log=print)
     to_draft = torch.full((vocab,), -1, dtype=torch.int64)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
     head = HeadWeights(config, len(draft_ids), embeddings, draft_ids,
-                       target["model.norm.weight"].float())
+                       target["model.norm.weight"].float()).to(options.device)
     params = [p for p in head.parameters()]
     optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=0.0)
     total_steps = options.epochs * math.ceil(len(train) / options.batch_size)
@@ -230,8 +233,8 @@ def train_head(model_dir: Path, conversations, options: TrainOptions, log=print)
     started = time.perf_counter()
     for epoch in range(options.epochs):
         sums = [(0, 0)] * options.ttt_steps
-        for aux, token_ids, labels in padded_batches(train, to_draft, options, generator):
-            loss, counts = ttt_loss(head, aux, token_ids, labels, options.ttt_steps)
+        for batch in padded_batches(train, to_draft, options, generator):
+            loss, counts = ttt_loss(head, *(t.to(options.device) for t in batch), options.ttt_steps)
             if not isinstance(loss, torch.Tensor):
                 continue  # (no row of the batch scored)
             loss.backward()
@@ -254,8 +257,8 @@ def held_accuracy(head: HeadWeights, held, to_draft: torch.Tensor, options: Trai
     sums = [(0, 0)] * options.ttt_steps
     generator = torch.Generator().manual_seed(0)
     replies_only = dataclasses.replace(options, scored_prompt=0)
-    for aux, token_ids, labels in padded_batches(held, to_draft, replies_only, generator):
-        _, counts = ttt_loss(head, aux, token_ids, labels, options.ttt_steps)
+    for batch in padded_batches(held, to_draft, replies_only, generator):
+        _, counts = ttt_loss(head, *(t.to(options.device) for t in batch), options.ttt_steps)
         sums = [(a + c, b + n) for (a, b), (c, n) in zip(sums, counts)]
     return sums
 
@@ -274,7 +277,7 @@ def checkpoint(head: HeadWeights, config: dict, draft_ids: torch.Tensor,
         tensors[f"midlayer.mlp.{name}.weight"] = getattr(head, name).weight
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         tensors[f"midlayer.{name}.weight"] = getattr(head, name)
-    tensors = {k: v.detach().float().contiguous() for k, v in tensors.items()}
+    tensors = {k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}
     tensors["d2t"] = draft_ids - torch.arange(len(draft_ids))
     t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
     t2d[draft_ids] = True
@@ -309,9 +312,10 @@ def ensure_head(options: TrainOptions = TrainOptions(), cache_dir: str = "~/.cac
 
     model = resolve_model("smollm2", cache_dir)
     num_layers = model.config["num_hidden_layers"]
+    made_on = [] if options.device == "cpu" else [options.device]  # (cpu: the keys before)
     data_key = hashlib.sha256(json.dumps([str(model.path), options.prompts, options.max_prompt_tokens,
                                           options.max_new_tokens, options.seed,
-                                          DATA_VERSION]).encode()).hexdigest()[:12]
+                                          DATA_VERSION, *made_on]).encode()).hexdigest()[:12]
     key = hashlib.sha256(f"{data_key}|{TRAIN_VERSION}|{json.dumps(asdict(options))}".encode()
                          ).hexdigest()[:12]
     root = Path(cache_dir).expanduser() / "models"
@@ -324,7 +328,7 @@ def ensure_head(options: TrainOptions = TrainOptions(), cache_dir: str = "~/.cac
         else:
             conversations = make_conversations(
                 model.path, options.prompts, options.max_prompt_tokens, options.max_new_tokens,
-                aux_layers(num_layers), options.seed, log=log)
+                aux_layers(num_layers), options.seed, log=log, device=options.device)
             torch.save(conversations, data_path)
         started = time.perf_counter()
         write_head(train_head(model.path, conversations, options, log), staging)
