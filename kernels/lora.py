@@ -29,7 +29,8 @@ configs change only with the row bucket (kernels/lora_configs.py).
 At decode sizes the shrink's programs may run inside another launch (``shrink_program``: the
 skinny GEMM's, kernels/lora_delta.py), and gate_up's expand may take the SwiGLU after it
 (``lora_expand_silu_and_mul``: every row of a step of at most 16, bitwise the expand then
-kernels/activation.py).
+kernels/activation.py under the interpreter; on an H100 at 4 rows some elements' last bit
+differed from the two launches').
 
 Programmatic dependent launch (kernels/pdl.py): before its wait a program loads the step's
 pairs (a host copy) and its first slot's first tile of A or B (slots change between steps
@@ -347,8 +348,10 @@ def lora_expand_silu_and_mul(y: torch.Tensor, b: torch.Tensor, lora_rows: torch.
                              ) -> torch.Tensor:
     """SwiGLU of a gate_up projection's output with its adapter rows' deltas in, one launch:
     y (``lora_shrink``'s), b [max_loras, 2d, width], gate_up [num_tokens, 2d] (the base GEMM's,
-    num_tokens at most EXPAND_SILU_MAX_ROWS) -> [num_tokens, d], bitwise ``lora_expand`` into
-    gate_up then kernels/activation.py's silu_and_mul (gate_up is not written)."""
+    num_tokens at most EXPAND_SILU_MAX_ROWS) -> [num_tokens, d], rounded as ``lora_expand``
+    into gate_up then kernels/activation.py's silu_and_mul (gate_up is not written; bitwise
+    under the interpreter, on the GPU a last bit apart in some elements: see
+    tests/kernels/test_lora_beside_gemm.py)."""
     num_splits, num_tokens, width = y.shape
     d = gate_up.shape[1] // 2
     _check(gate_up, "gate_up")

@@ -427,7 +427,7 @@ def skinny_gemm_lora_silu_and_mul(x: torch.Tensor, weight: torch.Tensor,
     """SwiGLU of a gate_up projection with a step's adapter deltas (``lora``), at most
     kernels/lora.py's EXPAND_SILU_MAX_ROWS rows: the projection on the plain launch (the
     shrink beside it where its plan says so, else after it), then the expand and SwiGLU in one
-    launch -> [M, d]; bitwise ``silu_and_mul(skinny_gemm(x, weight, bias, lora=lora))``."""
+    launch -> [M, d]: ``silu_and_mul(skinny_gemm(x, weight, bias, lora=lora))``."""
     _check_operands(x, weight, bias, weight_scale)
     m, k = x.shape
     n = weight.shape[0]
