@@ -29,8 +29,8 @@ configs change only with the row bucket (kernels/lora_configs.py).
 At decode sizes the shrink's programs may run inside another launch (``shrink_program``: the
 skinny GEMM's, kernels/lora_delta.py), and gate_up's expand may take the SwiGLU after it
 (``lora_expand_silu_and_mul``: every row of a step of at most 16, bitwise the expand then
-kernels/activation.py under the interpreter; on an H100 at 4 rows some elements' last bit
-differed from the two launches').
+kernels/activation.py under the interpreter; on the GPU a rare element a last bit apart, as
+Triton folds the expand's add into its product's accumulator).
 
 Programmatic dependent launch (kernels/pdl.py): before its wait a program loads the step's
 pairs (a host copy) and its first slot's first tile of A or B (slots change between steps

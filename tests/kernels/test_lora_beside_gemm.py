@@ -179,10 +179,12 @@ def test_the_swiglu_expand_refuses_more_rows_than_a_tile():
 @pytest.mark.parametrize("num_tokens", [1, 4])
 def test_the_8b_gate_up_swiglu_expand_on_the_gpu(num_tokens):
     """The expand then silu_and_mul, with the table's plan (beside under its register cap),
-    and bitwise the same in a CUDA graph. Not bitwise the two launches on the GPU: at 4 rows
-    on an H100 (2026-12-08) some elements differed from them (the interpreter's test above
-    is bitwise; the cause is not found), so here within bf16 rounding, and last-bit
-    differences in at most 1% of the elements."""
+    and bitwise the same in a CUDA graph. Not bitwise the two launches on the GPU (at 4 rows
+    on an H100, 2026-12-08): Triton folds the expand's ``out + y @ b`` into the tensor-core
+    product's accumulator (its TTGIR: ``tt.dot %y, %b, %out``), where the SwiGLU expand adds
+    the finished product, so the fp32 sums can part in their last bit and, rarely, the bf16
+    rounding after them (the interpreter, exact in both, is bitwise: the test above). Here:
+    within bf16 rounding, and at most 1% of the elements apart."""
     in_features, width, out_features = SHAPES["gate_up"]
     x, weight, _, delta = make_step(num_tokens, in_features, out_features, "interleaved",
                                     torch.bfloat16, 2, width)
