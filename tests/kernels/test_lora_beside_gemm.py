@@ -2,7 +2,7 @@
 kernels/lora_delta.py ``LoraDelta``): the projection's output plus each adapter row's delta,
 base rows bitwise the GEMM's alone, with and without K split, into the residual of the fused
 add-and-norm, and past the step's rows nothing written; gate_up's SwiGLU in the expand's
-launch, bitwise the expand then kernels/activation.py.
+launch, bitwise the expand then kernels/activation.py; FP8 base weights the same.
 
 On CPU under TRITON_INTERPRET=1 (tests/conftest.py), small shapes; the 8B's projections on the
 GPU (-m gpu), against the two-launch path."""
@@ -16,6 +16,7 @@ import torch
 
 from kernels import skinny_gemm
 from kernels.activation import silu_and_mul
+from kernels.fp8 import quantize_per_channel
 from kernels.lora import lora_expand_ref, lora_rows_of, lora_shrink_ref
 from kernels.lora_delta import LoraDelta
 from kernels.lora_configs import default_plan, plan_for
@@ -122,6 +123,25 @@ def test_the_shrink_beside_splits_k_for_a_few_dozen_programs():
     assert shrink.y.shape == (shrink.num_splits, 1, 48)
 
 
+@pytest.mark.parametrize("config", [PLAIN, SPLIT], ids=["plain", "split"])
+@pytest.mark.parametrize("beside", [True, False])
+def test_fp8_base_weights_take_the_same_deltas(config, beside):
+    """An FP8 weight (per output channel, as --quantization fp8 loads it): base rows the FP8
+    GEMM's bits, adapter rows its output plus their deltas; the SwiGLU expand bitwise the
+    expand then silu_and_mul over the FP8 projection."""
+    x, weight, token_slots, delta = make_step(5, 96, 48, "interleaved", HALF, 5, beside=beside)
+    weight, scale = quantize_per_channel(weight)
+    alone = skinny_gemm.skinny_gemm(x, weight, weight_scale=scale, config=config)
+    got = skinny_gemm.skinny_gemm(x, weight, weight_scale=scale, config=config, lora=delta)
+    base = token_slots < 0
+    assert torch.equal(got[base], alone[base])
+    wanted = expected_delta(x, token_slots, delta)[~base]
+    assert rel_err(got[~base].float() - alone[~base].float(), wanted) < TOL[HALF]
+    expected = silu_and_mul(skinny_gemm.skinny_gemm(x, weight, weight_scale=scale, lora=delta))
+    swiglu = skinny_gemm.skinny_gemm_lora_silu_and_mul(x, weight, None, delta, weight_scale=scale)
+    assert torch.equal(swiglu, expected)
+
+
 # Llama-3.1-8B's projections, rank 16 on all seven: (in, parts * rank, out)
 SHAPES = {"qkv": (4096, 48, 6144), "o": (4096, 16, 4096), "gate_up": (4096, 32, 28672),
           "down": (14336, 16, 4096)}
@@ -131,20 +151,22 @@ SHAPES = {"qkv": (4096, 48, 6144), "o": (4096, 16, 4096), "gate_up": (4096, 32, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("num_tokens", [1, 4, 16])
-def test_real_shapes_match_the_two_launches_on_the_gpu(shape, num_tokens):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_real_shapes_match_the_two_launches_on_the_gpu(shape, num_tokens, fp8):
     in_features, width, out_features = SHAPES[shape]
     x, weight, token_slots, delta = make_step(num_tokens, in_features, out_features,
                                               "interleaved", torch.bfloat16, 1, width)
+    weight, scale = quantize_per_channel(weight) if fp8 else (weight, None)
     if not skinny_gemm.serves(num_tokens, weight):
         pytest.skip("the skinny GEMM does not serve this shape")
-    two_launches = delta.add(x, skinny_gemm.skinny_gemm(x, weight))
-    got = skinny_gemm.skinny_gemm(x, weight, lora=delta)
+    two_launches = delta.add(x, skinny_gemm.skinny_gemm(x, weight, weight_scale=scale))
+    got = skinny_gemm.skinny_gemm(x, weight, weight_scale=scale, lora=delta)
     base = token_slots < 0
     assert torch.equal(got[base], two_launches[base])
     assert rel_err(got.float(), two_launches.float()) < 1e-2
     graph = torch.cuda.CUDAGraph()  # one capture replays the same
     with torch.cuda.graph(graph):
-        captured = skinny_gemm.skinny_gemm(x, weight, lora=delta)
+        captured = skinny_gemm.skinny_gemm(x, weight, weight_scale=scale, lora=delta)
     graph.replay()
     assert torch.equal(captured, got)
 

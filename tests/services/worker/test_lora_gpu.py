@@ -132,14 +132,17 @@ def step_logits(runner, requests) -> torch.Tensor:
         runner.lora.end()
 
 
-def test_bf16_kernels_stay_near_the_torch_path(tiny_adapters):
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_bf16_kernels_stay_near_the_torch_path(tiny_adapters, quantization):
     """bf16, one step mixing adapters and the base model: the kernels round once where the
     torch ops round twice, so their deltas agree to bf16's precision, not bitwise; base
-    rows are bitwise."""
+    rows are bitwise. The same over FP8 base weights (--quantization fp8: the slots stay in
+    bf16, the deltas add to the FP8 projections' outputs)."""
     model_files, dirs = tiny_adapters
     requests = [(0, "r8"), (2, "r16"), (1, ""), (3, "r8")]
     runner = lora_engine(model_files, dirs, device="cuda", dtype="bfloat16", max_loras=3,
-                         enforce_eager=True, max_num_batched_tokens=128).runner
+                         enforce_eager=True, max_num_batched_tokens=128,
+                         quantization=quantization).runner
     lora_rows = runner.lora.batch.lora_rows
     kernels = step_logits(runner, requests)
     runner.lora.batch.lora_rows = None  # (the torch path)
